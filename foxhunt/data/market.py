@@ -1,0 +1,63 @@
+"""MarketSplit: the one tensor object that both ensemble members read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+
+@dataclass
+class MarketSplit:
+    """One chronological split of the market, flat over symbols, kept as tensors on one device.
+
+    Rows are bars ordered by (symbol, time); ``symbol_index`` tells which symbol a row belongs to, so a
+    window or an episode that crosses a symbol boundary can be rejected with a tensor test.
+    """
+
+    name: str
+    symbols: list[str]
+    timestamps: torch.Tensor  # int64 [T], bar open time, ns since epoch, UTC
+    symbol_index: torch.Tensor  # int64 [T], index into ``symbols``
+    ohlcv: torch.Tensor  # float64 [T, 5]: open, high, low, close, volume (raw)
+    returns: torch.Tensor  # float32 [T]: raw next-bar log return ln C[t+1] - ln C[t]; NaN where undefined
+    targets: torch.Tensor  # float32 [T]: preprocessed next-bar return (equal to ``returns`` when untransformed)
+    valid: torch.Tensor  # bool [T]: a decision may be taken at this bar (features warmed up, return defined)
+    features: torch.Tensor = field(default_factory=lambda: torch.empty(0, 0))  # float32 [T, F]
+    feature_names: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = self.timestamps.shape[0]
+        for f in ("symbol_index", "ohlcv", "returns", "targets", "valid"):
+            if getattr(self, f).shape[0] != n:
+                raise ValueError(f"MarketSplit {self.name!r}: {f} has {getattr(self, f).shape[0]} rows, expected {n}")
+        if self.features.numel() == 0 and self.features.shape[0] != n:
+            self.features = torch.empty(n, 0, dtype=torch.float32)
+        if self.features.shape[0] != n:
+            raise ValueError(f"MarketSplit {self.name!r}: features have {self.features.shape[0]} rows, expected {n}")
+        if self.features.shape[1] != len(self.feature_names):
+            raise ValueError(
+                f"MarketSplit {self.name!r}: {self.features.shape[1]} feature columns but {len(self.feature_names)} names"
+            )
+
+    def __len__(self) -> int:
+        return int(self.timestamps.shape[0])
+
+    @property
+    def close(self) -> torch.Tensor:
+        return self.ohlcv[:, 3]
+
+    @property
+    def n_features(self) -> int:
+        return int(self.features.shape[1])
+
+    def segment_bounds(self) -> torch.Tensor:
+        """[S, 2] start/end (exclusive) row of each symbol's contiguous block."""
+        counts = torch.bincount(self.symbol_index, minlength=len(self.symbols))
+        ends = torch.cumsum(counts, 0)
+        return torch.stack([ends - counts, ends], dim=1)
+
+    def to(self, device: torch.device | str) -> "MarketSplit":
+        """Move every tensor to ``device`` (ohlcv stays float64 except on devices without it)."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
