@@ -1,0 +1,278 @@
+"""The bar schema and its validation: every reader hands its raw table here, so every policy lives in one place.
+
+Schema (one row per bar, rows ordered by symbol then time, RangeIndex):
+
+========== ======================== =====================================================
+column     dtype                    meaning
+========== ======================== =====================================================
+timestamp  datetime64[ns, UTC]      bar open time
+open       float64                  first trade price of the bar
+high       float64                  highest price
+low        float64                  lowest price
+close      float64                  last trade price
+volume     float64                  traded quantity (float so fractional volumes fit)
+symbol     str                      instrument symbol
+========== ======================== =====================================================
+
+Validation policies (``on_bad_bar``):
+
+- ``raise`` (default): the first offending row of the first failing check raises :class:`BadBarError`, naming the
+  file, the row (its position in the file, 0-based among data rows), its timestamp and symbol, the reason, and how many
+  rows of the file share that problem.
+- ``drop``: offending rows are removed.
+- ``repair``: rows are fixed where a fix is well defined (high/low widened to cover open and close, negative volume set
+  to 0, non-finite or non-positive prices forward-filled from the previous good close with volume 0, duplicates keep
+  the first bar, out-of-order bars are sorted); rows that cannot be fixed (no previous close) are dropped.
+
+``drop`` and ``repair`` log one line per problem kind with its count, and record the counts in
+``frame.attrs["foxhunt_validation"]``. Missing columns, empty files and unreadable or corrupt files always raise.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import pandas as pd
+
+log = logging.getLogger("foxhunt.data")
+
+BadBarPolicy = Literal["raise", "drop", "repair"]
+PRICE_COLUMNS: tuple[str, ...] = ("open", "high", "low", "close")
+BAR_COLUMNS: tuple[str, ...] = ("timestamp", *PRICE_COLUMNS, "volume", "symbol")
+ROW_COLUMN = "_row"  # position of the bar in its source file; dropped before the frame is returned
+
+
+class BarLoadError(ValueError):
+    """A file could not be turned into bars at all (unreadable, empty, corrupt, wrong schema, missing columns)."""
+
+
+class BadBarError(BarLoadError):
+    """A bar failed validation under ``on_bad_bar='raise'``."""
+
+
+@dataclass
+class ValidationReport:
+    """Counts of the rows each check touched, per file; what ``drop`` and ``repair`` log."""
+
+    source: str
+    policy: BadBarPolicy
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, n: int) -> None:
+        if n:
+            self.counts[kind] = self.counts.get(kind, 0) + int(n)
+
+    def log(self) -> None:
+        verb = "dropped" if self.policy == "drop" else "repaired"
+        for kind, n in self.counts.items():
+            log.warning("%s: %s %d bar(s): %s", self.source, verb, n, kind)
+
+
+def timestamps_ns(frame: pd.DataFrame) -> np.ndarray:
+    """The timestamp column as int64 nanoseconds since the epoch (UTC)."""
+    return pd.DatetimeIndex(frame["timestamp"]).as_unit("ns").asi8
+
+
+def empty_bars() -> pd.DataFrame:
+    """A frame of the bar schema with no rows."""
+    return pd.DataFrame(
+        {
+            "timestamp": pd.Series([], dtype="datetime64[ns, UTC]"),
+            **{c: pd.Series([], dtype="float64") for c in (*PRICE_COLUMNS, "volume")},
+            "symbol": pd.Series([], dtype="str"),
+        }
+    )
+
+
+def check_policy(on_bad_bar: str) -> BadBarPolicy:
+    if on_bad_bar not in ("raise", "drop", "repair"):
+        raise ValueError(f"on_bad_bar must be 'raise', 'drop' or 'repair', got {on_bad_bar!r}")
+    return on_bad_bar  # type: ignore[return-value]
+
+
+def _describe_row(frame: pd.DataFrame, i: int) -> str:
+    row = frame.iloc[i]
+    ts = row["timestamp"]
+    ts_text = ts.isoformat() if isinstance(ts, pd.Timestamp) else str(ts)
+    return f"row {int(row[ROW_COLUMN])} (timestamp {ts_text}, symbol {row['symbol']})"
+
+
+def _fail(frame: pd.DataFrame, mask: np.ndarray, source: str, reason_of_row, kind: str) -> None:
+    first = int(np.flatnonzero(mask)[0])
+    n = int(mask.sum())
+    others = f"; {n - 1} more row(s) with {kind}" if n > 1 else ""
+    raise BadBarError(
+        f"{source}: {_describe_row(frame, first)}: {reason_of_row(first)}{others}. "
+        f"Pass on_bad_bar='drop' or 'repair' to load it anyway."
+    )
+
+
+def _group_by_symbol(frame: pd.DataFrame) -> pd.DataFrame:
+    """Make each symbol's rows contiguous, keeping file order within a symbol (a no-op for single-symbol files)."""
+    codes, uniques = pd.factorize(frame["symbol"].to_numpy(), sort=True)
+    if len(uniques) > 1 and not bool(np.all(codes[1:] >= codes[:-1])):
+        frame = frame.iloc[np.argsort(codes, kind="stable")]
+    return frame.reset_index(drop=True)
+
+
+def validate_bars(frame: pd.DataFrame, source: str, on_bad_bar: BadBarPolicy = "raise") -> pd.DataFrame:
+    """Apply the bar checks to one file's rows (schema columns plus ``_row``) and return the cleaned frame."""
+    policy = check_policy(on_bad_bar)
+    report = ValidationReport(source, policy)
+    frame = _group_by_symbol(frame)
+    prices = frame[list(PRICE_COLUMNS)].to_numpy(dtype=np.float64)
+    volume = frame["volume"].to_numpy(dtype=np.float64)
+
+    # 1. Non-finite values and non-positive prices.
+    nonfinite = ~np.isfinite(prices).all(axis=1) | ~np.isfinite(volume)
+    nonpositive = ~nonfinite & (prices <= 0).any(axis=1)
+    for mask, kind in ((nonfinite, "non-finite values"), (nonpositive, "non-positive prices")):
+        if not mask.any():
+            continue
+        if policy == "raise":
+            cols = ["open", "high", "low", "close", "volume"]
+            values = np.column_stack([prices, volume])
+
+            def reason(i: int, mask=mask, kind=kind) -> str:
+                bad = [c for c, v in zip(cols, values[i]) if (not np.isfinite(v)) or (kind != "non-finite values" and c != "volume" and v <= 0)]
+                shown = ", ".join(f"{c}={values[i][cols.index(c)]!r}" for c in bad)
+                return f"{kind[:-1] if kind.endswith('s') else kind} ({shown})"
+
+            _fail(frame, mask, source, reason, kind)
+        report.add(kind, int(mask.sum()))
+    bad_price = nonfinite | nonpositive
+    if bad_price.any():
+        if policy == "drop":
+            keep = ~bad_price
+            frame, prices, volume = frame[keep].reset_index(drop=True), prices[keep], volume[keep]
+        else:
+            frame, prices, volume = _forward_fill_bad(frame, prices, volume, bad_price, report)
+
+    # 2. OHLC consistency.
+    o, h, lo, c = prices.T
+    high_bad = h < np.maximum(o, c)
+    low_bad = lo > np.minimum(o, c)
+    if high_bad.any() or low_bad.any():
+        if policy == "raise":
+            if high_bad.any():
+                _fail(frame, high_bad, source, lambda i: f"high {h[i]!r} is below max(open, close) {max(o[i], c[i])!r}", "high below max(open, close)")
+            _fail(frame, low_bad, source, lambda i: f"low {lo[i]!r} is above min(open, close) {min(o[i], c[i])!r}", "low above min(open, close)")
+        report.add("high below max(open, close)", int(high_bad.sum()))
+        report.add("low above min(open, close)", int(low_bad.sum()))
+        if policy == "drop":
+            keep = ~(high_bad | low_bad)
+            frame, prices, volume = frame[keep].reset_index(drop=True), prices[keep], volume[keep]
+        else:
+            frame = frame.copy()
+            frame["high"] = prices.max(axis=1)
+            frame["low"] = prices.min(axis=1)
+
+    # 3. Negative volume.
+    neg_vol = volume < 0
+    if neg_vol.any():
+        if policy == "raise":
+            _fail(frame, neg_vol, source, lambda i: f"negative volume {volume[i]!r}", "negative volume")
+        report.add("negative volume", int(neg_vol.sum()))
+        if policy == "drop":
+            frame = frame[~neg_vol].reset_index(drop=True)
+        else:
+            frame = frame.copy()
+            frame.loc[neg_vol, "volume"] = 0.0
+
+    # 4. Time order and duplicates, per symbol, in file order.
+    frame = _check_time(frame, source, policy, report)
+
+    if policy != "raise":
+        report.log()
+    frame = frame.reset_index(drop=True)
+    frame.attrs["foxhunt_validation"] = {source: dict(report.counts)} if report.counts else {}
+    return frame
+
+
+def _forward_fill_bad(
+    frame: pd.DataFrame, prices: np.ndarray, volume: np.ndarray, bad: np.ndarray, report: ValidationReport
+) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
+    """Replace a bad bar by a flat bar at the previous good close of its symbol, with zero volume."""
+    idx = np.arange(len(frame))
+    seg_first = _segment_first_row(frame["symbol"].to_numpy())
+    prev_good = np.maximum.accumulate(np.where(bad, -1, idx))
+    fixable = bad & (prev_good >= seg_first)
+    unfixable = bad & ~fixable
+    prices = prices.copy()
+    volume = volume.copy()
+    prices[fixable] = prices[prev_good[fixable], 3][:, None]
+    volume[fixable] = 0.0
+    frame = frame.copy()
+    for j, col in enumerate(PRICE_COLUMNS):
+        frame[col] = prices[:, j]
+    frame["volume"] = volume
+    if unfixable.any():
+        report.add("bad bars with no earlier close to forward-fill (dropped)", int(unfixable.sum()))
+        keep = ~unfixable
+        frame, prices, volume = frame[keep].reset_index(drop=True), prices[keep], volume[keep]
+    return frame, prices, volume
+
+
+def _segment_first_row(symbols: np.ndarray) -> np.ndarray:
+    """For rows grouped by symbol, the index of the first row of each row's symbol block."""
+    start = np.r_[True, symbols[1:] != symbols[:-1]] if len(symbols) else np.zeros(0, dtype=bool)
+    return np.maximum.accumulate(np.where(start, np.arange(len(symbols)), 0))
+
+
+def _check_time(frame: pd.DataFrame, source: str, policy: BadBarPolicy, report: ValidationReport) -> pd.DataFrame:
+    if len(frame) < 2:
+        return frame
+    ts = timestamps_ns(frame)
+    symbols = frame["symbol"].to_numpy()
+    seg_first = _segment_first_row(symbols)
+    run_max = pd.Series(ts).groupby(seg_first, sort=False).cummax().to_numpy()
+    prev_max = np.r_[np.iinfo(np.int64).min, run_max[:-1]]
+    prev_max[seg_first == np.arange(len(ts))] = np.iinfo(np.int64).min
+    dup = ts == prev_max  # same time as the latest bar already seen for this symbol
+    ooo = ts < prev_max  # earlier than a bar already seen for this symbol
+    if policy == "raise":
+        if dup.any():
+            _fail(frame, dup, source, lambda i: "duplicate timestamp (an earlier bar of this symbol has the same time)", "duplicate timestamps")
+        if ooo.any():
+            _fail(frame, ooo, source, lambda i: "timestamp out of order (earlier than a preceding bar of this symbol)", "out-of-order timestamps")
+        return frame
+    if policy == "drop":
+        report.add("duplicate timestamps", int(dup.sum()))
+        report.add("out-of-order timestamps", int(ooo.sum()))
+        return frame[~(dup | ooo)]
+    # repair: sort out-of-order bars into place (stable, so the first of equal times stays first), drop duplicates
+    report.add("out-of-order timestamps (sorted)", int(ooo.sum()))
+    if ooo.any():
+        codes, _ = pd.factorize(symbols)
+        frame = frame.iloc[np.lexsort((ts, codes))].reset_index(drop=True)
+        ts = timestamps_ns(frame)
+        symbols = frame["symbol"].to_numpy()
+    dup_sorted = np.r_[False, (ts[1:] == ts[:-1]) & (symbols[1:] == symbols[:-1])]
+    report.add("duplicate timestamps (kept the first)", int(dup_sorted.sum()))
+    return frame[~dup_sorted]
+
+
+def finalize_bars(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """Concatenate validated per-file frames, order rows by symbol then time, and reject cross-file duplicates."""
+    attrs: dict[str, dict[str, int]] = {}
+    for f in frames:
+        attrs.update(f.attrs.get("foxhunt_validation", {}))
+    frame = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
+    ts = timestamps_ns(frame)
+    sym = frame["symbol"].to_numpy()
+    codes, uniques = pd.factorize(sym, sort=True)
+    sorted_already = len(frame) < 2 or bool(
+        np.all((codes[1:] > codes[:-1]) | ((codes[1:] == codes[:-1]) & (ts[1:] > ts[:-1])))
+    )
+    if not sorted_already:
+        order = np.lexsort((ts, codes))
+        frame = frame.iloc[order]
+    out = frame.drop(columns=[ROW_COLUMN, "_source"], errors="ignore").reset_index(drop=True)
+    out = out[list(BAR_COLUMNS)]
+    if out["symbol"].dtype != "str":
+        out["symbol"] = out["symbol"].astype("str")
+    out.attrs["foxhunt_validation"] = attrs
+    return out
