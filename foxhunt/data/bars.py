@@ -138,7 +138,7 @@ def validate_bars(frame: pd.DataFrame, source: str, on_bad_bar: BadBarPolicy = "
 
             def reason(i: int, mask=mask, kind=kind) -> str:
                 bad = [c for c, v in zip(cols, values[i]) if (not np.isfinite(v)) or (kind != "non-finite values" and c != "volume" and v <= 0)]
-                shown = ", ".join(f"{c}={values[i][cols.index(c)]!r}" for c in bad)
+                shown = ", ".join(f"{c}={float(values[i][cols.index(c)])!r}" for c in bad)
                 return f"{kind[:-1] if kind.endswith('s') else kind} ({shown})"
 
             _fail(frame, mask, source, reason, kind)
@@ -158,8 +158,8 @@ def validate_bars(frame: pd.DataFrame, source: str, on_bad_bar: BadBarPolicy = "
     if high_bad.any() or low_bad.any():
         if policy == "raise":
             if high_bad.any():
-                _fail(frame, high_bad, source, lambda i: f"high {h[i]!r} is below max(open, close) {max(o[i], c[i])!r}", "high below max(open, close)")
-            _fail(frame, low_bad, source, lambda i: f"low {lo[i]!r} is above min(open, close) {min(o[i], c[i])!r}", "low above min(open, close)")
+                _fail(frame, high_bad, source, lambda i: f"high {float(h[i])!r} is below max(open, close) {float(max(o[i], c[i]))!r}", "high below max(open, close)")
+            _fail(frame, low_bad, source, lambda i: f"low {float(lo[i])!r} is above min(open, close) {float(min(o[i], c[i]))!r}", "low above min(open, close)")
         report.add("high below max(open, close)", int(high_bad.sum()))
         report.add("low above min(open, close)", int(low_bad.sum()))
         if policy == "drop":
@@ -174,7 +174,7 @@ def validate_bars(frame: pd.DataFrame, source: str, on_bad_bar: BadBarPolicy = "
     neg_vol = volume < 0
     if neg_vol.any():
         if policy == "raise":
-            _fail(frame, neg_vol, source, lambda i: f"negative volume {volume[i]!r}", "negative volume")
+            _fail(frame, neg_vol, source, lambda i: f"negative volume {float(volume[i])!r}", "negative volume")
         report.add("negative volume", int(neg_vol.sum()))
         if policy == "drop":
             frame = frame[~neg_vol].reset_index(drop=True)

@@ -108,17 +108,19 @@ def load_bars(
             raw = read_csv_bars(path, tz=tz, symbol=symbol)
         else:
             raw = read_parquet_bars(path, tz=tz, symbol=symbol)
-        if symbols is not None:
-            raw = raw[raw["symbol"].isin(list(symbols))]
         if len(raw) == 0:
             if policy == "raise" or len(files) == 1:
-                what = "holds no bars" + (f" for symbols {list(symbols)}" if symbols is not None else "")
-                raise BarLoadError(f"{path}: empty file: it {what}")
+                raise BarLoadError(f"{path}: empty file: it holds no bars")
             log.warning("%s: skipped an empty file (no bars)", path)
             continue
+        if symbols is not None:
+            raw = raw[raw["symbol"].isin(list(symbols))]
+            if len(raw) == 0:
+                continue
         frames.append(validate_bars(raw, str(path), policy))
     if not frames:
-        raise BarLoadError(f"{path_or_glob}: no bars in any file")
+        wanted = f" for symbols {list(symbols)}" if symbols is not None else ""
+        raise BarLoadError(f"{path_or_glob}: no bars{wanted} in any file")
     bars = finalize_bars(frames)
     _check_cross_file(bars, files, policy)
     return bars
@@ -248,6 +250,8 @@ def _normalise_table(raw: pd.DataFrame, path: Path, *, tz: str | None, symbol: s
 def read_parquet_bars(path: str | Path, *, tz: str | None = None, symbol: str | None = None) -> pd.DataFrame:
     """Read a Parquet file of bars (the schema above, or aliased names); unvalidated."""
     path = Path(path)
+    if path.is_file() and path.stat().st_size == 0:
+        raise BarLoadError(f"{path}: empty file (not a Parquet file)")
     try:
         table = pq.read_table(path)
     except OSError as exc:

@@ -1,0 +1,161 @@
+"""TFT window batches gathered by index from a MarketSplit: no per-sample Python, no copied windows."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor
+from torch.utils.data import IterableDataset, get_worker_info
+
+from foxhunt.data.market import MarketSplit
+
+__all__ = ["WindowBatches", "valid_window_starts"]
+
+
+def _window_all(flags: Tensor, first: Tensor, length: int) -> Tensor:
+    """For each start row s in ``first``: are ``flags[s .. s+length-1]`` all True? (rows must be in range)."""
+    bad = torch.cat([flags.new_zeros(1, dtype=torch.int64), torch.cumsum((~flags).to(torch.int64), 0)])
+    return bad[first + length] - bad[first] == 0
+
+
+def _segment_extent(split: MarketSplit) -> tuple[Tensor, Tensor]:
+    """Per row: rows since its symbol block's first row, and rows until its block's last row."""
+    sym = split.symbol_index
+    n = sym.shape[0]
+    if n > 1 and bool((sym[1:] != sym[:-1]).sum() + 1 != torch.unique(sym).numel()):
+        raise ValueError(f"MarketSplit {split.name!r}: rows of a symbol must be contiguous (sorted by symbol, time)")
+    bounds = split.segment_bounds().to(sym.device)
+    idx = torch.arange(n, device=sym.device)
+    return idx - bounds[sym, 0], bounds[sym, 1] - 1 - idx
+
+
+def valid_window_starts(split: MarketSplit, lookback: int, horizon: int) -> Tensor:
+    """Int64 decision rows t whose window is usable for a ``lookback``/``horizon`` forecast.
+
+    t qualifies when rows t-L+1 .. t+H all belong to t's symbol (row t+H is the known-future input of the last
+    step and the close that ends the last target), ``split.valid`` holds on the past rows t-L+1 .. t, and
+    ``split.targets`` and ``split.returns`` are finite on t .. t+H-1.
+    """
+    if lookback < 1 or horizon < 1:
+        raise ValueError(f"valid_window_starts: lookback and horizon must be >= 1, got {lookback}, {horizon}")
+    n = len(split)
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64, device=split.symbol_index.device)
+    since_start, until_end = _segment_extent(split)
+    cand = torch.nonzero((since_start >= lookback - 1) & (until_end >= horizon)).flatten()
+    ok = _window_all(split.valid.bool(), cand - (lookback - 1), lookback)
+    finite = torch.isfinite(split.targets) & torch.isfinite(split.returns)
+    ok &= _window_all(finite, cand, horizon)
+    return cand[ok]
+
+
+class WindowBatches(IterableDataset):
+    """Whole TFT batches gathered from a split by index: an epoch is a few tensor ops per batch.
+
+    Yields dicts with ``x_past`` [B, L, F] (feature rows t-L+1..t), ``x_future`` [B, H, K] (the ``known_future``
+    columns of rows t+1..t+H), ``y`` [B, H] (``targets`` rows t..t+H-1), ``y_raw`` [B, H] (raw log ``returns`` of the
+    same rows, for metrics), ``symbol`` [B] and ``t`` [B] (decision row in the split), for t in
+    :func:`valid_window_starts`.
+
+    Use it as a Lightning dataloader directly (return it from ``train_dataloader``); Lightning calls ``set_epoch``
+    each epoch through ``sampler``. Without ``set_epoch``, each new pass advances the epoch by one, so a plain loop
+    reshuffles too. The order of epoch e depends only on (seed, e). Inside a DataLoader (``batch_size=None``) with
+    workers, batches are dealt round-robin to workers.
+    """
+
+    def __init__(
+        self,
+        split: MarketSplit,
+        lookback: int,
+        horizon: int,
+        batch_size: int,
+        known_future: Sequence[str] = (),
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"WindowBatches: batch_size must be >= 1, got {batch_size}")
+        missing = [name for name in known_future if name not in split.feature_names]
+        if missing:
+            raise ValueError(
+                f"WindowBatches: known-future feature(s) {missing} not in split {split.name!r} "
+                f"(has {len(split.feature_names)} features, e.g. {split.feature_names[:8]})"
+            )
+        if device is not None:
+            split = split.to(device)
+        self.split_name = split.name
+        self.lookback = int(lookback)
+        self.horizon = int(horizon)
+        self.batch_size = int(batch_size)
+        self.known_future = tuple(known_future)
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.features = split.features.float().contiguous()
+        cols = [split.feature_names.index(name) for name in self.known_future]
+        self.future_features = self.features[:, cols].contiguous()
+        self.targets = split.targets.float().contiguous()
+        self.returns = split.returns.float().contiguous()
+        self.symbol_index = split.symbol_index.long().contiguous()
+        self.starts = valid_window_starts(split, self.lookback, self.horizon)
+        dev = self.starts.device
+        self._past_offsets = torch.arange(-self.lookback + 1, 1, device=dev)
+        self._target_offsets = torch.arange(self.horizon, device=dev)
+        self._epoch = 0
+
+    @property
+    def num_windows(self) -> int:
+        return int(self.starts.numel())
+
+    def __len__(self) -> int:
+        n, b = self.num_windows, self.batch_size
+        return n // b if self.drop_last else math.ceil(n / b)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Fix the epoch whose order the next pass uses (the shuffle seed is a function of (seed, epoch))."""
+        self._epoch = int(epoch)
+
+    @property
+    def sampler(self) -> "WindowBatches":
+        """Lightning looks for ``set_epoch`` on ``dataloader.sampler``; this object is its own sampler."""
+        return self
+
+    batch_sampler = None
+
+    def order(self, epoch: int) -> Tensor:
+        """Decision rows in the order epoch ``epoch`` visits them."""
+        if not self.shuffle:
+            return self.starts
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed((self.seed * 1_000_003 + epoch) % (2**63))
+        perm = torch.randperm(self.num_windows, generator=gen).to(self.starts.device)
+        return self.starts[perm]
+
+    def gather(self, t: Tensor) -> dict[str, Tensor]:
+        """The batch for decision rows ``t`` [B] (int64, from :func:`valid_window_starts`)."""
+        b = t.shape[0]
+        past = (t[:, None] + self._past_offsets).reshape(-1)
+        ahead = (t[:, None] + self._target_offsets).reshape(-1)
+        return {
+            "x_past": self.features.index_select(0, past).view(b, self.lookback, -1),
+            "x_future": self.future_features.index_select(0, ahead + 1).view(b, self.horizon, -1),
+            "y": self.targets.index_select(0, ahead).view(b, self.horizon),
+            "y_raw": self.returns.index_select(0, ahead).view(b, self.horizon),
+            "symbol": self.symbol_index.index_select(0, t),
+            "t": t,
+        }
+
+    def __iter__(self) -> Iterator[dict[str, Tensor]]:
+        epoch = self._epoch
+        self._epoch = epoch + 1
+        rows = self.order(epoch)
+        n_batches = len(self)
+        worker = get_worker_info()
+        first, step = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        for i in range(first, n_batches, step):
+            yield self.gather(rows[i * self.batch_size : (i + 1) * self.batch_size])

@@ -1,0 +1,136 @@
+"""One test per bad-bar case: the raise names file, row, timestamp and reason; drop and repair count what they touch."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from conftest import make_bars
+from foxhunt.data import BadBarError, load_bars, write_bars
+
+
+def _write(tmp_path: Path, bars: pd.DataFrame, name: str = "bars.csv") -> Path:
+    return write_bars(bars, tmp_path / name)
+
+
+def _counts(bars: pd.DataFrame) -> dict[str, int]:
+    (counts,) = bars.attrs["foxhunt_validation"].values()
+    return counts
+
+
+def test_clean_bars_pass_untouched(tmp_path: Path) -> None:
+    bars = make_bars(20)
+    back = load_bars(_write(tmp_path, bars, "clean.parquet"))
+    pd.testing.assert_frame_equal(back, bars, check_like=False)
+    assert back.attrs["foxhunt_validation"] == {}
+
+
+def test_non_finite_value(tmp_path: Path, caplog) -> None:
+    bars = make_bars(20)
+    bars.loc[7, "close"] = np.nan
+    bars.loc[9, "volume"] = np.inf
+    path = _write(tmp_path, bars, "nan.parquet")
+    ts = re.escape(bars["timestamp"].iloc[7].isoformat())
+    with pytest.raises(BadBarError, match=rf"nan\.parquet: row 7 \(timestamp {ts}, symbol ES\): non-finite value \(close=nan\); 1 more row\(s\) with non-finite values"):
+        load_bars(path)
+    with caplog.at_level("WARNING", logger="foxhunt.data"):
+        dropped = load_bars(path, on_bad_bar="drop")
+    assert len(dropped) == 18 and _counts(dropped) == {"non-finite values": 2}
+    assert "dropped 2 bar(s): non-finite values" in caplog.text
+    repaired = load_bars(path, on_bad_bar="repair")
+    assert len(repaired) == 20 and _counts(repaired) == {"non-finite values": 2}
+    # forward-filled: a flat bar at the previous close with zero volume
+    assert repaired.loc[7, ["open", "high", "low", "close"]].tolist() == [bars.loc[6, "close"]] * 4
+    assert repaired.loc[7, "volume"] == 0.0
+
+
+def test_non_positive_price(tmp_path: Path) -> None:
+    bars = make_bars(10)
+    bars.loc[0, "low"] = 0.0  # first bar: nothing to forward-fill from
+    bars.loc[4, ["open", "low"]] = [-1.0, -2.0]
+    path = _write(tmp_path, bars, "neg.csv")
+    with pytest.raises(BadBarError, match=r"neg\.csv: row 0 \(timestamp 2024-01-02T14:30:00\+00:00, symbol ES\): non-positive price \(low=0\.0\); 1 more row"):
+        load_bars(path)
+    assert _counts(load_bars(path, on_bad_bar="drop")) == {"non-positive prices": 2}
+    repaired = load_bars(path, on_bad_bar="repair")
+    assert len(repaired) == 9
+    assert _counts(repaired) == {"non-positive prices": 2, "bad bars with no earlier close to forward-fill (dropped)": 1}
+
+
+def test_high_below_open_close(tmp_path: Path) -> None:
+    bars = make_bars(10)
+    bars.loc[3, "high"] = min(bars.loc[3, "open"], bars.loc[3, "close"]) - 0.01
+    path = _write(tmp_path, bars, "high.csv")
+    with pytest.raises(BadBarError, match=r"high\.csv: row 3 \(timestamp 2024-01-02T14:33:00\+00:00, symbol ES\): high .* is below max\(open, close\)"):
+        load_bars(path)
+    assert len(load_bars(path, on_bad_bar="drop")) == 9
+    repaired = load_bars(path, on_bad_bar="repair")
+    assert _counts(repaired) == {"high below max(open, close)": 1}
+    row = repaired.loc[3]
+    assert row["high"] == max(row["open"], row["close"], bars.loc[3, "low"]) and row["low"] <= min(row["open"], row["close"])
+
+
+def test_low_above_open_close(tmp_path: Path) -> None:
+    bars = make_bars(10)
+    bars.loc[5, "low"] = max(bars.loc[5, "open"], bars.loc[5, "close"]) + 0.01
+    path = _write(tmp_path, bars, "low.parquet")
+    with pytest.raises(BadBarError, match=r"row 5 .*: low .* is above min\(open, close\)"):
+        load_bars(path)
+    repaired = load_bars(path, on_bad_bar="repair")
+    assert _counts(repaired) == {"low above min(open, close)": 1}
+    assert repaired.loc[5, "low"] == min(repaired.loc[5, ["open", "close"]])
+
+
+def test_negative_volume(tmp_path: Path) -> None:
+    bars = make_bars(10)
+    bars.loc[2, "volume"] = -5.0
+    path = _write(tmp_path, bars, "vol.csv")
+    with pytest.raises(BadBarError, match=r"vol\.csv: row 2 .*: negative volume -5\.0"):
+        load_bars(path)
+    assert len(load_bars(path, on_bad_bar="drop")) == 9
+    repaired = load_bars(path, on_bad_bar="repair")
+    assert repaired.loc[2, "volume"] == 0.0 and _counts(repaired) == {"negative volume": 1}
+
+
+def test_duplicate_timestamps(tmp_path: Path) -> None:
+    bars = make_bars(10)
+    dup = pd.concat([bars.iloc[:5], bars.iloc[4:5].assign(close=bars.loc[4, "close"]), bars.iloc[5:]], ignore_index=True)
+    path = _write(tmp_path, dup, "dup.csv")
+    with pytest.raises(BadBarError, match=r"dup\.csv: row 5 \(timestamp 2024-01-02T14:34:00\+00:00, symbol ES\): duplicate timestamp"):
+        load_bars(path)
+    dropped = load_bars(path, on_bad_bar="drop")
+    assert len(dropped) == 10 and _counts(dropped) == {"duplicate timestamps": 1}
+    repaired = load_bars(path, on_bad_bar="repair")
+    assert len(repaired) == 10 and _counts(repaired) == {"duplicate timestamps (kept the first)": 1}
+
+
+def test_out_of_order_timestamps(tmp_path: Path) -> None:
+    bars = make_bars(10)
+    swapped = bars.iloc[[0, 1, 2, 4, 3, 5, 6, 7, 8, 9]].reset_index(drop=True)
+    path = _write(tmp_path, swapped, "ooo.csv")  # the DBN writer puts records in time order, as the format asks
+    with pytest.raises(BadBarError, match=r"ooo\.csv: row 4 \(timestamp 2024-01-02T14:33:00\+00:00, symbol ES\): timestamp out of order"):
+        load_bars(path)
+    dropped = load_bars(path, on_bad_bar="drop")
+    assert len(dropped) == 9 and _counts(dropped) == {"out-of-order timestamps": 1}
+    repaired = load_bars(path, on_bad_bar="repair")
+    assert _counts(repaired) == {"out-of-order timestamps (sorted)": 1}
+    pd.testing.assert_series_equal(repaired["timestamp"], bars["timestamp"])
+
+
+def test_interleaved_symbols_are_checked_per_symbol(tmp_path: Path) -> None:
+    a, b = make_bars(6, "A", seed=1), make_bars(6, "B", seed=2)
+    inter = pd.concat([a, b]).sort_values(["timestamp", "symbol"], kind="stable").reset_index(drop=True)
+    back = load_bars(_write(tmp_path, inter, "inter.csv"))
+    assert back["symbol"].tolist() == ["A"] * 6 + ["B"] * 6
+    inter.loc[7, "high"] = 0.5 * inter.loc[7, "low"]  # row 7 in the file is B's 4th bar
+    with pytest.raises(BadBarError, match=r"row 7 \(timestamp 2024-01-02T14:33:00\+00:00, symbol B\)"):
+        load_bars(_write(tmp_path, inter, "inter_bad.csv"))
+
+
+def test_bad_policy_name() -> None:
+    with pytest.raises(ValueError, match=r"on_bad_bar must be 'raise', 'drop' or 'repair', got 'fix'"):
+        load_bars("whatever.csv", on_bad_bar="fix")  # type: ignore[arg-type]
