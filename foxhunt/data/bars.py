@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Sequence
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 log = logging.getLogger("foxhunt.data")
 
@@ -69,6 +70,24 @@ class ValidationReport:
         verb = "dropped" if self.policy == "drop" else "repaired"
         for kind, n in self.counts.items():
             log.warning("%s: %s %d bar(s): %s", self.source, verb, n, kind)
+
+
+SYM_COLUMN = "_sym"  # integer symbol code while validating; strings are materialised once at the end
+
+
+def symbol_codes(frame: pd.DataFrame) -> tuple[np.ndarray, pd.Index]:
+    """Integer codes and their symbols for the symbol column (cheap for categoricals)."""
+    col = frame["symbol"]
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        return col.cat.codes.to_numpy(dtype=np.int64), pd.Index(col.cat.categories.astype(str))
+    codes, uniques = pd.factorize(col, sort=True)
+    return codes.astype(np.int64), pd.Index(np.asarray(uniques, dtype=object).astype(str))
+
+
+def symbols_from_codes(codes: np.ndarray, categories: Sequence[str]) -> pd.Series:
+    """A pandas ``str`` column from integer codes, built by an Arrow take instead of a million Python strings."""
+    arr = pa.array(list(categories), type=pa.large_string()).take(pa.array(codes))
+    return pd.Series(arr.to_pandas(types_mapper={pa.large_string(): pd.StringDtype("pyarrow", na_value=np.nan)}.get))
 
 
 def timestamps_ns(frame: pd.DataFrame) -> np.ndarray:
@@ -111,9 +130,11 @@ def _fail(frame: pd.DataFrame, mask: np.ndarray, source: str, reason_of_row, kin
 
 
 def _group_by_symbol(frame: pd.DataFrame) -> pd.DataFrame:
-    """Make each symbol's rows contiguous, keeping file order within a symbol (a no-op for single-symbol files)."""
-    codes, uniques = pd.factorize(frame["symbol"].to_numpy(), sort=True)
-    if len(uniques) > 1 and not bool(np.all(codes[1:] >= codes[:-1])):
+    """Add integer symbol codes and make each symbol's rows contiguous, keeping file order within a symbol."""
+    codes, categories = symbol_codes(frame)
+    frame = frame.assign(**{SYM_COLUMN: codes})
+    frame.attrs["symbols"] = list(categories)
+    if len(categories) > 1 and not bool(np.all(codes[1:] >= codes[:-1])):
         frame = frame.iloc[np.argsort(codes, kind="stable")]
     return frame.reset_index(drop=True)
 
@@ -123,6 +144,7 @@ def validate_bars(frame: pd.DataFrame, source: str, on_bad_bar: BadBarPolicy = "
     policy = check_policy(on_bad_bar)
     report = ValidationReport(source, policy)
     frame = _group_by_symbol(frame)
+    categories = frame.attrs["symbols"]
     prices = frame[list(PRICE_COLUMNS)].to_numpy(dtype=np.float64)
     volume = frame["volume"].to_numpy(dtype=np.float64)
 
@@ -188,7 +210,7 @@ def validate_bars(frame: pd.DataFrame, source: str, on_bad_bar: BadBarPolicy = "
     if policy != "raise":
         report.log()
     frame = frame.reset_index(drop=True)
-    frame.attrs["foxhunt_validation"] = {source: dict(report.counts)} if report.counts else {}
+    frame.attrs = {"foxhunt_validation": {source: dict(report.counts)} if report.counts else {}, "symbols": categories}
     return frame
 
 
@@ -197,7 +219,7 @@ def _forward_fill_bad(
 ) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
     """Replace a bad bar by a flat bar at the previous good close of its symbol, with zero volume."""
     idx = np.arange(len(frame))
-    seg_first = _segment_first_row(frame["symbol"].to_numpy())
+    seg_first = _segment_first_row(frame[SYM_COLUMN].to_numpy())
     prev_good = np.maximum.accumulate(np.where(bad, -1, idx))
     fixable = bad & (prev_good >= seg_first)
     unfixable = bad & ~fixable
@@ -226,7 +248,7 @@ def _check_time(frame: pd.DataFrame, source: str, policy: BadBarPolicy, report: 
     if len(frame) < 2:
         return frame
     ts = timestamps_ns(frame)
-    symbols = frame["symbol"].to_numpy()
+    symbols = frame[SYM_COLUMN].to_numpy()
     seg_first = _segment_first_row(symbols)
     run_max = pd.Series(ts).groupby(seg_first, sort=False).cummax().to_numpy()
     prev_max = np.r_[np.iinfo(np.int64).min, run_max[:-1]]
@@ -246,33 +268,35 @@ def _check_time(frame: pd.DataFrame, source: str, policy: BadBarPolicy, report: 
     # repair: sort out-of-order bars into place (stable, so the first of equal times stays first), drop duplicates
     report.add("out-of-order timestamps (sorted)", int(ooo.sum()))
     if ooo.any():
-        codes, _ = pd.factorize(symbols)
-        frame = frame.iloc[np.lexsort((ts, codes))].reset_index(drop=True)
+        frame = frame.iloc[np.lexsort((ts, symbols))].reset_index(drop=True)
         ts = timestamps_ns(frame)
-        symbols = frame["symbol"].to_numpy()
+        symbols = frame[SYM_COLUMN].to_numpy()
     dup_sorted = np.r_[False, (ts[1:] == ts[:-1]) & (symbols[1:] == symbols[:-1])]
     report.add("duplicate timestamps (kept the first)", int(dup_sorted.sum()))
     return frame[~dup_sorted]
 
 
 def finalize_bars(frames: list[pd.DataFrame]) -> pd.DataFrame:
-    """Concatenate validated per-file frames, order rows by symbol then time, and reject cross-file duplicates."""
+    """Concatenate validated per-file frames, order rows by symbol then time, and materialise the symbol strings."""
     attrs: dict[str, dict[str, int]] = {}
+    categories = sorted({sym for f in frames for sym in f.attrs.get("symbols", [])})
+    parts = []
     for f in frames:
         attrs.update(f.attrs.get("foxhunt_validation", {}))
-    frame = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
+        remap = np.searchsorted(np.asarray(categories, dtype=object), np.asarray(f.attrs["symbols"], dtype=object))
+        parts.append(f.drop(columns=["symbol"]).assign(**{SYM_COLUMN: remap[f[SYM_COLUMN].to_numpy()]}))
+    frame = parts[0] if len(parts) == 1 else pd.concat(parts, ignore_index=True)
     ts = timestamps_ns(frame)
-    sym = frame["symbol"].to_numpy()
-    codes, uniques = pd.factorize(sym, sort=True)
+    codes = frame[SYM_COLUMN].to_numpy()
     sorted_already = len(frame) < 2 or bool(
         np.all((codes[1:] > codes[:-1]) | ((codes[1:] == codes[:-1]) & (ts[1:] > ts[:-1])))
     )
     if not sorted_already:
         order = np.lexsort((ts, codes))
         frame = frame.iloc[order]
-    out = frame.drop(columns=[ROW_COLUMN, "_source"], errors="ignore").reset_index(drop=True)
+        codes = codes[order]
+    out = frame.reset_index(drop=True)
+    out["symbol"] = symbols_from_codes(codes, categories)
     out = out[list(BAR_COLUMNS)]
-    if out["symbol"].dtype != "str":
-        out["symbol"] = out["symbol"].astype("str")
-    out.attrs["foxhunt_validation"] = attrs
+    out.attrs = {"foxhunt_validation": attrs}
     return out

@@ -19,6 +19,7 @@ from foxhunt.data.bars import (
     BarLoadError,
     check_policy,
     finalize_bars,
+    symbol_codes,
     timestamps_ns,
     log,
     validate_bars,
@@ -130,7 +131,7 @@ def _check_cross_file(bars: pd.DataFrame, files: list[Path], policy: BadBarPolic
     if len(files) < 2 or len(bars) < 2:
         return
     ts = timestamps_ns(bars)
-    sym = bars["symbol"].to_numpy()
+    sym, _ = symbol_codes(bars)
     dup = np.r_[False, (ts[1:] == ts[:-1]) & (sym[1:] == sym[:-1])]
     if dup.any():
         i = int(np.flatnonzero(dup)[0])
@@ -237,9 +238,10 @@ def _normalise_table(raw: pd.DataFrame, path: Path, *, tz: str | None, symbol: s
             src = num
         out[col] = src.to_numpy(dtype=np.float64, na_value=np.nan)
     if "symbol" in mapping:
-        out["symbol"] = raw[mapping["symbol"]].astype(str).to_numpy()
+        out["symbol"] = pd.Categorical(raw[mapping["symbol"]].astype(str))
     else:
-        out["symbol"] = symbol or path.name.split(".")[0]
+        name = symbol or path.name.split(".")[0]
+        out["symbol"] = pd.Categorical.from_codes(np.zeros(len(out), dtype=np.int8), categories=[name])
     out[ROW_COLUMN] = np.arange(len(out), dtype=np.int64)
     return out
 
@@ -279,10 +281,7 @@ def _fast_parquet(table: pa.Table, tz: str | None) -> pd.DataFrame:
     for col in (*PRICE_COLUMNS, "volume"):
         out[col] = table.column(col).to_numpy().astype(np.float64, copy=False)
     sym = table.column("symbol")
-    if pa.types.is_dictionary(sym.type):
-        out["symbol"] = sym.to_pandas()
-    else:
-        out["symbol"] = sym.dictionary_encode().to_pandas() if table.num_rows > 10_000 else sym.to_pandas()
+    out["symbol"] = (sym if pa.types.is_dictionary(sym.type) else sym.dictionary_encode()).to_pandas()
     frame = pd.DataFrame(out)
     frame[ROW_COLUMN] = np.arange(len(frame), dtype=np.int64)
     return frame
