@@ -25,10 +25,16 @@ class MarketSplit:
     valid: torch.Tensor  # bool [T]: a decision may be taken at this bar (features warmed up, return defined)
     features: torch.Tensor = field(default_factory=lambda: torch.empty(0, 0))  # float32 [T, F]
     feature_names: list[str] = field(default_factory=list)
+    target_loc: torch.Tensor | None = None  # float32 [T]: targets = (returns - target_loc) / target_scale (pre-clip)
+    target_scale: torch.Tensor | None = None  # float32 [T]; with target_loc, maps predicted targets back to returns
 
     def __post_init__(self) -> None:
         n = self.timestamps.shape[0]
-        for f in ("symbol_index", "ohlcv", "returns", "targets", "valid"):
+        if self.target_loc is None:
+            self.target_loc = torch.zeros(n, dtype=torch.float32, device=self.targets.device)
+        if self.target_scale is None:
+            self.target_scale = torch.ones(n, dtype=torch.float32, device=self.targets.device)
+        for f in ("symbol_index", "ohlcv", "returns", "targets", "valid", "target_loc", "target_scale"):
             if getattr(self, f).shape[0] != n:
                 raise ValueError(f"MarketSplit {self.name!r}: {f} has {getattr(self, f).shape[0]} rows, expected {n}")
         if self.features.numel() == 0 and self.features.shape[0] != n:

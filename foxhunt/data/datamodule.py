@@ -1,0 +1,282 @@
+"""BarDataModule: bars -> causal features -> chronological, purged splits -> preprocessed MarketSplits and TFT windows."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import Literal, Sequence
+
+import lightning.pytorch as pl
+import numpy as np
+import pandas as pd
+import torch
+from safetensors.torch import load_file, save_file
+
+from foxhunt.data.bars import BadBarPolicy, symbol_codes, timestamps_ns
+from foxhunt.data.io import load_bars
+from foxhunt.data.market import MarketSplit
+from foxhunt.data.windows import WindowBatches
+from foxhunt.features import KNOWN_FUTURE, FeatureSet
+from foxhunt.preprocessing import FeatureNormalizer, TargetTransform, next_log_returns
+
+log = logging.getLogger("foxhunt.data")
+SPLITS = ("train", "val", "test")
+
+
+class BarDataModule(pl.LightningDataModule):
+    """Loads bars (a file, directory or glob; the embedded synthetic market when ``path`` is None) into MarketSplits.
+
+    Splits are chronological with cut times shared by all symbols; ``purge`` bars at the start of the validation and
+    test splits belong to no split, so no window or target crosses a boundary (default: lookback + horizon). Feature
+    normalisation and target statistics are fitted on the training split only.
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        symbols: list[str] | None = None,
+        on_bad_bar: BadBarPolicy = "raise",
+        tz: str | None = None,
+        synthetic_bars: int = 200_000,
+        synthetic_symbols: int = 1,
+        synthetic_seed: int = 0,
+        signal_strength: float = 0.1,
+        train_fraction: float = 0.7,
+        val_fraction: float = 0.15,
+        val_start: str | None = None,
+        test_start: str | None = None,
+        purge: int | None = None,
+        lookback: int = 64,
+        horizon: int = 6,
+        features: list[str] | None = None,
+        feature_families: list[str] | None = None,
+        known_future: list[str] | None = None,
+        feature_clip: float = 10.0,
+        target_scale: Literal["none", "fitted", "rolling"] = "fitted",
+        target_zscore_window: int | None = None,
+        target_clip_sigma: float | None = 6.0,
+        batch_size: int = 128,
+        eval_batch_size: int = 512,
+        seed: int = 0,
+        cache_dir: str | None = ".cache/foxhunt",
+    ) -> None:
+        super().__init__()
+        if not 0 < train_fraction < 1 or not 0 <= val_fraction < 1 or train_fraction + val_fraction >= 1:
+            raise ValueError(
+                f"BarDataModule: need 0 < train_fraction, 0 <= val_fraction and train_fraction + val_fraction < 1, "
+                f"got {train_fraction} and {val_fraction}"
+            )
+        min_purge = lookback + horizon
+        if purge is not None and purge < min_purge:
+            raise ValueError(f"BarDataModule: purge={purge} is below lookback + horizon = {min_purge}")
+        self.save_hyperparameters(logger=False)
+        self.path = path
+        self.symbols = symbols
+        self.on_bad_bar = on_bad_bar
+        self.tz = tz
+        self.synthetic_bars = synthetic_bars
+        self.synthetic_symbols = synthetic_symbols
+        self.synthetic_seed = synthetic_seed
+        self.signal_strength = signal_strength
+        self.train_fraction = train_fraction
+        self.val_fraction = val_fraction
+        self.val_start = val_start
+        self.test_start = test_start
+        self.purge = min_purge if purge is None else purge
+        self.lookback = lookback
+        self.horizon = horizon
+        self.feature_set = FeatureSet(features, feature_families)
+        self.known_future = list(KNOWN_FUTURE if known_future is None else known_future)
+        missing = [k for k in self.known_future if k not in self.feature_set.names]
+        if missing:
+            raise ValueError(f"BarDataModule: known_future features {missing} are not among the selected features")
+        self.feature_clip = feature_clip
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size
+        self.seed = seed
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+        self.target_transform = TargetTransform(
+            scale=target_scale, zscore_window=target_zscore_window, clip_sigma=target_clip_sigma
+        )
+        self.feature_normalizer = FeatureNormalizer()
+        self.bars: pd.DataFrame | None = None
+        self.market = None  # the SyntheticMarket when no path is given (it holds the oracle)
+        self.splits: dict[str, MarketSplit] = {}
+        self.split_rows: dict[str, np.ndarray] = {}
+
+    # --- loading -------------------------------------------------------------------------------------------------
+
+    def load(self) -> pd.DataFrame:
+        """The validated bars this module trains on."""
+        if self.path is not None:
+            return load_bars(self.path, on_bad_bar=self.on_bad_bar, tz=self.tz, symbols=self.symbols)
+        from foxhunt.data.synthetic import generate_market
+
+        self.market = generate_market(
+            n_bars=self.synthetic_bars,
+            n_symbols=self.synthetic_symbols,
+            seed=self.synthetic_seed,
+            signal_strength=self.signal_strength,
+        )
+        bars = self.market.bars
+        if self.symbols is not None:
+            bars = bars[bars["symbol"].isin(self.symbols)].reset_index(drop=True)
+        return bars
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits:
+            return
+        bars = self.load()
+        self.bars = bars
+        codes, names = symbol_codes(bars)
+        ts = torch.from_numpy(timestamps_ns(bars).copy())
+        sym = torch.from_numpy(codes)
+        ohlcv = torch.from_numpy(bars[["open", "high", "low", "close", "volume"]].to_numpy(np.float64, copy=True))
+        raw_features, ready = self._features(bars, ohlcv, ts, sym)
+        returns = next_log_returns(ohlcv[:, 3], segment=sym).to(torch.float64)
+
+        assign = self._assign_splits(ts.numpy(), codes)
+        for name in SPLITS:
+            self.split_rows[name] = np.flatnonzero(assign == SPLITS.index(name))
+        train = torch.from_numpy(self.split_rows["train"])
+        if train.numel() == 0:
+            raise ValueError("BarDataModule: the training split is empty; check the split fractions or dates")
+        train_ok = ready[train] & torch.isfinite(returns[train])
+        self.feature_normalizer.fit(raw_features[train][train_ok], names=self.feature_set.names)
+        features = self.feature_normalizer(raw_features).clamp(-self.feature_clip, self.feature_clip)
+        self.target_transform.fit(returns[train][train_ok].float())
+
+        for i, name in enumerate(SPLITS):
+            rows = torch.from_numpy(self.split_rows[name])
+            r = returns[rows].float()
+            seg = sym[rows]
+            scaled = self.target_transform.transform(r, segment=seg)
+            valid = ready[rows] & torch.isfinite(r) & torch.isfinite(scaled.value)
+            x = torch.nan_to_num(features[rows], nan=0.0)
+            # a symbol's last bar in a split has no next return inside the split: mark it invalid
+            last = torch.ones_like(valid)
+            if rows.numel() > 1:
+                last[:-1] = seg[1:] != seg[:-1]
+            valid &= ~last
+            self.splits[name] = MarketSplit(
+                name=name,
+                symbols=list(names),
+                timestamps=ts[rows],
+                symbol_index=seg,
+                ohlcv=ohlcv[rows],
+                returns=torch.where(last, torch.nan, r),
+                targets=torch.nan_to_num(scaled.value, nan=0.0),
+                valid=valid,
+                features=x.float(),
+                feature_names=list(self.feature_set.names),
+                target_loc=scaled.loc.float(),
+                target_scale=scaled.scale.float(),
+            )
+        log.info("%s", self.describe())
+
+    def _features(self, bars: pd.DataFrame, ohlcv: torch.Tensor, ts: torch.Tensor, sym: torch.Tensor):
+        """Raw features, from the on-disk cache when the same bars and feature set were seen before."""
+        key = None
+        if self.cache_dir is not None:
+            h = hashlib.blake2b(digest_size=16)
+            h.update(ohlcv.numpy().tobytes())
+            h.update(ts.numpy().tobytes())
+            h.update(sym.numpy().tobytes())
+            h.update("\n".join(self.feature_set.names).encode())
+            h.update("\n".join(map(str, bars["symbol"].unique())).encode())
+            key = self.cache_dir / f"features-{h.hexdigest()}.safetensors"
+            if key.exists():
+                cached = load_file(str(key))
+                log.info("feature cache hit: %s", key)
+                return cached["values"], cached["ready"].bool()
+        out = self.feature_set.compute(ohlcv, ts, sym)
+        if key is not None:
+            key.parent.mkdir(parents=True, exist_ok=True)
+            save_file({"values": out.values.contiguous(), "ready": out.ready.to(torch.uint8)}, str(key))
+            log.info("feature cache miss: computed %d features, saved %s", len(out.names), key)
+        return out.values, out.ready
+
+    def _assign_splits(self, ts: np.ndarray, codes: np.ndarray) -> np.ndarray:
+        """0/1/2 for train/val/test and -1 for purged bars, by shared cut times."""
+        if self.val_start is not None or self.test_start is not None:
+            if self.val_start is None or self.test_start is None:
+                raise ValueError("BarDataModule: give both val_start and test_start, or neither")
+            val_cut = pd.Timestamp(self.val_start, tz="UTC").value if pd.Timestamp(self.val_start).tz is None else pd.Timestamp(self.val_start).value
+            test_cut = pd.Timestamp(self.test_start, tz="UTC").value if pd.Timestamp(self.test_start).tz is None else pd.Timestamp(self.test_start).value
+            if test_cut <= val_cut:
+                raise ValueError(f"BarDataModule: test_start {self.test_start} must be after val_start {self.val_start}")
+        else:
+            uniq = np.unique(ts)
+            val_cut = uniq[min(len(uniq) - 1, int(len(uniq) * self.train_fraction))]
+            test_cut = uniq[min(len(uniq) - 1, int(len(uniq) * (self.train_fraction + self.val_fraction)))]
+        assign = np.where(ts < val_cut, 0, np.where(ts < test_cut, 1, 2)).astype(np.int64)
+        # purge: the first `purge` bars of each symbol in val and test belong to no split
+        block = np.r_[True, (assign[1:] != assign[:-1]) | (codes[1:] != codes[:-1])]
+        block_id = np.cumsum(block) - 1
+        pos = np.arange(len(ts)) - np.flatnonzero(block)[block_id]
+        assign[(assign > 0) & (pos < self.purge)] = -1
+        return assign
+
+    # --- access --------------------------------------------------------------------------------------------------
+
+    @property
+    def train_split(self) -> MarketSplit:
+        return self.splits["train"]
+
+    @property
+    def val_split(self) -> MarketSplit:
+        return self.splits["val"]
+
+    @property
+    def test_split(self) -> MarketSplit:
+        return self.splits["test"]
+
+    @property
+    def feature_names(self) -> list[str]:
+        return list(self.feature_set.names)
+
+    def windows(self, split: str, shuffle: bool = False, batch_size: int | None = None) -> WindowBatches:
+        """TFT window batches of one split."""
+        return WindowBatches(
+            self.splits[split],
+            lookback=self.lookback,
+            horizon=self.horizon,
+            batch_size=batch_size or (self.batch_size if split == "train" else self.eval_batch_size),
+            known_future=self.known_future,
+            shuffle=shuffle,
+            seed=self.seed,
+            drop_last=shuffle,
+        )
+
+    def train_dataloader(self) -> WindowBatches:
+        return self.windows("train", shuffle=True)
+
+    def val_dataloader(self) -> WindowBatches:
+        return self.windows("val")
+
+    def test_dataloader(self) -> WindowBatches:
+        return self.windows("test")
+
+    def predict_dataloader(self) -> WindowBatches:
+        return self.windows("test")
+
+    def describe(self) -> str:
+        """A few lines on what was loaded and how it was split."""
+        lines = []
+        src = self.path or f"synthetic market (seed {self.synthetic_seed}, signal strength {self.signal_strength})"
+        lines.append(f"bars: {src}: {0 if self.bars is None else len(self.bars):,} bars, symbols {self.train_split.symbols}")
+        lines.append(f"features: {len(self.feature_names)} ({len(self.known_future)} known-future), purge {self.purge} bars")
+        for name, s in self.splits.items():
+            if len(s) == 0:
+                lines.append(f"{name:>5}: empty")
+                continue
+            t0 = pd.Timestamp(int(s.timestamps[0]), tz="UTC")
+            t1 = pd.Timestamp(int(s.timestamps[-1]), tz="UTC")
+            r = s.returns[s.valid].double()
+            lines.append(
+                f"{name:>5}: {len(s):>9,} bars, {int(s.valid.sum()):>9,} decision bars, {t0:%Y-%m-%d %H:%M} .. "
+                f"{t1:%Y-%m-%d %H:%M} UTC, next-bar log return mean {r.mean():+.2e} std {r.std():.2e}"
+            )
+        return "\n".join(lines)
