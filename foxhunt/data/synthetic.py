@@ -8,8 +8,8 @@ The model (per symbol; ``t`` counts that symbol's bars; all symbols share one ca
 ::
 
     z[t]        i.i.d. Student-t innovations with ``tail_df`` degrees of freedom scaled to unit variance; across symbols
-                they are multivariate-t with pairwise correlation ``correlation`` (shared chi-square mixing, so big moves
-                tend to come together)
+                they are multivariate-t with pairwise correlation ``correlation`` (shared chi-square mixing, so big
+                moves tend to come together)
     e[t]        = s * e[t-1] + sqrt(1 - s^2) * z[t],  e[0] = z[0]        (standardised return; AR(1), unit variance)
     h[t+1]      = omega + (alpha * e[t]^2 + beta) * h[t],  h[0] = 1,  omega = 1 - alpha - beta   (GARCH(1,1), E h = 1)
     g[t]        intraday U-shape of volatility by position in the session (deterministic, mean of g^2 over a session 1)
@@ -27,9 +27,9 @@ at ``t`` and an independent innovation::
     r[t+1] = oracle_mean[t] + oracle_std[t] * z[t+1]
     oracle_mean[t] = s * sigma[t+1] * e[t]          oracle_std[t] = sqrt(1 - s^2) * sigma[t+1]
 
-Everything on the right is known from the bars ``<= t``: ``e[t] = r[t] / sigma[t]``, ``h[t+1]`` is the GARCH filter of the
-past close-to-close returns, and ``q[t+1]`` is a deterministic function of the next bar's open time, which the exchange
-calendar fixes in advance (:func:`oracle_from_bars` recomputes the oracle from the bars alone). ``z[t+1]`` is
+Everything on the right is known from the bars ``<= t``: ``e[t] = r[t] / sigma[t]``, ``h[t+1]`` is the GARCH filter of
+the past close-to-close returns, and ``q[t+1]`` is a deterministic function of the next bar's open time, which the
+exchange calendar fixes in advance (:func:`oracle_from_bars` recomputes the oracle from the bars alone). ``z[t+1]`` is
 independent of everything up to ``t``, in every symbol, so the oracle is *exact*:
 
 - ``oracle_mean`` is E[ln C[t+1] - ln C[t] | bars <= t]; ``s = 0`` makes it identically 0 (a log-price martingale).
@@ -39,9 +39,10 @@ independent of everything up to ``t``, in every symbol, so the oracle is *exact*
   corr(e[t], e[t+1]) = ``s``, so the achievable R^2 of the standardised next return is ``s^2`` (1% at ``s = 0.1``,
   9% at ``s = 0.3``); equivalently (r[t+1] - oracle_mean[t]) / oracle_std[t] are i.i.d. unit-variance Student-t.
 - In raw return units the correlation corr(oracle_mean[t], r[t+1]) is somewhat above ``s``, because a large ``|e[t]|``
-  raises both ``|oracle_mean[t]|`` and the next GARCH variance: about 1.1-1.2 ``s`` at the defaults (measured on 1M bars
-  per symbol: 0.117 for s = 0.1, 0.34 for s = 0.3; it also wanders from sample to sample because of the fat tails).
-  Score learned forecasts against the oracle on the same bars rather than against these figures.
+  raises both ``|oracle_mean[t]|`` and the next GARCH variance: about 1.15 ``s`` at the defaults on 1M bars (0.113-0.121
+  for s = 0.1, 0.334 for s = 0.3), and anywhere from about 1.0 ``s`` to 1.35 ``s`` on 200k bars, because the fat tails
+  make this raw correlation noisy. Score learned forecasts against the oracle on the same bars, not against these
+  figures.
 
 A causal feature set picks the signal up from the last return scaled by a volatility estimate (an EWMA of squared
 returns approximates ``h``, the time of day gives ``g``); even the raw lag-1 return autocorrelation is close to ``s``.
@@ -69,7 +70,8 @@ add bid-ask-bounce-like negative autocorrelation that the oracle does not know, 
 
 Random streams are spawned per component from ``seed`` and drawn in bar order, so a longer market of the same seed
 starts with exactly the bars of a shorter one (the future never changes the past). Generating the default 200k bars
-takes about 0.1 s, 1M bars about 0.5 s on one core (``python scripts/gen_synthetic.py --bench``).
+takes about 0.1 s and 1M bars about 0.5 s on one core; everything is vectorised, the GARCH and AR(1) recursions as
+blocked prefix scans (``python scripts/gen_synthetic.py --bench``).
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ _DAY_S = 86_400
 _SESSION_S = 23 * 3600  # CME Globex: 17:00 to 16:00 America/Chicago
 _SESSION_OPEN_S = 17 * 3600
 _EXCHANGE_TZ = "America/Chicago"
+_SCAN_BLOCK = 64  # steps per block of the prefix scan in _linear_recursion
 _U_DECAY = 0.08  # e-folding length of the intraday U-shape, as a fraction of the session (about 110 min of 23 h)
 
 
@@ -150,7 +153,7 @@ class SyntheticMarket:
 
     bars: pd.DataFrame = field(repr=False)
     oracle_mean: np.ndarray = field(repr=False)  # float64 [T]: E[r[t+1] | bars <= t]; NaN at each symbol's last bar
-    oracle_std: np.ndarray = field(repr=False)  # float64 [T]: sd of r[t+1] given bars <= t; NaN at each symbol's last bar
+    oracle_std: np.ndarray = field(repr=False)  # float64 [T]: sd of r[t+1] given bars <= t; NaN likewise
     params: MarketParams
 
     @property
@@ -166,7 +169,7 @@ class SyntheticMarket:
         return self.oracle_mean[:, None] + self.oracle_std[:, None] * unit[None, :]
 
     def next_returns(self) -> np.ndarray:
-        """Realised ln C[t+1] - ln C[t] aligned with the bars (NaN at each symbol's last bar); what the oracle forecasts."""
+        """Realised ln C[t+1] - ln C[t] per bar (NaN at each symbol's last bar): what the oracle forecasts."""
         return _next_log_returns(self.bars)
 
     def write(self, path: str | os.PathLike, **kwargs) -> Path:
@@ -294,12 +297,11 @@ def oracle_from_bars(bars: pd.DataFrame, params: MarketParams) -> tuple[np.ndarr
     r[1:] = np.diff(logc)
     r[first] = logc[first] - math.log(p.base_price)
     bv2 = p.bar_volatility**2
-    x = p.garch_omega + p.garch_alpha * r * r / (bv2 * q)  # h[t+1] = x[t] + beta * h[t]
+    x = p.garch_omega + p.garch_alpha * r * r / (bv2 * q)  # h[t+1] = beta * h[t] + x[t]
     h = np.empty_like(r)
     starts = np.flatnonzero(first)
     for a, b in zip(starts, np.r_[starts[1:], len(r)]):
-        beta = p.garch_beta
-        h[a:b] = np.fromiter(accumulate(x[a : b - 1].tolist(), lambda hh, xx: xx + beta * hh, initial=1.0), np.float64, b - a)
+        h[a:b] = _linear_recursion(p.garch_beta, x[a : b - 1], 1.0)
     sigma = p.bar_volatility * np.sqrt(h * q)
     e = r / sigma
     return _oracle(e, sigma, last, p.signal_strength)
@@ -405,7 +407,7 @@ def _phase(ts: np.ndarray, p: MarketParams) -> np.ndarray:
 
 
 def _calendar_factors(ts: np.ndarray, first: np.ndarray, p: MarketParams) -> tuple[np.ndarray, np.ndarray]:
-    """Seasonal variance factor g^2 (session mean 1) and closed time before each bar in bar-lengths (0 inside a session)."""
+    """Seasonal variance factor g^2 (session mean 1) and closed time before each bar in bar-lengths (0 in a session)."""
     per = p.bars_per_session
     grid = _u_shape((np.arange(per) + 0.5) / per, p.intraday_volatility_amplitude)
     norm = float(np.mean(grid**2))
@@ -414,6 +416,37 @@ def _calendar_factors(ts: np.ndarray, first: np.ndarray, p: MarketParams) -> tup
     gap[1:] = (np.diff(ts) - p.bar_seconds * _NS) / (p.bar_seconds * _NS)
     gap[first] = 0.0
     return g2, np.maximum(gap, 0.0)
+
+
+def _linear_recursion(coef: np.ndarray | float, inc: np.ndarray | float, x0: float) -> np.ndarray:
+    """x[0] = x0, x[t+1] = coef[t] * x[t] + inc[t] (AR(1), GARCH) without a Python loop per bar.
+
+    A parallel prefix scan of the affine maps x -> coef * x + inc inside blocks of ``_SCAN_BLOCK`` steps, then one
+    short sequential pass over the blocks. Each x[t] reads steps < t only and the blocks are fixed from step 0, so a longer
+    input gives bit-identical leading values; the result equals the sequential loop up to rounding.
+    """
+    n = max(np.size(coef), np.size(inc))
+    size = -(-n // _SCAN_BLOCK) * _SCAN_BLOCK
+    a = np.ones(size)
+    b = np.zeros(size)
+    a[:n] = coef
+    b[:n] = inc
+    a = a.reshape(-1, _SCAN_BLOCK)
+    b = b.reshape(-1, _SCAN_BLOCK)
+    d = 1
+    while d < _SCAN_BLOCK:  # compose each map with the one d steps before it (Hillis-Steele)
+        b[:, d:] = a[:, d:] * b[:, :-d] + b[:, d:]
+        a[:, d:] = a[:, d:] * a[:, :-d]
+        d *= 2
+    block_start = np.fromiter(
+        accumulate(zip(a[:, -1].tolist(), b[:, -1].tolist()), lambda x, ab: ab[0] * x + ab[1], initial=float(x0)),
+        np.float64,
+        a.shape[0] + 1,
+    )
+    out = np.empty(n + 1)
+    out[0] = x0
+    out[1:] = (a * block_start[:-1, None] + b).ravel()[:n]
+    return out
 
 
 def _first_rows(sym: np.ndarray) -> np.ndarray:
@@ -444,27 +477,28 @@ def _corr(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b) / den if den > 0 else 0.0
 
 
-def _innovations(rng: np.random.Generator, p: MarketParams) -> np.ndarray:
+def _innovations(normal_rng: np.random.Generator, mix_rng: np.random.Generator, p: MarketParams) -> np.ndarray:
     """[n, S] unit-variance multivariate Student-t innovations with equicorrelation ``p.correlation``."""
     n, k = p.n_bars, p.n_symbols
-    normals = rng.standard_normal((n, k))
+    normals = normal_rng.standard_normal((n, k))
     if k > 1:
         corr = np.full((k, k), p.correlation)
         np.fill_diagonal(corr, 1.0)
         normals = normals @ np.linalg.cholesky(corr).T
     if math.isinf(p.tail_df):
         return normals
-    mix = rng.chisquare(p.tail_df, n)
+    mix = mix_rng.chisquare(p.tail_df, n)
     return normals * np.sqrt((p.tail_df - 2.0) / mix)[:, None]
 
 
 def _simulate(p: MarketParams) -> SyntheticMarket:
     n, k, s = p.n_bars, p.n_symbols, p.signal_strength
-    streams = [np.random.default_rng(c) for c in np.random.SeedSequence(p.seed).spawn(4)]
-    z = _innovations(streams[0], p)
-    bridge = streams[1].standard_normal((n, k))  # splits a session's first return into gap and body
-    extremes = streams[2].random((n, k, 2))  # Brownian-bridge maximum and minimum of each bar
-    vol_noise = streams[3].standard_normal((n, k))
+    # one stream per component, each drawn in bar order, so a longer market starts with the bars of a shorter one
+    streams = [np.random.default_rng(c) for c in np.random.SeedSequence(p.seed).spawn(5)]
+    z = _innovations(streams[0], streams[1], p)
+    bridge = streams[2].standard_normal((n, k))  # splits a session's first return into gap and body
+    extremes = streams[3].random((n, k, 2))  # Brownian-bridge maximum and minimum of each bar
+    vol_noise = streams[4].standard_normal((n, k))
 
     ts = _timestamps(p)
     first_bar = np.zeros(n, dtype=bool)
@@ -472,7 +506,7 @@ def _simulate(p: MarketParams) -> SyntheticMarket:
     g2, gap = _calendar_factors(ts, first_bar, p)
     q = g2 + p.gap_variance_rate * gap
     gap_share = (p.gap_variance_rate * gap) / q  # share of the bar's variance that falls in the closed period
-    vol_shape = _u_shape(_phase(ts, p), p.intraday_volume_amplitude) / _u_shape(np.array([0.5]), p.intraday_volume_amplitude)
+    vol_shape = _u_shape(_phase(ts, p), p.intraday_volume_amplitude) / _u_shape(0.5, p.intraday_volume_amplitude)
 
     c = math.sqrt(1.0 - s * s)
     last = np.zeros(n, dtype=bool)
@@ -481,13 +515,8 @@ def _simulate(p: MarketParams) -> SyntheticMarket:
     means, stds = [], []
     for j in range(k):
         zj = z[:, j]
-        if s == 0.0:
-            e = zj.copy()
-        else:
-            e = np.fromiter(accumulate((c * zj[1:]).tolist(), lambda prev, inc: s * prev + inc, initial=float(zj[0])), np.float64, n)
-        a = p.garch_alpha * e[:-1] ** 2 + p.garch_beta
-        omega = p.garch_omega
-        h = np.fromiter(accumulate(a.tolist(), lambda hh, aa: omega + aa * hh, initial=1.0), np.float64, n)
+        e = zj.copy() if s == 0.0 else _linear_recursion(s, c * zj[1:], float(zj[0]))
+        h = _linear_recursion(p.garch_alpha * e[:-1] ** 2 + p.garch_beta, p.garch_omega, 1.0)
         sigma = p.bar_volatility * np.sqrt(h * q)
         r = sigma * e
         logc = math.log(p.base_price) + np.cumsum(r)
@@ -515,7 +544,7 @@ def _simulate(p: MarketParams) -> SyntheticMarket:
 
     order = sorted(range(k), key=lambda j: p.symbols[j])
     stamps = pd.DatetimeIndex(np.tile(ts, k), tz="UTC").as_unit("ns")
-    cols = {name: np.concatenate([blocks[j][name] for j in order]) for name in ("open", "high", "low", "close", "volume")}
+    cols = {name: np.concatenate([blocks[j][name] for j in order]) for name in blocks[0]}
     # exp(log) round-trips can put open or close a hair outside [low, high]; clamp so OHLC is consistent bit-for-bit
     cols["high"] = np.maximum(cols["high"], np.maximum(cols["open"], cols["close"]))
     cols["low"] = np.minimum(cols["low"], np.minimum(cols["open"], cols["close"]))
