@@ -25,6 +25,64 @@ log = logging.getLogger("foxhunt.data")
 SPLITS = ("train", "val", "test")
 
 
+def assemble_split(
+    name: str,
+    symbols: list[str],
+    timestamps: torch.Tensor,
+    symbol_index: torch.Tensor,
+    ohlcv: torch.Tensor,
+    features: torch.Tensor,
+    ready: torch.Tensor,
+    returns: torch.Tensor,
+    feature_names: list[str],
+    target_transform: TargetTransform,
+) -> MarketSplit:
+    """A MarketSplit from rows (ordered by symbol, time) of normalised features and raw next-bar returns.
+
+    A symbol's last row has no next return inside the rows, so it is never a decision bar.
+    """
+    r = returns.float()
+    last = torch.ones(r.shape[0], dtype=torch.bool)
+    if r.shape[0] > 1:
+        last[:-1] = symbol_index[1:] != symbol_index[:-1]
+    r = torch.where(last, torch.nan, r)
+    scaled = target_transform.transform(r, segment=symbol_index)
+    valid = ready & torch.isfinite(r) & torch.isfinite(scaled.value)
+    return MarketSplit(
+        name=name,
+        symbols=symbols,
+        timestamps=timestamps,
+        symbol_index=symbol_index,
+        ohlcv=ohlcv,
+        returns=r,
+        targets=torch.nan_to_num(scaled.value, nan=0.0),
+        valid=valid,
+        features=torch.nan_to_num(features, nan=0.0).float(),
+        feature_names=list(feature_names),
+        target_loc=scaled.loc.float(),
+        target_scale=scaled.scale.float(),
+    )
+
+
+def bars_tensors(bars: pd.DataFrame) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symbols, timestamps [T] int64 ns, symbol codes [T] and OHLCV [T, 5] float64 of a bar frame."""
+    codes, names = symbol_codes(bars)
+    ts = torch.from_numpy(timestamps_ns(bars).copy())
+    sym = torch.from_numpy(codes)
+    ohlcv = torch.from_numpy(bars[["open", "high", "low", "close", "volume"]].to_numpy(np.float64, copy=True))
+    return list(names), ts, sym, ohlcv
+
+
+def fingerprint(bars: pd.DataFrame) -> str:
+    """A content hash of bars (timestamps, OHLCV, symbols): what a cache key or an export records."""
+    names, ts, sym, ohlcv = bars_tensors(bars)
+    h = hashlib.blake2b(digest_size=16)
+    for t in (ohlcv, ts, sym):
+        h.update(t.numpy().tobytes())
+    h.update("\n".join(names).encode())
+    return h.hexdigest()
+
+
 class BarDataModule(pl.LightningDataModule):
     """Loads bars (a file, directory or glob; the embedded synthetic market when ``path`` is None) into MarketSplits.
 
@@ -104,6 +162,7 @@ class BarDataModule(pl.LightningDataModule):
         self.bars: pd.DataFrame | None = None
         self.market = None  # the SyntheticMarket when no path is given (it holds the oracle)
         self.splits: dict[str, MarketSplit] = {}
+        self.train_window_mask: torch.Tensor | None = None  # optional restriction of TFT training windows (stacking)
         self.split_rows: dict[str, np.ndarray] = {}
 
     # --- loading -------------------------------------------------------------------------------------------------
@@ -125,15 +184,20 @@ class BarDataModule(pl.LightningDataModule):
             bars = bars[bars["symbol"].isin(self.symbols)].reset_index(drop=True)
         return bars
 
+    @property
+    def n_symbols(self) -> int:
+        """Symbols in the data (loads the bars once if needed; setup reuses them)."""
+        if self.bars is None:
+            self.bars = self.load()
+        return int(self.bars["symbol"].nunique())
+
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
-        bars = self.load()
+        bars = self.bars if self.bars is not None else self.load()
         self.bars = bars
-        codes, names = symbol_codes(bars)
-        ts = torch.from_numpy(timestamps_ns(bars).copy())
-        sym = torch.from_numpy(codes)
-        ohlcv = torch.from_numpy(bars[["open", "high", "low", "close", "volume"]].to_numpy(np.float64, copy=True))
+        names, ts, sym, ohlcv = bars_tensors(bars)
+        codes = sym.numpy()
         raw_features, ready = self._features(bars, ohlcv, ts, sym)
         returns = next_log_returns(ohlcv[:, 3], segment=sym).to(torch.float64)
 
@@ -145,47 +209,29 @@ class BarDataModule(pl.LightningDataModule):
             raise ValueError("BarDataModule: the training split is empty; check the split fractions or dates")
         train_ok = ready[train] & torch.isfinite(returns[train])
         self.feature_normalizer.fit(raw_features[train][train_ok], names=self.feature_set.names)
-        features = self.feature_normalizer(raw_features).clamp(-self.feature_clip, self.feature_clip)
-        self.target_transform.fit(returns[train][train_ok].float())
+        features = self.normalise(raw_features)
+        train_r = torch.where(train_ok, returns[train], torch.nan).float()
+        self.target_transform.fit(train_r, segment=sym[train])
 
-        for i, name in enumerate(SPLITS):
+        for name in SPLITS:
             rows = torch.from_numpy(self.split_rows[name])
-            r = returns[rows].float()
-            seg = sym[rows]
-            scaled = self.target_transform.transform(r, segment=seg)
-            valid = ready[rows] & torch.isfinite(r) & torch.isfinite(scaled.value)
-            x = torch.nan_to_num(features[rows], nan=0.0)
-            # a symbol's last bar in a split has no next return inside the split: mark it invalid
-            last = torch.ones_like(valid)
-            if rows.numel() > 1:
-                last[:-1] = seg[1:] != seg[:-1]
-            valid &= ~last
-            self.splits[name] = MarketSplit(
-                name=name,
-                symbols=list(names),
-                timestamps=ts[rows],
-                symbol_index=seg,
-                ohlcv=ohlcv[rows],
-                returns=torch.where(last, torch.nan, r),
-                targets=torch.nan_to_num(scaled.value, nan=0.0),
-                valid=valid,
-                features=x.float(),
-                feature_names=list(self.feature_set.names),
-                target_loc=scaled.loc.float(),
-                target_scale=scaled.scale.float(),
+            self.splits[name] = assemble_split(
+                name, list(names), ts[rows], sym[rows], ohlcv[rows], features[rows], ready[rows], returns[rows],
+                self.feature_names, self.target_transform,
             )
         log.info("%s", self.describe())
+
+    def normalise(self, raw_features: torch.Tensor) -> torch.Tensor:
+        """Features scaled by the train-fitted normaliser and clipped to ±feature_clip (NaN stays NaN)."""
+        return self.feature_normalizer(raw_features).clamp(-self.feature_clip, self.feature_clip)
 
     def _features(self, bars: pd.DataFrame, ohlcv: torch.Tensor, ts: torch.Tensor, sym: torch.Tensor):
         """Raw features, from the on-disk cache when the same bars and feature set were seen before."""
         key = None
         if self.cache_dir is not None:
             h = hashlib.blake2b(digest_size=16)
-            h.update(ohlcv.numpy().tobytes())
-            h.update(ts.numpy().tobytes())
-            h.update(sym.numpy().tobytes())
+            h.update(fingerprint(bars).encode())
             h.update("\n".join(self.feature_set.names).encode())
-            h.update("\n".join(map(str, bars["symbol"].unique())).encode())
             key = self.cache_dir / f"features-{h.hexdigest()}.safetensors"
             if key.exists():
                 cached = load_file(str(key))
@@ -238,9 +284,12 @@ class BarDataModule(pl.LightningDataModule):
         return list(self.feature_set.names)
 
     def windows(self, split: str, shuffle: bool = False, batch_size: int | None = None) -> WindowBatches:
-        """TFT window batches of one split."""
+        """TFT window batches of one split (training windows restricted by ``train_window_mask`` when set)."""
+        market = self.splits[split]
+        if split == "train" and self.train_window_mask is not None:
+            market = replace(market, valid=market.valid & self.train_window_mask.to(market.valid.device))
         return WindowBatches(
-            self.splits[split],
+            market,
             lookback=self.lookback,
             horizon=self.horizon,
             batch_size=batch_size or (self.batch_size if split == "train" else self.eval_batch_size),

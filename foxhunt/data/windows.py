@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import IterableDataset, get_worker_info
@@ -57,7 +58,10 @@ class WindowBatches(IterableDataset):
     Yields dicts with ``x_past`` [B, L, F] (feature rows t-L+1..t), ``x_future`` [B, H, K] (the ``known_future``
     columns of rows t+1..t+H), ``y`` [B, H] (``targets`` rows t..t+H-1), ``y_raw`` [B, H] (raw log ``returns`` of the
     same rows, for metrics), ``symbol`` [B] and ``t`` [B] (decision row in the split), for t in
-    :func:`valid_window_starts`.
+    :func:`valid_window_starts`. When the split carries ``target_loc``/``target_scale``, ``y_loc``/``y_scale``
+    [B, H] (same rows) map a prediction of ``y`` back to a log return: ``y * y_scale + y_loc`` (clipping aside).
+    With a rolling target scale, the statistics of step h use returns up to t+h-1: exact for the loss and for
+    metrics computed after the fact, but only step 0's are known at decision time t.
 
     Use it as a Lightning dataloader directly (return it from ``train_dataloader``); Lightning calls ``set_epoch``
     each epoch through ``sampler``. Without ``set_epoch``, each new pass advances the epoch by one, so a plain loop
@@ -97,11 +101,17 @@ class WindowBatches(IterableDataset):
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
         self.features = split.features.float().contiguous()
+        # On CPU the big x_past gather goes through numpy's single-threaded take: torch's OpenMP index_select was
+        # 10x slower with 2 threads on a loaded 2-core machine (scripts/bench_windows.py), and never faster with 1.
+        self._features_np = self.features.numpy() if self.features.device.type == "cpu" else None
         cols = [split.feature_names.index(name) for name in self.known_future]
         self.future_features = self.features[:, cols].contiguous()
         self.targets = split.targets.float().contiguous()
         self.returns = split.returns.float().contiguous()
         self.symbol_index = split.symbol_index.long().contiguous()
+        loc, scale = getattr(split, "target_loc", None), getattr(split, "target_scale", None)
+        self.target_loc = None if loc is None else loc.float().contiguous()
+        self.target_scale = None if scale is None else scale.float().contiguous()
         self.starts = valid_window_starts(split, self.lookback, self.horizon)
         dev = self.starts.device
         self._past_offsets = torch.arange(-self.lookback + 1, 1, device=dev)
@@ -141,14 +151,24 @@ class WindowBatches(IterableDataset):
         b = t.shape[0]
         past = (t[:, None] + self._past_offsets).reshape(-1)
         ahead = (t[:, None] + self._target_offsets).reshape(-1)
-        return {
-            "x_past": self.features.index_select(0, past).view(b, self.lookback, -1),
+        batch = {
+            "x_past": self._take_features(past).view(b, self.lookback, -1),
             "x_future": self.future_features.index_select(0, ahead + 1).view(b, self.horizon, -1),
             "y": self.targets.index_select(0, ahead).view(b, self.horizon),
             "y_raw": self.returns.index_select(0, ahead).view(b, self.horizon),
             "symbol": self.symbol_index.index_select(0, t),
             "t": t,
         }
+        if self.target_loc is not None:
+            batch["y_loc"] = self.target_loc.index_select(0, ahead).view(b, self.horizon)
+        if self.target_scale is not None:
+            batch["y_scale"] = self.target_scale.index_select(0, ahead).view(b, self.horizon)
+        return batch
+
+    def _take_features(self, rows: Tensor) -> Tensor:
+        if self._features_np is None:
+            return self.features.index_select(0, rows)
+        return torch.from_numpy(np.take(self._features_np, rows.numpy(), axis=0))
 
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
         epoch = self._epoch

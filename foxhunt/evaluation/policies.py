@@ -1,0 +1,56 @@
+"""Turning forecasts and member positions into trading positions: the TFT's own policy and the ensemble combinations."""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+import torch
+from torch import Tensor
+
+from foxhunt.rl.env import rollout_policy_table
+
+Combine = Literal["stack", "vote", "sharpe_weighted"]
+
+
+def forecast_policy(lower: Tensor, median: Tensor, upper: Tensor, cost_bps: float, decision: Tensor, reset: Tensor) -> Tensor:
+    """Long when the forecast interval's lower edge clears the cost, short when the upper edge is below −cost.
+
+    Once in a position, it is held while the median keeps its sign (exiting and re-entering would pay the cost
+    twice); otherwise the policy is flat. Rows where ``decision`` is False are flat. Positions in {-1, 0, 1}.
+    """
+    cost = cost_bps * 1e-4
+    n = median.shape[0]
+    actions = torch.tensor([-1.0, 0.0, 1.0], device=median.device)
+    enter_long = lower > cost
+    enter_short = upper < -cost
+    table = torch.full((n, 3), 1, dtype=torch.int64, device=median.device)  # column = previous position index
+    for prev, sign in ((0, -1.0), (1, 0.0), (2, 1.0)):
+        hold = (torch.sign(median) == sign) & (sign != 0.0)
+        col = torch.where(hold, torch.full_like(table[:, prev], prev), torch.ones_like(table[:, prev]))
+        col = torch.where(enter_short, torch.zeros_like(col), col)
+        col = torch.where(enter_long, torch.full_like(col, 2), col)
+        table[:, prev] = col
+    table = torch.where(decision.unsqueeze(1), table, torch.ones_like(table))
+    table = torch.where(reset.unsqueeze(1), table[:, 1:2].expand_as(table), table)
+    return actions[rollout_policy_table(table, 1)]
+
+
+def vote(positions: Sequence[Tensor]) -> Tensor:
+    """Majority vote of member positions: the rounded mean, so one member long and one flat stays flat."""
+    mean = torch.stack([p.to(torch.float32) for p in positions]).mean(0)
+    return torch.round(mean).clamp(-1.0, 1.0)
+
+
+def sharpe_weights(sharpes: Sequence[float]) -> list[float]:
+    """Weights proportional to each member's positive validation Sharpe (all zero when none is positive)."""
+    pos = [max(float(s), 0.0) if s == s else 0.0 for s in sharpes]
+    total = sum(pos)
+    return [p / total for p in pos] if total > 0 else [0.0 for _ in pos]
+
+
+def weighted(positions: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
+    """Sum of member positions weighted by ``weights`` (fractional positions in [-1, 1])."""
+    out = torch.zeros_like(positions[0], dtype=torch.float32)
+    for p, w in zip(positions, weights):
+        out = out + float(w) * p.to(torch.float32)
+    return out

@@ -1,0 +1,129 @@
+"""`python -m foxhunt.fit --config lightning_configs/<name>.yaml`: train the ensemble with LightningCLI.
+
+Everything is a typed constructor argument of ``EnsembleModule`` (with its ``tft`` and ``dqn`` members),
+``BarDataModule`` or ``Trainer``, so the usual LightningCLI conventions hold: ``--print_config``, overrides such as
+``--trainer.max_epochs 3`` or ``--model.tft.hidden_size 64``, ``--ckpt_path last`` to resume. Sizes that follow from
+the data (feature counts, symbols) are linked from the DataModule and need not be written in configs. After
+training, the best or last weights are exported as safetensors with JSON metadata and back-tested on the test split.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+from lightning.pytorch.cli import LightningCLI
+
+from foxhunt.data.datamodule import BarDataModule
+from foxhunt.lit.ensemble import EnsembleModule
+
+log = logging.getLogger("foxhunt.fit")
+
+
+def _n_features(dm: BarDataModule) -> int:
+    return len(dm.feature_names)
+
+
+def _n_known(dm: BarDataModule) -> int:
+    return len(dm.known_future)
+
+
+def _n_symbols(dm: BarDataModule) -> int:
+    return dm.n_symbols
+
+
+class FoxhuntCLI(LightningCLI):
+    """LightningCLI with the data-to-model links, foxhunt's default callbacks and logger, and the export step."""
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from ('last' for the latest)")
+        parser.add_argument("--export_dir", type=str | None, default=None, help="where to write the safetensors export (default: <log_dir>/export)")
+        parser.add_argument("--backtest", type=bool, default=True, help="back-test the exported model on the test split after fit")
+        parser.link_arguments("data", "model.tft.init_args.n_features", compute_fn=_n_features, apply_on="instantiate")
+        parser.link_arguments("data", "model.tft.init_args.n_known_future", compute_fn=_n_known, apply_on="instantiate")
+        parser.link_arguments("data", "model.tft.init_args.n_symbols", compute_fn=_n_symbols, apply_on="instantiate")
+        parser.link_arguments("data.lookback", "model.tft.init_args.lookback")
+        parser.link_arguments("data.horizon", "model.tft.init_args.horizon")
+        parser.link_arguments("data", "model.tft.init_args.feature_names", compute_fn=lambda dm: dm.feature_names, apply_on="instantiate")
+        parser.link_arguments("data", "model.tft.init_args.known_future_names", compute_fn=lambda dm: list(dm.known_future), apply_on="instantiate")
+        parser.link_arguments("data", "model.dqn.init_args.n_features", compute_fn=_n_features, apply_on="instantiate")
+        parser.link_arguments("model.cost_bps", "model.dqn.init_args.cost_bps")
+        parser.set_defaults(
+            {
+                "trainer.logger": {
+                    "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                    "init_args": {"save_dir": "runs", "name": "foxhunt", "default_hp_metric": False},
+                },
+            }
+        )
+
+    def fit(self) -> dict[str, Any]:
+        """Train, then export the best weights and back-test them on the test split."""
+        cfg = self.config
+        trainer, model, dm = self.trainer, self.model, self.datamodule
+        if trainer.loggers and not any(isinstance(cb, LearningRateMonitor) for cb in trainer.callbacks):
+            trainer.callbacks.append(LearningRateMonitor(logging_interval="step"))
+        trainer.fit(model, datamodule=dm, ckpt_path=cfg.get("ckpt_path"))
+        return self.export_and_backtest()
+
+    def export_and_backtest(self) -> dict[str, Any]:
+        from foxhunt.backtest import backtest_table, format_table
+        from foxhunt.export import export_ensemble
+
+        cfg = self.config
+        trainer, model, dm = self.trainer, self.model, self.datamodule
+        if trainer.global_rank != 0:
+            return {}
+        ckpt = trainer.checkpoint_callback
+        best = getattr(ckpt, "best_model_path", "") if ckpt is not None else ""
+        if best:
+            state = torch.load(best, map_location="cpu", weights_only=True)["state_dict"]
+            model.load_state_dict(state)
+            log.info("loaded the best checkpoint %s for export", best)
+        out_dir = Path(cfg.get("export_dir") or Path(trainer.log_dir or "runs") / "export")
+        meta = export_ensemble(model, dm, out_dir, config=self.parser.dump(cfg, skip_none=False))
+        print(f"\nexported {', '.join(sorted(meta['files']))} to {out_dir}")
+        if not cfg.get("backtest", True):
+            return {"export": meta}
+        table = backtest_table(model, "test")
+        print("\nBack-test on the test split, after costs:\n" + format_table(table))
+        return {"export": meta, "backtest": table}
+
+
+def default_trainer_kwargs() -> dict[str, Any]:
+    """Trainer defaults: precision by device, checkpoints on the ensemble's validation Sharpe, rich progress."""
+    precision = "32-true"
+    if torch.cuda.is_available():
+        precision = "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    return {
+        "precision": precision,
+        "callbacks": [
+            ModelCheckpoint(monitor="val/sharpe", mode="max", save_last=True, filename="best-{epoch}-{step}"),
+            RichProgressBar(leave=True),
+        ],
+        "log_every_n_steps": 10,
+    }
+
+
+def main(args: list[str] | None = None) -> FoxhuntCLI:
+    """Parse the config and overrides, train, export and back-test."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    cli = FoxhuntCLI(
+        EnsembleModule,
+        BarDataModule,
+        subclass_mode_model=False,
+        subclass_mode_data=False,
+        trainer_defaults=default_trainer_kwargs(),
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        run=False,
+    )
+    cli.results = cli.fit()
+    return cli
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,477 @@
+"""EnsembleModule: trains a TFTModule and a DQNModule together in one Trainer and combines their positions.
+
+The coordinator owns the loop, the members own their maths: it uses manual optimisation with each member's own
+AdamW and schedule (from the member's ``configure_optimizers``), clips and logs *unscaled* gradients per member in
+``on_before_optimizer_step`` (Lightning's precision plugin unscales a GradScaler's gradients just before that hook,
+so clipping there is correct under ``16-mixed``), applies each member's non-finite guard, and schedules the members:
+TFT-only warm-up steps, then joint steps.
+
+Combinations (``combine``):
+
+- ``vote``: the rounded mean of the member positions (one long and one flat stays flat).
+- ``sharpe_weighted``: member positions weighted by their positive validation Sharpe (FinRL's ensemble picks the
+  agent with the best validation Sharpe; this is its soft version). Weights come from the latest validation.
+- ``stack``: the DQN observes the TFT's quantile forecasts of the next H bars as extra features. Forecasts on the
+  TFT's own training bars would be in-sample, so the training split is cut in time: the TFT trains on the first
+  ``stack_fraction`` of it; at the end of the warm-up a frozen snapshot of the TFT forecasts the remaining training
+  bars (which it never saw), the validation and the test split; the DQN trains on those later training bars only.
+  The ensemble's position is the stacked DQN's.
+
+The TFT's own policy is long (short) when the lower (upper) edge of its forecast interval for the next bar clears
+the cost, and holds while its median keeps the sign; see :func:`foxhunt.evaluation.policies.forecast_policy`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from typing import Any, Literal
+
+import lightning.pytorch as L
+import torch
+from torch import Tensor
+
+from foxhunt.data.market import MarketSplit
+from foxhunt.data.windows import WindowBatches
+from foxhunt.evaluation.policies import Combine, forecast_policy, sharpe_weights, vote, weighted
+from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
+from foxhunt.evaluation.trading import trading_metrics
+from foxhunt.lit.dqn import DQNModule
+from foxhunt.lit.tft import TFTModule
+from foxhunt.training.gradnorm import grad_norms
+
+BACKTEST_KEYS = ("sharpe", "total_log_return", "reward_per_bar", "max_drawdown", "turnover", "hit_rate", "n_trades")
+
+
+class EnsembleModule(L.LightningModule):
+    """The coordinator: one Trainer, two members, one trading policy."""
+
+    def __init__(
+        self,
+        tft: TFTModule | None = None,
+        dqn: DQNModule | None = None,
+        combine: Combine = "sharpe_weighted",
+        tft_warmup_steps: int = 200,
+        tft_steps_per_joint_step: int = 1,
+        dqn_updates_per_joint_step: int = 1,
+        gradient_clip_val: float = 1.0,
+        cost_bps: float = 1.0,
+        tft_interval: tuple[float, float] = (0.1, 0.9),
+        stack_fraction: float = 0.5,
+        bars_per_year: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        """
+        Args:
+            tft: the forecasting member (None for a DQN-only run).
+            dqn: the trading member (None for a TFT-only run).
+            combine: how member positions become the ensemble's ("stack", "vote", "sharpe_weighted").
+            tft_warmup_steps: training steps in which only the TFT learns.
+            tft_steps_per_joint_step: TFT updates per training step after the warm-up (0: the TFT stops).
+            dqn_updates_per_joint_step: DQN updates per training step after the warm-up.
+            gradient_clip_val: max gradient norm per member (0: no clipping), applied to unscaled gradients.
+            cost_bps: transaction cost per unit of position traded, in basis points, for every back-test.
+            tft_interval: the forecast quantiles whose interval must clear the cost for the TFT to take a position.
+            stack_fraction: with combine="stack", the share of the training split (in time) the TFT trains on.
+            bars_per_year: Sharpe annualisation; None infers it from the bar spacing.
+            seed: seeds the members' RNG-dependent parts not seeded by themselves.
+        """
+        super().__init__()
+        if tft is None and dqn is None:
+            raise ValueError("EnsembleModule needs at least one member: give tft, dqn or both")
+        if combine == "stack" and (tft is None or dqn is None):
+            raise ValueError("combine='stack' needs both a tft and a dqn member")
+        if combine not in ("stack", "vote", "sharpe_weighted"):
+            raise ValueError(f"combine must be 'stack', 'vote' or 'sharpe_weighted', got {combine!r}")
+        if not 0.0 < stack_fraction < 1.0:
+            raise ValueError(f"stack_fraction must be in (0, 1), got {stack_fraction}")
+        if tft is not None:
+            qs = list(tft.quantiles)
+            for q in tft_interval:
+                if not any(abs(q - x) < 1e-9 for x in qs):
+                    raise ValueError(f"tft_interval quantile {q} is not one of the TFT's quantiles {qs}")
+        self.save_hyperparameters(ignore=["tft", "dqn"])
+        self.automatic_optimization = False
+        self.tft = tft
+        self.dqn = dqn
+        if combine == "stack":
+            assert tft is not None and dqn is not None
+            n_stack = tft.hparams.horizon * len(tft.quantiles)
+            # a frozen copy of the TFT taken at the end of its warm-up produces the DQN's extra inputs
+            self.tft_snapshot = copy.deepcopy(tft.net).requires_grad_(False)
+            self.register_buffer("stack_mean", torch.zeros(n_stack))
+            self.register_buffer("stack_std", torch.ones(n_stack))
+            _widen_dqn_inputs(dqn, dqn.hparams.n_features + n_stack)
+        self.member_names = [n for n, m in (("tft", tft), ("dqn", dqn)) if m is not None]
+        self.dqn_updates = 0
+        self.tft_updates = 0
+        self._weights = [1.0 / len(self.member_names)] * len(self.member_names)
+        self._splits: dict[str, MarketSplit] = {}
+        self._stacked: dict[str, MarketSplit] = {}
+        self._dqn_ready = False
+        self._active: str | None = None
+        self._oracle: dict[str, Tensor] = {}
+        self.last_backtest: dict[str, dict[str, float]] = {}
+
+    # ------------------------------------------------------------------------------------------------ wiring
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None)
+        if dm is None or not hasattr(dm, "splits"):
+            raise RuntimeError("EnsembleModule needs a BarDataModule (it reads its MarketSplits)")
+        dm.setup(stage)
+        self._splits = dict(dm.splits)
+        if self.tft is not None:
+            self.tft.target_transform = dm.target_transform
+        if self.hparams.combine == "stack":
+            dm.train_window_mask = self._tft_window_mask(dm.train_split)
+        market = getattr(dm, "market", None)
+        if market is not None:  # the synthetic market knows the oracle's conditional means
+            from foxhunt.data.datamodule import SPLITS
+
+            for name in SPLITS:
+                rows = torch.from_numpy(dm.split_rows[name])
+                self._oracle[name] = torch.from_numpy(market.oracle_mean)[rows]
+        if self.dqn is not None and self.hparams.combine != "stack":
+            self.dqn.attach_market(dm.train_split, dm.val_split)
+
+    def _stack_mask(self, split: MarketSplit) -> Tensor:
+        """[T] rows of the training split before the stacking cut time (the TFT's share; the DQN gets the rest)."""
+        ts = split.timestamps
+        cut_time = torch.quantile(ts.unique().double(), self.hparams.stack_fraction)
+        return ts.double() < cut_time
+
+    def _tft_window_mask(self, split: MarketSplit) -> Tensor:
+        """Decision rows whose H targets all lie before the stacking cut, so the TFT never sees the DQN's labels."""
+        before = self._stack_mask(split)
+        h = self.tft.hparams.horizon if self.tft is not None else 1
+        ok = torch.zeros_like(before)
+        if len(split) > h:
+            ok[:-h] = before[h:] & (split.symbol_index[h:] == split.symbol_index[:-h])
+        return ok
+
+    # ------------------------------------------------------------------------------------------------ training
+    def configure_optimizers(self) -> list[Any]:
+        optimizers, self._schedulers = [], []
+        for name in self.member_names:
+            member = getattr(self, name)
+            config = member.configure_optimizers()
+            if isinstance(config, dict):
+                optimizers.append(config["optimizer"])
+                self._schedulers.append(config.get("lr_scheduler"))
+            else:
+                optimizers.append(config)
+                self._schedulers.append(None)
+        return optimizers
+
+    def _opt(self, name: str):
+        opts = self.optimizers()
+        opts = opts if isinstance(opts, list) else [opts]
+        return opts[self.member_names.index(name)]
+
+    def _sched_step(self, name: str) -> None:
+        conf = self._schedulers[self.member_names.index(name)]
+        if conf is None:
+            return
+        sched = conf["scheduler"] if isinstance(conf, dict) else conf
+        if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            return  # stepped at validation end
+        sched.step()
+
+    def in_warmup(self) -> bool:
+        return self.tft is not None and self.tft_updates < self.hparams.tft_warmup_steps
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        hp = self.hparams
+        warm = self.in_warmup()
+        if self.tft is not None and (warm or hp.tft_steps_per_joint_step > 0):
+            for _ in range(1 if warm else hp.tft_steps_per_joint_step):
+                self._tft_update(batch)
+        if self.dqn is not None and not warm:
+            if not self._dqn_ready:
+                self._start_dqn()
+            for _ in range(hp.dqn_updates_per_joint_step):
+                self._dqn_update()
+
+    def _tft_update(self, batch: dict[str, Tensor]) -> None:
+        tft = self.tft
+        assert tft is not None
+        out = tft(batch)
+        loss = tft.quantile_loss(out.prediction, batch["y"])
+        self.log("train/tft_loss", loss.detach(), on_step=True, prog_bar=True, batch_size=batch["y"].shape[0])
+        if self._member_step("tft", loss):
+            self.tft_updates += 1
+
+    def _start_dqn(self) -> None:
+        """Build the DQN's environment (stacked with TFT forecasts when combining by stacking) and fill its replay."""
+        dqn = self.dqn
+        assert dqn is not None
+        if self.hparams.combine == "stack":
+            self._take_snapshot()
+            self._stacked = {k: self.stacked(self._slice_for(k)) for k in ("train", "val")}
+            dqn.attach_market(self._stacked["train"], self._stacked["val"])
+        dqn.on_train_start()
+        self._dqn_ready = True
+
+    def _dqn_update(self) -> None:
+        dqn = self.dqn
+        assert dqn is not None and dqn.replay is not None
+        hp = dqn.hparams
+        eps = dqn.epsilon(self.dqn_updates)
+        for _ in range(hp.env_steps_per_update):
+            dqn._env_step(eps)
+        loss, q = dqn.td_loss(dqn.replay.sample(hp.batch_size, hp.n_step, hp.gamma))
+        scale = dqn.reward_scale_used or 1.0
+        self.log_dict(
+            {"train/dqn_td_loss": loss.detach(), "train/q_mean": q.mean() / scale, "train/q_max": q.max() / scale,
+             "train/epsilon": float(eps), "train/env_steps": float(dqn.env_steps)},
+            on_step=True, batch_size=hp.batch_size,
+        )
+        if not self._member_step("dqn", loss):
+            return
+        self.dqn_updates += 1
+        with torch.no_grad():
+            if hp.target_update == "polyak":
+                torch._foreach_lerp_(list(dqn.target_net.parameters()), list(dqn.q_net.parameters()), hp.tau)
+            elif self.dqn_updates % hp.target_update_every == 0:
+                dqn.target_net.load_state_dict(dqn.q_net.state_dict())
+
+    def _net(self, name: str) -> torch.nn.Module:
+        member = getattr(self, name)
+        return member.net if name == "tft" else member.q_net
+
+    def _member_step(self, name: str, loss: Tensor) -> bool:
+        """Backward and step one member with its own optimizer and guard; False when the update was skipped."""
+        member = getattr(self, name)
+        step = self.tft_updates if name == "tft" else self.dqn_updates
+        if not member.guard.check_loss(loss, step):
+            self.log(f"train/{name}_nonfinite_skipped", float(member.guard.skipped))
+            return False
+        opt = self._opt(name)
+        opt.zero_grad(set_to_none=True)
+        self.manual_backward(loss)
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        # Without a GradScaler the gradients are final here: a non-finite one raises or skips the whole step.
+        # With one (16-mixed), the scaler itself skips overflowing steps and lowers its scale.
+        if scaler is None and not member.guard.check_gradients(self._net(name), step):
+            self.log(f"train/{name}_nonfinite_skipped", float(member.guard.skipped))
+            opt.zero_grad(set_to_none=True)
+            return False
+        self._active = name
+        opt.step()
+        self._active = None
+        self._sched_step(name)
+        return True
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Gradients are unscaled here (by the precision plugin): log the active member's norms, then clip them."""
+        name = self._active
+        if name is None:
+            return
+        member = getattr(self, name)
+        net = self._net(name)
+        step = self.tft_updates if name == "tft" else self.dqn_updates
+        every = member.hparams.log_grad_norm_every
+        if every and step % every == 0:
+            self.log_dict({f"grad_norm/{name}/{k.split('/')[-1]}": v for k, v in grad_norms(net).items()})
+        clip = self.hparams.gradient_clip_val
+        if clip and clip > 0:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+
+    # ------------------------------------------------------------------------------------------------ stacking
+    @torch.no_grad()
+    def forecasts(self, split: MarketSplit, net: torch.nn.Module | None = None) -> Tensor:
+        """[T, H, Q] quantile forecasts (original return scale) at every window-valid row of ``split``; NaN elsewhere."""
+        tft = self.tft
+        assert tft is not None
+        net = net if net is not None else tft.net
+        hp = tft.hparams
+        known = list(hp.known_future_names or [])
+        batches = WindowBatches(split, hp.lookback, hp.horizon, batch_size=2048, known_future=known, device=self.device)
+        out = torch.full((len(split), hp.horizon, len(tft.quantiles)), float("nan"), device=self.device)
+        was = net.training
+        net.eval()
+        loc_all, scale_all = split.target_loc.to(self.device), split.target_scale.to(self.device)
+        for batch in batches:
+            pred = net(batch["x_past"], batch["x_future"], batch["symbol"]).prediction.float()
+            batch["y_loc"], batch["y_scale"] = loc_all[batch["t"]], scale_all[batch["t"]]
+            out[batch["t"]] = tft.to_return_scale(pred, batch)
+        net.train(was)
+        return out
+
+    def _take_snapshot(self) -> None:
+        """Freeze the TFT as it is now and fit the standardisation of its forecasts on the DQN's training bars."""
+        assert self.tft is not None
+        self.tft_snapshot.load_state_dict(self.tft.net.state_dict())
+        fc = self.forecasts(self._slice_for("train"), self.tft_snapshot).flatten(1)
+        ref = fc[torch.isfinite(fc).all(1)]
+        self.stack_mean.copy_(ref.mean(0))
+        self.stack_std.copy_(ref.std(0).clamp_min(1e-12))
+
+    def stacked(self, split: MarketSplit) -> MarketSplit:
+        """The split with the snapshot's standardised forecasts appended to its features (the DQN's inputs)."""
+        assert self.tft is not None
+        fc = self.forecasts(split, self.tft_snapshot).flatten(1)
+        z = torch.nan_to_num((fc - self.stack_mean) / self.stack_std, nan=0.0).clamp(-10, 10).float().to(split.features.device)
+        names = [f"tft_h{h}_q{q}" for h in range(self.tft.hparams.horizon) for q in self.tft.quantiles]
+        return replace(split, features=torch.cat([split.features, z], 1), feature_names=split.feature_names + names)
+
+    # ------------------------------------------------------------------------------------------------ evaluation
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        if self.tft is None:
+            return
+        out = self.tft(batch)
+        loss = self.tft.quantile_loss(out.prediction, batch["y"])
+        self.log("val/tft_loss", loss, on_epoch=True, batch_size=batch["y"].shape[0])
+        self.tft.val_metrics.update(self.tft.to_return_scale(out.prediction, batch), batch["y_raw"].float())
+
+    def on_validation_epoch_end(self) -> None:
+        if self.tft is not None:
+            values = self.tft.val_metrics.compute()
+            self.tft.val_metrics.reset()
+            self.log_dict({k.replace("val/", "val/tft/"): v for k, v in values.items()})
+        results = self.backtest("val", update_weights=True)
+        for who, metrics in results.items():
+            self.log_dict({f"val/{who}/{k}": float(v) for k, v in metrics.items() if k in BACKTEST_KEYS})
+        self.log("val/sharpe", float(results["ensemble"]["sharpe"]), prog_bar=True)
+        for i, name in enumerate(self.member_names):
+            self.log(f"val/weight_{name}", float(self._weights[i]))
+        self.last_backtest = results
+
+    def positions(self, split: MarketSplit, oracle_mean: Tensor | None = None) -> dict[str, Tensor]:
+        """[T] positions of every member, the ensemble, buy-and-hold (and the oracle when its means are given)."""
+        decision = split.valid.to(self.device)
+        reset = _resets(split, self.device)
+        pos: dict[str, Tensor] = {}
+        if self.tft is not None:
+            fc = self.forecasts(split)[:, 0, :]  # next-bar quantiles
+            qs = list(self.tft.quantiles)
+            lo, hi = (qs.index(min(qs, key=lambda x: abs(x - q))) for q in self.hparams.tft_interval)
+            mid = qs.index(min(qs, key=lambda x: abs(x - 0.5)))
+            ok = decision & torch.isfinite(fc).all(1)
+            pos["tft"] = forecast_policy(fc[:, lo], fc[:, mid], fc[:, hi], self.hparams.cost_bps, ok, reset)
+        if self.dqn is not None and (self.hparams.combine != "stack" or self._dqn_ready):
+            p, _ = self.dqn.greedy_positions(self.stacked(split) if self.hparams.combine == "stack" else split)
+            pos["dqn"] = p.to(self.device).float()
+        names = [n for n in self.member_names if n in pos]
+        members = [pos[n] for n in names]
+        if self.hparams.combine == "stack":
+            pos["ensemble"] = pos.get("dqn", torch.zeros(len(split), device=self.device))
+        elif self.hparams.combine == "vote":
+            pos["ensemble"] = vote(members)
+        else:
+            pos["ensemble"] = weighted(members, [self._weights[self.member_names.index(n)] for n in names])
+        pos["buy_and_hold"] = decision.float()
+        if oracle_mean is not None:
+            from foxhunt.rl.oracle import oracle_positions
+
+            actions = torch.tensor([-1.0, 0.0, 1.0], device=self.device)
+            pos["oracle"] = oracle_positions(oracle_mean.to(self.device), actions, self.hparams.cost_bps, decision, reset).float()
+        return pos
+
+    @torch.no_grad()
+    def backtest(self, split: MarketSplit | str, update_weights: bool = False, oracle_mean: Tensor | None = None) -> dict[str, dict[str, float]]:
+        """After-cost metrics of every policy on a split; on validation, refresh the Sharpe weights first."""
+        if isinstance(split, str):
+            oracle_mean = self._oracle.get(split) if oracle_mean is None else oracle_mean
+            split = self._splits[split]
+        returns = split.returns.to(self.device)
+        decision = split.valid.to(self.device)
+        reset = _resets(split, self.device)
+        bpy = self.hparams.bars_per_year or infer_bars_per_year(split.timestamps, split.symbol_index)
+
+        def metrics(p: Tensor) -> dict[str, float]:
+            m = trading_metrics(p, returns, self.hparams.cost_bps, bpy, mask=decision, reset=reset)
+            return {k: float(v) for k, v in m.as_dict().items()}
+
+        pos = self.positions(split, oracle_mean)
+        results = {who: metrics(p) for who, p in pos.items()}
+        if update_weights and self.hparams.combine == "sharpe_weighted":
+            self._weights = sharpe_weights([results[n]["sharpe"] if n in results else 0.0 for n in self.member_names])
+            names = [n for n in self.member_names if n in pos]
+            results["ensemble"] = metrics(weighted([pos[n] for n in names], [self._weights[self.member_names.index(n)] for n in names]))
+        return results
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Members' run state (replay, env, guards), counters, weights and RNG states, for an exact resume."""
+        for name in self.member_names:
+            getattr(self, name).on_save_checkpoint(checkpoint)
+        checkpoint["ensemble_state"] = {
+            "dqn_updates": self.dqn_updates,
+            "tft_updates": self.tft_updates,
+            "weights": list(self._weights),
+            "dqn_ready": self._dqn_ready,
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        for name in self.member_names:
+            getattr(self, name).on_load_checkpoint(checkpoint)
+        state = checkpoint.get("ensemble_state", {})
+        self.dqn_updates = int(state.get("dqn_updates", 0))
+        self.tft_updates = int(state.get("tft_updates", 0))
+        self._weights = list(state.get("weights", self._weights))
+        self._resume_rng = state.get("torch_rng")
+        self._resume_dqn = bool(state.get("dqn_ready", False))
+
+    def on_train_start(self) -> None:
+        if getattr(self, "_resume_dqn", False) and self.dqn is not None and not self._dqn_ready:
+            if self.hparams.combine == "stack":  # the snapshot and its statistics came back with the state dict
+                self._stacked = {k: self.stacked(self._slice_for(k)) for k in ("train", "val")}
+                self.dqn.attach_market(self._stacked["train"], self._stacked["val"])
+            self.dqn.on_train_start()
+            self._dqn_ready = True
+        if getattr(self, "_resume_rng", None) is not None:
+            torch.set_rng_state(self._resume_rng)
+            self._resume_rng = None
+
+    def _slice_for(self, name: str) -> MarketSplit:
+        if name == "train":
+            train = self._splits["train"]
+            return _select(train, ~self._stack_mask(train))
+        return self._splits[name]
+
+
+def _resets(split: MarketSplit, device: torch.device) -> Tensor:
+    """[T] True at the first bar of each symbol (a position cannot be carried in from another symbol)."""
+    sym = split.symbol_index.to(device)
+    reset = torch.ones_like(sym, dtype=torch.bool)
+    reset[1:] = sym[1:] != sym[:-1]
+    return reset
+
+
+def _widen_dqn_inputs(dqn: DQNModule, n_features: int) -> None:
+    """Rebuild the DQN's online and target networks for ``n_features`` inputs (stacking adds the TFT's forecasts)."""
+    from foxhunt.models.qnet import QNetwork
+
+    hp = dqn.hparams
+    hp.n_features = n_features
+    args = dict(
+        n_features=n_features, window=hp.window, n_actions=len(hp.actions), n_position_features=len(hp.actions),
+        hidden=tuple(hp.hidden), layer_norm=hp.layer_norm, dueling=hp.dueling, encoder=hp.encoder,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(hp.seed)
+        dqn.q_net = QNetwork(**args)
+        dqn.target_net = QNetwork(**args)
+    dqn.target_net.load_state_dict(dqn.q_net.state_dict())
+    dqn.target_net.requires_grad_(False)
+
+
+def _select(split: MarketSplit, rows: Tensor) -> MarketSplit:
+    """The rows of a split picked by a boolean mask, as a split of its own (order kept)."""
+    idx = rows.nonzero().squeeze(1)
+    return MarketSplit(
+        name=split.name,
+        symbols=split.symbols,
+        timestamps=split.timestamps[idx],
+        symbol_index=split.symbol_index[idx],
+        ohlcv=split.ohlcv[idx],
+        returns=split.returns[idx],
+        targets=split.targets[idx],
+        valid=split.valid[idx],
+        features=split.features[idx],
+        feature_names=list(split.feature_names),
+        target_loc=split.target_loc[idx],
+        target_scale=split.target_scale[idx],
+    )

@@ -1,0 +1,232 @@
+"""Window batches: exact gathers, symbol and validity boundaries, epoch order, coverage."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from foxhunt.data.market import MarketSplit
+from foxhunt.data.windows import WindowBatches, valid_window_starts
+
+FEATURES = ["f0", "f1", "tod_sin", "tod_cos", "f4"]
+
+
+def make_split(
+    lengths: tuple[int, ...] = (60, 45, 70), seed: int = 0, invalid: tuple[int, ...] = (), nan_targets: tuple[int, ...] = ()
+) -> MarketSplit:
+    """Hand-built multi-symbol split: row r of feature c holds 1000*c + r, so any gathered value names its row."""
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    sym = torch.cat([torch.full((k,), i, dtype=torch.int64) for i, k in enumerate(lengths)])
+    close = 100 * torch.exp(torch.cumsum(0.01 * torch.randn(n, generator=gen, dtype=torch.float64), 0))
+    returns = torch.full((n,), math.nan, dtype=torch.float64)
+    returns[:-1] = torch.log(close[1:]) - torch.log(close[:-1])
+    ends = torch.cumsum(torch.tensor(lengths), 0) - 1
+    returns[ends] = math.nan  # a symbol's last bar has no next return
+    returns = returns.float()
+    loc = 0.5 * torch.sin(torch.arange(n, dtype=torch.float32))  # per-row target statistics, as a rolling scale gives
+    scale = 1.0 + torch.arange(n, dtype=torch.float32) / n
+    targets = (returns - loc) / scale  # a visibly different "preprocessed" target
+    targets[list(nan_targets)] = math.nan
+    valid = torch.ones(n, dtype=torch.bool)
+    valid[:3] = False  # warm-up of the first symbol
+    valid[list(invalid)] = False
+    rows = torch.arange(n, dtype=torch.float32)
+    features = torch.stack([1000 * c + rows for c in range(len(FEATURES))], dim=1)
+    ohlcv = torch.stack([close, close, close, close, torch.ones(n, dtype=torch.float64)], dim=1)
+    return MarketSplit(
+        name="train",
+        symbols=[f"S{i}" for i in range(len(lengths))],
+        timestamps=torch.arange(n, dtype=torch.int64) * 60_000_000_000,
+        symbol_index=sym,
+        ohlcv=ohlcv,
+        returns=returns,
+        targets=targets,
+        valid=valid,
+        features=features,
+        feature_names=list(FEATURES),
+        target_loc=loc,
+        target_scale=scale,
+    )
+
+
+def naive_starts(split: MarketSplit, lookback: int, horizon: int) -> list[int]:
+    """Per-row Python reference for valid_window_starts."""
+    sym = split.symbol_index.tolist()
+    out = []
+    for t in range(len(split)):
+        lo, hi = t - lookback + 1, t + horizon
+        if lo < 0 or hi >= len(split):
+            continue
+        if any(sym[r] != sym[t] for r in range(lo, hi + 1)):
+            continue
+        if not all(bool(split.valid[r]) for r in range(lo, t + 1)):
+            continue
+        if not all(math.isfinite(split.targets[r]) and math.isfinite(split.returns[r]) for r in range(t, t + horizon)):
+            continue
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("lookback,horizon", [(1, 1), (8, 3), (20, 6)])
+def test_valid_window_starts_matches_naive(lookback: int, horizon: int) -> None:
+    split = make_split(invalid=(30, 31, 100), nan_targets=(80, 150))
+    got = valid_window_starts(split, lookback, horizon)
+    assert got.dtype == torch.int64
+    assert got.tolist() == naive_starts(split, lookback, horizon)
+
+
+def test_no_window_crosses_a_symbol_or_touches_an_invalid_row() -> None:
+    lookback, horizon = 10, 4
+    split = make_split(invalid=(30, 100), nan_targets=(150,))
+    starts = valid_window_starts(split, lookback, horizon)
+    assert starts.numel() > 50
+    rows = starts[:, None] + torch.arange(-lookback + 1, horizon + 1)
+    assert (split.symbol_index[rows] == split.symbol_index[starts][:, None]).all()
+    assert split.valid[rows[:, :lookback]].all()
+    for bad in (30, 100):  # an invalid row can never be inside a past window
+        assert not ((rows[:, :lookback] == bad).any())
+    assert not ((rows[:, lookback - 1 : lookback - 1 + horizon] == 150).any())  # target rows t..t+H-1 skip the NaN
+    # the three symbol blocks each contribute, and the first starts only after warm-up + lookback
+    assert set(split.symbol_index[starts].tolist()) == {0, 1, 2}
+    assert int(starts.min()) == 3 + lookback - 1
+
+
+def test_batch_shapes_dtypes_and_exact_content() -> None:
+    split = make_split()
+    lookback, horizon = 12, 5
+    known = ["tod_sin", "tod_cos"]
+    wb = WindowBatches(split, lookback, horizon, batch_size=16, known_future=known, shuffle=True, seed=3)
+    batch = next(iter(wb))
+    b = 16
+    assert batch["x_past"].shape == (b, lookback, len(FEATURES)) and batch["x_past"].dtype == torch.float32
+    assert batch["x_future"].shape == (b, horizon, 2) and batch["x_future"].dtype == torch.float32
+    assert batch["y"].shape == (b, horizon) and batch["y_raw"].shape == (b, horizon)
+    assert batch["symbol"].shape == (b,) and batch["symbol"].dtype == torch.int64
+    assert batch["t"].shape == (b,) and batch["t"].dtype == torch.int64
+    cols = [FEATURES.index(k) for k in known]
+    for i in range(b):  # naive gather, window by window
+        t = int(batch["t"][i])
+        assert torch.equal(batch["x_past"][i], split.features[t - lookback + 1 : t + 1])
+        assert torch.equal(batch["x_future"][i], split.features[t + 1 : t + horizon + 1][:, cols])
+        assert torch.equal(batch["y"][i], split.targets[t : t + horizon])
+        assert torch.equal(batch["y_raw"][i], split.returns[t : t + horizon])
+        assert torch.equal(batch["y_loc"][i], split.target_loc[t : t + horizon])
+        assert torch.equal(batch["y_scale"][i], split.target_scale[t : t + horizon])
+        assert int(batch["symbol"][i]) == int(split.symbol_index[t])
+    # the feature encoding makes the row of every value explicit: past ends at t, future starts at t+1
+    assert torch.equal(batch["x_past"][:, -1, 0].long(), batch["t"])
+    assert torch.equal(batch["x_future"][:, 0, 0].long(), 2000 + batch["t"] + 1)
+    assert torch.isfinite(batch["y"]).all() and torch.isfinite(batch["y_raw"]).all()
+    # y_loc / y_scale map y back to the raw return of the same row
+    torch.testing.assert_close(batch["y"] * batch["y_scale"] + batch["y_loc"], batch["y_raw"])
+
+
+def test_no_known_future_columns_gives_empty_x_future() -> None:
+    wb = WindowBatches(make_split(), 8, 3, batch_size=4)
+    batch = next(iter(wb))
+    assert batch["x_future"].shape == (4, 3, 0)
+
+
+def test_unknown_known_future_name_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"dow_sin.*'train'"):
+        WindowBatches(make_split(), 8, 3, batch_size=4, known_future=["dow_sin"])
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_every_start_once_per_epoch(drop_last: bool) -> None:
+    split = make_split()
+    wb = WindowBatches(split, 6, 2, batch_size=7, shuffle=True, seed=1, drop_last=drop_last)
+    starts = valid_window_starts(split, 6, 2)
+    batches = list(wb)
+    assert len(batches) == len(wb)
+    seen = torch.cat([b["t"] for b in batches])
+    if drop_last:
+        assert len(wb) == starts.numel() // 7 and all(b["t"].numel() == 7 for b in batches)
+        assert seen.unique().numel() == seen.numel() == len(wb) * 7
+        assert set(seen.tolist()) <= set(starts.tolist())
+    else:
+        assert len(wb) == math.ceil(starts.numel() / 7)
+        assert sorted(seen.tolist()) == starts.tolist()
+
+
+def test_order_is_seeded_and_changes_across_epochs() -> None:
+    split = make_split()
+
+    def epoch_order(wb: WindowBatches) -> list[int]:
+        return torch.cat([b["t"] for b in wb]).tolist()
+
+    a = WindowBatches(split, 6, 2, batch_size=32, shuffle=True, seed=7)
+    b = WindowBatches(split, 6, 2, batch_size=32, shuffle=True, seed=7)
+    c = WindowBatches(split, 6, 2, batch_size=32, shuffle=True, seed=8)
+    a0, a1 = epoch_order(a), epoch_order(a)  # a second pass advances the epoch by itself
+    assert a0 == epoch_order(b)
+    assert a0 != a1 and sorted(a0) == sorted(a1)
+    assert a0 != epoch_order(c)
+    b.set_epoch(1)
+    assert epoch_order(b) == a1  # the order is a function of (seed, epoch) only
+    b.set_epoch(0)
+    assert epoch_order(b) == a0
+    assert b.sampler is b  # Lightning calls set_epoch through dataloader.sampler
+    plain = WindowBatches(split, 6, 2, batch_size=32, shuffle=False)
+    assert epoch_order(plain) == valid_window_starts(split, 6, 2).tolist() == epoch_order(plain)
+
+
+def test_works_inside_a_dataloader_with_workers() -> None:
+    split = make_split()
+    wb = WindowBatches(split, 6, 2, batch_size=9, shuffle=True, seed=2)
+    loader = torch.utils.data.DataLoader(wb, batch_size=None, num_workers=2)
+    seen = torch.cat([b["t"] for b in loader])
+    assert sorted(seen.tolist()) == valid_window_starts(split, 6, 2).tolist()
+
+
+def test_non_contiguous_symbols_are_rejected() -> None:
+    split = make_split(lengths=(20, 20))
+    split.symbol_index[5:10] = 1
+    with pytest.raises(ValueError, match="contiguous"):
+        valid_window_starts(split, 4, 2)
+
+
+def test_device_argument_moves_the_gathers() -> None:
+    wb = WindowBatches(make_split(), 8, 3, batch_size=4, device="cpu")
+    assert next(iter(wb))["x_past"].device.type == "cpu"
+    if torch.cuda.is_available():
+        wb = WindowBatches(make_split(), 8, 3, batch_size=4, device="cuda")
+        assert all(v.device.type == "cuda" for v in next(iter(wb)).values())
+
+
+def test_lightning_reshuffles_each_epoch_through_set_epoch() -> None:
+    import lightning.pytorch as pl
+
+    split = make_split()
+    wb = WindowBatches(split, 6, 2, batch_size=32, shuffle=True, seed=5)
+    ref = WindowBatches(split, 6, 2, batch_size=32, shuffle=True, seed=5)
+    expected = []
+    for e in range(3):
+        ref.set_epoch(e)
+        expected.append(torch.cat([b["t"] for b in ref]).tolist())
+
+    class Recorder(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(len(FEATURES), 1)
+            self.seen: dict[int, list[int]] = {}
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            self.seen.setdefault(self.current_epoch, []).extend(batch["t"].tolist())
+            return self.layer(batch["x_past"][:, -1]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    model = Recorder()
+    trainer = pl.Trainer(
+        max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    wb.set_epoch(99)  # stale state: Lightning must overwrite it with the real epoch
+    trainer.fit(model, train_dataloaders=wb)
+    assert trainer.num_training_batches == len(wb)
+    assert [model.seen[e] for e in range(3)] == expected
