@@ -41,9 +41,51 @@ def sortino(positions: torch.Tensor, returns: torch.Tensor, cost_bps: float, bar
 
 
 @torch.no_grad()
+def equity_curves(positions: dict[str, torch.Tensor], split: Any, cost_bps: float) -> dict[str, torch.Tensor]:
+    """Cumulative after-cost log return of every policy's positions on a split."""
+    from foxhunt.evaluation.trading import strategy_log_returns
+    from foxhunt.lit.ensemble import _resets
+
+    curves = {}
+    for who, p in positions.items():
+        returns, mask, reset = split.returns.to(p.device), split.valid.to(p.device), _resets(split, p.device)
+        held = torch.where(mask, p.double(), torch.zeros_like(p, dtype=torch.float64))
+        curves[who] = torch.cumsum(strategy_log_returns(held, returns.double(), cost_bps, reset), 0).cpu()
+    return curves
+
+
+def equity_figure(positions: dict[str, torch.Tensor], split: Any, cost_bps: float) -> Any:
+    """A matplotlib figure of the equity curves of every policy on a split."""
+    return _equity_figure(equity_curves(positions, split, cost_bps), split)
+
+
+def fan_chart(forecasts: torch.Tensor, split: Any, start: int | None = None, length: int = 300) -> Any:
+    """Next-bar forecast quantiles (outer band and median) against the realised log returns over a stretch."""
+    from matplotlib.figure import Figure
+
+    ok = torch.isfinite(forecasts[:, 0, :]).all(1).nonzero().squeeze(1).cpu()
+    fig = Figure(figsize=(10, 3.5), layout="constrained")
+    ax = fig.subplots()
+    if ok.numel() == 0:
+        ax.set_title("no forecasts")
+        return fig
+    a = int(ok[0]) if start is None else start
+    rows = torch.arange(a, min(a + length, forecasts.shape[0]))
+    fc = forecasts[rows, 0, :].cpu().float()
+    q = fc.shape[1]
+    x = rows.numpy()
+    ax.fill_between(x, fc[:, 0].numpy(), fc[:, q - 1].numpy(), alpha=0.3, label="outer quantile band")
+    ax.plot(x, fc[:, q // 2].numpy(), lw=1.0, label="median forecast")
+    ax.plot(x, split.returns[rows].cpu().numpy(), ".", ms=2, color="k", label="realised next-bar log return")
+    ax.set_xlabel(f"bar of split {split.name!r}")
+    ax.legend(loc="upper right")
+    return fig
+
+
+@torch.no_grad()
 def backtest_table(model: Any, split: Any, oracle_mean: torch.Tensor | None = None, equity_png: str | Path | None = None) -> dict[str, dict[str, float]]:
     """Metrics of every policy of an EnsembleModule on a split (a MarketSplit or the name of one of its splits)."""
-    from foxhunt.evaluation.trading import bars_per_year, strategy_log_returns
+    from foxhunt.evaluation.trading import bars_per_year
     from foxhunt.lit.ensemble import _resets
 
     if isinstance(split, str):
@@ -51,16 +93,13 @@ def backtest_table(model: Any, split: Any, oracle_mean: torch.Tensor | None = No
         split = model._splits[split]
     device = model.device
     pos = model.positions(split, oracle_mean)
-    results = model.backtest(split, oracle_mean=oracle_mean)
+    results = model.backtest(split, oracle_mean=oracle_mean, positions=pos)
     returns, mask, reset = split.returns.to(device), split.valid.to(device), _resets(split, device)
     bpy = model.hparams.bars_per_year or bars_per_year(split.timestamps, split.symbol_index)
-    curves = {}
     for who, p in pos.items():
         results[who]["sortino"] = sortino(p, returns, model.hparams.cost_bps, bpy, mask, reset)
-        pnl = strategy_log_returns(torch.where(mask, p.double(), torch.zeros_like(p, dtype=torch.float64)), returns.double(), model.hparams.cost_bps, reset)
-        curves[who] = torch.cumsum(pnl, 0).cpu()
     if equity_png is not None:
-        _equity_figure(curves, split).savefig(equity_png, dpi=110)
+        _equity_figure(equity_curves(pos, split, model.hparams.cost_bps), split).savefig(equity_png, dpi=110)
     return results
 
 

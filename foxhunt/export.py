@@ -45,6 +45,11 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def _hparams(module: Any) -> dict[str, Any]:
+    """Constructor arguments saved by save_hyperparameters, without framework bookkeeping keys."""
+    return {k: v for k, v in _jsonable(dict(module.hparams)).items() if not k.startswith("_")}
+
+
 def _tensors(prefix: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {f"{prefix}{k}": v.detach().cpu().contiguous().clone() for k, v in module.state_dict().items()}
 
@@ -57,7 +62,8 @@ def export_ensemble(model: Any, dm: Any, out_dir: str | Path, config: Any = None
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = _tensors("model.", model)
+    # the target transform is the data side's (saved once, under data.), whichever module also holds a reference
+    tensors = {k: v for k, v in _tensors("model.", model).items() if ".target_transform." not in k}
     tensors.update(_tensors("data.feature_normalizer.", dm.feature_normalizer))
     tensors.update(_tensors("data.target_transform.", dm.target_transform))
     files = {"ensemble": "ensemble.safetensors"}
@@ -77,11 +83,11 @@ def export_ensemble(model: Any, dm: Any, out_dir: str | Path, config: Any = None
             "lightning": lightning.__version__,
             "python": platform.python_version(),
         },
-        "ensemble": _jsonable(dict(model.hparams)),
+        "ensemble": _hparams(model),
         "members": list(model.member_names),
         "weights": list(model._weights),
-        "tft": _jsonable(dict(model.tft.hparams)) if model.tft is not None else None,
-        "dqn": _jsonable({**dict(model.dqn.hparams), "n_features": len(dm.feature_names)}) if model.dqn is not None else None,
+        "tft": _hparams(model.tft) if model.tft is not None else None,
+        "dqn": {**_hparams(model.dqn), "n_features": len(dm.feature_names)} if model.dqn is not None else None,
         "dqn_reward_scale": getattr(model.dqn, "reward_scale_used", None) if model.dqn is not None else None,
         "data": {
             "feature_names": list(dm.feature_names),
@@ -183,6 +189,8 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> LoadedEn
     normalizer = FeatureNormalizer()
     state = load_file(str(root / meta["files"]["ensemble"]), device=str(map_location))
     _load_strict(model, {k[6:]: v for k, v in state.items() if k.startswith("model.")}, "model", root)
+    if tft is not None:
+        tft.target_transform = transform
     _load_strict(normalizer, {k[24:]: v for k, v in state.items() if k.startswith("data.feature_normalizer.")}, "feature normaliser", root, shapes=False)
     _load_strict(transform, {k[22:]: v for k, v in state.items() if k.startswith("data.target_transform.")}, "target transform", root, shapes=False)
     if tft is not None:
@@ -197,7 +205,7 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> LoadedEn
 
 def _load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], what: str, root: Path, shapes: bool = True) -> None:
     """Load a state dict, naming the missing, unexpected or mis-shaped tensors (fitted statistics are sized at load)."""
-    own = module.state_dict()
+    own = {k: v for k, v in module.state_dict().items() if ".target_transform." not in k}
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     if missing or unexpected:
@@ -205,4 +213,4 @@ def _load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], what: 
     for k, v in state.items():
         if shapes and own[k].shape != v.shape:
             raise ExportError(f"{root}: {what} tensor {k!r} has shape {tuple(v.shape)} in the export, the model expects {tuple(own[k].shape)}")
-    module.load_state_dict(state)
+    module.load_state_dict(state, strict=False)

@@ -319,6 +319,8 @@ class EnsembleModule(L.LightningModule):
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         if self.tft is None:
             return
+        if batch_idx == 0:
+            self._figure_batch = {k: v[:256].detach() for k, v in batch.items() if isinstance(v, Tensor)}
         out = self.tft(batch)
         loss = self.tft.quantile_loss(out.prediction, batch["y"])
         self.log("val/tft_loss", loss, on_epoch=True, batch_size=batch["y"].shape[0])
@@ -329,21 +331,57 @@ class EnsembleModule(L.LightningModule):
             values = self.tft.val_metrics.compute()
             self.tft.val_metrics.reset()
             self.log_dict({k.replace("val/", "val/tft/"): v for k, v in values.items()})
-        results = self.backtest("val", update_weights=True)
+        split = self._splits["val"]
+        fc = self.forecasts(split) if self.tft is not None else None
+        pos = self.positions(split, self._oracle.get("val"), forecasts=fc)
+        results = self.backtest(split, update_weights=True, positions=pos)
         for who, metrics in results.items():
             self.log_dict({f"val/{who}/{k}": float(v) for k, v in metrics.items() if k in BACKTEST_KEYS})
         self.log("val/sharpe", float(results["ensemble"]["sharpe"]), prog_bar=True)
         for i, name in enumerate(self.member_names):
             self.log(f"val/weight_{name}", float(self._weights[i]))
         self.last_backtest = results
+        if not self.trainer.sanity_checking:
+            self._log_figures(split, pos, fc)
 
-    def positions(self, split: MarketSplit, oracle_mean: Tensor | None = None) -> dict[str, Tensor]:
+    def _log_figures(self, split: MarketSplit, pos: dict[str, Tensor], fc: Tensor | None) -> None:
+        """Equity curves of every policy, the TFT's forecast fan chart and variable importances, to TensorBoard."""
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        loggers = [lg for lg in self.loggers if isinstance(lg, TensorBoardLogger)]
+        if not loggers:
+            return
+        from foxhunt.backtest import equity_figure, fan_chart
+
+        figures = {"backtest/equity_val": equity_figure(pos, split, self.hparams.cost_bps)}
+        if fc is not None:
+            figures["forecast/fan_chart_val"] = fan_chart(fc, split)
+            batch = getattr(self, "_figure_batch", None)
+            if batch is not None and self.tft.hparams.log_figures:
+                from foxhunt.lit.tft import attention_figure, importance_figure
+
+                interp = self.tft.interpret(batch)
+                figures["interpret/variable_importance"] = importance_figure(interp)
+                figures["interpret/attention"] = attention_figure(interp, self.tft.hparams.lookback)
+        for lg in loggers:
+            for tag, fig in figures.items():
+                lg.experiment.add_figure(tag, fig, self.global_step, close=False)
+
+    def on_fit_start(self) -> None:
+        """Record every member's hyperparameters in the logger's hparams tab."""
+        params: dict[str, Any] = {f"ensemble/{k}": v for k, v in self.hparams.items()}
+        for name in self.member_names:
+            params.update({f"{name}/{k}": v for k, v in getattr(self, name).hparams.items() if not isinstance(v, (list, tuple)) or len(v) <= 8})
+        for lg in self.loggers:
+            lg.log_hyperparams(params)
+
+    def positions(self, split: MarketSplit, oracle_mean: Tensor | None = None, forecasts: Tensor | None = None) -> dict[str, Tensor]:
         """[T] positions of every member, the ensemble, buy-and-hold (and the oracle when its means are given)."""
         decision = split.valid.to(self.device)
         reset = _resets(split, self.device)
         pos: dict[str, Tensor] = {}
         if self.tft is not None:
-            fc = self.forecasts(split)[:, 0, :]  # next-bar quantiles
+            fc = (self.forecasts(split) if forecasts is None else forecasts)[:, 0, :]  # next-bar quantiles
             qs = list(self.tft.quantiles)
             lo, hi = (qs.index(min(qs, key=lambda x: abs(x - q))) for q in self.hparams.tft_interval)
             mid = qs.index(min(qs, key=lambda x: abs(x - 0.5)))
@@ -369,8 +407,15 @@ class EnsembleModule(L.LightningModule):
         return pos
 
     @torch.no_grad()
-    def backtest(self, split: MarketSplit | str, update_weights: bool = False, oracle_mean: Tensor | None = None) -> dict[str, dict[str, float]]:
-        """After-cost metrics of every policy on a split; on validation, refresh the Sharpe weights first."""
+    def backtest(
+        self,
+        split: MarketSplit | str,
+        update_weights: bool = False,
+        oracle_mean: Tensor | None = None,
+        positions: dict[str, Tensor] | None = None,
+    ) -> dict[str, dict[str, float]]:
+        """After-cost metrics of every policy on a split; with ``update_weights``, refresh the Sharpe weights (and
+        the ensemble's entry of ``positions``, when given) from this split."""
         if isinstance(split, str):
             oracle_mean = self._oracle.get(split) if oracle_mean is None else oracle_mean
             split = self._splits[split]
@@ -383,12 +428,13 @@ class EnsembleModule(L.LightningModule):
             m = trading_metrics(p, returns, self.hparams.cost_bps, bpy, mask=decision, reset=reset)
             return {k: float(v) for k, v in m.as_dict().items()}
 
-        pos = self.positions(split, oracle_mean)
+        pos = self.positions(split, oracle_mean) if positions is None else positions
         results = {who: metrics(p) for who, p in pos.items()}
         if update_weights and self.hparams.combine == "sharpe_weighted":
             self._weights = sharpe_weights([results[n]["sharpe"] if n in results else 0.0 for n in self.member_names])
             names = [n for n in self.member_names if n in pos]
-            results["ensemble"] = metrics(weighted([pos[n] for n in names], [self._weights[self.member_names.index(n)] for n in names]))
+            pos["ensemble"] = weighted([pos[n] for n in names], [self._weights[self.member_names.index(n)] for n in names])
+            results["ensemble"] = metrics(pos["ensemble"])
         return results
 
     # ------------------------------------------------------------------------------------------------ checkpoints

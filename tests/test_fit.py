@@ -1,0 +1,144 @@
+"""`python -m foxhunt.fit` end to end on tiny configs: TensorBoard, export, load, back-test, precision, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import foxhunt
+from foxhunt.fit import main
+
+TINY = str(Path(__file__).parent / "configs" / "tiny.yaml")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fit(tmp_path: Path, *extra: str):
+    args = ["--config", TINY, "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
+            "--trainer.default_root_dir", str(tmp_path), "--export_dir", str(tmp_path / "export"), *extra]
+    return main(args)
+
+
+def _event_file(tmp_path: Path) -> Path:
+    files = sorted((tmp_path / "runs").rglob("events.out.tfevents*"))
+    assert files, "no TensorBoard event file"
+    return files[-1]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fit")
+    cli = _fit(tmp)
+    return tmp, cli
+
+
+def test_fit_logs_scalars_and_figures_to_tensorboard(tiny_run) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tmp, _ = tiny_run
+    acc = EventAccumulator(str(_event_file(tmp)), size_guidance={"images": 0, "scalars": 0})
+    acc.Reload()
+    scalars = set(acc.Tags()["scalars"])
+    for tag in ("train/tft_loss", "train/dqn_td_loss", "train/epsilon", "train/q_mean", "val/sharpe",
+                "val/tft/quantile_loss", "val/tft/coverage", "val/dqn/sharpe", "val/tft/sharpe", "val/ensemble/sharpe",
+                "val/buy_and_hold/sharpe", "val/oracle/sharpe", "val/weight_tft", "grad_norm/tft/total",
+                "grad_norm/dqn/total"):
+        assert tag in scalars, f"{tag} missing from {sorted(scalars)}"
+    assert any(t.startswith("lr-") for t in scalars), "LearningRateMonitor logged no learning rate"
+    images = set(acc.Tags()["images"])
+    for tag in ("backtest/equity_val", "forecast/fan_chart_val", "interpret/variable_importance", "interpret/attention"):
+        assert tag in images, f"figure {tag} missing from {sorted(images)}"
+    hparams = list((tmp / "runs").rglob("hparams.yaml"))
+    assert hparams and "tft" in hparams[0].read_text()
+
+
+def test_export_loads_without_trainer_and_matches(tiny_run) -> None:
+    tmp, cli = tiny_run
+    export = tmp / "export"
+    names = {p.name for p in export.iterdir()}
+    assert {"ensemble.safetensors", "tft.safetensors", "dqn.safetensors", "metadata.json"} <= names
+    meta = json.loads((export / "metadata.json").read_text())
+    assert meta["data"]["feature_names"][:2] == ["logret_1", "logret_2"]
+    assert meta["versions"]["foxhunt"] == foxhunt.__version__
+    assert "data" in meta["config"] and meta["data"]["fingerprint"]
+    loaded = foxhunt.load(export)
+    model = cli.model
+    split = model._splits["test"]
+    mine = model.positions(split)
+    theirs = loaded.model.positions(split)
+    for who in ("tft", "dqn", "ensemble"):
+        torch.testing.assert_close(theirs[who].cpu(), mine[who].cpu())
+    # the loader recomputes features from bars with the exported statistics: same as the DataModule's
+    rebuilt = loaded.split(cli.datamodule.bars)
+    rows = torch.from_numpy(cli.datamodule.split_rows["test"])
+    torch.testing.assert_close(rebuilt.features[rows], split.features)
+
+
+def test_load_refuses_mismatches(tiny_run, tmp_path: Path) -> None:
+    import shutil
+
+    from foxhunt.export import ExportError
+
+    src, _ = tiny_run
+    bad = tmp_path / "bad"
+    shutil.copytree(src / "export", bad)
+    meta = json.loads((bad / "metadata.json").read_text())
+    meta["tft"]["hidden_size"] = 12
+    (bad / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(ExportError, match=r"model tensor 'tft\.net\..*' has shape"):
+        foxhunt.load(bad)
+    meta["tft"]["hidden_size"] = 8
+    meta["versions"]["foxhunt"] = "9.9.0"
+    (bad / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(ExportError, match=r"exported by foxhunt 9\.9\.0"):
+        foxhunt.load(bad)
+    meta["versions"]["foxhunt"] = foxhunt.__version__
+    meta["data"]["feature_names"] = ["logret_2", "logret_1"] + meta["data"]["feature_names"][2:]
+    (bad / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(ExportError, match="feature order differs"):
+        foxhunt.load(bad)
+    assert not list(bad.glob("*.pt")) and not list(bad.glob("*.pkl"))
+
+
+def test_backtest_cli_on_unseen_data(tiny_run, tmp_path: Path, capsys) -> None:
+    from foxhunt.backtest import main as backtest_main
+    from foxhunt.data.synthetic import generate_market
+
+    src, _ = tiny_run
+    path = generate_market(n_bars=3000, seed=11, signal_strength=0.3).write(tmp_path / "unseen.parquet")
+    results = backtest_main(["--checkpoint", str(src / "export"), "--data", str(path), "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    for who in ("tft", "dqn", "ensemble", "buy_and_hold"):
+        assert who in results and who in out
+        for key in ("total_log_return", "sharpe", "sortino", "max_drawdown", "turnover", "hit_rate", "n_trades"):
+            assert key in results[who]
+    assert (tmp_path / "backtest.json").exists() and (tmp_path / "equity.png").stat().st_size > 1000
+    results = backtest_main(["--checkpoint", str(src / "export"), "--split", "test", "--out", str(tmp_path)])
+    assert "oracle" in results  # the synthetic training data knows its oracle
+
+
+def test_cli_conventions(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", TINY, "--print_config"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "hidden_size: 8" in printed and "synthetic_bars: 5000" in printed
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", TINY, "--model.tft.no_such_key", "3"])
+    assert exit_info.value.code != 0
+    assert "no_such_key" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--config", TINY, "--model.combine", "average"])
+    assert "combine" in capsys.readouterr().err
+
+
+def test_bf16_mixed_on_cpu_runs_without_nan(tmp_path: Path) -> None:
+    cli = _fit(tmp_path, "--trainer.precision", "bf16-mixed", "--trainer.max_epochs", "1", "--backtest", "false")
+    for p in cli.model.parameters():
+        assert torch.isfinite(p).all()
+    assert cli.model.tft_updates > 0 and cli.model.dqn_updates > 0
