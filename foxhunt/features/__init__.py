@@ -1,0 +1,27 @@
+"""Causal, vectorised bar features (~130, in six families) checked against TA-Lib.
+
+Entry points: :func:`compute_features` (DataFrame in, DataFrame out) for users and notebooks, and
+:class:`FeatureSet` (tensors in, :class:`FeatureOutput` out) for the DataModule. ``REGISTRY`` maps
+every name to its family, definition, warm-up and function; docs/FEATURES.md is generated from it.
+"""
+
+from foxhunt.features.compute import (
+    KNOWN_FUTURE,
+    REGISTRY,
+    FeatureOutput,
+    FeatureSet,
+    compute_features,
+    known_future_features,
+)
+from foxhunt.features.registry import FAMILIES, Feature
+
+__all__ = [
+    "FAMILIES",
+    "KNOWN_FUTURE",
+    "REGISTRY",
+    "Feature",
+    "FeatureOutput",
+    "FeatureSet",
+    "compute_features",
+    "known_future_features",
+]

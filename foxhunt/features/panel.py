@@ -1,0 +1,114 @@
+"""Panel: the bars of several symbols as [S, T] float64 arrays, with a memo of shared intermediates."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import numpy as np
+
+from foxhunt.features import filters as F
+
+
+class Panel:
+    """OHLCV of S symbols, one row each, padded with NaN after a symbol's last bar.
+
+    Padding sits after every real bar and every computation is causal, so it never reaches a real
+    bar's value. Intermediates shared by several features (log close, true range, ATR...) are computed
+    once per panel through :meth:`memo`.
+    """
+
+    def __init__(self, ohlcv: np.ndarray, timestamps: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
+        self.ohlcv = ohlcv  # [5, S, T]
+        self.timestamps = timestamps  # [S, T] int64 ns UTC
+        self.starts = starts  # [S] first flat row of each symbol
+        self.lengths = lengths  # [S] bars of each symbol
+        self._memo: dict[Hashable, object] = {}
+        self.trace: set | None = None  # when a set, records every memo key touched (for release plans)
+
+    @classmethod
+    def from_flat(cls, ohlcv: np.ndarray, timestamps: np.ndarray, symbol_index: np.ndarray) -> Panel:
+        """Build from rows sorted by (symbol, time): ohlcv [N, 5], timestamps [N], symbol_index [N]."""
+        n = ohlcv.shape[0]
+        if n and np.any(np.diff(symbol_index) < 0):
+            raise ValueError("features: rows must be sorted by symbol then time (symbol_index decreases somewhere)")
+        _, starts, lengths = np.unique(symbol_index, return_index=True, return_counts=True)
+        S, T = len(lengths), int(lengths.max()) if n else 0
+        if S == 1:
+            arr = np.ascontiguousarray(ohlcv.T, dtype=np.float64).reshape(5, 1, T)
+            ts = np.asarray(timestamps, dtype=np.int64).reshape(1, T)
+        else:
+            arr = np.full((5, S, T), np.nan)
+            ts = np.zeros((S, T), dtype=np.int64)
+            for s, (a, m) in enumerate(zip(starts, lengths)):
+                arr[:, s, :m] = ohlcv[a : a + m].T
+                ts[s, :m] = timestamps[a : a + m]
+        return cls(arr, ts, starts, lengths)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.ohlcv.shape[1:]
+
+    open = property(lambda self: self.ohlcv[0])
+    high = property(lambda self: self.ohlcv[1])
+    low = property(lambda self: self.ohlcv[2])
+    close = property(lambda self: self.ohlcv[3])
+    volume = property(lambda self: self.ohlcv[4])
+
+    def memo(self, key: Hashable, fn: Callable[[], object]):
+        """Compute ``fn()`` once per panel under ``key``."""
+        if self.trace is not None:
+            self.trace.add(key)
+        if key not in self._memo:
+            self._memo[key] = fn()
+        return self._memo[key]
+
+    def forget(self, keys) -> None:
+        """Drop memoised intermediates no later feature needs, to bound peak memory."""
+        for k in keys:
+            self._memo.pop(k, None)
+
+    def prefix(self, key: Hashable, fn: Callable[[], np.ndarray], start: int = 0, squares: bool = False) -> F.Prefix:
+        """Shared prefix sums of the series ``fn()`` (named ``key``): every window length is then one subtraction."""
+        return self.memo(("prefix", key, start, squares), lambda: F.Prefix(fn(), start, squares))
+
+    def close_prefix(self) -> F.BlockPrefix:
+        """Block-centred prefix sums of the close and its square, shared by the SMAs and Bollinger bands."""
+        return self.memo("close_block_prefix", lambda: F.BlockPrefix(self.close, 200, squares=True))
+
+    # shared intermediates used across families
+    def log_close(self) -> np.ndarray:
+        return self.memo("log_close", lambda: np.log(self.close))
+
+    def log_return(self, k: int = 1) -> np.ndarray:
+        """ln C[t] - ln C[t-k]."""
+        return self.memo(("log_return", k), lambda: F.diff(self.log_close(), k))
+
+    def close_change(self) -> np.ndarray:
+        """C[t] - C[t-1]."""
+        return self.memo("close_change", lambda: F.diff(self.close, 1))
+
+    def prev_close(self) -> np.ndarray:
+        return self.memo("prev_close", lambda: F.shift(self.close, 1))
+
+    def true_range(self) -> np.ndarray:
+        """TA-Lib TRANGE: max(H, C[t-1]) - min(L, C[t-1]); undefined at the first bar."""
+
+        def f():
+            pc = self.prev_close()
+            return np.maximum(self.high, pc) - np.minimum(self.low, pc)
+
+        return self.memo("true_range", f)
+
+    def atr(self, n: int = 14) -> np.ndarray:
+        """TA-Lib ATR: Wilder smoothing of the true range, seeded with its mean over bars 1..n."""
+        return self.memo(("atr", n), lambda: F.wilder(self.true_range(), n, start=1))
+
+    def typical_price(self) -> np.ndarray:
+        return self.memo("typical_price", lambda: (self.high + self.low + self.close) / 3.0)
+
+    def hl_range(self) -> np.ndarray:
+        return self.memo("hl_range", lambda: self.high - self.low)
+
+    def volume_mean(self, n: int) -> np.ndarray:
+        """SMA(n) of the volume."""
+        return self.prefix("volume", lambda: self.volume).sum(n) / n

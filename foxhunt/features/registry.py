@@ -1,0 +1,72 @@
+"""The feature registry: every feature's name, family, one-line definition, warm-up and function."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from foxhunt.features.panel import Panel
+
+FAMILIES = ("momentum", "trend", "volatility", "volume", "shape", "calendar")
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One named feature.
+
+    ``warmup`` is the number of leading bars of each symbol on which the feature is not yet defined
+    (TA-Lib's lookback for indicators TA-Lib also computes). ``talib`` names the TA-Lib function whose
+    output this feature is, or is a transform of; ``known_future`` marks features computable from the
+    timestamp alone, usable as known-future inputs.
+    """
+
+    name: str
+    family: str
+    definition: str
+    warmup: int
+    fn: Callable[[Panel], np.ndarray]
+    talib: str | None = None
+    known_future: bool = False
+
+
+class FeatureList:
+    """Collects a family's features in declaration order."""
+
+    def __init__(self, family: str) -> None:
+        if family not in FAMILIES:
+            raise ValueError(f"unknown feature family {family!r}")
+        self.family = family
+        self.features: list[Feature] = []
+
+    def add(self, name: str, definition: str, warmup: int, fn, talib: str | None = None, known_future: bool = False) -> None:
+        self.features.append(Feature(name, self.family, definition, int(warmup), fn, talib, known_future))
+
+
+def build_registry(lists: Iterable[FeatureList]) -> dict[str, Feature]:
+    reg: dict[str, Feature] = {}
+    for fl in lists:
+        for f in fl.features:
+            if f.name in reg:
+                raise ValueError(f"duplicate feature name {f.name!r}")
+            reg[f.name] = f
+    return reg
+
+
+def select(registry: dict[str, Feature], names: Sequence[str] | None, families: Sequence[str] | None) -> list[Feature]:
+    """Features chosen by names and/or families (union, in registry order); all when both are None."""
+    if isinstance(names, str) or isinstance(families, str):
+        raise TypeError("names and families must be sequences of strings, not a single string")
+    if names is None and families is None:
+        return list(registry.values())
+    chosen: set[str] = set()
+    for fam in families or ():
+        if fam not in FAMILIES:
+            raise ValueError(f"unknown feature family {fam!r}; known: {', '.join(FAMILIES)}")
+        chosen.update(n for n, f in registry.items() if f.family == fam)
+    unknown = [n for n in names or () if n not in registry]
+    if unknown:
+        raise ValueError(f"unknown feature name(s) {unknown}; see docs/FEATURES.md for the list")
+    chosen.update(names or ())
+    return [f for n, f in registry.items() if n in chosen]
