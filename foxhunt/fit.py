@@ -60,6 +60,15 @@ class FoxhuntCLI(LightningCLI):
             }
         )
 
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
+        """A rich progress bar unless progress bars are off or another one was configured."""
+        configured = list(config.get("callbacks") or []) + list(callbacks)
+        if config.get("enable_progress_bar", True) is not False and not any(
+            type(cb).__name__.endswith("ProgressBar") for cb in configured
+        ):
+            callbacks = [*callbacks, RichProgressBar(leave=True)]
+        return super()._instantiate_trainer(config, callbacks)
+
     def fit(self) -> dict[str, Any]:
         """Train, then export the best weights and back-test them on the test split."""
         cfg = self.config
@@ -101,8 +110,9 @@ def default_trainer_kwargs() -> dict[str, Any]:
     return {
         "precision": precision,
         "callbacks": [
-            ModelCheckpoint(monitor="val/sharpe", mode="max", save_last=True, filename="best-{epoch}-{step}"),
-            RichProgressBar(leave=True),
+            # the best model by the ensemble's validation Sharpe (exported at the end), and the latest one to resume
+            ModelCheckpoint(monitor="val/sharpe", mode="max", save_top_k=1, filename="best-{epoch}-{step}"),
+            ModelCheckpoint(monitor=None, save_top_k=1, filename="last", enable_version_counter=False),
         ],
         "log_every_n_steps": 10,
     }

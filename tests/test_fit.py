@@ -142,3 +142,36 @@ def test_bf16_mixed_on_cpu_runs_without_nan(tmp_path: Path) -> None:
     for p in cli.model.parameters():
         assert torch.isfinite(p).all()
     assert cli.model.tft_updates > 0 and cli.model.dqn_updates > 0
+
+
+def _fit_subprocess(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(ROOT)]))
+    args = [sys.executable, "-m", "foxhunt.fit", "--config", TINY, "--trainer.max_epochs", "4",
+            "--trainer.logger.init_args.save_dir", str(tmp / "runs"), "--trainer.logger.init_args.version", "0",
+            "--trainer.default_root_dir", str(tmp), "--export_dir", str(tmp / "export"), "--backtest", "false",
+            "--trainer.enable_progress_bar", "false", *extra]
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_resume_after_kill_is_exact(tmp_path: Path) -> None:
+    """A run killed after epoch 2 and resumed from last.ckpt ends with the weights of an uninterrupted run."""
+    whole = _fit_subprocess(tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = _fit_subprocess(tmp_path / "cut", "--trainer.callbacks+=_resume_helpers.KillAfterEpoch",
+                             "--trainer.callbacks.epoch=1")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    last = tmp_path / "cut" / "runs" / "foxhunt" / "version_0" / "checkpoints" / "last.ckpt"
+    assert last.exists()
+    resumed = _fit_subprocess(tmp_path / "cut", "--ckpt_path", str(last))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    def final(run: str) -> dict[str, torch.Tensor]:
+        ckpt = torch.load(tmp_path / run / "runs" / "foxhunt" / "version_0" / "checkpoints" / "last.ckpt",
+                          map_location="cpu", weights_only=True)
+        assert ckpt["epoch"] == 3
+        return ckpt["state_dict"]
+
+    a, b = final("whole"), final("cut")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=f"{key} differs after resume")

@@ -150,18 +150,21 @@ class EnsembleModule(L.LightningModule):
         return ok
 
     # ------------------------------------------------------------------------------------------------ training
-    def configure_optimizers(self) -> list[Any]:
-        optimizers, self._schedulers = [], []
+    def configure_optimizers(self) -> tuple[list[Any], list[Any]]:
+        """Each member's own AdamW and schedule; Lightning saves and restores their states with the checkpoint."""
+        optimizers, schedulers = [], []
+        self._scheduler_of: dict[str, Any] = {}
         for name in self.member_names:
-            member = getattr(self, name)
-            config = member.configure_optimizers()
-            if isinstance(config, dict):
-                optimizers.append(config["optimizer"])
-                self._schedulers.append(config.get("lr_scheduler"))
-            else:
-                optimizers.append(config)
-                self._schedulers.append(None)
-        return optimizers
+            config = getattr(self, name).configure_optimizers()
+            optimizer = config["optimizer"] if isinstance(config, dict) else config
+            optimizers.append(optimizer)
+            sched = config.get("lr_scheduler") if isinstance(config, dict) else None
+            if sched is not None:
+                sched = dict(sched) if isinstance(sched, dict) else {"scheduler": sched}
+                sched["name"] = f"lr-{name}"
+                schedulers.append(sched)
+                self._scheduler_of[name] = sched["scheduler"]
+        return optimizers, schedulers
 
     def _opt(self, name: str):
         opts = self.optimizers()
@@ -169,12 +172,9 @@ class EnsembleModule(L.LightningModule):
         return opts[self.member_names.index(name)]
 
     def _sched_step(self, name: str) -> None:
-        conf = self._schedulers[self.member_names.index(name)]
-        if conf is None:
-            return
-        sched = conf["scheduler"] if isinstance(conf, dict) else conf
-        if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            return  # stepped at validation end
+        sched = self._scheduler_of.get(name)
+        if sched is None or isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            return  # plateau schedules step at validation end
         sched.step()
 
     def in_warmup(self) -> bool:
@@ -327,6 +327,7 @@ class EnsembleModule(L.LightningModule):
         self.tft.val_metrics.update(self.tft.to_return_scale(out.prediction, batch), batch["y_raw"].float())
 
     def on_validation_epoch_end(self) -> None:
+        values: dict[str, Tensor] = {}
         if self.tft is not None:
             values = self.tft.val_metrics.compute()
             self.tft.val_metrics.reset()
@@ -338,6 +339,10 @@ class EnsembleModule(L.LightningModule):
         for who, metrics in results.items():
             self.log_dict({f"val/{who}/{k}": float(v) for k, v in metrics.items() if k in BACKTEST_KEYS})
         self.log("val/sharpe", float(results["ensemble"]["sharpe"]), prog_bar=True)
+        for name, sched in getattr(self, "_scheduler_of", {}).items():
+            if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau) and not self.trainer.sanity_checking:
+                # lower is better: the TFT's quantile loss, the DQN's negated reward per bar
+                sched.step(float(values["val/quantile_loss"]) if name == "tft" else -results["dqn"]["reward_per_bar"])
         for i, name in enumerate(self.member_names):
             self.log(f"val/weight_{name}", float(self._weights[i]))
         self.last_backtest = results
