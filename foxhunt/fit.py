@@ -60,6 +60,16 @@ class FoxhuntCLI(LightningCLI):
             }
         )
 
+    def _add_instantiators(self) -> None:
+        """Keep LightningCLI's hparams instantiator for the data only: for the model it writes links into members
+        configured as null (``--model.dqn null``) and fails; the ensemble saves its own hyperparameters and the
+        export records every member's, so nothing is lost."""
+        from lightning.pytorch.cli import _get_module_type, _InstantiatorFn
+
+        self.parser.add_instantiator(
+            _InstantiatorFn(cli=self, key="data"), _get_module_type(self._datamodule_class), subclasses=self.subclass_mode_data
+        )
+
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
         """A rich progress bar unless progress bars are off or another one was configured."""
         configured = list(config.get("callbacks") or []) + list(callbacks)

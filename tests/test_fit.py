@@ -175,3 +175,36 @@ def test_resume_after_kill_is_exact(tmp_path: Path) -> None:
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=f"{key} differs after resume")
+
+
+@pytest.mark.parametrize(
+    "extra, members",
+    [
+        (("--model.combine", "stack"), ("tft", "dqn")),
+        (("--model.combine", "vote", "--trainer.max_epochs", "1"), ("tft", "dqn")),
+        (("--model.dqn", "null", "--trainer.max_epochs", "1"), ("tft",)),
+        (("--model.tft", "null", "--trainer.max_epochs", "1"), ("dqn",)),
+    ],
+    ids=["stack", "vote", "tft-only", "dqn-only"],
+)
+def test_combinations_and_single_members(tmp_path: Path, extra: tuple[str, ...], members: tuple[str, ...]) -> None:
+    cli = _fit(tmp_path, *extra)
+    model = cli.model
+    assert tuple(model.member_names) == members
+    table = cli.results["backtest"]
+    assert {"ensemble", "buy_and_hold", *members} <= set(table)
+    if model.hparams.combine == "stack":
+        # the DQN saw the TFT snapshot's forecasts as extra inputs, and the TFT never trained on the DQN's bars
+        n_stack = model.tft.hparams.horizon * len(model.tft.quantiles)
+        assert model.dqn.train_split.n_features == len(cli.datamodule.feature_names) + n_stack
+        dm = cli.datamodule
+        tft_rows = dm.train_window_mask.nonzero().squeeze(1)
+        dqn_first = dm.train_split.timestamps[~model._stack_mask(dm.train_split)].min()
+        horizon = model.tft.hparams.horizon
+        # the last TFT window's targets (rows t..t+H-1, returns reaching row t+H) end before the DQN's first bar
+        assert int(dm.train_split.timestamps[tft_rows.max() + horizon]) < int(dqn_first)
+        assert int(dm.train_split.timestamps[tft_rows].max()) < int(dqn_first)
+        assert int(model.dqn.train_split.timestamps.min()) >= int(dqn_first)
+        assert table["ensemble"]["sharpe"] == table["dqn"]["sharpe"]
+    loaded = foxhunt.load(tmp_path / "export")
+    assert tuple(loaded.model.member_names) == members
