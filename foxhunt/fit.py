@@ -128,19 +128,27 @@ def default_trainer_kwargs() -> dict[str, Any]:
     }
 
 
-def main(args: list[str] | None = None) -> FoxhuntCLI:
-    """Parse the config and overrides, train, export and back-test."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cli = FoxhuntCLI(
+def build_cli(args: list[str] | None = None, callbacks: list[Any] | None = None) -> FoxhuntCLI:
+    """Parse a config and overrides into a ready CLI (model, data, trainer) without training; ``callbacks`` are
+    added to the Trainer's (e.g. an Optuna pruning callback)."""
+    defaults = default_trainer_kwargs()
+    defaults["callbacks"] = [*defaults["callbacks"], *(callbacks or [])]
+    return FoxhuntCLI(
         EnsembleModule,
         BarDataModule,
         subclass_mode_model=False,
         subclass_mode_data=False,
-        trainer_defaults=default_trainer_kwargs(),
+        trainer_defaults=defaults,
         save_config_kwargs={"overwrite": True},
         args=args,
         run=False,
     )
+
+
+def main(args: list[str] | None = None) -> FoxhuntCLI:
+    """Parse the config and overrides, train, export and back-test."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    cli = build_cli(args)
     cli.results = cli.fit()
     return cli
 
