@@ -39,6 +39,9 @@ class FoxhuntCLI(LightningCLI):
     """LightningCLI with the data-to-model links, foxhunt's default callbacks and logger, and the export step."""
 
     def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument("--checkpoint_monitor", type=str, default="val/sharpe", help="metric the best checkpoint (and the export) is chosen by")
+        parser.add_argument("--checkpoint_mode", type=str, default="max", help="'max' or 'min' for checkpoint_monitor")
+        parser.add_argument("--torch_threads", type=int | None, default=None, help="intra-op CPU threads (small models on few cores train faster with 1)")
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from ('last' for the latest)")
         parser.add_argument("--export_dir", type=str | None, default=None, help="where to write the safetensors export (default: <log_dir>/export)")
         parser.add_argument("--backtest", type=bool, default=True, help="back-test the exported model on the test split after fit")
@@ -73,11 +76,24 @@ class FoxhuntCLI(LightningCLI):
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
         """A rich progress bar unless progress bars are off or another one was configured."""
         configured = list(config.get("callbacks") or []) + list(callbacks)
+        if config.get("enable_checkpointing", True) is not False:
+            # the best model by the configured metric (exported at the end), and the latest one to resume from
+            monitor, mode = self.config.get("checkpoint_monitor", "val/sharpe"), self.config.get("checkpoint_mode", "max")
+            callbacks = [
+                ModelCheckpoint(monitor=monitor, mode=mode, save_top_k=1, filename="best-{epoch}-{step}"),
+                ModelCheckpoint(monitor=None, save_top_k=1, filename="last", enable_version_counter=False),
+                *callbacks,
+            ]
         if config.get("enable_progress_bar", True) is not False and not any(
             type(cb).__name__.endswith("ProgressBar") for cb in configured
         ):
             callbacks = [*callbacks, RichProgressBar(leave=True)]
         return super()._instantiate_trainer(config, callbacks)
+
+    def before_instantiate_classes(self) -> None:
+        threads = self.config.get("torch_threads")
+        if threads:
+            torch.set_num_threads(int(threads))
 
     def fit(self) -> dict[str, Any]:
         """Train, then export the best weights and back-test them on the test split."""
@@ -119,11 +135,7 @@ def default_trainer_kwargs() -> dict[str, Any]:
         precision = "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
     return {
         "precision": precision,
-        "callbacks": [
-            # the best model by the ensemble's validation Sharpe (exported at the end), and the latest one to resume
-            ModelCheckpoint(monitor="val/sharpe", mode="max", save_top_k=1, filename="best-{epoch}-{step}"),
-            ModelCheckpoint(monitor=None, save_top_k=1, filename="last", enable_version_counter=False),
-        ],
+        "callbacks": [],
         "log_every_n_steps": 10,
     }
 

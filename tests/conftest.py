@@ -5,6 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+import torch
+
+# The tests' networks are tiny: intra-op threads only add synchronisation (and thrash when processes share cores).
+torch.set_num_threads(1)
 
 
 def make_bars(n: int = 50, symbol: str = "ES", start: str = "2024-01-02 14:30", seed: int = 0, freq: str = "1min") -> pd.DataFrame:

@@ -181,25 +181,31 @@ class EnsembleModule(L.LightningModule):
         return self.tft is not None and self.tft_updates < self.hparams.tft_warmup_steps
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        """One round per update: the participating members' losses, one backward of their sum, each optimizer steps.
+
+        The members' parameters are disjoint, so the gradient of the sum is each member's own gradient; one backward
+        per round is also what DDP expects of a forward.
+        """
         hp = self.hparams
         warm = self.in_warmup()
-        if self.tft is not None and (warm or hp.tft_steps_per_joint_step > 0):
-            for _ in range(1 if warm else hp.tft_steps_per_joint_step):
-                self._tft_update(batch)
-        if self.dqn is not None and not warm:
-            if not self._dqn_ready:
-                self._start_dqn()
-            for _ in range(hp.dqn_updates_per_joint_step):
-                self._dqn_update()
+        n_tft = 0 if self.tft is None else (1 if warm else hp.tft_steps_per_joint_step)
+        n_dqn = 0 if (self.dqn is None or warm) else hp.dqn_updates_per_joint_step
+        if n_dqn and not self._dqn_ready:
+            self._start_dqn()
+        for r in range(max(n_tft, n_dqn)):
+            losses = {}
+            if r < n_tft:
+                losses["tft"] = self._tft_loss(batch)
+            if r < n_dqn:
+                losses["dqn"] = self._dqn_loss()
+            self._joint_step(losses)
 
-    def _tft_update(self, batch: dict[str, Tensor]) -> None:
+    def _tft_loss(self, batch: dict[str, Tensor]) -> Tensor:
         tft = self.tft
         assert tft is not None
-        out = tft(batch)
-        loss = tft.quantile_loss(out.prediction, batch["y"])
+        loss = tft.quantile_loss(tft(batch).prediction, batch["y"])
         self.log("train/tft_loss", loss.detach(), on_step=True, prog_bar=True, batch_size=batch["y"].shape[0])
-        if self._member_step("tft", loss):
-            self.tft_updates += 1
+        return loss
 
     def _start_dqn(self) -> None:
         """Build the DQN's environment (stacked with TFT forecasts when combining by stacking) and fill its replay."""
@@ -212,7 +218,8 @@ class EnsembleModule(L.LightningModule):
         dqn.on_train_start()
         self._dqn_ready = True
 
-    def _dqn_update(self) -> None:
+    def _dqn_loss(self) -> Tensor:
+        """Step every agent of the DQN's environment, then its TD loss on a replay sample."""
         dqn = self.dqn
         assert dqn is not None and dqn.replay is not None
         hp = dqn.hparams
@@ -226,41 +233,57 @@ class EnsembleModule(L.LightningModule):
              "train/epsilon": float(eps), "train/env_steps": float(dqn.env_steps)},
             on_step=True, batch_size=hp.batch_size,
         )
-        if not self._member_step("dqn", loss):
-            return
-        self.dqn_updates += 1
-        with torch.no_grad():
-            if hp.target_update == "polyak":
-                torch._foreach_lerp_(list(dqn.target_net.parameters()), list(dqn.q_net.parameters()), hp.tau)
-            elif self.dqn_updates % hp.target_update_every == 0:
-                dqn.target_net.load_state_dict(dqn.q_net.state_dict())
+        return loss
 
     def _net(self, name: str) -> torch.nn.Module:
         member = getattr(self, name)
         return member.net if name == "tft" else member.q_net
 
-    def _member_step(self, name: str, loss: Tensor) -> bool:
-        """Backward and step one member with its own optimizer and guard; False when the update was skipped."""
-        member = getattr(self, name)
-        step = self.tft_updates if name == "tft" else self.dqn_updates
-        if not member.guard.check_loss(loss, step):
-            self.log(f"train/{name}_nonfinite_skipped", float(member.guard.skipped))
-            return False
-        opt = self._opt(name)
-        opt.zero_grad(set_to_none=True)
-        self.manual_backward(loss)
+    def _updates(self, name: str) -> int:
+        return self.tft_updates if name == "tft" else self.dqn_updates
+
+    def _joint_step(self, losses: dict[str, Tensor]) -> None:
+        """Guard each loss, backward their sum once, then guard, clip (in the hook) and step each member."""
+        live = {}
+        for name, loss in losses.items():
+            member = getattr(self, name)
+            if member.guard.check_loss(loss, self._updates(name)):
+                live[name] = loss
+            else:
+                self.log(f"train/{name}_nonfinite_skipped", float(member.guard.skipped))
+        if not live:
+            return
+        for name in live:
+            self._opt(name).zero_grad(set_to_none=True)
+        self.manual_backward(sum(live.values()))
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        # Without a GradScaler the gradients are final here: a non-finite one raises or skips the whole step.
-        # With one (16-mixed), the scaler itself skips overflowing steps and lowers its scale.
-        if scaler is None and not member.guard.check_gradients(self._net(name), step):
-            self.log(f"train/{name}_nonfinite_skipped", float(member.guard.skipped))
-            opt.zero_grad(set_to_none=True)
-            return False
-        self._active = name
-        opt.step()
-        self._active = None
-        self._sched_step(name)
-        return True
+        for name in live:
+            member, opt = getattr(self, name), self._opt(name)
+            # Without a GradScaler the gradients are final here: a non-finite one raises or skips the member's step.
+            # With one (16-mixed), the scaler itself skips overflowing steps and lowers its scale.
+            if scaler is None and not member.guard.check_gradients(self._net(name), self._updates(name)):
+                self.log(f"train/{name}_nonfinite_skipped", float(member.guard.skipped))
+                opt.zero_grad(set_to_none=True)
+                continue
+            self._active = name
+            opt.step()
+            self._active = None
+            self._sched_step(name)
+            if name == "tft":
+                self.tft_updates += 1
+            else:
+                self.dqn_updates += 1
+                self._update_target()
+
+    def _update_target(self) -> None:
+        dqn = self.dqn
+        assert dqn is not None
+        hp = dqn.hparams
+        with torch.no_grad():
+            if hp.target_update == "polyak":
+                torch._foreach_lerp_(list(dqn.target_net.parameters()), list(dqn.q_net.parameters()), hp.tau)
+            elif self.dqn_updates % hp.target_update_every == 0:
+                dqn.target_net.load_state_dict(dqn.q_net.state_dict())
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Gradients are unscaled here (by the precision plugin): log the active member's norms, then clip them."""
@@ -269,7 +292,7 @@ class EnsembleModule(L.LightningModule):
             return
         member = getattr(self, name)
         net = self._net(name)
-        step = self.tft_updates if name == "tft" else self.dqn_updates
+        step = self._updates(name)
         every = member.hparams.log_grad_norm_every
         if every and step % every == 0:
             self.log_dict({f"grad_norm/{name}/{k.split('/')[-1]}": v for k, v in grad_norms(net).items()})
