@@ -256,3 +256,15 @@ def test_16_mixed_clips_and_logs_unscaled_gradients(tmp_path: Path) -> None:
         assert name == "dqn"
         assert 1e-6 < before < 1e3, f"gradient norm {before} looks scaled by {scale}"
         assert after <= 1e-3 * (1 + 1e-3), f"clipped norm {after} exceeds the clip value"
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_on_cpu(tmp_path: Path) -> None:
+    """Two gloo ranks train the ensemble for a few steps; each rank explores with its own environment seed."""
+    run = _fit_subprocess(tmp_path, "--trainer.strategy", "ddp_find_unused_parameters_true", "--trainer.devices", "2",
+                          "--trainer.accelerator", "cpu", "--trainer.max_epochs", "1")
+    assert run.returncode == 0, run.stderr[-4000:]
+    ckpt = torch.load(tmp_path / "runs" / "foxhunt" / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu",
+                      weights_only=True)
+    assert ckpt["global_step"] > 0
+    assert (tmp_path / "export" / "ensemble.safetensors").exists()

@@ -131,6 +131,9 @@ class EnsembleModule(L.LightningModule):
             for name in SPLITS:
                 rows = torch.from_numpy(dm.split_rows[name])
                 self._oracle[name] = torch.from_numpy(market.oracle_mean)[rows]
+        if self.dqn is not None and self.trainer.world_size > 1:
+            # each DDP rank explores its own episodes: environment, replay and exploration seeds differ by rank
+            self.dqn.hparams.seed = int(self.dqn.hparams.seed) + 1000 * self.global_rank
         if self.dqn is not None and self.hparams.combine != "stack":
             self.dqn.attach_market(dm.train_split, dm.val_split)
 
