@@ -9,11 +9,14 @@ from lightning.pytorch.callbacks import Callback
 
 
 class KillAfterEpoch(Callback):
-    """SIGKILL the process at the end of training epoch ``epoch`` (0-based), after its checkpoint was written."""
+    """SIGKILL the process once epoch ``epoch`` (0-based) is over and checkpointed: as the next epoch starts.
+
+    (ModelCheckpoint writes at the end of a training epoch, after every other callback's hook.)
+    """
 
     def __init__(self, epoch: int = 1) -> None:
         self.epoch = epoch
 
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.current_epoch == self.epoch:
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == self.epoch + 1:
             os.kill(os.getpid(), signal.SIGKILL)
