@@ -1,0 +1,491 @@
+"""DQNModule: a Double DQN that trades a MarketSplit through a vectorised market environment.
+
+Each ``training_step`` steps all N agents ``env_steps_per_update`` times with the ε-greedy online policy, stores
+the transitions (as bar indices and positions) in the on-device replay buffer, then takes one gradient step on the
+Huber TD loss against Double DQN targets from a target network. The dataloader only drives the loop
+(:class:`StepDataset`). Validation runs the greedy policy over the whole validation split in one vectorised pass.
+
+Usage::
+
+    module = DQNModule(n_features=split.n_features, window=16)
+    module.attach_market(train_split, val_split)
+    Trainer(max_steps=20_000, gradient_clip_val=10.0).fit(module)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from foxhunt.data.market import MarketSplit
+from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
+from foxhunt.evaluation.trading import trading_metrics
+from foxhunt.models.qnet import EncoderKind, QNetwork
+from foxhunt.rl.env import MarketEnv, MarketTensors, RewardSource, greedy_positions
+from foxhunt.rl.replay import ReplayBuffer, ReplaySample
+from foxhunt.training.gradnorm import grad_norms
+from foxhunt.training.guard import GuardPolicy, NonFiniteGuard
+from foxhunt.training.optim import SchedulerKind, configure_adamw
+
+TargetUpdate = Literal["hard", "polyak"]
+EpsilonSchedule = Literal["linear", "exponential"]
+ExogenousMode = Literal["none", "all_actions"]
+
+
+class StepDataset(Dataset[int]):
+    """``n`` dummy items: one per training step (the module generates its own data by acting)."""
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"need at least one step per epoch, got {n}")
+        self.n = int(n)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def double_dqn_target(
+    q_next_online: Tensor, q_next_target: Tensor, rewards: Tensor, discounts: Tensor, double: bool = True
+) -> Tensor:
+    """rewards + discount · Q_target(s', argmax_a Q_online(s', a)); plain DQN's max_a Q_target(s', a) if not double."""
+    if double:
+        next_value = q_next_target.gather(1, q_next_online.argmax(1, keepdim=True)).squeeze(1)
+    else:
+        next_value = q_next_target.amax(1)
+    return rewards + discounts * next_value
+
+
+@dataclass
+class _Counters:
+    """Running tallies of the acting loop (not parameters: they travel in the checkpoint's run state)."""
+
+    env_steps: int = 0  # steps of single agents so far
+    reward_sum: Tensor | None = None  # raw reward since the last log (a tensor, so no device sync per step)
+    reward_count: int = 0
+    clock: tuple[float, int] = field(default_factory=lambda: (time.perf_counter(), 0))
+
+
+class DQNModule(L.LightningModule):
+    """Double DQN trader over a vectorised market environment (see the module docstring)."""
+
+    def __init__(
+        self,
+        n_features: int,
+        window: int = 16,
+        actions: tuple[float, ...] = (-1.0, 0.0, 1.0),
+        n_envs: int = 256,
+        episode_length: int = 256,
+        cost_bps: float = 1.0,
+        reward_source: RewardSource = "returns",
+        reward_scale: float | None = None,
+        gamma: float = 0.9,
+        hidden: tuple[int, ...] = (128, 128),
+        layer_norm: bool = True,
+        dueling: bool = False,
+        encoder: EncoderKind = "flat",
+        double_dqn: bool = True,
+        batch_size: int = 256,
+        replay_capacity: int = 262_144,
+        learning_starts: int = 16_384,
+        n_step: int = 1,
+        target_update: TargetUpdate = "polyak",
+        target_update_every: int = 1000,
+        tau: float = 0.005,
+        epsilon_schedule: EpsilonSchedule = "linear",
+        epsilon_start: float = 1.0,
+        epsilon_end: float = 0.05,
+        epsilon_steps: int = 5_000,
+        env_steps_per_update: int = 1,
+        env_step_every: int = 1,
+        exogenous: ExogenousMode = "all_actions",
+        huber_delta: float = 1.0,
+        lr: float = 3e-4,
+        weight_decay: float = 0.0,
+        fused_adamw: bool = True,
+        scheduler: SchedulerKind = "none",
+        total_steps: int | None = None,
+        warmup_steps: int = 0,
+        nonfinite: GuardPolicy = "raise",
+        log_grad_norm_every: int = 100,
+        steps_per_epoch: int = 1_000,
+        bars_per_year: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        """
+        Args:
+            n_features: feature columns of the MarketSplit.
+            window: bars of features in one observation (t-window+1..t).
+            actions: target positions the agent can choose (short/flat/long by default).
+            n_envs: parallel agents stepped in one call.
+            episode_length: decisions per episode (episodes start flat at random bars).
+            cost_bps: proportional cost per unit of position traded, in basis points.
+            reward_source: "returns" (raw log returns) or "targets" (the split's preprocessed targets; costs scaled).
+            reward_scale: multiplies rewards; None scales by 1 / std of the training returns at decision bars.
+            gamma: discount factor.
+            hidden: widths of the Q-network's hidden layers.
+            layer_norm: LayerNorm after each hidden linear layer.
+            dueling: dueling value/advantage head.
+            encoder: "flat" (flattened window) or "conv" (a small temporal convolution).
+            double_dqn: Double DQN targets (online argmax, target evaluation); False for plain DQN.
+            batch_size: transitions per gradient update.
+            replay_capacity: transitions kept in the replay buffer.
+            learning_starts: transitions collected with a uniform random policy before the first update.
+            n_step: n-step returns (exogenous="none" only).
+            target_update: "hard" (copy every ``target_update_every`` updates) or "polyak" (τ every update).
+            target_update_every: updates between hard target syncs.
+            tau: Polyak averaging rate.
+            epsilon_schedule: "linear" or "exponential" decay of ε from start to end over ``epsilon_steps`` updates.
+            epsilon_start: initial exploration rate.
+            epsilon_end: final exploration rate.
+            epsilon_steps: updates over which ε decays.
+            env_steps_per_update: steps of all agents before each gradient update that steps the environment.
+            env_step_every: step the environment before every this many-th update only (N agents give N
+                transitions per step, so with hundreds of agents the replay stays fresh with fewer steps).
+            exogenous: "all_actions" regresses Q(s, a) for every action of a sampled state onto its known reward
+                plus the bootstrapped value of (t+1, a); "none" is plain DQN on the taken action.
+            huber_delta: Huber loss threshold (in reward units).
+            lr: AdamW learning rate.
+            weight_decay: AdamW decoupled weight decay (matrices only).
+            fused_adamw: use PyTorch's fused AdamW kernel where the parameters' device supports it (the small
+                Q-network's update is dominated by per-parameter op overhead on CPU otherwise).
+            scheduler: learning-rate schedule ("none", "step", "cosine", "plateau").
+            total_steps: updates the cosine schedule spans (defaults to the Trainer's estimate).
+            warmup_steps: linear LR warm-up updates.
+            nonfinite: "raise" on a NaN/Inf loss or gradient, or "skip" the update and count it.
+            log_grad_norm_every: log gradient norms every this many updates (0: never).
+            steps_per_epoch: training steps (updates) per epoch of the driving dataloader.
+            bars_per_year: annualisation of validation Sharpe; None infers it from the split's timestamps.
+            seed: seeds network initialisation, environment, replay sampling and exploration.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        if not 0.0 <= gamma < 1.0:
+            raise ValueError(f"gamma must be in [0, 1), got {gamma}")
+        if n_step < 1:
+            raise ValueError(f"n_step must be >= 1, got {n_step}")
+        if exogenous == "all_actions" and n_step != 1:
+            raise ValueError("exogenous='all_actions' uses one-step targets for every action; set n_step=1 or exogenous='none'")
+        if exogenous not in ("none", "all_actions"):
+            raise ValueError(f"exogenous must be 'none' or 'all_actions', got {exogenous!r}")
+        if target_update not in ("hard", "polyak"):
+            raise ValueError(f"target_update must be 'hard' or 'polyak', got {target_update!r}")
+        if epsilon_schedule not in ("linear", "exponential"):
+            raise ValueError(f"epsilon_schedule must be 'linear' or 'exponential', got {epsilon_schedule!r}")
+        if not (0.0 <= epsilon_end <= 1.0 and 0.0 <= epsilon_start <= 1.0):
+            raise ValueError(f"epsilon_start/end must be in [0, 1], got {epsilon_start}, {epsilon_end}")
+        if not 0.0 < tau <= 1.0:
+            raise ValueError(f"tau must be in (0, 1], got {tau}")
+        if min(batch_size, env_steps_per_update, env_step_every, target_update_every, epsilon_steps) < 1:
+            raise ValueError(
+                "batch_size, env_steps_per_update, env_step_every, target_update_every and epsilon_steps must be >= 1"
+            )
+        if replay_capacity < n_envs * max(2, n_step):
+            raise ValueError(f"replay_capacity ({replay_capacity}) must hold at least {max(2, n_step)} steps of {n_envs} agents")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            net_args = dict(
+                n_features=n_features, window=window, n_actions=len(actions), n_position_features=len(actions),
+                hidden=tuple(hidden), layer_norm=layer_norm, dueling=dueling, encoder=encoder,
+            )
+            self.q_net = QNetwork(**net_args)  # type: ignore[arg-type]
+            self.target_net = QNetwork(**net_args)  # type: ignore[arg-type]
+        self.target_net.load_state_dict(self.q_net.state_dict())
+        self.target_net.requires_grad_(False)
+        self.guard = NonFiniteGuard(nonfinite)
+        self.train_split: MarketSplit | None = None
+        self.val_split: MarketSplit | None = None
+        self.env: MarketEnv | None = None
+        self.replay: ReplayBuffer | None = None
+        self.explore_rng: torch.Generator | None = None
+        self._val_market: MarketTensors | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self.reward_scale_used: float | None = None
+        self.counters = _Counters()  # a plain object: nn.Module attribute writes are slow in the hot loop
+
+    @property
+    def env_steps(self) -> int:
+        """Single-agent environment steps taken so far (warm-up included)."""
+        return self.counters.env_steps
+
+    # ----------------------------------------------------------------------------------------------- data
+    def attach_market(self, train: MarketSplit, val: MarketSplit | None = None) -> None:
+        """Give the module its training market (the environment) and, optionally, the validation market."""
+        if train.n_features != self.hparams.n_features:
+            raise ValueError(
+                f"train split {train.name!r} has {train.n_features} features, the module was built for "
+                f"n_features={self.hparams.n_features}"
+            )
+        if val is not None and val.n_features != train.n_features:
+            raise ValueError(f"validation split {val.name!r} has {val.n_features} features, train has {train.n_features}")
+        self.train_split, self.val_split = train, val
+        self.env, self.replay, self._val_market = None, None, None
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(StepDataset(self.hparams.steps_per_epoch), batch_size=None, shuffle=False)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(StepDataset(1), batch_size=None, shuffle=False)
+
+    def _market(self, split: MarketSplit) -> MarketTensors:
+        hp = self.hparams
+        return MarketTensors(
+            split, hp.window, tuple(hp.actions), hp.cost_bps, hp.reward_source,
+            1.0 if self.reward_scale_used is None else self.reward_scale_used, device=self.device,
+        )
+
+    def _build_environment(self) -> None:
+        """Environment, replay buffer and exploration RNG on the module's device (then a resumed state, if any)."""
+        if self.train_split is None:
+            raise RuntimeError("DQNModule has no market: call module.attach_market(train_split, val_split) before fit")
+        hp = self.hparams
+        market = self._market(self.train_split)
+        if self.reward_scale_used is None:
+            if hp.reward_scale is not None:
+                scale = float(hp.reward_scale)
+            else:
+                std = float(market.signal[market.decision].std())
+                if not math.isfinite(std) or std <= 0:
+                    raise ValueError(f"train split {self.train_split.name!r}: returns have no spread to scale rewards by")
+                scale = 1.0 / std
+            self.reward_scale_used = scale
+        market.reward_scale = self.reward_scale_used
+        self.env = MarketEnv(market, hp.n_envs, hp.episode_length, seed=hp.seed)
+        self.replay = ReplayBuffer(hp.replay_capacity, hp.n_envs, device=self.device, seed=hp.seed + 1)
+        self.explore_rng = torch.Generator(device=self.device)
+        self.explore_rng.manual_seed(hp.seed + 2)
+        if self._pending_state is not None:
+            self._load_run_state(self._pending_state)
+            self._pending_state = None
+
+    # ----------------------------------------------------------------------------------------------- acting
+    def epsilon(self, update: int | None = None) -> float:
+        """Exploration rate after ``update`` gradient updates."""
+        hp = self.hparams
+        u = self.global_step if update is None else update
+        frac = min(1.0, u / hp.epsilon_steps)
+        if hp.epsilon_schedule == "linear":
+            return hp.epsilon_start + frac * (hp.epsilon_end - hp.epsilon_start)
+        if hp.epsilon_start == 0 or hp.epsilon_end == 0:
+            return hp.epsilon_start if frac < 1.0 else hp.epsilon_end
+        return hp.epsilon_start * (hp.epsilon_end / hp.epsilon_start) ** frac
+
+    @torch.no_grad()
+    def _env_step(self, epsilon: float) -> None:
+        env, replay = self.env, self.replay
+        assert env is not None and replay is not None and self.explore_rng is not None
+        n, n_act = env.n_envs, env.market.n_actions
+        randoms = torch.randint(0, n_act, (n,), generator=self.explore_rng, device=self.device)
+        if epsilon >= 1.0:
+            actions = randoms
+        else:
+            explore = torch.rand(n, generator=self.explore_rng, device=self.device) < epsilon
+            greedy = self.q_net(*env.observe()).argmax(1)
+            actions = torch.where(explore, randoms, greedy)
+        tr = env.step(actions)
+        replay.add(tr.bars, tr.positions, tr.actions, tr.rewards, tr.last)
+        c = self.counters
+        c.env_steps += n
+        c.reward_sum = tr.raw_rewards.sum(dtype=torch.float64) + (c.reward_sum if c.reward_sum is not None else 0.0)
+        c.reward_count += n
+
+    def on_train_start(self) -> None:
+        if self.env is None:
+            self._build_environment()
+        assert self.replay is not None and self.env is not None
+        warm = math.ceil(self.hparams.learning_starts / self.env.n_envs)
+        while self.replay.size < max(warm, self.hparams.n_step + 1):
+            self._env_step(1.0)
+        self.counters.clock = (time.perf_counter(), self.counters.env_steps)
+        self._params = (list(self.target_net.parameters()), list(self.q_net.parameters()))
+
+    # ----------------------------------------------------------------------------------------------- learning
+    def _observe(self, market: MarketTensors, bars: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return market.windows(bars), market.position_features(positions)
+
+    def td_loss(self, sample: ReplaySample) -> tuple[Tensor, Tensor]:
+        """Huber TD loss of a replay batch and the online Q-values of its states.
+
+        The online network sees the sampled states and their successor states in one forward pass (rows are
+        independent: LayerNorm normalises per row), and only the sampled states' rows carry gradient.
+        """
+        assert self.env is not None
+        market, hp = self.env.market, self.hparams
+        b = sample.bars.shape[0]
+        if hp.exogenous == "all_actions":
+            # The successor of (t, p) under action a is (t+1, a): one state per action, all with known rewards.
+            n_act = market.n_actions
+            next_windows = market.windows(sample.bars + 1).repeat_interleave(n_act, 0)
+            next_pos = market.position_features(torch.arange(n_act, device=sample.bars.device).repeat(b))
+            rewards = market.rewards_all(sample.bars, sample.positions).reshape(-1)
+            discounts = torch.full_like(rewards, hp.gamma)
+        else:
+            next_windows, next_pos = self._observe(market, sample.next_bars, sample.next_positions)
+            rewards, discounts = sample.returns, sample.discounts
+        windows, positions = self._observe(market, sample.bars, sample.positions)
+        q_both = self.q_net(torch.cat([windows, next_windows]), torch.cat([positions, next_pos]))
+        q, q_next_online = q_both[:b], q_both[b:].detach()
+        with torch.no_grad():
+            target = double_dqn_target(
+                q_next_online, self.target_net(next_windows, next_pos), rewards, discounts, hp.double_dqn
+            )
+        if hp.exogenous == "all_actions":
+            prediction, target = q, target.view(b, -1)
+        else:
+            prediction = q.gather(1, sample.actions.unsqueeze(1)).squeeze(1)
+        return F.huber_loss(prediction, target, delta=hp.huber_delta), q.detach()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor | None:
+        assert self.replay is not None
+        hp = self.hparams
+        eps = self.epsilon()
+        if self.global_step % hp.env_step_every == 0:
+            for _ in range(hp.env_steps_per_update):
+                self._env_step(eps)
+        loss, q = self.td_loss(self.replay.sample(hp.batch_size, hp.n_step, hp.gamma))
+        if self._should_log():
+            c = self.counters
+            now = time.perf_counter()
+            then, steps_then = c.clock
+            c.clock = (now, c.env_steps)
+            scale = self.reward_scale_used or 1.0
+            self.log_dict(
+                {
+                    "train/td_loss": loss.detach(),
+                    "train/q_mean": q.mean() / scale,
+                    "train/q_max": q.max() / scale,
+                    "train/epsilon": eps,
+                    "train/reward_per_bar": float(c.reward_sum or 0.0) / max(c.reward_count, 1),
+                    "train/env_steps_per_s": (c.env_steps - steps_then) / max(now - then, 1e-9),
+                    "train/nonfinite_skipped": float(self.guard.skipped),
+                },
+                on_step=True, on_epoch=False, batch_size=hp.batch_size,
+            )
+            c.reward_sum, c.reward_count = None, 0
+        if not self.guard.check_loss(loss, self.global_step):
+            return None
+        return loss
+
+    def _should_log(self) -> bool:
+        every = self.trainer.log_every_n_steps if self._trainer is not None else 50
+        return (self.global_step + 1) % max(every, 1) == 0
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.guard.check_gradients(self.q_net, self.global_step)
+        every = self.hparams.log_grad_norm_every
+        if every and self.global_step % every == 0:
+            norms = grad_norms(self.q_net, prefix="train/grad_norm")
+            if norms:
+                self.log_dict(norms, on_step=True, on_epoch=False)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        hp = self.hparams
+        if hp.target_update == "polyak":
+            with torch.no_grad():
+                torch._foreach_lerp_(*self._params, hp.tau)
+        elif self.global_step % hp.target_update_every == 0:
+            self.target_net.load_state_dict(self.q_net.state_dict())
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        total = hp.total_steps
+        if hp.scheduler == "cosine" and total is None:
+            total = int(self.trainer.estimated_stepping_batches)
+        config = configure_adamw(
+            self.q_net, lr=hp.lr, weight_decay=hp.weight_decay, scheduler=hp.scheduler, total_steps=total,
+            warmup_steps=hp.warmup_steps, monitor="val/reward_per_bar_neg",
+            interval="epoch" if hp.scheduler == "plateau" else "step",
+        )
+        if hp.fused_adamw:
+            _prefer_fused(config["optimizer"] if isinstance(config, dict) else config)
+        return config
+
+    # ----------------------------------------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def greedy_positions(self, split: MarketSplit | MarketTensors, chunk: int = 65_536) -> tuple[Tensor, MarketTensors]:
+        """[T] positions of the greedy policy over a whole split (flat where no decision can be taken), and its market.
+
+        Q(s_t, p) is evaluated for every bar and every held position p in batched forward passes, and the position
+        path follows from the table p_t = argmax_a Q(s_t(p_{t-1}), a) by a parallel prefix composition.
+        """
+        market = split if isinstance(split, MarketTensors) else self._market(split)
+        was_training = self.q_net.training
+        self.q_net.eval()
+        try:
+            return greedy_positions(self.q_net, market, chunk), market
+        finally:
+            self.q_net.train(was_training)
+
+    def evaluate(self, split: MarketSplit) -> dict[str, float]:
+        """Back-test metrics of the greedy policy on ``split`` (raw returns, raw costs)."""
+        positions, market = self.greedy_positions(split)
+        bpy = self.hparams.bars_per_year or infer_bars_per_year(split.timestamps, split.symbol_index)
+        m = trading_metrics(positions, market.returns, market.cost_bps, bpy, mask=market.decision, reset=market.reset_mask)
+        return {k: float(v) for k, v in m.as_dict().items()}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if self.val_split is None:
+            return
+        if self._val_market is None or self._val_market.device != self.device:
+            self._val_market = self._market(self.val_split)
+        positions, market = self.greedy_positions(self._val_market)
+        bpy = self.hparams.bars_per_year or infer_bars_per_year(self.val_split.timestamps, self.val_split.symbol_index)
+        m = trading_metrics(positions, market.returns, market.cost_bps, bpy, mask=market.decision, reset=market.reset_mask)
+        metrics = {f"val/{k}": v.float() for k, v in m.as_dict().items() if k in _VAL_KEYS}
+        metrics["val/reward_per_bar_neg"] = -metrics["val/reward_per_bar"]
+        self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1)
+
+    # ----------------------------------------------------------------------------------------------- checkpoints
+    def _run_state(self) -> dict[str, Any]:
+        assert self.env is not None and self.replay is not None and self.explore_rng is not None
+        return {
+            "env": self.env.state_dict(),
+            "replay": self.replay.state_dict(),
+            "explore_rng": self.explore_rng.get_state(),
+            "guard": self.guard.state_dict(),
+            "env_steps": self.counters.env_steps,
+            "reward_scale": self.reward_scale_used,
+        }
+
+    def _load_run_state(self, state: dict[str, Any]) -> None:
+        assert self.env is not None and self.replay is not None and self.explore_rng is not None
+        self.env.load_state_dict(state["env"])
+        self.replay.load_state_dict(state["replay"])
+        self.explore_rng.set_state(state["explore_rng"].cpu())
+        self.guard.load_state_dict(state["guard"])
+        self.counters.env_steps = int(state["env_steps"])
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Environment, replay buffer and RNGs travel in the checkpoint, so a resumed run continues exactly."""
+        if self.env is not None:
+            checkpoint["dqn_run_state"] = self._run_state()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("dqn_run_state")
+        if state is not None:
+            self.reward_scale_used = state["reward_scale"]
+            self._pending_state = state
+            self.env = None  # rebuilt on the right device at train start, then the state is applied
+
+
+def _prefer_fused(optimizer: torch.optim.Optimizer) -> None:
+    """Switch AdamW to its fused kernel before its first step, where every parameter's device and dtype allow it."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if optimizer.state or not params:
+        return
+    if all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params):
+        for group in optimizer.param_groups:
+            group["fused"], group["foreach"] = True, False
+
+
+_VAL_KEYS = ("reward_per_bar", "sharpe", "total_log_return", "max_drawdown", "turnover", "hit_rate", "n_trades", "exposure")

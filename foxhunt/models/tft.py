@@ -1,0 +1,387 @@
+"""Temporal Fusion Transformer (Lim et al., 2021) as a plain nn.Module, in the paper's vocabulary.
+
+Shapes: B batch, L lookback (encoder), H horizon (decoder), F observed past inputs, K known-future inputs,
+d ``hidden_size``, Q quantiles. Inputs are continuous variables (scalars) plus an optional symbol id as static input.
+
+Speed: the per-variable GRNs of a variable selection network run as grouped matrix products (``baddbmm`` over a
+variable-major ``[V, N, d]`` layout), never a Python loop over variables. A continuous variable's embedding
+(``hidden_continuous_size``) is affine in its scalar, so every linear layer that reads embeddings directly (the
+per-variable GRNs' first layer and skip, the flattened GRN that scores variables) is composed with it on the fly:
+the same function and parameters as the paper's, without materialising the [N, V, hidden_continuous] embeddings.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class GLU(nn.Module):
+    """Gated linear unit: sigma(W4 x + b4) * (W5 x + b5), lets the network shut a path off entirely."""
+
+    def __init__(self, input_size: int, output_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(input_size, 2 * output_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.glu(self.linear(x), dim=-1)
+
+
+class GateAddNorm(nn.Module):
+    """Gated skip connection: LayerNorm(residual + GLU(dropout(x)))."""
+
+    def __init__(self, input_size: int, output_size: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self.glu = GLU(input_size, output_size)
+        self.norm = nn.LayerNorm(output_size)
+
+    def forward(self, x: Tensor, residual: Tensor) -> Tensor:
+        return self.norm(self.glu(self.dropout(x)) + residual)
+
+
+class GatedResidualNetwork(nn.Module):
+    """GRN(a, c) = LayerNorm(skip(a) + GLU(W1 ELU(W2 a + W3 c + b2) + b1)): non-linearity only where the data needs it."""
+
+    def __init__(
+        self, input_size: int, hidden_size: int, output_size: int, context_size: int | None = None, dropout: float = 0.0
+    ) -> None:
+        super().__init__()
+        self.input_size, self.hidden_size, self.output_size = input_size, hidden_size, output_size
+        self.skip = nn.Linear(input_size, output_size) if input_size != output_size else None
+        self.fc2 = nn.Linear(input_size, hidden_size)
+        self.context = nn.Linear(context_size, hidden_size, bias=False) if context_size else None
+        self.fc1 = nn.Linear(hidden_size, hidden_size)
+        self.gate = GateAddNorm(hidden_size, output_size, dropout)
+
+    def forward(self, a: Tensor, context: Tensor | None = None) -> Tensor:
+        residual = a if self.skip is None else self.skip(a)
+        return self.from_projections(self.fc2(a), residual, context)
+
+    def from_projections(self, fc2_out: Tensor, residual: Tensor, context: Tensor | None = None) -> Tensor:
+        """The GRN after its input-reading layers (W2 a + b2 and skip(a)), for callers that compute those fused."""
+        if self.context is not None:
+            if context is None:
+                raise ValueError("this GatedResidualNetwork was built with a context input; pass context=")
+            c = self.context(context)
+            while c.dim() < fc2_out.dim():
+                c = c.unsqueeze(-2)
+            fc2_out = fc2_out + c
+        return self.gate(self.fc1(F.elu(fc2_out)), residual)
+
+
+class GroupedGatedResidualNetwork(nn.Module):
+    """G independent GRNs (one per variable) evaluated in one batched product on a variable-major [G, N, in] layout."""
+
+    def __init__(self, n_groups: int, input_size: int, hidden_size: int, output_size: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.n_groups, self.input_size, self.hidden_size, self.output_size = n_groups, input_size, hidden_size, output_size
+        g = n_groups
+        self.skip_weight = nn.Parameter(torch.empty(g, input_size, output_size)) if input_size != output_size else None
+        self.skip_bias = nn.Parameter(torch.zeros(g, output_size)) if input_size != output_size else None
+        self.fc2_weight = nn.Parameter(torch.empty(g, input_size, hidden_size))
+        self.fc2_bias = nn.Parameter(torch.zeros(g, hidden_size))
+        self.fc1_weight = nn.Parameter(torch.empty(g, hidden_size, hidden_size))
+        self.fc1_bias = nn.Parameter(torch.zeros(g, hidden_size))
+        self.glu_weight = nn.Parameter(torch.empty(g, hidden_size, 2 * output_size))
+        self.glu_bias = nn.Parameter(torch.zeros(g, 2 * output_size))
+        self.norm_weight = nn.Parameter(torch.ones(g, output_size))
+        self.norm_bias = nn.Parameter(torch.zeros(g, output_size))
+        self.dropout = nn.Dropout(dropout)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each group initialised like its own nn.Linear (uniform +-1/sqrt(fan_in))."""
+        for w, b in (
+            (self.skip_weight, self.skip_bias),
+            (self.fc2_weight, self.fc2_bias),
+            (self.fc1_weight, self.fc1_bias),
+            (self.glu_weight, self.glu_bias),
+        ):
+            if w is None:
+                continue
+            bound = 1.0 / math.sqrt(w.shape[1])
+            nn.init.uniform_(w, -bound, bound)
+            nn.init.uniform_(b, -bound, bound)
+
+    def forward(self, a: Tensor) -> Tensor:
+        """[G, N, input_size] -> [G, N, output_size]."""
+        residual = a if self.skip_weight is None else torch.baddbmm(self.skip_bias.unsqueeze(1), a, self.skip_weight)
+        return self.from_projections(torch.baddbmm(self.fc2_bias.unsqueeze(1), a, self.fc2_weight), residual)
+
+    def from_projections(self, fc2_out: Tensor, residual: Tensor) -> Tensor:
+        """The GRNs after their input-reading layers, for callers that compute W2 a + b2 and skip(a) fused."""
+        eta1 = torch.baddbmm(self.fc1_bias.unsqueeze(1), F.elu(fc2_out), self.fc1_weight)
+        gated = F.glu(torch.baddbmm(self.glu_bias.unsqueeze(1), self.dropout(eta1), self.glu_weight), dim=-1)
+        z = F.layer_norm(gated + residual, (self.output_size,))
+        return z * self.norm_weight.unsqueeze(1) + self.norm_bias.unsqueeze(1)
+
+
+class VariableSelectionNetwork(nn.Module):
+    """Soft, instance-wise selection of V input variables: softmax(GRN_v(flat inputs, c_s)) weighting per-variable GRNs.
+
+    ``continuous=True``: inputs are scalars [..., V]; each variable owns a linear embedding to ``input_size``
+    (the paper's linear transformation of continuous inputs) that is composed into the layers reading it.
+    ``continuous=False``: inputs are already embedded, [..., V, input_size] (e.g. categorical embeddings).
+    """
+
+    def __init__(
+        self,
+        n_variables: int,
+        input_size: int,
+        hidden_size: int,
+        context_size: int | None = None,
+        dropout: float = 0.0,
+        continuous: bool = True,
+    ) -> None:
+        super().__init__()
+        if n_variables < 1:
+            raise ValueError(f"a variable selection network needs at least one variable, got {n_variables}")
+        self.n_variables, self.input_size, self.hidden_size, self.continuous = n_variables, input_size, hidden_size, continuous
+        if continuous:
+            self.embed_weight = nn.Parameter(torch.empty(n_variables, input_size))
+            self.embed_bias = nn.Parameter(torch.empty(n_variables, input_size))
+            nn.init.uniform_(self.embed_weight, -1.0, 1.0)  # nn.Linear(1, input_size) initialisation
+            nn.init.uniform_(self.embed_bias, -1.0, 1.0)
+        self.flattened_grn = GatedResidualNetwork(
+            n_variables * input_size, min(hidden_size, n_variables), n_variables, context_size, dropout
+        )
+        self.variable_grns = GroupedGatedResidualNetwork(
+            n_variables, input_size, min(input_size, hidden_size), hidden_size, dropout
+        )
+
+    def embed(self, x: Tensor) -> Tensor:
+        """Explicit per-variable embeddings [..., V] -> [..., V, input_size] (reference path; forward fuses it)."""
+        return x.unsqueeze(-1) * self.embed_weight + self.embed_bias
+
+    def forward(self, x: Tensor, context: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Returns the selected combination [..., hidden_size] and the variable weights [..., V]."""
+        if not self.continuous:
+            return self.forward_embedded(x, context)
+        if x.shape[-1] != self.n_variables:
+            raise ValueError(f"expected {self.n_variables} input variables in the last dim, got {x.shape[-1]}")
+        lead = x.shape[:-1]
+        v, e = self.n_variables, self.input_size
+        flat_x = x.reshape(-1, v)  # [N, V]
+        ctx = None if context is None else _flatten_context(context, lead)
+        # Scoring GRN reads concat_v(x_v * Ew_v + Eb_v): its fc2 and skip compose into [V, out] maps of the scalars.
+        fg = self.flattened_grn
+        w2 = fg.fc2.weight.view(fg.hidden_size, v, e)
+        fc2_out = F.linear(
+            flat_x,
+            torch.einsum("hve,ve->hv", w2, self.embed_weight),
+            fg.fc2.bias + torch.einsum("hve,ve->h", w2, self.embed_bias),
+        )
+        ws = fg.skip.weight.view(v, v, e) if fg.skip is not None else None
+        residual = (
+            F.linear(
+                flat_x,
+                torch.einsum("ove,ve->ov", ws, self.embed_weight),
+                fg.skip.bias + torch.einsum("ove,ve->o", ws, self.embed_bias),
+            )
+            if ws is not None
+            else self.embed(flat_x).flatten(-2)
+        )
+        weights = torch.softmax(fg.from_projections(fc2_out, residual, ctx).float(), dim=-1)  # [N, V]
+        # Per-variable GRNs, variable-major: first layer and skip are rank-1 in the scalar x_v.
+        g = self.variable_grns
+        xv = flat_x.t().unsqueeze(-1)  # [V, N, 1]
+        a2 = torch.einsum("ve,veh->vh", self.embed_weight, g.fc2_weight)
+        b2 = torch.einsum("ve,veh->vh", self.embed_bias, g.fc2_weight) + g.fc2_bias
+        fc2_v = torch.addcmul(b2.unsqueeze(1), xv, a2.unsqueeze(1))  # [V, N, h]
+        if g.skip_weight is not None:
+            a_s = torch.einsum("ve,veo->vo", self.embed_weight, g.skip_weight)
+            b_s = torch.einsum("ve,veo->vo", self.embed_bias, g.skip_weight) + g.skip_bias
+            res_v = torch.addcmul(b_s.unsqueeze(1), xv, a_s.unsqueeze(1))
+        else:
+            res_v = torch.addcmul(self.embed_bias.unsqueeze(1), xv, self.embed_weight.unsqueeze(1))
+        processed = g.from_projections(fc2_v, res_v)  # [V, N, d]
+        combined = _weighted_sum(processed, weights)
+        return combined.reshape(*lead, self.hidden_size), weights.reshape(*lead, v)
+
+    def forward_embedded(self, e: Tensor, context: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Selection over pre-embedded inputs [..., V, input_size] (also the unfused reference for continuous inputs)."""
+        lead = e.shape[:-2]
+        flat = e.reshape(-1, self.n_variables, self.input_size)
+        ctx = None if context is None else _flatten_context(context, lead)
+        weights = torch.softmax(self.flattened_grn(flat.flatten(-2), ctx).float(), dim=-1)
+        processed = self.variable_grns(flat.transpose(0, 1))
+        combined = _weighted_sum(processed, weights)
+        return combined.reshape(*lead, self.hidden_size), weights.reshape(*lead, self.n_variables)
+
+
+def _weighted_sum(processed: Tensor, weights: Tensor) -> Tensor:
+    """sum_v w[n, v] * processed[v, n, :] in one pass over the variable-major tensor."""
+    return (processed * weights.t().unsqueeze(-1).to(processed.dtype)).sum(0)
+
+
+def _flatten_context(context: Tensor, lead: torch.Size) -> Tensor:
+    """Broadcast a static context [B, d] over the time dims of ``lead`` ([B] or [B, T]) and flatten to [N, d]."""
+    while context.dim() < len(lead) + 1:
+        context = context.unsqueeze(1)
+    return context.expand(*lead, context.shape[-1]).reshape(-1, context.shape[-1])
+
+
+class InterpretableMultiHeadAttention(nn.Module):
+    """Multi-head attention whose heads share one value projection and are averaged, so the weights are interpretable."""
+
+    def __init__(self, hidden_size: int, n_heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        if hidden_size % n_heads:
+            raise ValueError(f"hidden_size ({hidden_size}) must be divisible by attention heads ({n_heads})")
+        self.n_heads, self.head_size = n_heads, hidden_size // n_heads
+        self.query = nn.Linear(hidden_size, hidden_size)
+        self.key = nn.Linear(hidden_size, hidden_size)
+        self.value = nn.Linear(hidden_size, self.head_size)  # shared across heads
+        self.out = nn.Linear(self.head_size, hidden_size)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """q [B, Tq, d], k/v [B, Tk, d], mask [Tq, Tk] True where attention is forbidden -> ([B, Tq, d], [B, h, Tq, Tk])."""
+        b, tq, tk = q.shape[0], q.shape[1], k.shape[1]
+        qh = self.query(q).view(b, tq, self.n_heads, self.head_size).transpose(1, 2)
+        kh = self.key(k).view(b, tk, self.n_heads, self.head_size).transpose(1, 2)
+        vs = self.value(v)  # [B, Tk, dh]
+        scores = torch.matmul(qh, kh.transpose(-1, -2)).float() / math.sqrt(self.head_size)
+        if mask is not None:
+            scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
+        attn = torch.softmax(scores, dim=-1)  # float32 even under autocast
+        heads = torch.matmul(self.dropout(attn).to(vs.dtype), vs.unsqueeze(1))  # [B, h, Tq, dh]
+        return self.out(heads.mean(dim=1)), attn
+
+
+class TFTOutput(NamedTuple):
+    """Forecast quantiles with everything needed to interpret them."""
+
+    prediction: Tensor  # [B, H, Q]
+    static_weights: Tensor  # [B, S]
+    encoder_weights: Tensor  # [B, L, V_enc]
+    decoder_weights: Tensor  # [B, H, V_dec]
+    attention: Tensor  # [B, heads, H, L + H], decoder queries over all positions
+
+
+class TemporalFusionTransformer(nn.Module):
+    """Multi-horizon quantile forecaster: static encoders, variable selection, LSTM seq2seq, interpretable attention.
+
+    Encoder variables are the F observed past inputs plus (``add_relative_time``) the relative time index; decoder
+    variables are the K known-future inputs plus the relative time index. The static input is the symbol embedding.
+    """
+
+    def __init__(
+        self,
+        n_features: int,
+        n_known_future: int = 0,
+        n_symbols: int = 1,
+        lookback: int = 64,
+        horizon: int = 6,
+        hidden_size: int = 32,
+        attention_heads: int = 4,
+        hidden_continuous_size: int = 16,
+        lstm_layers: int = 1,
+        dropout: float = 0.1,
+        n_quantiles: int = 3,
+        add_relative_time: bool = True,
+    ) -> None:
+        super().__init__()
+        if n_features < 1:
+            raise ValueError(f"n_features must be >= 1, got {n_features}")
+        if n_known_future < 0:
+            raise ValueError(f"n_known_future must be >= 0, got {n_known_future}")
+        if n_known_future == 0 and not add_relative_time:
+            raise ValueError("the decoder needs an input: set add_relative_time=True or give known-future inputs")
+        if min(n_symbols, lookback, horizon, hidden_size, hidden_continuous_size, lstm_layers, n_quantiles) < 1:
+            raise ValueError("n_symbols, lookback, horizon, sizes, lstm_layers and n_quantiles must all be >= 1")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        d = hidden_size
+        self.n_features, self.n_known_future, self.n_symbols = n_features, n_known_future, n_symbols
+        self.lookback, self.horizon, self.hidden_size, self.lstm_layers = lookback, horizon, d, lstm_layers
+        self.add_relative_time = add_relative_time
+        extra = 1 if add_relative_time else 0
+        self.n_encoder_variables, self.n_decoder_variables = n_features + extra, n_known_future + extra
+
+        self.symbol_embedding = nn.Embedding(n_symbols, d)
+        self.static_selection = VariableSelectionNetwork(1, d, d, None, dropout, continuous=False)
+        self.static_context_selection = GatedResidualNetwork(d, d, d, dropout=dropout)  # c_s
+        self.static_context_enrichment = GatedResidualNetwork(d, d, d, dropout=dropout)  # c_e
+        self.static_context_state_h = GatedResidualNetwork(d, d, d, dropout=dropout)  # c_h
+        self.static_context_state_c = GatedResidualNetwork(d, d, d, dropout=dropout)  # c_c
+        self.encoder_selection = VariableSelectionNetwork(
+            self.n_encoder_variables, hidden_continuous_size, d, d, dropout, continuous=True
+        )
+        self.decoder_selection = VariableSelectionNetwork(
+            self.n_decoder_variables, hidden_continuous_size, d, d, dropout, continuous=True
+        )
+        lstm_dropout = dropout if lstm_layers > 1 else 0.0
+        self.lstm_encoder = nn.LSTM(d, d, num_layers=lstm_layers, batch_first=True, dropout=lstm_dropout)
+        self.lstm_decoder = nn.LSTM(d, d, num_layers=lstm_layers, batch_first=True, dropout=lstm_dropout)
+        self.post_lstm_gate = GateAddNorm(d, d, dropout)
+        self.static_enrichment = GatedResidualNetwork(d, d, d, context_size=d, dropout=dropout)
+        self.attention = InterpretableMultiHeadAttention(d, attention_heads, dropout)
+        self.post_attention_gate = GateAddNorm(d, d, dropout)
+        self.positionwise_grn = GatedResidualNetwork(d, d, d, dropout=dropout)
+        self.pre_output_gate = GateAddNorm(d, d, 0.0)
+        self.quantile_head = nn.Linear(d, n_quantiles)
+        self.register_buffer("causal_mask", _decoder_causal_mask(lookback, horizon), persistent=False)
+
+    def relative_time(self, steps: int, start: int, like: Tensor) -> Tensor:
+        """Known time index (t - t0) / lookback for ``steps`` positions from ``start``, broadcast to [B, steps, 1]."""
+        idx = torch.arange(start, start + steps, device=like.device, dtype=like.dtype) / self.lookback
+        return idx.view(1, steps, 1).expand(like.shape[0], steps, 1)
+
+    def forward(self, x_past: Tensor, x_future: Tensor | None = None, symbol: Tensor | None = None) -> TFTOutput:
+        """x_past [B, L, F], x_future [B, H, K] (K may be 0 or None), symbol [B] int64 -> TFTOutput."""
+        b = x_past.shape[0]
+        if x_past.dim() != 3 or x_past.shape[1:] != (self.lookback, self.n_features):
+            raise ValueError(f"x_past must be [B, {self.lookback}, {self.n_features}], got {list(x_past.shape)}")
+        if x_future is None:
+            x_future = x_past.new_zeros(b, self.horizon, 0)
+        if x_future.dim() != 3 or x_future.shape[0] != b or x_future.shape[1:] != (self.horizon, self.n_known_future):
+            raise ValueError(
+                f"x_future must be [{b}, {self.horizon}, {self.n_known_future}], got {list(x_future.shape)}"
+            )
+        if symbol is None:
+            symbol = torch.zeros(b, dtype=torch.long, device=x_past.device)
+        if self.add_relative_time:
+            x_past = torch.cat([x_past, self.relative_time(self.lookback, 1 - self.lookback, x_past)], dim=-1)
+            x_future = torch.cat([x_future, self.relative_time(self.horizon, 1, x_past)], dim=-1)
+
+        # Static covariate encoders: one selected static embedding, four contexts.
+        static, static_weights = self.static_selection(self.symbol_embedding(symbol).unsqueeze(1))
+        c_selection = self.static_context_selection(static)
+        c_enrichment = self.static_context_enrichment(static)
+        c_h = self.static_context_state_h(static)
+        c_c = self.static_context_state_c(static)
+
+        # Variable selection for past and future inputs, conditioned on c_s.
+        past, encoder_weights = self.encoder_selection(x_past, c_selection)  # [B, L, d]
+        future, decoder_weights = self.decoder_selection(x_future, c_selection)  # [B, H, d]
+
+        # Sequence-to-sequence LSTM, initial state from the static context.
+        dtype = past.dtype
+        h0 = c_h.to(dtype).unsqueeze(0).expand(self.lstm_layers, -1, -1).contiguous()
+        c0 = c_c.to(dtype).unsqueeze(0).expand(self.lstm_layers, -1, -1).contiguous()
+        enc_out, state = self.lstm_encoder(past, (h0, c0))
+        dec_out, _ = self.lstm_decoder(future.to(enc_out.dtype), state)
+        lstm_out = torch.cat([enc_out, dec_out], dim=1)
+        selected = torch.cat([past, future.to(past.dtype)], dim=1)
+        temporal = self.post_lstm_gate(lstm_out, selected)  # [B, L+H, d]
+
+        # Static enrichment, then causal interpretable attention from the decoder positions.
+        enriched = self.static_enrichment(temporal, c_enrichment)
+        queries = enriched[:, self.lookback :]
+        attended, attention = self.attention(queries, enriched, enriched, self.causal_mask)
+        decoded = self.post_attention_gate(attended, queries)
+        decoded = self.positionwise_grn(decoded)
+        decoded = self.pre_output_gate(decoded, temporal[:, self.lookback :])
+        prediction = self.quantile_head(decoded)
+        return TFTOutput(prediction, static_weights, encoder_weights, decoder_weights, attention)
+
+
+def _decoder_causal_mask(lookback: int, horizon: int) -> Tensor:
+    """[H, L+H] True where decoder step i (position L+i) would see a later position j > L+i."""
+    return torch.ones(horizon, lookback + horizon, dtype=torch.bool).triu(diagonal=lookback + 1)

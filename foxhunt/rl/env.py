@@ -1,0 +1,287 @@
+"""A vectorised market environment over a MarketSplit: N price-taking agents stepped in one tensor call.
+
+The agent's state at bar t is (the last ``window`` rows of features up to and including t, the position held
+coming into t). Its action is a target position from ``actions``, held from bar t to t+1, and the reward is
+``position_t * r_t - cost * |position_t - position_{t-1}|`` with r_t = ln C[t+1] - ln C[t] (``returns[t]``).
+The observation never reads past bar t; r_t enters only the reward. Because the market is exogenous the reward of
+every action at every bar is known (:meth:`MarketTensors.rewards_all`), which the DQN's exogenous mode exploits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from foxhunt.data.market import MarketSplit
+
+RewardSource = Literal["returns", "targets"]
+
+
+def segment_starts(symbol_index: Tensor) -> Tensor:
+    """[T] first row of each row's symbol block (rows are ordered by symbol, then time)."""
+    t = torch.arange(symbol_index.shape[0], device=symbol_index.device)
+    new = torch.ones_like(symbol_index, dtype=torch.bool)
+    new[1:] = symbol_index[1:] != symbol_index[:-1]
+    return torch.cummax(torch.where(new, t, torch.zeros_like(t)), 0).values
+
+
+class MarketTensors:
+    """A split's tensors on one device, with the bars at which a decision can be taken and the window gather."""
+
+    def __init__(
+        self,
+        split: MarketSplit,
+        window: int,
+        actions: tuple[float, ...] = (-1.0, 0.0, 1.0),
+        cost_bps: float = 1.0,
+        reward_source: RewardSource = "returns",
+        reward_scale: float = 1.0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        if len(actions) < 2:
+            raise ValueError(f"need at least two actions (target positions), got {actions!r}")
+        if cost_bps < 0:
+            raise ValueError(f"cost_bps must be >= 0, got {cost_bps}")
+        if reward_source not in ("returns", "targets"):
+            raise ValueError(f"reward_source must be 'returns' or 'targets', got {reward_source!r}")
+        if split.n_features == 0:
+            raise ValueError(f"MarketSplit {split.name!r} has no feature columns: the agent would observe nothing")
+        device = torch.device(device) if device is not None else split.features.device
+        self.name = split.name
+        self.window = int(window)
+        self.cost_bps = float(cost_bps)
+        self.cost = self.cost_bps * 1e-4
+        self.reward_source = reward_source
+        self.reward_scale = float(reward_scale)
+        self.actions = torch.tensor(actions, dtype=torch.float32, device=device)
+        self.flat_index = int(torch.argmin(self.actions.abs()))
+        self.features = split.features.to(device=device, dtype=torch.float32)
+        raw = split.returns.to(device=device, dtype=torch.float32)
+        finite = torch.isfinite(raw)
+        self.returns = torch.where(finite, raw, torch.zeros_like(raw))  # raw log returns, 0 where undefined
+        self.symbol_index = split.symbol_index.to(device)
+        self.reset_mask = torch.zeros_like(self.symbol_index, dtype=torch.bool)
+        self.reset_mask[0] = True
+        self.reset_mask[1:] = self.symbol_index[1:] != self.symbol_index[:-1]
+        t = torch.arange(len(split), device=device)
+        # Every row of the window must hold finite features (a NaN a few bars back would poison the Q-network).
+        bad = (~torch.isfinite(self.features).all(1)).to(torch.int64)
+        bad_csum = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), torch.cumsum(bad, 0)])
+        first = (t - self.window + 1).clamp_min(0)
+        window_ok = (bad_csum[t + 1] - bad_csum[first]) == 0
+        self.decision = (
+            split.valid.to(device) & finite & window_ok & (t - self.window + 1 >= segment_starts(self.symbol_index))
+        )
+        if not bool(self.decision.any()):
+            raise ValueError(
+                f"MarketSplit {split.name!r}: no bar has a valid decision state (valid bars, finite next return and"
+                f" features, and {self.window - 1} earlier bars of the same symbol for the window)"
+            )
+        # Rewards are computed in "reward units": the chosen signal (raw returns, or the preprocessed targets with
+        # costs converted by the targets' scale) times reward_scale. Metrics always use raw returns and raw costs.
+        if reward_source == "targets":
+            tgt = split.targets.to(device=device, dtype=torch.float32)
+            tgt_ok = torch.isfinite(tgt) & self.decision
+            self.decision &= torch.isfinite(tgt)
+            ratio = tgt[tgt_ok].std() / self.returns[tgt_ok].std().clamp_min(1e-12)
+            self.signal = torch.where(torch.isfinite(tgt), tgt, torch.zeros_like(tgt))
+            self.signal_cost = self.cost * float(ratio)
+        else:
+            self.signal = self.returns
+            self.signal_cost = self.cost
+        self.window_offsets = torch.arange(-self.window + 1, 1, device=device)
+
+    @property
+    def n_bars(self) -> int:
+        return int(self.features.shape[0])
+
+    @property
+    def n_actions(self) -> int:
+        return int(self.actions.shape[0])
+
+    @property
+    def n_features(self) -> int:
+        return int(self.features.shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.features.device
+
+    def windows(self, bars: Tensor) -> Tensor:
+        """[B, W, F] features of bars t-W+1..t for each t in ``bars`` (a gather: nothing is copied ahead of time)."""
+        return self.features[bars.unsqueeze(-1) + self.window_offsets]
+
+    def position_features(self, positions: Tensor) -> Tensor:
+        """[B, A] one-hot of the held position's action index (the agent's own state)."""
+        return torch.nn.functional.one_hot(positions, self.n_actions).to(torch.float32)
+
+    def rewards(self, bars: Tensor, positions: Tensor, actions: Tensor) -> Tensor:
+        """Reward (reward units) of moving from position index ``positions`` to ``actions`` at ``bars``."""
+        new = self.actions[actions]
+        return self.reward_scale * (new * self.signal[bars] - self.signal_cost * (new - self.actions[positions]).abs())
+
+    def rewards_all(self, bars: Tensor, positions: Tensor) -> Tensor:
+        """[B, A] reward of every action: the market is exogenous, so all of them are known."""
+        new = self.actions.unsqueeze(0)
+        held = self.actions[positions].unsqueeze(-1)
+        return self.reward_scale * (new * self.signal[bars].unsqueeze(-1) - self.signal_cost * (new - held).abs())
+
+    def raw_rewards(self, bars: Tensor, positions: Tensor, actions: Tensor) -> Tensor:
+        """Per-bar strategy log return after raw costs (what the back-test metrics count)."""
+        new = self.actions[actions]
+        return new * self.returns[bars] - self.cost * (new - self.actions[positions]).abs()
+
+
+def rollout_policy_table(table: Tensor, initial: int) -> Tensor:
+    """Positions of a deterministic policy given as a table: p_t = table[t, p_{t-1}], p_{-1} = ``initial``.
+
+    The sequential chain is evaluated as a parallel prefix composition of the per-bar maps (Hillis-Steele, log2 T
+    gathers over [T, A]), so a policy over a whole split runs without a Python loop over bars. Resets (a flat
+    position coming into a bar) are expressed in the table itself: make that bar's row constant.
+    """
+    comp = table.clone()
+    n = comp.shape[0]
+    d = 1
+    while d < n:
+        # comp[t] maps p_{t-d'-1} -> p_t for a span d'; compose with comp[t-d] to double the span.
+        comp = torch.cat([comp[:d], torch.gather(comp[d:], 1, comp[:-d])], 0)
+        d *= 2
+    return comp[:, initial]
+
+
+@torch.no_grad()
+def greedy_table(
+    q_fn: Callable[[Tensor, Tensor], Tensor], market: MarketTensors, chunk: int = 65_536
+) -> Tensor:
+    """[T, A] greedy action index for every bar and every held position (flat rows where no decision is possible).
+
+    ``q_fn(windows [B, W, F], position_features [B, A]) -> Q [B, A]``. The market is exogenous, so every state a
+    policy could reach is known in advance and evaluated in batched forward passes; rows of symbol starts are made
+    constant (a flat position comes in).
+    """
+    n_act, flat = market.n_actions, market.flat_index
+    table = torch.full((market.n_bars, n_act), flat, dtype=torch.int64, device=market.device)
+    bars = torch.nonzero(market.decision).squeeze(1)
+    pos_ids = torch.arange(n_act, device=market.device)
+    per = max(1, chunk // n_act)
+    for i in range(0, bars.numel(), per):
+        b = bars[i : i + per]
+        w = market.windows(b).repeat_interleave(n_act, 0)
+        p = market.position_features(pos_ids.repeat(b.numel()))
+        table[b] = q_fn(w, p).argmax(1).view(-1, n_act)
+    return torch.where(market.reset_mask.unsqueeze(1), table[:, flat : flat + 1].expand_as(table), table)
+
+
+def greedy_positions(q_fn: Callable[[Tensor, Tensor], Tensor], market: MarketTensors, chunk: int = 65_536) -> Tensor:
+    """[T] positions (values) of the greedy policy of ``q_fn`` over a whole split, without a loop over bars."""
+    return market.actions[rollout_policy_table(greedy_table(q_fn, market, chunk), market.flat_index)]
+
+
+@dataclass
+class Transition:
+    """What one environment step of N agents produced (tensors of shape [N])."""
+
+    bars: Tensor  # bar of the decision
+    positions: Tensor  # action index of the position held coming into the bar
+    actions: Tensor  # action index chosen
+    rewards: Tensor  # reward units
+    raw_rewards: Tensor  # raw strategy log return after costs
+    last: Tensor  # the episode ended (time limit) after this step; the next state (bar+1, action) is still valid
+
+
+class MarketEnv:
+    """N agents, each in its own episode of ``episode_length`` decisions starting at a random bar of the split.
+
+    Episodes never cross a symbol boundary or the split's end: a start is drawn only where the next
+    ``episode_length + 1`` bars are all decision bars of one symbol, so the state after the last step is a valid
+    state to bootstrap from (episode ends are time limits, not terminal states). Episodes start flat.
+    """
+
+    def __init__(self, market: MarketTensors, n_envs: int = 256, episode_length: int = 256, seed: int = 0) -> None:
+        if n_envs < 1:
+            raise ValueError(f"n_envs must be >= 1, got {n_envs}")
+        if episode_length < 1:
+            raise ValueError(f"episode_length must be >= 1, got {episode_length}")
+        self.market = market
+        self.n_envs = int(n_envs)
+        self.episode_length = int(episode_length)
+        dev = market.device
+        span = self.episode_length + 1
+        ok = market.decision.to(torch.int64)
+        csum = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), torch.cumsum(ok, 0)])
+        t = torch.arange(market.n_bars - span + 1, device=dev)
+        full = (csum[t + span] - csum[t]) == span
+        same = market.symbol_index[t] == market.symbol_index[t + span - 1]
+        self.starts = t[full & same]
+        if self.starts.numel() == 0:
+            raise ValueError(
+                f"MarketSplit {market.name!r}: no run of {span} consecutive decision bars of one symbol: "
+                f"episode_length={episode_length} is too long for this split (or too few valid bars)"
+            )
+        self.generator = torch.Generator(device=dev)
+        self.generator.manual_seed(int(seed))
+        self.bars = torch.zeros(self.n_envs, dtype=torch.int64, device=dev)
+        self.positions = torch.full((self.n_envs,), market.flat_index, dtype=torch.int64, device=dev)
+        self.steps = torch.zeros(self.n_envs, dtype=torch.int64, device=dev)
+        self.episode_returns = torch.zeros(self.n_envs, dtype=torch.float64, device=dev)
+        self.finished_returns = torch.zeros(0, dtype=torch.float64, device=dev)
+        self.reset()
+
+    def _draw_starts(self) -> Tensor:
+        idx = torch.randint(0, self.starts.numel(), (self.n_envs,), generator=self.generator, device=self.starts.device)
+        return self.starts[idx]
+
+    def reset(self) -> None:
+        """Start every agent on a fresh episode, flat. Episodes are desynchronised by a random elapsed length."""
+        self.bars = self._draw_starts()
+        self.positions.fill_(self.market.flat_index)
+        self.steps = torch.randint(
+            0, self.episode_length, (self.n_envs,), generator=self.generator, device=self.bars.device
+        )
+        self.episode_returns.zero_()
+
+    def observe(self) -> tuple[Tensor, Tensor]:
+        """(window [N, W, F], position features [N, A]) of every agent's current state."""
+        return self.market.windows(self.bars), self.market.position_features(self.positions)
+
+    def step(self, actions: Tensor) -> Transition:
+        """Apply one action per agent; episodes that reach their length restart at a new random bar, flat."""
+        bars, held = self.bars, self.positions
+        rewards = self.market.rewards(bars, held, actions)
+        raw = self.market.raw_rewards(bars, held, actions)
+        steps = self.steps + 1
+        last = steps >= self.episode_length
+        self.episode_returns += raw.to(torch.float64)
+        self.finished_returns = self.episode_returns[last]
+        fresh = self._draw_starts()
+        self.bars = torch.where(last, fresh, bars + 1)
+        self.positions = torch.where(last, torch.full_like(actions, self.market.flat_index), actions)
+        self.steps = torch.where(last, torch.zeros_like(steps), steps)
+        self.episode_returns = torch.where(last, torch.zeros_like(self.episode_returns), self.episode_returns)
+        return Transition(bars, held, actions, rewards, raw, last)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Everything needed to continue exactly where the agents are (the RNG included)."""
+        return {
+            "bars": self.bars.clone(),
+            "positions": self.positions.clone(),
+            "steps": self.steps.clone(),
+            "episode_returns": self.episode_returns.clone(),
+            "rng_state": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        if state["bars"].shape[0] != self.n_envs:
+            raise ValueError(f"saved env state has {state['bars'].shape[0]} agents, this env {self.n_envs}")
+        dev = self.bars.device
+        self.bars = state["bars"].to(dev)
+        self.positions = state["positions"].to(dev)
+        self.steps = state["steps"].to(dev)
+        self.episode_returns = state["episode_returns"].to(dev)
+        self.generator.set_state(state["rng_state"].cpu())

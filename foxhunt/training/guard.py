@@ -1,0 +1,114 @@
+"""Non-finite loss and gradient guard shared by every member and the ensemble coordinator.
+
+A NaN or Inf never passes silently: by ``policy`` the guard either raises :class:`NonFiniteError` naming the step and
+the top-level blocks whose gradients went bad, or skips the update and counts the skip.
+
+Automatic optimisation (LightningModule)::
+
+    def training_step(self, batch, batch_idx):
+        loss = ...
+        if not self.guard.check_loss(loss, self.global_step):
+            return None                      # Lightning skips backward and the optimizer step
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        self.guard.check_gradients(self, self.global_step)   # on "skip": grads set to None, AdamW leaves params alone
+
+Under ``16-mixed`` the GradScaler itself skips steps whose (unscaled) gradients overflow and lowers the scale; such
+overflows are expected, so members check only the loss there and leave gradient overflow to the scaler.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+GuardPolicy = Literal["raise", "skip"]
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or gradient became NaN or Inf and the guard's policy is "raise"."""
+
+
+def _max_abs(tensors: list[Tensor]) -> Tensor:
+    """Max |x| over all tensors in one reduction (NaN and Inf propagate; no overflow, unlike a 2-norm)."""
+    if not tensors:
+        return torch.zeros(())
+    norms = torch._foreach_norm(tensors, float("inf"))
+    return torch.stack([n.float().to(norms[0].device) for n in norms]).max()
+
+
+class NonFiniteGuard:
+    """Detects NaN/Inf losses and gradients; raises or skips-and-counts according to ``policy``."""
+
+    def __init__(self, policy: GuardPolicy = "raise") -> None:
+        if policy not in ("raise", "skip"):
+            raise ValueError(f"non-finite policy must be 'raise' or 'skip', got {policy!r}")
+        self.policy: GuardPolicy = policy
+        self.skipped_loss = 0
+        self.skipped_gradients = 0
+
+    @property
+    def skipped(self) -> int:
+        """Updates skipped so far (non-finite loss or gradients)."""
+        return self.skipped_loss + self.skipped_gradients
+
+    def check_loss(self, loss: Tensor, step: int) -> bool:
+        """True when ``loss`` is finite; otherwise raise, or count the skip and return False."""
+        finite = bool(torch.isfinite(loss.detach()).all())
+        if finite:
+            return True
+        if self.policy == "raise":
+            raise NonFiniteError(f"non-finite loss ({_describe(loss)}) at step {step}")
+        self.skipped_loss += 1
+        return False
+
+    def check_gradients(self, module: nn.Module, step: int) -> bool:
+        """True when every gradient is finite; otherwise raise naming the bad blocks, or drop all grads and count.
+
+        Dropping means ``param.grad = None``: torch optimizers skip parameters without a gradient, so neither the
+        weights nor AdamW's moments move, and weight decay is not applied for that step.
+        """
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        if not grads or bool(torch.isfinite(_max_abs(grads))):
+            return True
+        if self.policy == "raise":
+            blocks = nonfinite_blocks(module)
+            raise NonFiniteError(
+                f"non-finite gradients at step {step} in block(s): {', '.join(blocks)}"
+                f" (of {type(module).__name__})"
+            )
+        for p in module.parameters():
+            p.grad = None
+        self.skipped_gradients += 1
+        return False
+
+    def state_dict(self) -> dict[str, int | str]:
+        """Counts survive checkpoints so a resumed run keeps its tally."""
+        return {"policy": self.policy, "skipped_loss": self.skipped_loss, "skipped_gradients": self.skipped_gradients}
+
+    def load_state_dict(self, state: dict[str, int | str]) -> None:
+        self.skipped_loss = int(state.get("skipped_loss", 0))
+        self.skipped_gradients = int(state.get("skipped_gradients", 0))
+
+
+def nonfinite_blocks(module: nn.Module) -> list[str]:
+    """Names of the top-level children (or direct parameters) whose gradients hold NaN or Inf."""
+    bad: list[str] = []
+    for name, child in module.named_children():
+        grads = [p.grad for p in child.parameters() if p.grad is not None]
+        if grads and not bool(torch.isfinite(_max_abs(grads))):
+            bad.append(name)
+    for name, p in module.named_parameters(recurse=False):
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            bad.append(name)
+    return bad
+
+
+def _describe(t: Tensor) -> str:
+    t = t.detach()
+    if t.numel() == 1:
+        return f"{t.item()}"
+    return f"{int(torch.isnan(t).sum())} NaN, {int(torch.isinf(t).sum())} Inf of {t.numel()}"

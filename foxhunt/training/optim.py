@@ -1,0 +1,197 @@
+"""AdamW and learning-rate schedules shared by every ensemble member (TFT, DQN, coordinator)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+SchedulerKind = Literal["none", "step", "cosine", "plateau"]
+SCHEDULER_KINDS: tuple[str, ...] = ("none", "step", "cosine", "plateau")
+
+
+def validate_lr(lr: float) -> float:
+    """Reject learning rates outside (0, 1] before they silently wreck a run."""
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+        raise ValueError(f"learning rate must be a number in (0, 1], got {lr!r}")  # noqa: TRY004 - one error type for callers
+    if not math.isfinite(lr) or not 0.0 < lr <= 1.0:
+        raise ValueError(f"learning rate must be in (0, 1], got {lr!r}")
+    return float(lr)
+
+
+def make_adamw(
+    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+) -> torch.optim.AdamW:
+    """AdamW with validated hyperparameters (decoupled weight decay, Loshchilov & Hutter)."""
+    lr = validate_lr(lr)
+    if not math.isfinite(weight_decay) or weight_decay < 0.0:
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+    if not eps > 0.0:
+        raise ValueError(f"eps must be > 0, got {eps!r}")
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
+
+
+def decay_param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices and embeddings only: biases and norm gains (ndim < 2) are not regularised toward zero."""
+    decay, no_decay = [], []
+    for p in module.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def warmup_cosine_factor(step: int, *, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.0) -> float:
+    """LR multiplier: linear warm-up from 1/warmup to 1, then half-cosine down to ``min_lr_ratio`` at ``total_steps``."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def warmup_step_factor(step: int, *, step_size: int, gamma: float, warmup_steps: int = 0) -> float:
+    """LR multiplier: linear warm-up, then multiply by ``gamma`` every ``step_size`` steps after it."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    return gamma ** ((step - warmup_steps) // step_size)
+
+
+def make_scheduler(
+    optimizer: torch.optim.Optimizer,
+    kind: SchedulerKind,
+    *,
+    total_steps: int | None = None,
+    warmup_steps: int = 0,
+    step_size: int = 1000,
+    gamma: float = 0.5,
+    min_lr_ratio: float = 0.0,
+    plateau_patience: int = 5,
+    monitor: str = "val/loss",
+    interval: str = "step",
+    frequency: int = 1,
+) -> dict[str, Any] | None:
+    """A Lightning ``lr_scheduler`` config dict for ``kind``, or None for a constant learning rate.
+
+    ``step`` and ``cosine`` count in units of ``interval`` (optimizer steps by default). ``plateau`` reduces the LR by
+    ``gamma`` when ``monitor`` stops improving for ``plateau_patience`` checks; a validation metric exists only at the
+    end of an epoch, so pass ``interval="epoch"`` for ``monitor="val/..."``.
+    """
+    if kind not in SCHEDULER_KINDS:
+        raise ValueError(f"scheduler must be one of {SCHEDULER_KINDS}, got {kind!r}")
+    if interval not in ("step", "epoch"):
+        raise ValueError(f"scheduler interval must be 'step' or 'epoch', got {interval!r}")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+    if kind == "none":
+        return None
+    if kind == "cosine":
+        if total_steps is None or total_steps <= 0:
+            raise ValueError(f"cosine schedule needs total_steps > 0, got {total_steps!r}")
+        if warmup_steps >= total_steps:
+            raise ValueError(f"warmup_steps ({warmup_steps}) must be < total_steps ({total_steps})")
+        fn = _Cosine(total_steps, warmup_steps, min_lr_ratio)
+        sched: Any = torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+    elif kind == "step":
+        if step_size <= 0:
+            raise ValueError(f"step_size must be > 0, got {step_size}")
+        if not 0.0 < gamma <= 1.0:
+            raise ValueError(f"gamma must be in (0, 1], got {gamma}")
+        sched = torch.optim.lr_scheduler.LambdaLR(optimizer, _StepDecay(step_size, gamma, warmup_steps))
+    else:
+        if not 0.0 < gamma < 1.0:
+            raise ValueError(f"plateau gamma (reduction factor) must be in (0, 1), got {gamma}")
+        if warmup_steps:
+            raise ValueError("warmup_steps is not supported with the plateau scheduler")
+        min_lr = [g["lr"] * min_lr_ratio for g in optimizer.param_groups]
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            optimizer, mode="min", factor=gamma, patience=plateau_patience, min_lr=min_lr
+        )
+    config: dict[str, Any] = {"scheduler": sched, "interval": interval, "frequency": frequency, "name": f"lr-{kind}"}
+    if kind == "plateau":
+        config["monitor"] = monitor
+        config["strict"] = True
+    return config
+
+
+class _Cosine:
+    """Picklable LambdaLR factor (a lambda would break checkpoint pickling of the scheduler)."""
+
+    def __init__(self, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> None:
+        self.total_steps, self.warmup_steps, self.min_lr_ratio = total_steps, warmup_steps, min_lr_ratio
+
+    def __call__(self, step: int) -> float:
+        return warmup_cosine_factor(
+            step, total_steps=self.total_steps, warmup_steps=self.warmup_steps, min_lr_ratio=self.min_lr_ratio
+        )
+
+
+class _StepDecay:
+    """Picklable LambdaLR factor for step decay with warm-up."""
+
+    def __init__(self, step_size: int, gamma: float, warmup_steps: int) -> None:
+        self.step_size, self.gamma, self.warmup_steps = step_size, gamma, warmup_steps
+
+    def __call__(self, step: int) -> float:
+        return warmup_step_factor(step, step_size=self.step_size, gamma=self.gamma, warmup_steps=self.warmup_steps)
+
+
+def configure_adamw(
+    module_or_params: nn.Module | Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+    *,
+    lr: float,
+    weight_decay: float,
+    scheduler: SchedulerKind,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    total_steps: int | None = None,
+    warmup_steps: int = 0,
+    step_size: int = 1000,
+    gamma: float = 0.5,
+    min_lr_ratio: float = 0.0,
+    plateau_patience: int = 5,
+    monitor: str = "val/loss",
+    interval: str = "step",
+    exclude_bias_and_norm: bool = True,
+) -> torch.optim.AdamW | dict[str, Any]:
+    """What ``LightningModule.configure_optimizers`` returns: AdamW alone, or with its scheduler config.
+
+    Given a module, matrices decay and biases/norm gains do not (``exclude_bias_and_norm``).
+    """
+    if isinstance(module_or_params, nn.Module):
+        params: Any = (
+            decay_param_groups(module_or_params, weight_decay)
+            if exclude_bias_and_norm
+            else [p for p in module_or_params.parameters() if p.requires_grad]
+        )
+    else:
+        params = list(module_or_params)
+    optimizer = make_adamw(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    sched = make_scheduler(
+        optimizer,
+        scheduler,
+        total_steps=total_steps,
+        warmup_steps=warmup_steps,
+        step_size=step_size,
+        gamma=gamma,
+        min_lr_ratio=min_lr_ratio,
+        plateau_patience=plateau_patience,
+        monitor=monitor,
+        interval=interval,
+    )
+    if sched is None:
+        return optimizer
+    return {"optimizer": optimizer, "lr_scheduler": sched}

@@ -1,0 +1,142 @@
+"""foxhunt's DQN against Stable-Baselines3's DQN on the same trading task, in one run, side by side.
+
+Same task semantics for both: observation = the last W rows of the features flattened, plus the one-hot held
+position; actions short/flat/long; reward = scale·(position·r − cost·|Δposition|) with the same scale; episodes of
+the same length starting flat at random bars; same network widths (128-128; foxhunt adds LayerNorm), batch size,
+γ, learning rate, Polyak τ per update, ε schedule fraction, gradient clipping, and number of gradient updates.
+SB3 steps one gymnasium env with train_freq 4 (its usual setting); foxhunt steps 256 agents per update.
+Both greedy policies are scored on the test split with the same vectorised back-test, as a fraction of the
+best causal oracle's reward per bar after costs (scripts/dqn_quality.py).
+
+    pip install stable-baselines3 gymnasium            # the optional "bench" extra
+    python scripts/bench_dqn.py --updates 10000 --phi 0.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dqn_quality import BARS_PER_YEAR, ar1_market, baseline_metrics, best_causal_oracle, train_dqn  # noqa: E402
+
+from foxhunt.evaluation.trading import trading_metrics  # noqa: E402
+from foxhunt.rl.env import MarketEnv, MarketTensors, greedy_positions  # noqa: E402
+
+
+def make_gym_env(market: MarketTensors, episode_length: int, seed: int):
+    """A gymnasium env with the semantics of foxhunt's MarketEnv (one agent, numpy, SB3's usual interface)."""
+    import gymnasium as gym
+
+    starts = MarketEnv(market, n_envs=1, episode_length=episode_length).starts.numpy()
+    feats = market.features.numpy()
+    signal = market.signal.numpy().astype(np.float64)
+    actions = market.actions.numpy().astype(np.float64)
+    cost, scale, w, n_act, flat = market.signal_cost, market.reward_scale, market.window, market.n_actions, market.flat_index
+
+    class MarketGymEnv(gym.Env):
+        observation_space = gym.spaces.Box(-np.inf, np.inf, (w * feats.shape[1] + n_act,), np.float32)
+        action_space = gym.spaces.Discrete(n_act)
+
+        def __init__(self) -> None:
+            self.rng = np.random.default_rng(seed)
+            self.t = self.pos = self.k = 0
+
+        def _obs(self) -> np.ndarray:
+            onehot = np.zeros(n_act, np.float32)
+            onehot[self.pos] = 1.0
+            return np.concatenate([feats[self.t - w + 1 : self.t + 1].ravel(), onehot])
+
+        def reset(self, *, seed=None, options=None):
+            if seed is not None:
+                self.rng = np.random.default_rng(seed)
+            self.t, self.pos, self.k = int(starts[self.rng.integers(len(starts))]), flat, 0
+            return self._obs(), {}
+
+        def step(self, action):
+            a = int(action)
+            reward = scale * (actions[a] * signal[self.t] - cost * abs(actions[a] - actions[self.pos]))
+            self.t, self.pos, self.k = self.t + 1, a, self.k + 1
+            return self._obs(), float(reward), False, self.k >= episode_length, {}
+
+    return MarketGymEnv()
+
+
+def score(positions: torch.Tensor, market: MarketTensors, oracle: float) -> tuple[float, float, float]:
+    m = trading_metrics(positions, market.returns, market.cost_bps, BARS_PER_YEAR, mask=market.decision, reset=market.reset_mask)
+    return float(m.reward_per_bar) / oracle, float(m.reward_per_bar), float(m.turnover)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--updates", type=int, default=10_000)
+    p.add_argument("--phi", type=float, default=0.1)
+    p.add_argument("--n-bars", type=int, default=500_000)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--env-step-every", type=int, default=4,
+                   help="foxhunt steps its agents before every k-th update (256 agents: 256/k transitions per update)")
+    p.add_argument("--window", type=int, default=4)
+    p.add_argument("--skip-sb3", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    data = ar1_market(n_bars=args.n_bars, phi=args.phi, seed=args.seed)
+    common = dict(batch_size=args.batch_size, hidden=(128, 128), gamma=0.9, lr=3e-4, tau=0.005, window=args.window)
+
+    module, fox_s = train_dqn(data, args.updates, seed=args.seed, env_step_every=args.env_step_every, **common)
+    hp = module.hparams
+    test = MarketTensors(data.test, hp.window, tuple(hp.actions), hp.cost_bps)
+    oracle = best_causal_oracle(baseline_metrics(test, data.expected["test"]))
+    fox_pos, _ = module.greedy_positions(test)
+    rows = {"foxhunt": (module.env_steps, args.updates, fox_s, *score(fox_pos, test, oracle))}
+
+    if not args.skip_sb3:
+        from stable_baselines3 import DQN
+
+        train = MarketTensors(data.train, hp.window, tuple(hp.actions), hp.cost_bps, reward_scale=module.reward_scale_used)
+        env = make_gym_env(train, hp.episode_length, args.seed)
+        learning_starts = 16_384
+        total = learning_starts + 4 * args.updates
+        model = DQN(
+            "MlpPolicy", env, learning_rate=hp.lr, buffer_size=262_144, learning_starts=learning_starts,
+            batch_size=args.batch_size, tau=hp.tau, gamma=hp.gamma, train_freq=4, gradient_steps=1,
+            target_update_interval=4, exploration_fraction=0.25, exploration_initial_eps=1.0,
+            exploration_final_eps=0.05, max_grad_norm=10.0, policy_kwargs=dict(net_arch=[128, 128]),
+            seed=args.seed, device="cpu",
+        )
+        t0 = time.perf_counter()
+        model.learn(total_timesteps=total)
+        sb3_s = time.perf_counter() - t0
+        q = model.q_net.eval()
+
+        def sb3_q(windows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return q(torch.cat([windows.flatten(1), positions], 1))
+
+        with torch.no_grad():
+            sb3_pos = greedy_positions(sb3_q, test)
+        rows["sb3"] = (total, model._n_updates, sb3_s, *score(sb3_pos, test, oracle))
+
+    print(f"\nphi={args.phi} batch={args.batch_size} updates={args.updates} threads={args.threads} "
+          f"oracle reward/bar={oracle:.3e}")
+    print(f"{'':10s}{'env steps':>12s}{'updates':>10s}{'wall s':>9s}{'env steps/s':>14s}{'updates/s':>11s}"
+          f"{'frac oracle':>13s}{'reward/bar':>13s}{'turnover':>10s}")
+    for name, (steps, updates, secs, frac, rpb, turn) in rows.items():
+        print(f"{name:10s}{steps:12d}{updates:10d}{secs:9.1f}{steps / secs:14.0f}{updates / secs:11.1f}"
+              f"{frac:13.3f}{rpb:13.3e}{turn:10.3f}")
+    if "sb3" in rows:
+        f, s = rows["foxhunt"], rows["sb3"]
+        print(f"ratio foxhunt/sb3: env steps/s x{(f[0] / f[2]) / (s[0] / s[2]):.1f}, "
+              f"updates/s x{(f[1] / f[2]) / (s[1] / s[2]):.2f}")
+    if not math.isfinite(oracle) or oracle <= 0:
+        print("note: the oracle earns nothing on this market, fractions are meaningless")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""DQNModule: configuration checks, logging, target updates, non-finite guard, exact resume from a checkpoint."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from foxhunt.lit.dqn import DQNModule, double_dqn_target
+from foxhunt.training.guard import NonFiniteError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_quality():
+    spec = importlib.util.spec_from_file_location("dqn_quality", ROOT / "scripts" / "dqn_quality.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("dqn_quality", mod)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+quality = _load_quality()
+
+
+@pytest.fixture(scope="module")
+def market():
+    return quality.ar1_market(n_bars=12_000, phi=0.3, seed=1)
+
+
+SMALL = dict(
+    window=4, n_envs=32, episode_length=64, hidden=(32, 32), batch_size=32, replay_capacity=4096,
+    learning_starts=256, epsilon_steps=50, steps_per_epoch=20, log_grad_norm_every=5,
+)
+
+
+def trainer(tmp_path: Path, **kw) -> L.Trainer:
+    args = dict(
+        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", devices=1, num_sanity_val_steps=0, log_every_n_steps=5,
+        gradient_clip_val=10.0, default_root_dir=str(tmp_path),
+    )
+    args.update(kw)
+    return L.Trainer(**args)
+
+
+def fit(module: DQNModule, t: L.Trainer, **kw) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        t.fit(module, **kw)
+
+
+def test_constructor_rejects_bad_configuration() -> None:
+    with pytest.raises(ValueError, match="gamma"):
+        DQNModule(n_features=2, gamma=1.0)
+    with pytest.raises(ValueError, match="n_step=1"):
+        DQNModule(n_features=2, n_step=3, exogenous="all_actions")
+    with pytest.raises(ValueError, match="target_update"):
+        DQNModule(n_features=2, target_update="soft")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="replay_capacity"):
+        DQNModule(n_features=2, n_envs=256, replay_capacity=100)
+    m = DQNModule(n_features=2)
+    with pytest.raises(RuntimeError, match="attach_market"):
+        m._build_environment()
+
+
+def test_attach_market_checks_features(market) -> None:
+    assert market.train.n_features == 3
+    with pytest.raises(ValueError, match="n_features=5"):
+        DQNModule(n_features=5).attach_market(market.train)
+
+
+def test_epsilon_schedules() -> None:
+    lin = DQNModule(n_features=2, epsilon_start=1.0, epsilon_end=0.1, epsilon_steps=100)
+    assert lin.epsilon(0) == 1.0 and lin.epsilon(50) == pytest.approx(0.55) and lin.epsilon(500) == pytest.approx(0.1)
+    exp = DQNModule(n_features=2, epsilon_schedule="exponential", epsilon_start=1.0, epsilon_end=0.01, epsilon_steps=100)
+    assert exp.epsilon(50) == pytest.approx(0.1) and exp.epsilon(1000) == pytest.approx(0.01)
+
+
+def test_same_seed_same_initial_weights_and_no_global_rng_use() -> None:
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a, b = DQNModule(n_features=2, seed=7), DQNModule(n_features=2, seed=7)
+    assert torch.rand(1) == before  # building the networks did not consume the global RNG
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+    assert not torch.equal(next(DQNModule(n_features=2, seed=8).parameters()), next(a.parameters()))
+
+
+def test_double_dqn_target_uses_online_argmax_and_target_values() -> None:
+    q_online = torch.tensor([[1.0, 3.0, 2.0], [5.0, 0.0, 1.0]])
+    q_target = torch.tensor([[10.0, 20.0, 30.0], [40.0, 50.0, 60.0]])
+    r, d = torch.tensor([1.0, -1.0]), torch.tensor([0.5, 0.0])
+    assert double_dqn_target(q_online, q_target, r, d).tolist() == [1.0 + 0.5 * 20.0, -1.0]
+    assert double_dqn_target(q_online, q_target, r, d, double=False).tolist() == [1.0 + 0.5 * 30.0, -1.0]
+
+
+def test_td_targets_of_all_actions_match_a_direct_computation(market) -> None:
+    """The exogenous mode regresses every action of (t, p) onto r(t, p, a) + γ·Q_target((t+1, a), argmax Q_online)."""
+    module = DQNModule(n_features=market.train.n_features, gamma=0.7, **SMALL)
+    module.attach_market(market.train)
+    module._build_environment()
+    for _ in range(10):
+        module._env_step(1.0)
+    sample = module.replay.sample(16)
+    loss, q = module.td_loss(sample)
+    mk = module.env.market
+    with torch.no_grad():
+        want_q = module.q_net(mk.windows(sample.bars), mk.position_features(sample.positions))
+        targets = torch.empty(16, 3)
+        for a in range(3):
+            nw, npf = mk.windows(sample.bars + 1), mk.position_features(torch.full((16,), a))
+            best = module.q_net(nw, npf).argmax(1, keepdim=True)
+            nv = module.target_net(nw, npf).gather(1, best).squeeze(1)
+            targets[:, a] = mk.rewards(sample.bars, sample.positions, torch.full((16,), a)) + 0.7 * nv
+    assert torch.allclose(q, want_q, atol=1e-5)
+    assert torch.allclose(loss, torch.nn.functional.huber_loss(want_q, targets), atol=1e-6)
+
+
+@pytest.mark.parametrize("exogenous,n_step,dueling,encoder", [("all_actions", 1, False, "flat"), ("none", 3, True, "conv")])
+def test_fit_logs_training_and_validation_metrics(tmp_path, market, exogenous, n_step, dueling, encoder) -> None:
+    module = DQNModule(
+        n_features=market.train.n_features, exogenous=exogenous, n_step=n_step, dueling=dueling, encoder=encoder,
+        **SMALL,
+    )
+    module.attach_market(market.train, market.val)
+    t = trainer(tmp_path)
+    fit(module, t)
+    logged = t.callback_metrics
+    for key in ("train/td_loss", "train/q_mean", "train/q_max", "train/epsilon", "train/reward_per_bar",
+                "train/env_steps_per_s", "train/grad_norm/total", "train/grad_norm/body",
+                "val/reward_per_bar", "val/sharpe", "val/total_log_return", "val/max_drawdown", "val/turnover",
+                "val/hit_rate"):
+        assert key in logged, key
+        assert torch.isfinite(logged[key]) or key == "val/hit_rate", key
+    assert logged["train/env_steps_per_s"] > 0
+    assert module.env_steps == 256 + 20 * 32  # warm-up plus one step of all agents per update
+    assert t.global_step == 20
+
+
+def test_hard_target_sync(tmp_path, market) -> None:
+    module = DQNModule(n_features=3, target_update="hard", target_update_every=10, **SMALL)
+    module.attach_market(market.train)
+    fit(module, trainer(tmp_path, max_steps=10))
+    for po, pt in zip(module.q_net.parameters(), module.target_net.parameters()):
+        assert torch.equal(po, pt)
+    module2 = DQNModule(n_features=3, target_update="hard", target_update_every=10, **SMALL)
+    module2.attach_market(market.train)
+    fit(module2, trainer(tmp_path, max_steps=9))
+    assert any(not torch.equal(po, pt) for po, pt in zip(module2.q_net.parameters(), module2.target_net.parameters()))
+
+
+def test_nonfinite_loss_raises_or_skips(tmp_path, market, monkeypatch) -> None:
+    def nan_loss(self, sample):
+        q = self.q_net(*self._observe(self.env.market, sample.bars, sample.positions))
+        return q.sum() * float("nan"), q.detach()
+
+    monkeypatch.setattr(DQNModule, "td_loss", nan_loss)
+    raising = DQNModule(n_features=3, nonfinite="raise", **SMALL)
+    raising.attach_market(market.train)
+    with pytest.raises(NonFiniteError, match="non-finite loss"):
+        fit(raising, trainer(tmp_path, max_steps=3))
+    skipping = DQNModule(n_features=3, nonfinite="skip", **SMALL)
+    skipping.attach_market(market.train)
+    before = [p.detach().clone() for p in skipping.q_net.parameters()]
+    fit(skipping, trainer(tmp_path, max_steps=3, max_epochs=1, limit_train_batches=3))
+    assert skipping.guard.skipped == 3
+    assert all(torch.equal(a, b) for a, b in zip(before, skipping.q_net.parameters()))
+
+
+def test_resume_from_checkpoint_is_exact(tmp_path, market) -> None:
+    """Two epochs straight equal one epoch, a checkpoint, and a resumed second epoch: weights, replay, env, RNG."""
+    kwargs = dict(n_features=3, **SMALL)
+
+    straight = DQNModule(**kwargs)
+    straight.attach_market(market.train)
+    fit(straight, trainer(tmp_path / "a", max_epochs=2))
+
+    first = DQNModule(**kwargs)
+    first.attach_market(market.train)
+    t1 = trainer(tmp_path / "b", max_epochs=1)
+    fit(first, t1)
+    ckpt = tmp_path / "b" / "one.ckpt"
+    t1.save_checkpoint(ckpt)
+
+    resumed = DQNModule(**kwargs)
+    resumed.attach_market(market.train)
+    fit(resumed, trainer(tmp_path / "c", max_epochs=2), ckpt_path=str(ckpt))
+
+    for pa, pb in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(pa, pb)
+    assert resumed.env_steps == straight.env_steps
+    sa, sb = straight.replay.state_dict(), resumed.replay.state_dict()
+    for k in ("bars", "actions", "rewards", "last", "rng_state"):
+        assert torch.equal(sa[k], sb[k]), k
+    assert torch.equal(straight.env.bars, resumed.env.bars)
+    assert torch.equal(straight.explore_rng.get_state(), resumed.explore_rng.get_state())

@@ -1,0 +1,237 @@
+"""TFT building blocks and the whole network: exact batched equivalents, causality, mixed precision."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from foxhunt.models.tft import (
+    GLU,
+    GateAddNorm,
+    GatedResidualNetwork,
+    GroupedGatedResidualNetwork,
+    InterpretableMultiHeadAttention,
+    TemporalFusionTransformer,
+    VariableSelectionNetwork,
+)
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def test_glu_gates_linear_path() -> None:
+    glu = GLU(3, 2)
+    x = torch.randn(5, 3)
+    a, b = glu.linear(x).chunk(2, dim=-1)
+    torch.testing.assert_close(glu(x), a * torch.sigmoid(b))
+
+
+def test_gate_add_norm() -> None:
+    gan = GateAddNorm(4, 6).eval()
+    x, res = torch.randn(2, 4), torch.randn(2, 6)
+    torch.testing.assert_close(gan(x, res), gan.norm(gan.glu(x) + res))
+
+
+def test_grn_matches_paper_equations_with_context() -> None:
+    grn = GatedResidualNetwork(5, 7, 3, context_size=4).eval()
+    a, c = torch.randn(2, 9, 5), torch.randn(2, 4)
+    eta2 = nn.functional.elu(grn.fc2(a) + grn.context(c).unsqueeze(1))
+    eta1 = grn.fc1(eta2)
+    expected = grn.gate.norm(grn.skip(a) + grn.gate.glu(eta1))
+    torch.testing.assert_close(grn(a, c), expected)
+    with pytest.raises(ValueError, match="context"):
+        grn(a)
+
+
+def test_grn_identity_skip_when_sizes_match() -> None:
+    grn = GatedResidualNetwork(4, 8, 4).eval()
+    assert grn.skip is None
+    a = torch.randn(3, 4)
+    torch.testing.assert_close(grn(a), grn.gate.norm(a + grn.gate.glu(grn.fc1(nn.functional.elu(grn.fc2(a))))))
+
+
+def _copy_group_into(grouped: GroupedGatedResidualNetwork, g: int, grn: GatedResidualNetwork) -> None:
+    with torch.no_grad():
+        grn.fc2.weight.copy_(grouped.fc2_weight[g].t())
+        grn.fc2.bias.copy_(grouped.fc2_bias[g])
+        grn.fc1.weight.copy_(grouped.fc1_weight[g].t())
+        grn.fc1.bias.copy_(grouped.fc1_bias[g])
+        grn.gate.glu.linear.weight.copy_(grouped.glu_weight[g].t())
+        grn.gate.glu.linear.bias.copy_(grouped.glu_bias[g])
+        grn.gate.norm.weight.copy_(grouped.norm_weight[g])
+        grn.gate.norm.bias.copy_(grouped.norm_bias[g])
+        if grn.skip is not None:
+            grn.skip.weight.copy_(grouped.skip_weight[g].t())
+            grn.skip.bias.copy_(grouped.skip_bias[g])
+
+
+@pytest.mark.parametrize("sizes", [(5, 4, 8), (8, 4, 8)])
+def test_grouped_grn_equals_independent_grns(sizes: tuple[int, int, int]) -> None:
+    d_in, d_h, d_out = sizes
+    grouped = GroupedGatedResidualNetwork(6, d_in, d_h, d_out).eval()
+    with torch.no_grad():
+        grouped.norm_weight.uniform_(0.5, 1.5)
+        grouped.norm_bias.normal_()
+    x = torch.randn(6, 11, d_in)
+    out = grouped(x)
+    for g in range(6):
+        grn = GatedResidualNetwork(d_in, d_h, d_out).eval()
+        _copy_group_into(grouped, g, grn)
+        torch.testing.assert_close(out[g], grn(x[g]), rtol=1e-5, atol=1e-5)
+
+
+def _loop_vsn_reference(vsn: VariableSelectionNetwork, x: torch.Tensor, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The paper's VSN written naively: embed each variable, one GRN per variable in a Python loop."""
+    emb = vsn.embed(x)  # [B, T, V, e]
+    flat = emb.flatten(-2)
+    weights = torch.softmax(vsn.flattened_grn(flat, ctx), dim=-1)
+    outs = []
+    for v in range(vsn.n_variables):
+        grn = GatedResidualNetwork(vsn.input_size, vsn.variable_grns.hidden_size, vsn.hidden_size).eval()
+        _copy_group_into(vsn.variable_grns, v, grn)
+        outs.append(grn(emb[..., v, :]))
+    stacked = torch.stack(outs, dim=-2)  # [B, T, V, d]
+    return (weights.unsqueeze(-1) * stacked).sum(-2), weights
+
+
+@pytest.mark.parametrize("n_vars,e,d", [(7, 5, 12), (3, 12, 12), (1, 4, 8)])
+def test_vsn_fused_equals_loop_reference(n_vars: int, e: int, d: int) -> None:
+    vsn = VariableSelectionNetwork(n_vars, e, d, context_size=d).eval()
+    with torch.no_grad():
+        vsn.variable_grns.norm_weight.uniform_(0.5, 1.5)
+    x, ctx = torch.randn(3, 4, n_vars), torch.randn(3, d)
+    out, w = vsn(x, ctx)
+    ref_out, ref_w = _loop_vsn_reference(vsn, x, ctx.unsqueeze(1))
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+    emb_out, _emb_w = vsn.forward_embedded(vsn.embed(x), ctx)
+    torch.testing.assert_close(out, emb_out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(w.sum(-1), torch.ones(3, 4))
+
+
+def test_vsn_fused_gradients_match_reference() -> None:
+    vsn = VariableSelectionNetwork(5, 4, 8, context_size=8).eval()
+    ref = copy.deepcopy(vsn)
+    x, ctx = torch.randn(2, 3, 5), torch.randn(2, 8)
+    vsn(x, ctx)[0].square().sum().backward()
+    ref.forward_embedded(ref.embed(x), ctx)[0].square().sum().backward()
+    for (name, p), q in zip(vsn.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_vsn_rejects_wrong_width() -> None:
+    vsn = VariableSelectionNetwork(4, 3, 8)
+    with pytest.raises(ValueError, match="expected 4 input variables"):
+        vsn(torch.randn(2, 5))
+
+
+def test_attention_shares_values_and_averages_heads() -> None:
+    att = InterpretableMultiHeadAttention(8, 4).eval()
+    assert att.value.out_features == 2 and att.out.in_features == 2
+    q, k = torch.randn(2, 3, 8), torch.randn(2, 5, 8)
+    out, w = att(q, k, k)
+    assert w.shape == (2, 4, 3, 5)
+    expected = att.out(torch.matmul(w, att.value(k).unsqueeze(1)).mean(1))
+    torch.testing.assert_close(out, expected)
+    with pytest.raises(ValueError, match="divisible"):
+        InterpretableMultiHeadAttention(10, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_attention_mask_uses_finite_minimum(dtype: torch.dtype) -> None:
+    att = InterpretableMultiHeadAttention(8, 2).eval().to(dtype)
+    x = (torch.randn(2, 6, 8) * 50).to(dtype)
+    mask = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    out, w = att(x, x, x, mask)
+    assert torch.isfinite(out).all() and torch.isfinite(w).all()
+    assert float(w.detach().masked_select(mask.expand_as(w)).abs().max()) == 0.0
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 2, 6))
+
+
+def _model(**kw) -> TemporalFusionTransformer:  # type: ignore[no-untyped-def]
+    args = {"n_features": 5, "n_known_future": 2, "n_symbols": 3, "lookback": 12, "horizon": 4, "hidden_size": 16,
+                "attention_heads": 4, "hidden_continuous_size": 8, "dropout": 0.1}
+    args.update(kw)
+    return TemporalFusionTransformer(**args)
+
+
+def _inputs(b: int = 6, lookback: int = 12, horizon: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.randn(b, lookback, 5), torch.randn(b, horizon, 2), torch.arange(b) % 3
+
+
+def test_tft_shapes_and_weights() -> None:
+    model = _model().eval()
+    out = model(*_inputs())
+    assert out.prediction.shape == (6, 4, 3)
+    assert out.static_weights.shape == (6, 1)
+    assert out.encoder_weights.shape == (6, 12, 6)  # 5 features + relative time
+    assert out.decoder_weights.shape == (6, 4, 3)  # 2 known + relative time
+    assert out.attention.shape == (6, 4, 4, 16)
+    torch.testing.assert_close(out.encoder_weights.sum(-1), torch.ones(6, 12))
+    torch.testing.assert_close(out.attention.sum(-1), torch.ones(6, 4, 4))
+
+
+def test_tft_all_parameters_get_gradients() -> None:
+    model = _model(lstm_layers=2)
+    model(*_inputs()).prediction.sum().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
+    assert missing == []
+
+
+def test_tft_decoder_is_causal_in_known_future_inputs() -> None:
+    """The step-h forecast may read known-future inputs of steps <= h only (decoder LSTM and masked attention)."""
+    model = _model().eval()
+    x, xf, sym = _inputs()
+    base = model(x, xf, sym)
+    for h in range(3):
+        moved = xf.clone()
+        moved[:, h + 1 :] += 5.0 * torch.randn_like(moved[:, h + 1 :])
+        out = model(x, moved, sym)
+        torch.testing.assert_close(out.prediction[:, : h + 1], base.prediction[:, : h + 1])
+        assert not torch.allclose(out.prediction[:, h + 1 :], base.prediction[:, h + 1 :])
+        assert float(base.attention[:, :, h, 12 + h + 1 :].abs().max()) == 0.0
+
+
+def test_tft_symbol_is_used_and_samples_independent() -> None:
+    model = _model().eval()
+    x, xf, sym = _inputs()
+    base = model(x, xf, sym).prediction
+    other = model(x, xf, (sym + 1) % 3).prediction
+    assert not torch.allclose(base, other)
+    x2 = x.clone()
+    x2[0] += 1.0
+    out = model(x2, xf, sym).prediction
+    torch.testing.assert_close(out[1:], base[1:])  # no cross-sample leakage
+
+
+def test_tft_without_known_future_inputs() -> None:
+    model = _model(n_known_future=0).eval()
+    out = model(torch.randn(2, 12, 5), torch.empty(2, 4, 0), torch.zeros(2, dtype=torch.long))
+    assert out.prediction.shape == (2, 4, 3) and out.decoder_weights.shape == (2, 4, 1)
+    assert model(torch.randn(2, 12, 5)).prediction.shape == (2, 4, 3)
+    with pytest.raises(ValueError, match="decoder needs an input"):
+        _model(n_known_future=0, add_relative_time=False)
+
+
+def test_tft_rejects_bad_shapes() -> None:
+    model = _model()
+    with pytest.raises(ValueError, match=r"x_past must be \[B, 12, 5\]"):
+        model(torch.randn(2, 10, 5), torch.randn(2, 4, 2))
+    with pytest.raises(ValueError, match="x_future"):
+        model(torch.randn(2, 12, 5), torch.randn(2, 3, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_tft_autocast_cpu_is_finite(dtype: torch.dtype) -> None:
+    model = _model()
+    x, xf, sym = _inputs()
+    with torch.autocast("cpu", dtype=dtype):
+        out = model(x * 100, xf, sym)
+    assert all(torch.isfinite(t.float()).all() for t in out)
+    out.prediction.float().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

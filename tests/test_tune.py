@@ -1,0 +1,310 @@
+"""`python -m foxhunt.tune` on tiny studies: pruning, resume, two workers on one SQLite study, failures, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import torch
+import yaml
+from lightning.pytorch.callbacks import Callback
+from optuna.trial import TrialState
+
+from foxhunt.tune import (
+    SearchParam,
+    TrialSeededSampler,
+    TuneConfigError,
+    counts_toward_budget,
+    load_tune_config,
+    main,
+    run_study,
+    set_dotted,
+)
+
+CONFIGS = Path(__file__).parent / "configs"
+TUNE_TINY = CONFIGS / "tune_tiny.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _config(tmp: Path, name: str = "tune.yaml", fixed: dict[str, Any] | None = None, **changes: Any) -> Path:
+    """tune_tiny.yaml with absolute paths into ``tmp`` (runs, SQLite, feature cache) and the given changes."""
+    raw = yaml.safe_load(TUNE_TINY.read_text())
+    raw["base_config"] = str(CONFIGS / raw["base_config"])
+    raw["runs_dir"] = str(tmp / "runs")
+    raw["fixed"] = {**raw["fixed"], "data.cache_dir": str(tmp / "cache"), **(fixed or {})}
+    raw.update(changes)
+    path = tmp / name
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def _study(tmp: Path, name: str = "tune-tiny") -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{tmp / 'runs' / 'optuna.db'}")
+
+
+@pytest.fixture(scope="module")
+def tiny_study(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tune")
+    path = _config(tmp)
+    assert main(["--config", str(path)]) == 0
+    return tmp, path
+
+
+def test_study_prunes_the_bad_region_logs_each_trial_and_summarises(tiny_study) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tmp, _ = tiny_study
+    study = _study(tmp)
+    trials = study.get_trials()
+    assert [t.number for t in trials] == [0, 1, 2, 3]
+    assert all(counts_toward_budget(t) for t in trials)
+    states = [t.state for t in trials]
+    assert TrialState.PRUNED in states and TrialState.COMPLETE in states, states
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    for t in trials:
+        if t.params["model.tft.lr"] > 0.7:  # the deliberately bad region is pruned after its first validation
+            assert t.state == TrialState.PRUNED, (t.number, t.params)
+        if t.state == TrialState.PRUNED:
+            assert "pruned" in t.user_attrs["pruned_reason"]
+            first = t.intermediate_values[0]
+            assert first > min(c.intermediate_values[0] for c in complete if c.number < t.number)
+            assert len(t.intermediate_values) == 1
+    assert any(t.params["model.tft.lr"] > 0.7 for t in trials), "the seeded start-up no longer samples the bad region"
+    for t in complete:  # the objective is the best validation quantile loss, reported every epoch
+        assert t.value == pytest.approx(min(t.intermediate_values.values()), rel=1e-6)
+        assert len(t.intermediate_values) == 2
+
+    runs = tmp / "runs" / "tune-tiny"
+    for t in trials:
+        trial_dir = runs / f"trial_{t.number}"
+        assert t.user_attrs["log_dir"] == str(trial_dir)
+        fit_config = yaml.safe_load((trial_dir / "fit_config.yaml").read_text())
+        assert fit_config["model"]["tft"]["lr"] == t.params["model.tft.lr"]
+        assert fit_config["model"]["dqn"]["hidden"] == json.loads(t.params["model.dqn.hidden"])
+        events = list(trial_dir.glob("events.out.tfevents*"))
+        assert events, f"trial {t.number} wrote no TensorBoard events"
+        acc = EventAccumulator(str(events[0]))
+        acc.Reload()
+        hparams = acc.PluginTagToContent("hparams")
+        assert any(b"model.tft.lr" in content for content in hparams.values()), "parameters missing from the hparams tab"
+        assert "hp/val/tft/quantile_loss" in acc.Tags()["scalars"]
+    # the feature cache is shared: every trial read the same features
+    assert len(list((tmp / "cache").glob("features-*.safetensors"))) == 1
+
+    best = runs / "best"
+    summary = json.loads((best / "summary.json").read_text())
+    assert summary["counts"]["pruned"] == len(summary["pruned"]) >= 1
+    best_trial = study.best_trial
+    assert summary["best"][0]["number"] == best_trial.number
+    for name in ("optimization_history.png", "param_importances.png"):
+        assert (best / name).stat().st_size > 5000
+    if len(complete) >= 2:
+        assert set(summary["importances"]["val/tft/quantile_loss"]) == set(best_trial.params)
+    config = yaml.safe_load((best / "config.yaml").read_text())
+    assert config["model"]["tft"]["lr"] == best_trial.params["model.tft.lr"]
+    assert config["trainer"]["max_epochs"] == 2  # the fixed keys are part of the ready config
+
+
+def test_rerun_resumes_and_adds_trials(tiny_study, capsys) -> None:
+    tmp, path = tiny_study
+    assert main(["--config", str(path)]) == 0  # the study already holds its 4 trials: nothing to do
+    assert len(_study(tmp).trials) == 4
+    assert main(["--config", str(path), "--n-trials", "5"]) == 0
+    trials = _study(tmp).get_trials()
+    assert [t.number for t in trials] == [0, 1, 2, 3, 4]
+    assert trials[4].state in (TrialState.COMPLETE, TrialState.PRUNED)
+    assert (tmp / "runs" / "tune-tiny" / "trial_4" / "fit_config.yaml").exists()
+    capsys.readouterr()
+    assert main(["--config", str(path), "--best"]) == 0
+    out = capsys.readouterr().out
+    assert "study 'tune-tiny': 5 trials" in out and "pruned" in out and "best trial" in out
+    assert "optuna-dashboard sqlite:///" in out
+
+
+def test_best_config_runs_in_fit_unchanged(tiny_study, tmp_path: Path, monkeypatch) -> None:
+    from foxhunt.fit import main as fit_main
+
+    tmp, _ = tiny_study
+    best = tmp / "runs" / "tune-tiny" / "best" / "config.yaml"
+    monkeypatch.chdir(tmp_path)  # the config's own logger writes runs/ here
+    cli = fit_main(["--config", str(best)])
+    study = _study(tmp)
+    assert cli.model.tft.hparams.lr == pytest.approx(study.best_params["model.tft.lr"])
+    assert list(cli.model.dqn.hparams.hidden) == json.loads(study.best_params["model.dqn.hidden"])
+    assert "ensemble" in cli.results["backtest"]
+    assert list((tmp_path / "runs").rglob("ensemble.safetensors"))
+
+
+def _tune_worker(argv: list[str]) -> None:
+    sys.exit(main(argv))
+
+
+def test_two_workers_share_one_sqlite_study(tmp_path: Path) -> None:
+    """Two processes on one SQLite study finish N trials together: none lost, none run twice."""
+    import multiprocessing
+
+    path = _config(tmp_path, fixed={"trainer.max_epochs": 1}, pruner={"name": "none"})
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    argv = ["--config", str(path), "--storage", storage, "--study-name", "shared", "--n-trials", "4"]
+    # two independent processes running foxhunt.tune's main, forked from a server that imported Lightning once
+    # (a fresh `python -m foxhunt.tune` pays that import per worker: ~10-20 s on a loaded 2-core machine)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["foxhunt.fit", "foxhunt.tune"])
+    workers = [ctx.Process(target=_tune_worker, args=(argv,)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=600)
+    assert [w.exitcode for w in workers] == [0, 0]
+    study = optuna.load_study(study_name="shared", storage=storage)
+    trials = study.get_trials()
+    counted = [t for t in trials if counts_toward_budget(t)]
+    assert len(counted) == 4, [(t.number, t.state, t.user_attrs) for t in trials]
+    assert all(t.state == TrialState.COMPLETE for t in counted)
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    others = [t for t in trials if not counts_toward_budget(t)]
+    assert all(t.user_attrs.get("fail_kind") == "surplus" for t in others)  # a lost race costs no training
+    assert len({t.number for t in trials}) == len(trials)
+    assert len({t.user_attrs["worker"] for t in counted}) == 2, "one worker did all the work"
+    # no two workers proposed the same parameters (per-trial seeding), and each trial trained in its own folder
+    assert len({json.dumps(t.params, sort_keys=True) for t in counted}) == 4
+    dirs = {t.user_attrs["log_dir"] for t in counted}
+    assert len(dirs) == 4 and all(list(Path(d).glob("events.out.tfevents*")) for d in dirs)
+
+
+class _Inject(Callback):
+    """Makes trial ``number`` fail in a chosen way at its first training batch."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.how == "nan":  # the non-finite guard must catch it
+            with torch.no_grad():
+                next(pl_module.tft.net.parameters()).fill_(float("nan"))
+        elif self.how == "raise":
+            raise RuntimeError("boom in trial")
+        elif self.how == "oom":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        elif self.how == "sigint":
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_failures_are_recorded_study_continues_and_ctrl_c_resumes(tmp_path: Path) -> None:
+    objectives = [{"metric": "val/sharpe", "direction": "maximize"},
+                  {"metric": "val/ensemble/max_drawdown", "direction": "minimize", "reduce": "last"}]
+    path = _config(tmp_path, fixed={"trainer.max_epochs": 1}, objective=objectives, pruner={"name": "none"})
+    cfg = load_tune_config(path)
+    plan = {0: "nan", 1: "raise", 2: "oom", 3: "sigint"}
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        run_study(cfg, extra_callbacks=lambda trial: [_Inject(plan[trial.number])])
+    assert signal.getsignal(signal.SIGINT) is handler  # Lightning's SIG_IGN does not outlive the trial
+    trials = _study(tmp_path).get_trials()
+    assert [t.number for t in trials] == [0, 1, 2, 3]
+    assert trials[0].state == TrialState.PRUNED
+    assert trials[0].user_attrs["pruned_reason"].startswith("diverged: NonFiniteError: non-finite loss")
+    assert trials[1].state == TrialState.FAIL and trials[1].user_attrs["fail_kind"] == "error"
+    assert "boom in trial" in trials[1].user_attrs["fail_reason"]
+    assert trials[2].state == TrialState.FAIL and trials[2].user_attrs["fail_kind"] == "oom"
+    assert trials[3].state == TrialState.FAIL and trials[3].user_attrs["fail_kind"] == "interrupted"
+    # the interrupted trial does not count: resuming runs one more trial and the study is complete
+    run = run_study(cfg, check=False)
+    trials = _study(tmp_path).get_trials()
+    assert run.ran == [4] and trials[4].state == TrialState.COMPLETE
+    assert len(trials[4].values) == 2
+    assert sum(counts_toward_budget(t) for t in trials) == 4
+    from foxhunt.tune import summarize
+
+    summary = summarize(run.study, cfg)
+    assert summary["counts"] == {"pruned": 1, "error": 1, "oom": 1, "interrupted": 1, "complete": 1}
+    assert (tmp_path / "runs" / "tune-tiny" / "best" / "config_trial_4.yaml").exists()
+
+
+def test_unknown_objective_metric_stops_the_study(tmp_path: Path, capsys) -> None:
+    path = _config(tmp_path, fixed={"trainer.max_epochs": 1}, objective={"metric": "val/sharp"})
+    assert main(["--config", str(path), "--n-trials", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "val/sharp" in err and "val/sharpe" in err  # names the metric and lists the logged ones
+    trials = _study(tmp_path).get_trials()
+    assert len(trials) == 1 and trials[0].state == TrialState.FAIL and trials[0].user_attrs["fail_kind"] == "config"
+
+
+# ------------------------------------------------------------------------------------------------- fast checks
+def test_config_errors_name_file_and_field(tmp_path: Path, capsys) -> None:
+    def bad(text: str, match: str) -> None:
+        path = tmp_path / "bad.yaml"
+        path.write_text(f"base_config: {CONFIGS / 'tiny.yaml'}\n" + text)
+        with pytest.raises(TuneConfigError, match=match) as info:
+            load_tune_config(path)
+        assert str(path) in str(info.value)
+
+    space = "search_space: {model.tft.lr: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}}\n"
+    bad("search_space: {model.tft.lr: {type: float, low: 0, high: 1, log: true}}\n", r"search_space\.model\.tft\.lr.*low > 0")
+    bad("search_space: {model.tft.lr: {type: gaussian}}\n", "float, int or categorical")
+    bad("search_space: {data.lookback: {type: int, low: 8}}\n", "needs 'low' and 'high'")
+    bad(space + "objective: {metric: val/sharpe, direction: up}\n", "direction")
+    bad(space + "objective: [val/sharpe, val/ensemble/max_drawdown]\npruner: {name: median}\n", "single objective")
+    bad(space + "pruner: {name: median, patience: 3}\n", "rejects its arguments")
+    bad(space + "sampler: {name: annealing}\n", "sampler.name")
+    bad(space + "searchspace: {}\n", "unknown key")
+    bad(space + "fixed: {model.tft.lr: 0.1}\n", "both fixed and searched")
+    path = tmp_path / "nobase.yaml"
+    path.write_text("base_config: nowhere.yaml\n" + space)
+    assert main(["--config", str(path)]) == 2
+    assert "nowhere.yaml" in capsys.readouterr().err
+    # the module runs as a command (a config error exits before Lightning is even imported)
+    proc = subprocess.run([sys.executable, "-m", "foxhunt.tune", "--config", str(path)], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2 and "base_config 'nowhere.yaml' not found" in proc.stderr
+
+
+def test_search_space_keys_are_checked_by_the_fit_parser(tmp_path: Path) -> None:
+    path = _config(tmp_path, search_space={"model.tft.hidden_sise": {"type": "int", "low": 4, "high": 8}})
+    with pytest.raises(TuneConfigError, match="hidden_sise"):
+        run_study(load_tune_config(path), n_trials=1)
+    assert not (tmp_path / "runs" / "optuna.db").exists() or not _study(tmp_path).trials
+
+
+def test_set_dotted_follows_init_args_and_refuses_null_sections() -> None:
+    config = {"model": {"tft": {"class_path": "foxhunt.lit.TFTModule", "init_args": {"lr": 0.1}}, "dqn": None}}
+    set_dotted(config, "model.tft.hidden_size", 16)
+    set_dotted(config, "data.lookback", 8)
+    assert config["model"]["tft"]["init_args"] == {"lr": 0.1, "hidden_size": 16}
+    assert config["data"] == {"lookback": 8}
+    with pytest.raises(TuneConfigError, match="model.dqn is null"):
+        set_dotted(config, "model.dqn.lr", 0.1)
+
+
+def test_trial_seeded_sampler_is_reproducible_and_distinct_across_workers() -> None:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    space = [SearchParam("a", "float", 1e-4, 1.0, log=True), SearchParam("b", "categorical", choices=([8], [16, 16]))]
+
+    def proposals(seed: int, n: int) -> list[list[Any]]:
+        study = optuna.create_study(sampler=TrialSeededSampler("tpe", seed, n_startup_trials=3))
+        out = []
+        for _ in range(n):
+            trial = study.ask()
+            out.append([p.suggest(trial) for p in space])
+            study.tell(trial, float(out[-1][0]))
+        return out
+
+    first, again = proposals(0, 5), proposals(0, 5)
+    assert first == again  # seeded: reproducible, TPE phase included
+    assert len({json.dumps(p) for p in first}) == 5
+    assert all(p[1] in ([8], [16, 16]) for p in first)  # list-valued choices come back decoded
+    assert proposals(1, 1)[0] != first[0]
+
+
+def test_lightning_config_is_valid() -> None:
+    cfg = load_tune_config(ROOT / "lightning_configs" / "tune.yaml")
+    assert cfg.base_config == (ROOT / "lightning_configs" / "quickstart.yaml").resolve()
+    assert cfg.objectives[0].metric == "val/sharpe" and cfg.objectives[0].direction == "maximize"
+    assert cfg.sampler["name"] == "tpe" and cfg.sampler["seed"] == 0
