@@ -3,8 +3,11 @@
 Same task semantics for both: observation = the last W rows of the features flattened, plus the one-hot held
 position; actions short/flat/long; reward = scale·(position·r − cost·|Δposition|) with the same scale; episodes of
 the same length starting flat at random bars; same network widths (128-128; foxhunt adds LayerNorm), batch size,
-γ, learning rate, Polyak τ per update, ε schedule fraction, gradient clipping, and number of gradient updates.
-SB3 steps one gymnasium env with train_freq 4 (its usual setting); foxhunt steps 256 agents per update.
+γ, initial learning rate, Polyak τ per update, ε schedule fraction, gradient clipping (10), replay warm-up
+(16,384 transitions) and number of gradient updates. SB3 steps one gymnasium env with train_freq 4 (its usual
+setting); foxhunt, driven by a Lightning Trainer (its wall time includes the Trainer's start), steps 256 agents
+before every k-th update (--env-step-every, default 4: 64 new transitions per update) and keeps its own defaults
+otherwise (LayerNorm, exogenous all-actions targets, AdamW with weight decay 1e-4 and a cosine schedule).
 Both greedy policies are scored on the test split with the same vectorised back-test, as a fraction of the
 best causal oracle's reward per bar after costs (scripts/dqn_quality.py).
 
@@ -24,10 +27,16 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dqn_quality import BARS_PER_YEAR, ar1_market, baseline_metrics, best_causal_oracle, train_dqn  # noqa: E402
+from dqn_quality import (
+    BARS_PER_YEAR,
+    ar1_market,
+    baseline_metrics,
+    best_causal_oracle,
+    train_dqn,
+)
 
-from foxhunt.evaluation.trading import trading_metrics  # noqa: E402
-from foxhunt.rl.env import MarketEnv, MarketTensors, greedy_positions  # noqa: E402
+from foxhunt.evaluation.trading import trading_metrics
+from foxhunt.rl.env import MarketEnv, MarketTensors, greedy_positions
 
 
 def make_gym_env(market: MarketTensors, episode_length: int, seed: int):
@@ -88,7 +97,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     data = ar1_market(n_bars=args.n_bars, phi=args.phi, seed=args.seed)
-    common = dict(batch_size=args.batch_size, hidden=(128, 128), gamma=0.9, lr=3e-4, tau=0.005, window=args.window)
+    common = {"batch_size": args.batch_size, "hidden": (128, 128), "gamma": 0.9, "lr": 3e-4, "tau": 0.005, "window": args.window}
 
     module, fox_s = train_dqn(data, args.updates, seed=args.seed, env_step_every=args.env_step_every, **common)
     hp = module.hparams
@@ -108,7 +117,7 @@ def main() -> None:
             "MlpPolicy", env, learning_rate=hp.lr, buffer_size=262_144, learning_starts=learning_starts,
             batch_size=args.batch_size, tau=hp.tau, gamma=hp.gamma, train_freq=4, gradient_steps=1,
             target_update_interval=4, exploration_fraction=0.25, exploration_initial_eps=1.0,
-            exploration_final_eps=0.05, max_grad_norm=10.0, policy_kwargs=dict(net_arch=[128, 128]),
+            exploration_final_eps=0.05, max_grad_norm=10.0, policy_kwargs={"net_arch": [128, 128]},
             seed=args.seed, device="cpu",
         )
         t0 = time.perf_counter()

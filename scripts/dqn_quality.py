@@ -153,13 +153,13 @@ def best_causal_oracle(base: dict[str, dict[str, float]]) -> float:
 
 def default_dqn_kwargs(steps: int) -> dict:
     """The configuration the quality figures are measured with (kept in one place for the test and the bench)."""
-    return dict(
-        window=4, n_envs=256, episode_length=256, cost_bps=1.0, gamma=0.9, hidden=(128, 128), batch_size=256,
-        replay_capacity=262_144, learning_starts=16_384, target_update="polyak", tau=0.005,
-        epsilon_start=1.0, epsilon_end=0.05, epsilon_steps=max(1, steps // 4), exogenous="all_actions",
-        lr=3e-4, weight_decay=1e-4, scheduler="cosine", total_steps=steps, steps_per_epoch=min(steps, 1000),
-        log_grad_norm_every=0,
-    )
+    return {
+        "window": 4, "n_envs": 256, "episode_length": 256, "cost_bps": 1.0, "gamma": 0.9, "hidden": (128, 128), "batch_size": 256,
+        "replay_capacity": 262_144, "learning_starts": 16_384, "target_update": "polyak", "tau": 0.005,
+        "epsilon_start": 1.0, "epsilon_end": 0.05, "epsilon_steps": max(1, steps // 4), "exogenous": "all_actions",
+        "lr": 3e-4, "weight_decay": 1e-4, "scheduler": "cosine", "total_steps": steps, "steps_per_epoch": min(steps, 1000),
+        "log_grad_norm_every": 0,
+    }
 
 
 def train_dqn(data: SyntheticMarket, steps: int, seed: int = 0, validate: bool = False, **overrides):

@@ -33,18 +33,18 @@ def market():
     return quality.ar1_market(n_bars=12_000, phi=0.3, seed=1)
 
 
-SMALL = dict(
-    window=4, n_envs=32, episode_length=64, hidden=(32, 32), batch_size=32, replay_capacity=4096,
-    learning_starts=256, epsilon_steps=50, steps_per_epoch=20, log_grad_norm_every=5,
-)
+SMALL = {
+    "window": 4, "n_envs": 32, "episode_length": 64, "hidden": (32, 32), "batch_size": 32, "replay_capacity": 4096,
+    "learning_starts": 256, "epsilon_steps": 50, "steps_per_epoch": 20, "log_grad_norm_every": 5,
+}
 
 
 def trainer(tmp_path: Path, **kw) -> L.Trainer:
-    args = dict(
-        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, accelerator="cpu", devices=1, num_sanity_val_steps=0, log_every_n_steps=5,
-        gradient_clip_val=10.0, default_root_dir=str(tmp_path),
-    )
+    args = {
+        "max_epochs": 1, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+        "enable_model_summary": False, "accelerator": "cpu", "devices": 1, "num_sanity_val_steps": 0, "log_every_n_steps": 5,
+        "gradient_clip_val": 10.0, "default_root_dir": str(tmp_path),
+    }
     args.update(kw)
     return L.Trainer(**args)
 

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from foxhunt.data.market import MarketSplit
-from foxhunt.rl.env import MarketEnv, MarketTensors, greedy_positions, greedy_table, rollout_policy_table
+from foxhunt.rl.env import (
+    MarketEnv,
+    MarketTensors,
+    greedy_positions,
+    greedy_table,
+    rollout_policy_table,
+)
 
 
 def make_split(lengths: tuple[int, ...] = (300, 200), n_features: int = 3, seed: int = 0) -> MarketSplit:

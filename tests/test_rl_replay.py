@@ -18,7 +18,7 @@ def fill(buf: ReplayBuffer, steps: int, n_envs: int, episode: int = 5, start: in
         rew = torch.arange(n_envs).float() + 0.01 * k
         last = torch.full((n_envs,), (k + 1) % episode == 0)
         buf.add(bars, pos, act, rew, last)
-        log.append(dict(bars=bars, pos=pos, act=act, rew=rew, last=last))
+        log.append({"bars": bars, "pos": pos, "act": act, "rew": rew, "last": last})
     return log
 
 

@@ -194,10 +194,10 @@ class DQNModule(L.LightningModule):
             raise ValueError(f"replay_capacity ({replay_capacity}) must hold at least {max(2, n_step)} steps of {n_envs} agents")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            net_args = dict(
-                n_features=n_features, window=window, n_actions=len(actions), n_position_features=len(actions),
-                hidden=tuple(hidden), layer_norm=layer_norm, dueling=dueling, encoder=encoder,
-            )
+            net_args = {
+                "n_features": n_features, "window": window, "n_actions": len(actions), "n_position_features": len(actions),
+                "hidden": tuple(hidden), "layer_norm": layer_norm, "dueling": dueling, "encoder": encoder,
+            }
             self.q_net = QNetwork(**net_args)  # type: ignore[arg-type]
             self.target_net = QNetwork(**net_args)  # type: ignore[arg-type]
         self.target_net.load_state_dict(self.q_net.state_dict())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Literal
 
 import torch
@@ -60,7 +61,7 @@ class QNetwork(nn.Module):
             self.encoder = nn.Flatten(1)
             n_enc = window * n_features
         widths = (n_enc + n_position_features, *hidden)
-        self.body = nn.Sequential(*(mlp_block(a, b, layer_norm) for a, b in zip(widths[:-1], widths[1:])))
+        self.body = nn.Sequential(*(mlp_block(a, b, layer_norm) for a, b in itertools.pairwise(widths)))
         self.dueling = dueling
         if dueling:
             self.value_head = nn.Linear(hidden[-1], 1)
