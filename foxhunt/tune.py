@@ -511,8 +511,12 @@ class FitConfigParser:
             yield
         except SystemExit:
             message = sys.stderr.getvalue().strip()
+            if "error:" in message:  # jsonargparse prints its usage first; keep the error
+                message = message[message.index("error:"):]
             sys.stderr = stderr
             raise TuneConfigError(f"{path}: foxhunt.fit rejects this config:\n{message}") from None
+        else:
+            stderr.write(sys.stderr.getvalue())  # nothing printed on the way is lost
         finally:
             sys.stderr = stderr
 
@@ -671,19 +675,27 @@ class FitObjective:
         sigint = signal.getsignal(signal.SIGINT)
         cli = None
         try:
-            cli = build_cli(args, callbacks=callbacks)
+            try:
+                with FitConfigParser._errors(config_path):  # a parse error's message becomes the fail reason
+                    cli = build_cli(args, callbacks=callbacks)
+            except TuneConfigError as e:
+                trial.set_user_attr("fail_kind", "error")
+                trial.set_user_attr("fail_reason", str(e)[:2000])
+                raise TrialError(str(e)) from None
             cli.fit()
         except optuna.TrialPruned as e:
             trial.set_user_attr("pruned_reason", str(e) or "pruned")
             self._record_history(trial, recorder)
+            raise
+        except TrialError:
             raise
         except SystemExit as e:  # Lightning turns Ctrl-C into sys.exit(1) after its graceful shutdown
             if cli is not None and cli.trainer.state.status == TrainerStatus.INTERRUPTED:
                 self._interrupted(trial, recorder)
                 raise KeyboardInterrupt from e
             trial.set_user_attr("fail_kind", "error")
-            trial.set_user_attr("fail_reason", f"SystemExit({e.code}): foxhunt.fit rejected the trial's config")
-            raise TrialError(f"foxhunt.fit exited with {e.code}") from e
+            trial.set_user_attr("fail_reason", f"SystemExit({e.code}) during the trial")
+            raise TrialError(f"the trial exited with {e.code}") from e
         except KeyboardInterrupt:
             self._interrupted(trial, recorder)
             raise
@@ -764,7 +776,9 @@ def run_study(
                 log.info("timeout of %.0f s reached", timeout)
                 break
             if n_trials is not None:
-                optuna.storages.fail_stale_trials(study)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    optuna.storages.fail_stale_trials(study)  # a killed worker's trial must not hold a slot
                 used = _budget_used(study)
                 if used >= n_trials:
                     log.info("study %r holds %d of %d trials (counted or running): done", name, used, n_trials)
@@ -874,8 +888,8 @@ def _plots(study: optuna.Study, target: Callable[[FrozenTrial], float] | None, m
 
 
 def format_summary(summary: Mapping[str, Any], storage: str) -> str:
-    lines = [f"\nstudy {summary['study']!r}: {summary['n_trials']} trials "
-             f"({', '.join(f'{v} {k}' for k, v in sorted(summary['counts'].items()))})"]
+    counts = ", ".join(f"{v} {k}" for k, v in sorted(summary["counts"].items()))
+    lines = [f"\nstudy {summary['study']!r}: {summary['n_trials']} trials ({counts})"]
     if summary["pruned"]:
         lines.append(f"  pruned: {summary['pruned']}")
     for number, reason in summary["failed"].items():

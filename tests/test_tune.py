@@ -261,8 +261,8 @@ def test_config_errors_name_file_and_field(tmp_path: Path, capsys) -> None:
     assert main(["--config", str(path)]) == 2
     assert "nowhere.yaml" in capsys.readouterr().err
     # the module runs as a command (a config error exits before Lightning is even imported)
-    proc = subprocess.run([sys.executable, "-m", "foxhunt.tune", "--config", str(path)], capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = subprocess.run([sys.executable, "-m", "foxhunt.tune", "--config", str(path)], check=False,
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert proc.returncode == 2 and "base_config 'nowhere.yaml' not found" in proc.stderr
 
 
@@ -271,6 +271,14 @@ def test_search_space_keys_are_checked_by_the_fit_parser(tmp_path: Path) -> None
     with pytest.raises(TuneConfigError, match="hidden_sise"):
         run_study(load_tune_config(path), n_trials=1)
     assert not (tmp_path / "runs" / "optuna.db").exists() or not _study(tmp_path).trials
+
+
+def test_a_trial_config_rejected_by_fit_fails_with_the_parser_message(tmp_path: Path) -> None:
+    path = _config(tmp_path, fixed={"trainer.max_epochs": "three"})
+    run = run_study(load_tune_config(path), n_trials=1, check=False)  # the up-front check would refuse it
+    trial = run.study.trials[0]
+    assert trial.state == TrialState.FAIL and trial.user_attrs["fail_kind"] == "error"
+    assert "max_epochs" in trial.user_attrs["fail_reason"] and "three" in trial.user_attrs["fail_reason"]
 
 
 def test_set_dotted_follows_init_args_and_refuses_null_sections() -> None:
