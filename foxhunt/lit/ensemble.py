@@ -59,6 +59,7 @@ class EnsembleModule(L.LightningModule):
         tft_interval: tuple[float, float] = (0.1, 0.9),
         stack_fraction: float = 0.5,
         bars_per_year: float | None = None,
+        log_figures: bool = True,
         seed: int = 0,
     ) -> None:
         """
@@ -74,6 +75,7 @@ class EnsembleModule(L.LightningModule):
             tft_interval: the forecast quantiles whose interval must clear the cost for the TFT to take a position.
             stack_fraction: with combine="stack", the share of the training split (in time) the TFT trains on.
             bars_per_year: Sharpe annualisation; None infers it from the bar spacing.
+            log_figures: draw equity curves, the fan chart and the TFT's interpretation figures at validation end.
             seed: seeds the members' RNG-dependent parts not seeded by themselves.
         """
         super().__init__()
@@ -372,7 +374,7 @@ class EnsembleModule(L.LightningModule):
         for i, name in enumerate(self.member_names):
             self.log(f"val/weight_{name}", float(self._weights[i]))
         self.last_backtest = results
-        if not self.trainer.sanity_checking:
+        if self.hparams.log_figures and not self.trainer.sanity_checking:
             self._log_figures(split, pos, fc)
 
     def _log_figures(self, split: MarketSplit, pos: dict[str, Tensor], fc: Tensor | None) -> None:
