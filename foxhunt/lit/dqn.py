@@ -192,16 +192,7 @@ class DQNModule(L.LightningModule):
             )
         if replay_capacity < n_envs * max(2, n_step):
             raise ValueError(f"replay_capacity ({replay_capacity}) must hold at least {max(2, n_step)} steps of {n_envs} agents")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            net_args = {
-                "n_features": n_features, "window": window, "n_actions": len(actions), "n_position_features": len(actions),
-                "hidden": tuple(hidden), "layer_norm": layer_norm, "dueling": dueling, "encoder": encoder,
-            }
-            self.q_net = QNetwork(**net_args)  # type: ignore[arg-type]
-            self.target_net = QNetwork(**net_args)  # type: ignore[arg-type]
-        self.target_net.load_state_dict(self.q_net.state_dict())
-        self.target_net.requires_grad_(False)
+        self.build_networks(n_features)
         self.guard = NonFiniteGuard(nonfinite)
         self.train_split: MarketSplit | None = None
         self.val_split: MarketSplit | None = None
@@ -389,12 +380,33 @@ class DQNModule(L.LightningModule):
                 self.log_dict(norms, on_step=True, on_epoch=False)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.update_target(self.global_step)
+
+    def update_target(self, updates: int) -> None:
+        """Polyak-average the target network after every update, or copy it every ``target_update_every`` updates."""
         hp = self.hparams
         if hp.target_update == "polyak":
             with torch.no_grad():
                 torch._foreach_lerp_(*self._params, hp.tau)
-        elif self.global_step % hp.target_update_every == 0:
+        elif updates % hp.target_update_every == 0:
             self.target_net.load_state_dict(self.q_net.state_dict())
+
+    def build_networks(self, n_features: int) -> None:
+        """(Re)build the online and target Q-networks for ``n_features`` inputs, seeded (stacking widens them)."""
+        hp = self.hparams
+        hp.n_features = n_features
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(hp.seed)
+            net_args = {
+                "n_features": n_features, "window": hp.window, "n_actions": len(hp.actions),
+                "n_position_features": len(hp.actions), "hidden": tuple(hp.hidden), "layer_norm": hp.layer_norm,
+                "dueling": hp.dueling, "encoder": hp.encoder,
+            }
+            self.q_net = QNetwork(**net_args)  # type: ignore[arg-type]
+            self.target_net = QNetwork(**net_args)  # type: ignore[arg-type]
+        self.target_net.load_state_dict(self.q_net.state_dict())
+        self.target_net.requires_grad_(False)
+        self._params = (list(self.target_net.parameters()), list(self.q_net.parameters()))
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams

@@ -103,7 +103,7 @@ class EnsembleModule(L.LightningModule):
             self.tft_snapshot = copy.deepcopy(tft.net).requires_grad_(False)
             self.register_buffer("stack_mean", torch.zeros(n_stack))
             self.register_buffer("stack_std", torch.ones(n_stack))
-            _widen_dqn_inputs(dqn, dqn.hparams.n_features + n_stack)
+            dqn.build_networks(dqn.hparams.n_features + n_stack)
         self.member_names = [n for n, m in (("tft", tft), ("dqn", dqn)) if m is not None]
         self.dqn_updates = 0
         self.tft_updates = 0
@@ -278,17 +278,7 @@ class EnsembleModule(L.LightningModule):
                 self.tft_updates += 1
             else:
                 self.dqn_updates += 1
-                self._update_target()
-
-    def _update_target(self) -> None:
-        dqn = self.dqn
-        assert dqn is not None
-        hp = dqn.hparams
-        with torch.no_grad():
-            if hp.target_update == "polyak":
-                torch._foreach_lerp_(list(dqn.target_net.parameters()), list(dqn.q_net.parameters()), hp.tau)
-            elif self.dqn_updates % hp.target_update_every == 0:
-                dqn.target_net.load_state_dict(dqn.q_net.state_dict())
+                self.dqn.update_target(self.dqn_updates)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Gradients are unscaled here (by the precision plugin): log the active member's norms, then clip them."""
@@ -525,24 +515,6 @@ def _resets(split: MarketSplit, device: torch.device) -> Tensor:
     reset = torch.ones_like(sym, dtype=torch.bool)
     reset[1:] = sym[1:] != sym[:-1]
     return reset
-
-
-def _widen_dqn_inputs(dqn: DQNModule, n_features: int) -> None:
-    """Rebuild the DQN's online and target networks for ``n_features`` inputs (stacking adds the TFT's forecasts)."""
-    from foxhunt.models.qnet import QNetwork
-
-    hp = dqn.hparams
-    hp.n_features = n_features
-    args = dict(
-        n_features=n_features, window=hp.window, n_actions=len(hp.actions), n_position_features=len(hp.actions),
-        hidden=tuple(hp.hidden), layer_norm=hp.layer_norm, dueling=hp.dueling, encoder=hp.encoder,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(hp.seed)
-        dqn.q_net = QNetwork(**args)
-        dqn.target_net = QNetwork(**args)
-    dqn.target_net.load_state_dict(dqn.q_net.state_dict())
-    dqn.target_net.requires_grad_(False)
 
 
 def _select(split: MarketSplit, rows: Tensor) -> MarketSplit:
