@@ -101,8 +101,21 @@ class FoxhuntCLI(LightningCLI):
         trainer, model, dm = self.trainer, self.model, self.datamodule
         if trainer.loggers and not any(isinstance(cb, LearningRateMonitor) for cb in trainer.callbacks):
             trainer.callbacks.append(LearningRateMonitor(logging_interval="step"))
-        trainer.fit(model, datamodule=dm, ckpt_path=cfg.get("ckpt_path"))
+        trainer.fit(model, datamodule=dm, ckpt_path=self._resolve_ckpt_path(cfg.get("ckpt_path")))
         return self.export_and_backtest()
+
+    def _resolve_ckpt_path(self, ckpt_path: str | None) -> str | None:
+        """'last' means the newest last.ckpt of any earlier version of this logger's runs (a new run has its own
+        version directory, where Lightning alone would find nothing and silently start over)."""
+        if ckpt_path != "last":
+            return ckpt_path
+        logger = self.trainer.logger
+        root = Path(logger.save_dir) / (logger.name or "") if logger is not None else Path(self.trainer.default_root_dir)
+        found = sorted(root.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        if not found:
+            raise FileNotFoundError(f"--ckpt_path last: no last.ckpt under {root}/version_*/checkpoints")
+        log.info("resuming from %s", found[-1])
+        return str(found[-1])
 
     def export_and_backtest(self) -> dict[str, Any]:
         from foxhunt.backtest import backtest_table, format_table

@@ -268,3 +268,11 @@ def test_ddp_two_processes_on_cpu(tmp_path: Path) -> None:
                       weights_only=True)
     assert ckpt["global_step"] > 0
     assert (tmp_path / "export" / "ensemble.safetensors").exists()
+
+
+def test_ckpt_path_last_resumes_the_newest_run(tiny_run, caplog) -> None:
+    tmp, first = tiny_run
+    with caplog.at_level("INFO", logger="foxhunt.fit"):
+        cli = _fit(tmp, "--ckpt_path", "last", "--trainer.max_epochs", "3", "--backtest", "false")
+    assert "resuming from" in caplog.text and "version_0/checkpoints/last.ckpt" in caplog.text
+    assert cli.trainer.current_epoch == 3 and cli.model.tft_updates > first.model.tft_updates
