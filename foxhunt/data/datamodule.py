@@ -6,7 +6,7 @@ import hashlib
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal
 
 import lightning.pytorch as pl
 import numpy as np

@@ -10,7 +10,6 @@ run at tens of millions of bars per second. A test checks the byte layout agains
 from __future__ import annotations
 
 import datetime as dt
-import io
 import struct
 from dataclasses import dataclass
 from pathlib import Path

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as L
 import torch
