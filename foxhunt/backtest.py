@@ -178,12 +178,10 @@ def _training_split(loaded: Any, name: str) -> tuple[Any, torch.Tensor | None]:
     dm.setup()
     rows = torch.from_numpy(dm.split_rows[name])
     split = loaded.split(bars, name)
-    from foxhunt.lit.ensemble import _select
-
     mask = torch.zeros(len(split), dtype=torch.bool)
     mask[rows] = True
     oracle = torch.from_numpy(dm.market.oracle_mean)[rows] if dm.market is not None else None
-    return _select(split, mask), oracle
+    return split.select(mask), oracle
 
 
 if __name__ == "__main__":

@@ -505,7 +505,7 @@ class EnsembleModule(L.LightningModule):
     def _slice_for(self, name: str) -> MarketSplit:
         if name == "train":
             train = self._splits["train"]
-            return _select(train, ~self._stack_mask(train))
+            return train.select(~self._stack_mask(train))
         return self._splits[name]
 
 
@@ -515,22 +515,3 @@ def _resets(split: MarketSplit, device: torch.device) -> Tensor:
     reset = torch.ones_like(sym, dtype=torch.bool)
     reset[1:] = sym[1:] != sym[:-1]
     return reset
-
-
-def _select(split: MarketSplit, rows: Tensor) -> MarketSplit:
-    """The rows of a split picked by a boolean mask, as a split of its own (order kept)."""
-    idx = rows.nonzero().squeeze(1)
-    return MarketSplit(
-        name=split.name,
-        symbols=split.symbols,
-        timestamps=split.timestamps[idx],
-        symbol_index=split.symbol_index[idx],
-        ohlcv=split.ohlcv[idx],
-        returns=split.returns[idx],
-        targets=split.targets[idx],
-        valid=split.valid[idx],
-        features=split.features[idx],
-        feature_names=list(split.feature_names),
-        target_loc=split.target_loc[idx],
-        target_scale=split.target_scale[idx],
-    )
