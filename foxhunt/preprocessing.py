@@ -54,8 +54,8 @@ def _segment_breaks(segment: Tensor | None, n: int, dim: int, ndim: int) -> Tens
     return breaks.view(shape)
 
 
-def log_returns(close: Tensor, dim: int = -1, segment: Tensor | None = None) -> Tensor:
-    """Backward log return ln C[t] - ln C[t-1], known at bar t; NaN at t=0 and at each segment's first row."""
+def _log_diff(close: Tensor, dim: int, segment: Tensor | None) -> tuple[Tensor, Tensor, int]:
+    """ln C[t+1] - ln C[t] for t < n-1 (NaN across segment breaks), a NaN pad of one row, and the dim."""
     dim = dim % close.ndim
     n = close.shape[dim]
     log_c = torch.log(close)
@@ -63,20 +63,18 @@ def log_returns(close: Tensor, dim: int = -1, segment: Tensor | None = None) -> 
     breaks = _segment_breaks(segment, n, dim, close.ndim)
     if breaks is not None:
         diff = torch.where(breaks, torch.full_like(diff, math.nan), diff)
-    pad = torch.full_like(log_c.narrow(dim, 0, 1), math.nan)
+    return diff, torch.full_like(log_c.narrow(dim, 0, 1), math.nan), dim
+
+
+def log_returns(close: Tensor, dim: int = -1, segment: Tensor | None = None) -> Tensor:
+    """Backward log return ln C[t] - ln C[t-1], known at bar t; NaN at t=0 and at each segment's first row."""
+    diff, pad, dim = _log_diff(close, dim, segment)
     return torch.cat([pad, diff], dim=dim)
 
 
 def next_log_returns(close: Tensor, dim: int = -1, segment: Tensor | None = None) -> Tensor:
     """Next-bar log return ln C[t+1] - ln C[t] (the target at bar t); NaN at each segment's last row."""
-    dim = dim % close.ndim
-    n = close.shape[dim]
-    log_c = torch.log(close)
-    diff = log_c.narrow(dim, 1, n - 1) - log_c.narrow(dim, 0, n - 1)
-    breaks = _segment_breaks(segment, n, dim, close.ndim)
-    if breaks is not None:
-        diff = torch.where(breaks, torch.full_like(diff, math.nan), diff)
-    pad = torch.full_like(log_c.narrow(dim, 0, 1), math.nan)
+    diff, pad, dim = _log_diff(close, dim, segment)
     return torch.cat([diff, pad], dim=dim)
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import warnings
 from pathlib import Path
 
@@ -14,18 +12,11 @@ import torch
 from foxhunt.lit.dqn import DQNModule, double_dqn_target
 from foxhunt.training.guard import NonFiniteError
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
-def _load_quality():
-    spec = importlib.util.spec_from_file_location("dqn_quality", ROOT / "scripts" / "dqn_quality.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("dqn_quality", mod)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
 
-
-quality = _load_quality()
+quality = load_script("dqn_quality")
 
 
 @pytest.fixture(scope="module")

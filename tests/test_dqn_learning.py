@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,18 +10,11 @@ import torch
 from foxhunt.evaluation.trading import strategy_log_returns
 from foxhunt.rl.env import MarketTensors
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
-def _load_quality():
-    spec = importlib.util.spec_from_file_location("dqn_quality", ROOT / "scripts" / "dqn_quality.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("dqn_quality", mod)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
 
-
-quality = _load_quality()
+quality = load_script("dqn_quality")
 
 
 def t_stat(positions: torch.Tensor, market: MarketTensors) -> float:
