@@ -92,19 +92,31 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--env-step-every", type=int, default=4,
                    help="foxhunt steps its agents before every k-th update (256 agents: 256/k transitions per update)")
+    p.add_argument("--n-envs", type=int, default=256, help="foxhunt's parallel agents")
+    p.add_argument("--modes", default="all_actions,none",
+                   help="foxhunt's target modes to run: all_actions (every action of a sampled state), none (plain DQN)")
     p.add_argument("--window", type=int, default=4)
+    p.add_argument("--no-layer-norm", action="store_true", help="foxhunt without LayerNorm (SB3's MLP has none)")
+    p.add_argument("--no-double", action="store_true", help="foxhunt with plain DQN targets (SB3's)")
+    p.add_argument("--weight-decay", type=float, default=1e-4)
     p.add_argument("--skip-sb3", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     data = ar1_market(n_bars=args.n_bars, phi=args.phi, seed=args.seed)
-    common = {"batch_size": args.batch_size, "hidden": (128, 128), "gamma": 0.9, "lr": 3e-4, "tau": 0.005, "window": args.window}
+    common = {"batch_size": args.batch_size, "hidden": (128, 128), "gamma": 0.9, "lr": 3e-4, "tau": 0.005, "window": args.window,
+              "layer_norm": not args.no_layer_norm, "double_dqn": not args.no_double, "weight_decay": args.weight_decay}
 
-    module, fox_s = train_dqn(data, args.updates, seed=args.seed, env_step_every=args.env_step_every, **common)
-    hp = module.hparams
-    test = MarketTensors(data.test, hp.window, tuple(hp.actions), hp.cost_bps)
-    oracle = best_causal_oracle(baseline_metrics(test, data.expected["test"]))
-    fox_pos, _ = module.greedy_positions(test)
-    rows = {"foxhunt": (module.env_steps, args.updates, fox_s, *score(fox_pos, test, oracle))}
+    rows = {}
+    for mode in args.modes.split(","):
+        module, fox_s = train_dqn(
+            data, args.updates, seed=args.seed, env_step_every=args.env_step_every, n_envs=args.n_envs,
+            exogenous=mode, **common,
+        )
+        hp = module.hparams
+        test = MarketTensors(data.test, hp.window, tuple(hp.actions), hp.cost_bps)
+        oracle = best_causal_oracle(baseline_metrics(test, data.expected["test"]))
+        fox_pos, _ = module.greedy_positions(test)
+        rows[f"foxhunt/{mode}"] = (module.env_steps, args.updates, fox_s, *score(fox_pos, test, oracle))
 
     if not args.skip_sb3:
         from stable_baselines3 import DQN
@@ -134,15 +146,17 @@ def main() -> None:
 
     print(f"\nphi={args.phi} batch={args.batch_size} updates={args.updates} threads={args.threads} "
           f"oracle reward/bar={oracle:.3e}")
-    print(f"{'':10s}{'env steps':>12s}{'updates':>10s}{'wall s':>9s}{'env steps/s':>14s}{'updates/s':>11s}"
+    print(f"{'':22s}{'env steps':>12s}{'updates':>10s}{'wall s':>9s}{'env steps/s':>14s}{'updates/s':>11s}"
           f"{'frac oracle':>13s}{'reward/bar':>13s}{'turnover':>10s}")
     for name, (steps, updates, secs, frac, rpb, turn) in rows.items():
-        print(f"{name:10s}{steps:12d}{updates:10d}{secs:9.1f}{steps / secs:14.0f}{updates / secs:11.1f}"
+        print(f"{name:22s}{steps:12d}{updates:10d}{secs:9.1f}{steps / secs:14.0f}{updates / secs:11.1f}"
               f"{frac:13.3f}{rpb:13.3e}{turn:10.3f}")
     if "sb3" in rows:
-        f, s = rows["foxhunt"], rows["sb3"]
-        print(f"ratio foxhunt/sb3: env steps/s x{(f[0] / f[2]) / (s[0] / s[2]):.1f}, "
-              f"updates/s x{(f[1] / f[2]) / (s[1] / s[2]):.2f}")
+        s = rows["sb3"]
+        for name, f in rows.items():
+            if name != "sb3":
+                print(f"ratio {name}/sb3: env steps/s x{(f[0] / f[2]) / (s[0] / s[2]):.1f}, "
+                      f"updates/s x{(f[1] / f[2]) / (s[1] / s[2]):.2f}, fraction of oracle {f[3]:.3f} vs {s[3]:.3f}")
     if not math.isfinite(oracle) or oracle <= 0:
         print("note: the oracle earns nothing on this market, fractions are meaningless")
 

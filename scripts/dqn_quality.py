@@ -173,7 +173,7 @@ def train_dqn(data: SyntheticMarket, steps: int, seed: int = 0, validate: bool =
     module = DQNModule(n_features=data.train.n_features, seed=seed, **kwargs)
     module.attach_market(data.train, data.val if validate else None)
     trainer = L.Trainer(
-        max_steps=steps, max_epochs=-1, gradient_clip_val=10.0, logger=False, enable_checkpointing=False,
+        max_steps=steps, max_epochs=-1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
         limit_val_batches=1 if validate else 0, num_sanity_val_steps=0, deterministic=False,
     )

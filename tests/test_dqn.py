@@ -34,7 +34,7 @@ def trainer(tmp_path: Path, **kw) -> L.Trainer:
     args = {
         "max_epochs": 1, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
         "enable_model_summary": False, "accelerator": "cpu", "devices": 1, "num_sanity_val_steps": 0, "log_every_n_steps": 5,
-        "gradient_clip_val": 10.0, "default_root_dir": str(tmp_path),
+        "default_root_dir": str(tmp_path),
     }
     args.update(kw)
     return L.Trainer(**args)
@@ -157,11 +157,12 @@ def test_nonfinite_loss_raises_or_skips(tmp_path, market, monkeypatch) -> None:
     raising.attach_market(market.train)
     with pytest.raises(NonFiniteError, match="non-finite loss"):
         fit(raising, trainer(tmp_path, max_steps=3))
-    skipping = DQNModule(n_features=3, nonfinite="skip", **SMALL)
+    skipping = DQNModule(n_features=3, nonfinite="skip", **{**SMALL, "updates_per_step": 2})
     skipping.attach_market(market.train)
     before = [p.detach().clone() for p in skipping.q_net.parameters()]
     fit(skipping, trainer(tmp_path, max_steps=3, max_epochs=1, limit_train_batches=3))
-    assert skipping.guard.skipped == 3
+    assert skipping.guard.skipped == 6  # two attempted updates per batch, none stepped
+    assert skipping.global_step == 0
     assert all(torch.equal(a, b) for a, b in zip(before, skipping.q_net.parameters()))
 
 

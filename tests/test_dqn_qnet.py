@@ -45,3 +45,20 @@ def test_rejects_bad_configuration() -> None:
         QNetwork(2, 3, 3, 3, hidden=())
     with pytest.raises(ValueError, match="encoder"):
         QNetwork(2, 3, 3, 3, encoder="lstm")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dueling", [False, True])
+@pytest.mark.parametrize("encoder", ["flat", "conv"])
+@pytest.mark.parametrize("layer_norm", [False, True])
+def test_forward_positions_equals_one_forward_per_position(dueling: bool, encoder: str, layer_norm: bool) -> None:
+    """The shared-encoding path gives each (window, position) exactly what the plain forward gives it."""
+    torch.manual_seed(1)
+    net = QNetwork(4, 5, 3, 3, hidden=(16, 8), layer_norm=layer_norm, dueling=dueling, encoder=encoder)  # type: ignore[arg-type]
+    w = torch.randn(9, 5, 4)
+    all_q = net.forward_positions(w)
+    assert all_q.shape == (9, 3, 3)
+    for p in range(3):
+        want = net(w, torch.eye(3)[[p] * 9])
+        assert torch.allclose(all_q[:, p], want, atol=1e-5), p
+    all_q.sum().backward()
+    assert all(param.grad is not None for param in net.parameters())

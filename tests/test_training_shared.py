@@ -74,6 +74,8 @@ def test_configure_adamw_excludes_biases_from_decay() -> None:
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert {id(p) for p in decay["params"]} == {id(m.encoder.weight), id(m.head.weight)}
     assert {id(p) for p in no_decay["params"]} == {id(m.encoder.bias), id(m.head.bias)}
+    (only,) = configure_adamw(m, lr=1e-3, weight_decay=0.0, scheduler="none").param_groups
+    assert len(only["params"]) == 4 and only["weight_decay"] == 0.0
 
 
 # ----------------------------------------------------------------------------------------------------------- schedules

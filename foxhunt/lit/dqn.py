@@ -56,10 +56,12 @@ class StepDataset(Dataset[int]):
 
 
 def double_dqn_target(
-    q_next_online: Tensor, q_next_target: Tensor, rewards: Tensor, discounts: Tensor, double: bool = True
+    q_next_online: Tensor | None, q_next_target: Tensor, rewards: Tensor, discounts: Tensor | float, double: bool = True
 ) -> Tensor:
     """rewards + discount · Q_target(s', argmax_a Q_online(s', a)); plain DQN's max_a Q_target(s', a) if not double."""
     if double:
+        if q_next_online is None:
+            raise ValueError("Double DQN targets need the online network's successor values")
         next_value = q_next_target.gather(1, q_next_online.argmax(1, keepdim=True)).squeeze(1)
     else:
         next_value = q_next_target.amax(1)
@@ -108,6 +110,8 @@ class DQNModule(L.LightningModule):
         epsilon_steps: int = 5_000,
         env_steps_per_update: int = 1,
         env_step_every: int = 1,
+        updates_per_step: int = 8,
+        gradient_clip_val: float | None = 10.0,
         exogenous: ExogenousMode = "all_actions",
         huber_delta: float = 1.0,
         lr: float = 3e-4,
@@ -152,6 +156,11 @@ class DQNModule(L.LightningModule):
             env_steps_per_update: steps of all agents before each gradient update that steps the environment.
             env_step_every: step the environment before every this many-th update only (N agents give N
                 transitions per step, so with hundreds of agents the replay stays fresh with fewer steps).
+            updates_per_step: gradient updates per Lightning training step. The update of a small Q-network takes
+                about a millisecond on CPU, as long as the Trainer's own per-step bookkeeping, so several run in one
+                step; ``max_steps``, ε, schedules and ``global_step`` still count single updates.
+            gradient_clip_val: clip gradients to this global 2-norm before each update (None or 0: no clipping).
+                The module clips itself (it optimises manually): do not set the Trainer's ``gradient_clip_val``.
             exogenous: "all_actions" regresses Q(s, a) for every action of a sampled state onto its known reward
                 plus the bootstrapped value of (t+1, a); "none" is plain DQN on the taken action.
             huber_delta: Huber loss threshold (in reward units).
@@ -164,7 +173,7 @@ class DQNModule(L.LightningModule):
             warmup_steps: linear LR warm-up updates.
             nonfinite: "raise" on a NaN/Inf loss or gradient, or "skip" the update and count it.
             log_grad_norm_every: log gradient norms every this many updates (0: never).
-            steps_per_epoch: training steps (updates) per epoch of the driving dataloader.
+            steps_per_epoch: gradient updates per epoch.
             bars_per_year: annualisation of validation Sharpe; None infers it from the split's timestamps.
             seed: seeds network initialisation, environment, replay sampling and exploration.
         """
@@ -186,12 +195,16 @@ class DQNModule(L.LightningModule):
             raise ValueError(f"epsilon_start/end must be in [0, 1], got {epsilon_start}, {epsilon_end}")
         if not 0.0 < tau <= 1.0:
             raise ValueError(f"tau must be in (0, 1], got {tau}")
-        if min(batch_size, env_steps_per_update, env_step_every, target_update_every, epsilon_steps) < 1:
+        if min(batch_size, env_steps_per_update, env_step_every, updates_per_step, target_update_every, epsilon_steps) < 1:
             raise ValueError(
-                "batch_size, env_steps_per_update, env_step_every, target_update_every and epsilon_steps must be >= 1"
+                "batch_size, env_steps_per_update, env_step_every, updates_per_step, target_update_every and"
+                " epsilon_steps must be >= 1"
             )
+        if gradient_clip_val is not None and not gradient_clip_val >= 0:
+            raise ValueError(f"gradient_clip_val must be >= 0 or None, got {gradient_clip_val}")
         if replay_capacity < n_envs * max(2, n_step):
             raise ValueError(f"replay_capacity ({replay_capacity}) must hold at least {max(2, n_step)} steps of {n_envs} agents")
+        self.automatic_optimization = False  # several updates per training step (see updates_per_step)
         self.build_networks(n_features)
         self.guard = NonFiniteGuard(nonfinite)
         self.train_split: MarketSplit | None = None
@@ -201,6 +214,7 @@ class DQNModule(L.LightningModule):
         self.explore_rng: torch.Generator | None = None
         self._val_market: MarketTensors | None = None
         self._pending_state: dict[str, Any] | None = None
+        self._val_objective: float | None = None
         self.reward_scale_used: float | None = None
         self.counters = _Counters()  # a plain object: nn.Module attribute writes are slow in the hot loop
 
@@ -223,7 +237,8 @@ class DQNModule(L.LightningModule):
         self.env, self.replay, self._val_market = None, None, None
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(StepDataset(self.hparams.steps_per_epoch), batch_size=None, shuffle=False)
+        hp = self.hparams
+        return DataLoader(StepDataset(math.ceil(hp.steps_per_epoch / hp.updates_per_step)), batch_size=None, shuffle=False)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(StepDataset(1), batch_size=None, shuffle=False)
@@ -307,80 +322,138 @@ class DQNModule(L.LightningModule):
     def td_loss(self, sample: ReplaySample) -> tuple[Tensor, Tensor]:
         """Huber TD loss of a replay batch and the online Q-values of its states.
 
-        The online network sees the sampled states and their successor states in one forward pass (rows are
-        independent: LayerNorm normalises per row), and only the sampled states' rows carry gradient.
+        Only the sampled states go through the online network with gradient; successor states are evaluated under
+        no_grad (so backward touches B rows, not B plus every successor). In the all-actions mode the successors of
+        (t, p) are (t+1, a) for every action a: one window per sample, encoded once for all held positions.
         """
         assert self.env is not None
         market, hp = self.env.market, self.hparams
         b = sample.bars.shape[0]
-        if hp.exogenous == "all_actions":
-            # The successor of (t, p) under action a is (t+1, a): one state per action, all with known rewards.
-            n_act = market.n_actions
-            next_windows = market.windows(sample.bars + 1).repeat_interleave(n_act, 0)
-            next_pos = market.position_features(torch.arange(n_act, device=sample.bars.device).repeat(b))
-            rewards = market.rewards_all(sample.bars, sample.positions).reshape(-1)
-            discounts = torch.full_like(rewards, hp.gamma)
-        else:
-            next_windows, next_pos = self._observe(market, sample.next_bars, sample.next_positions)
-            rewards, discounts = sample.returns, sample.discounts
-        windows, positions = self._observe(market, sample.bars, sample.positions)
-        q_both = self.q_net(torch.cat([windows, next_windows]), torch.cat([positions, next_pos]))
-        q, q_next_online = q_both[:b], q_both[b:].detach()
+        # Rows t-W+1 .. t+1 flattened: the state's window is the first W rows, the successor's the last W.
+        both = market.windows(sample.bars, extra=1, flat=True)
+        n_feat = market.n_features
+        windows, next_windows = both[:, : both.shape[1] - n_feat], both[:, n_feat:]
+        q = self.q_net(windows, market.position_features(sample.positions))
         with torch.no_grad():
-            target = double_dqn_target(
-                q_next_online, self.target_net(next_windows, next_pos), rewards, discounts, hp.double_dqn
-            )
-        if hp.exogenous == "all_actions":
-            prediction, target = q, target.view(b, -1)
-        else:
+            if hp.exogenous == "all_actions":
+                # The successor of (t, p) under action a is (t+1, a): one state per action, all with known rewards.
+                q_next_online, q_next_target = self._successor_values(next_windows, None)
+                rewards = market.rewards_all(sample.bars, sample.positions).reshape(-1)
+                target = double_dqn_target(q_next_online, q_next_target, rewards, hp.gamma, hp.double_dqn).view(b, -1)
+                prediction = q
+            else:
+                if hp.n_step != 1:
+                    next_windows = market.windows(sample.next_bars, flat=True)
+                q_next_online, q_next_target = self._successor_values(
+                    next_windows, market.position_features(sample.next_positions)
+                )
+                target = double_dqn_target(q_next_online, q_next_target, sample.returns, sample.discounts, hp.double_dqn)
+        if hp.exogenous != "all_actions":
             prediction = q.gather(1, sample.actions.unsqueeze(1)).squeeze(1)
         return F.huber_loss(prediction, target, delta=hp.huber_delta), q.detach()
 
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor | None:
+    def _successor_values(self, windows: Tensor, positions: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """(online, target) Q-values of successor states; ``positions`` None means every held position (rows B·P).
+
+        The online values are only needed for Double DQN's argmax. When the networks' inputs are parameter-free
+        (flat windows), one input tensor serves both networks.
+        """
+        online, target = self.q_net, self.target_net
+        if online.parameter_free_inputs:
+            x = online.inputs_all_positions(windows) if positions is None else online.inputs(windows, positions)
+            return (online.mlp(x) if self.hparams.double_dqn else None), target.mlp(x)
+        if positions is None:
+            q_on = online.forward_positions(windows).flatten(0, 1) if self.hparams.double_dqn else None
+            return q_on, target.forward_positions(windows).flatten(0, 1)
+        return (online(windows, positions) if self.hparams.double_dqn else None), target(windows, positions)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        """Up to ``updates_per_step`` updates (fewer at the end of an epoch or at ``max_steps``)."""
+        hp = self.hparams
+        n = min(hp.updates_per_step, hp.steps_per_epoch - batch_idx * hp.updates_per_step)
+        max_steps = self.trainer.max_steps
+        if max_steps is not None and max_steps >= 0:
+            n = min(n, max_steps - self.global_step)
+        opt = self.optimizers()
+        sched = self.lr_schedulers()
+        if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            sched = None  # stepped on the validation metric at epoch end
+        first = self.global_step
+        last: tuple[Tensor, Tensor, float] | None = None
+        for _ in range(n):
+            last = self._update(opt, sched)
+        every = max(self.trainer.log_every_n_steps, 1)
+        if last is not None and first // every != self.global_step // every:
+            self._log_training(*last)
+
+    def _update(self, opt: Any, sched: Any) -> tuple[Tensor, Tensor, float]:
+        """One gradient update (after stepping the agents, every ``env_step_every`` updates)."""
         assert self.replay is not None
         hp = self.hparams
-        eps = self.epsilon()
-        if self.global_step % hp.env_step_every == 0:
+        step = self.global_step
+        eps = self.epsilon(step)
+        if step % hp.env_step_every == 0:
             for _ in range(hp.env_steps_per_update):
                 self._env_step(eps)
         loss, q = self.td_loss(self.replay.sample(hp.batch_size, hp.n_step, hp.gamma))
-        if self._should_log():
-            c = self.counters
-            now = time.perf_counter()
-            then, steps_then = c.clock
-            c.clock = (now, c.env_steps)
-            scale = self.reward_scale_used or 1.0
-            self.log_dict(
-                {
-                    "train/td_loss": loss.detach(),
-                    "train/q_mean": q.mean() / scale,
-                    "train/q_max": q.max() / scale,
-                    "train/epsilon": eps,
-                    "train/reward_per_bar": float(c.reward_sum or 0.0) / max(c.reward_count, 1),
-                    "train/env_steps_per_s": (c.env_steps - steps_then) / max(now - then, 1e-9),
-                    "train/nonfinite_skipped": float(self.guard.skipped),
-                },
-                on_step=True, on_epoch=False, batch_size=hp.batch_size,
-            )
-            c.reward_sum, c.reward_count = None, 0
-        if not self.guard.check_loss(loss, self.global_step):
-            return None
-        return loss
+        if not self.guard.check_loss(loss, step):
+            return loss, q, eps
+        for p in self._params[1]:  # the optimizer's (or the module's) zero_grad costs several times more per call
+            p.grad = None
+        self.manual_backward(loss)
+        opt.step()  # on_before_optimizer_step: non-finite guard, grad-norm logging, clipping
+        if sched is not None:
+            sched.step()
+        self.update_target(self.global_step)
+        return loss, q, eps
 
-    def _should_log(self) -> bool:
-        every = self.trainer.log_every_n_steps if self._trainer is not None else 50
-        return (self.global_step + 1) % max(every, 1) == 0
+    def _log_training(self, loss: Tensor, q: Tensor, eps: float) -> None:
+        c = self.counters
+        now = time.perf_counter()
+        then, steps_then = c.clock
+        c.clock = (now, c.env_steps)
+        scale = self.reward_scale_used or 1.0
+        self._log_at_update({
+            "train/td_loss": float(loss.detach()),
+            "train/q_mean": float(q.mean()) / scale,
+            "train/q_max": float(q.max()) / scale,
+            "train/epsilon": eps,
+            "train/reward_per_bar": float(c.reward_sum or 0.0) / max(c.reward_count, 1),
+            "train/env_steps_per_s": (c.env_steps - steps_then) / max(now - then, 1e-9),
+            "train/nonfinite_skipped": float(self.guard.skipped),
+            "train/lr": float(self.optimizers().param_groups[0]["lr"]),
+        })
+        c.reward_sum, c.reward_count = None, 0
+
+    def _log_at_update(self, metrics: dict[str, float]) -> None:
+        """Training metrics go to the loggers at the update count (the x-axis RL users read), and to the callbacks."""
+        self.log_dict(metrics, on_step=True, on_epoch=False, logger=False, batch_size=self.hparams.batch_size)
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step=self.global_step)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.guard.check_gradients(self.q_net, self.global_step)
-        every = self.hparams.log_grad_norm_every
-        if every and self.global_step % every == 0:
+        """Gradients are final (unscaled) here: guard them, log their norms, clip them."""
+        hp = self.hparams
+        step = self.global_step
+        every = hp.log_grad_norm_every
+        if every and step % every == 0:
             norms = grad_norms(self.q_net, prefix="train/grad_norm")
             if norms:
-                self.log_dict(norms, on_step=True, on_epoch=False)
+                self._log_at_update({k: float(v) for k, v in norms.items()})
+        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+            # 16-mixed: the GradScaler skips overflowing steps itself and lowers its scale (expected, not an error).
+            if hp.gradient_clip_val:
+                torch.nn.utils.clip_grad_norm_(self.q_net.parameters(), hp.gradient_clip_val)
+            return
+        self.guard.clip_gradients(self.q_net, hp.gradient_clip_val, step, params=self._params[1])
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.update_target(self.global_step)
+    def on_validation_epoch_end(self) -> None:
+        """A plateau schedule steps on this validation's negated reward per bar (manual optimisation steps it)."""
+        sched = self.lr_schedulers()
+        if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau) and self._val_objective is not None:
+            if not self.trainer.sanity_checking:
+                sched.step(self._val_objective)
+        self._val_objective = None
 
     def update_target(self, updates: int) -> None:
         """Polyak-average the target network after every update, or copy it every ``target_update_every`` updates."""
@@ -412,7 +485,7 @@ class DQNModule(L.LightningModule):
         hp = self.hparams
         total = hp.total_steps
         if hp.scheduler == "cosine" and total is None:
-            total = int(self.trainer.estimated_stepping_batches)
+            total = self._estimated_updates()
         config = configure_adamw(
             self.q_net, lr=hp.lr, weight_decay=hp.weight_decay, scheduler=hp.scheduler, total_steps=total,
             warmup_steps=hp.warmup_steps, monitor="val/reward_per_bar_neg",
@@ -421,6 +494,12 @@ class DQNModule(L.LightningModule):
         if hp.fused_adamw:
             _prefer_fused(config["optimizer"] if isinstance(config, dict) else config)
         return config
+
+    def _estimated_updates(self) -> int:
+        """Updates this fit will take: max_steps, or the Trainer's batches times the updates each one runs."""
+        if self.trainer.max_steps is not None and self.trainer.max_steps > 0:
+            return int(self.trainer.max_steps)
+        return int(self.trainer.estimated_stepping_batches) * int(self.hparams.updates_per_step)
 
     # ----------------------------------------------------------------------------------------------- evaluation
     @torch.no_grad()
@@ -455,6 +534,7 @@ class DQNModule(L.LightningModule):
         m = trading_metrics(positions, market.returns, market.cost_bps, bpy, mask=market.decision, reset=market.reset_mask)
         metrics = {f"val/{k}": v.float() for k, v in m.as_dict().items() if k in _VAL_KEYS}
         metrics["val/reward_per_bar_neg"] = -metrics["val/reward_per_bar"]
+        self._val_objective = float(metrics["val/reward_per_bar_neg"])
         self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1)
 
     # ----------------------------------------------------------------------------------------------- checkpoints

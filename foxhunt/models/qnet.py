@@ -6,6 +6,7 @@ import itertools
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 EncoderKind = Literal["flat", "conv"]
@@ -34,7 +35,7 @@ class TemporalConvEncoder(nn.Module):
 
 
 class QNetwork(nn.Module):
-    """Q(s, ·) for every action from window [B, W, F] and position features [B, P]; optional dueling head."""
+    """Q(s, ·) for every action from window [B, W, F] (or [B, W·F]) and position features [B, P]; optional dueling head."""
 
     def __init__(
         self,
@@ -62,6 +63,9 @@ class QNetwork(nn.Module):
             n_enc = window * n_features
         widths = (n_enc + n_position_features, *hidden)
         self.body = nn.Sequential(*(mlp_block(a, b, layer_norm) for a, b in itertools.pairwise(widths)))
+        self.layer_norm, self.flat = layer_norm, encoder == "flat"
+        # One-hot rows of every held position (forward_positions); not saved, it moves with the module's device.
+        self.register_buffer("position_eye", torch.eye(n_position_features), persistent=False)
         self.dueling = dueling
         if dueling:
             self.value_head = nn.Linear(hidden[-1], 1)
@@ -70,8 +74,45 @@ class QNetwork(nn.Module):
             self.head = nn.Linear(hidden[-1], n_actions)
 
     def forward(self, window: Tensor, position: Tensor) -> Tensor:
-        z = self.body(torch.cat([self.encoder(window), position], 1))
+        return self.mlp(self.inputs(window, position))
+
+    def forward_positions(self, window: Tensor) -> Tensor:
+        """[B, P, A] Q-values of each window under every one-hot held position."""
+        return self.mlp(self.inputs_all_positions(window)).view(window.shape[0], self.position_eye.shape[0], -1)
+
+    @property
+    def parameter_free_inputs(self) -> bool:
+        """True when :meth:`inputs` has no parameters, so one input tensor serves every network of this shape."""
+        return self.flat
+
+    def inputs(self, window: Tensor, position: Tensor) -> Tensor:
+        """[B, in] the MLP's input: the encoded window and the position features."""
+        return torch.cat([self._encode(window), position], 1)
+
+    def inputs_all_positions(self, window: Tensor) -> Tensor:
+        """[B·P, in] the MLP's inputs of each window under every one-hot held position (one replicating concat)."""
+        enc = self._encode(window)
+        b, p = enc.shape[0], self.position_eye.shape[0]
+        x = torch.cat([enc.unsqueeze(1).expand(b, p, enc.shape[1]), self.position_eye.expand(b, p, p)], 2)
+        return x.flatten(0, 1)
+
+    def _encode(self, window: Tensor) -> Tensor:
+        """Windows come as [B, W, F] or already flattened [B, W·F] (the DQN's gather yields the flat form)."""
+        if self.flat:
+            return window.flatten(1) if window.dim() == 3 else window
+        return self.encoder(window.reshape(-1, self.window, self.n_features))
+
+    def mlp(self, x: Tensor) -> Tensor:
+        """Body and head by functional calls: the DQN update runs this network several times on small batches, where
+        per-module call overhead (hooks, Sequential dispatch) costs as much as the arithmetic. Same parameters."""
+        for block in self.body:
+            linear = block[0]
+            x = F.linear(x, linear.weight, linear.bias)
+            if self.layer_norm:
+                norm = block[1]
+                x = F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+            x = torch.relu(x)
         if self.dueling:
-            adv = self.advantage_head(z)
-            return self.value_head(z) + adv - adv.mean(1, keepdim=True)
-        return self.head(z)
+            adv = F.linear(x, self.advantage_head.weight, self.advantage_head.bias)
+            return F.linear(x, self.value_head.weight, self.value_head.bias) + adv - adv.mean(-1, keepdim=True)
+        return F.linear(x, self.head.weight, self.head.bias)

@@ -61,7 +61,7 @@ class MarketTensors:
         self.reward_scale = float(reward_scale)
         self.actions = torch.tensor(actions, dtype=torch.float32, device=device)
         self.flat_index = int(torch.argmin(self.actions.abs()))
-        self.features = split.features.to(device=device, dtype=torch.float32)
+        self.features = split.features.to(device=device, dtype=torch.float32).contiguous()
         raw = split.returns.to(device=device, dtype=torch.float32)
         finite = torch.isfinite(raw)
         self.returns = torch.where(finite, raw, torch.zeros_like(raw))  # raw log returns, 0 where undefined
@@ -95,7 +95,10 @@ class MarketTensors:
         else:
             self.signal = self.returns
             self.signal_cost = self.cost
-        self.window_offsets = torch.arange(-self.window + 1, 1, device=device)
+        # [P, A] cost (signal units) of moving from held position p to action a.
+        self.switch_cost = self.signal_cost * (self.actions.unsqueeze(0) - self.actions.unsqueeze(1)).abs()
+        self._span_views: dict[int, Tensor] = {}
+        self.position_eye = torch.eye(self.n_actions, device=device)  # rows gathered: cheaper than one_hot per call
 
     @property
     def n_bars(self) -> int:
@@ -113,13 +116,27 @@ class MarketTensors:
     def device(self) -> torch.device:
         return self.features.device
 
-    def windows(self, bars: Tensor) -> Tensor:
-        """[B, W, F] features of bars t-W+1..t for each t in ``bars`` (a gather: nothing is copied ahead of time)."""
-        return self.features[bars.unsqueeze(-1) + self.window_offsets]
+    def windows(self, bars: Tensor, extra: int = 0, flat: bool = False) -> Tensor:
+        """[B, W + extra, F] features of bars t-W+1..t+extra for each t in ``bars`` ([B, (W + extra)·F] if ``flat``).
+
+        The rows of one window are contiguous in the feature matrix, so the gather is one row lookup in a strided
+        view whose row i is the flattened span starting at bar i (nothing is copied ahead of time). ``extra`` > 0
+        reads past t: only for successor states (a replay sample's t+1), never for an observation at t.
+        """
+        span = self.window + extra
+        out = self._spans(span)[bars - (self.window - 1)]
+        return out if flat else out.view(-1, span, self.n_features)
+
+    def _spans(self, span: int) -> Tensor:
+        view = self._span_views.get(span)
+        if view is None:
+            f = self.features
+            view = self._span_views[span] = f.as_strided((f.shape[0] - span + 1, span * f.shape[1]), (f.shape[1], 1))
+        return view
 
     def position_features(self, positions: Tensor) -> Tensor:
         """[B, A] one-hot of the held position's action index (the agent's own state)."""
-        return torch.nn.functional.one_hot(positions, self.n_actions).to(torch.float32)
+        return self.position_eye[positions]
 
     def rewards(self, bars: Tensor, positions: Tensor, actions: Tensor) -> Tensor:
         """Reward (reward units) of moving from position index ``positions`` to ``actions`` at ``bars``."""
@@ -128,9 +145,7 @@ class MarketTensors:
 
     def rewards_all(self, bars: Tensor, positions: Tensor) -> Tensor:
         """[B, A] reward of every action: the market is exogenous, so all of them are known."""
-        new = self.actions.unsqueeze(0)
-        held = self.actions[positions].unsqueeze(-1)
-        return self.reward_scale * (new * self.signal[bars].unsqueeze(-1) - self.signal_cost * (new - held).abs())
+        return self.reward_scale * (torch.outer(self.signal[bars], self.actions) - self.switch_cost[positions])
 
     def raw_rewards(self, bars: Tensor, positions: Tensor, actions: Tensor) -> Tensor:
         """Per-bar strategy log return after raw costs (what the back-test metrics count)."""
@@ -230,7 +245,6 @@ class MarketEnv:
         self.positions = torch.full((self.n_envs,), market.flat_index, dtype=torch.int64, device=dev)
         self.steps = torch.zeros(self.n_envs, dtype=torch.int64, device=dev)
         self.episode_returns = torch.zeros(self.n_envs, dtype=torch.float64, device=dev)
-        self.finished_returns = torch.zeros(0, dtype=torch.float64, device=dev)
         self.reset()
 
     def _draw_starts(self) -> Tensor:
@@ -258,7 +272,6 @@ class MarketEnv:
         steps = self.steps + 1
         last = steps >= self.episode_length
         self.episode_returns += raw.to(torch.float64)
-        self.finished_returns = self.episode_returns[last]
         fresh = self._draw_starts()
         self.bars = torch.where(last, fresh, bars + 1)
         self.positions = torch.where(last, torch.full_like(actions, self.market.flat_index), actions)

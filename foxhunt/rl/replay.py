@@ -82,12 +82,13 @@ class ReplayBuffer:
         env = torch.randint(0, self.n_envs, (batch_size,), generator=self.generator, device=dev)
         oldest = self.head - self.size
         slot0 = (oldest + logical) % self.n_slots
-        bars = self.bars[slot0, env]
-        positions = self.positions[slot0, env].long()
-        actions = self.actions[slot0, env].long()
+        flat = slot0 * self.n_envs + env  # one flat index, four 1-D gathers (cheaper than 2-D advanced indexing)
+        bars = self.bars.view(-1)[flat]
+        positions = self.positions.view(-1)[flat].long()
+        actions = self.actions.view(-1)[flat].long()
         if n_step == 1:
             return ReplaySample(
-                bars, positions, actions, self.rewards[slot0, env], bars + 1, actions,
+                bars, positions, actions, self.rewards.view(-1)[flat], bars + 1, actions,
                 torch.full((batch_size,), gamma, dtype=torch.float32, device=dev),
             )
         k = torch.arange(n_step, device=dev)

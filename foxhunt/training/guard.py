@@ -20,6 +20,7 @@ overflows are expected, so members check only the loss there and leave gradient 
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -57,7 +58,8 @@ class NonFiniteGuard:
 
     def check_loss(self, loss: Tensor, step: int) -> bool:
         """True when ``loss`` is finite; otherwise raise, or count the skip and return False."""
-        finite = bool(torch.isfinite(loss.detach()).all())
+        loss = loss.detach()
+        finite = math.isfinite(loss.item()) if loss.numel() == 1 else bool(torch.isfinite(loss).all())
         if finite:
             return True
         if self.policy == "raise":
@@ -84,6 +86,29 @@ class NonFiniteGuard:
             p.grad = None
         self.skipped_gradients += 1
         return False
+
+    def clip_gradients(
+        self, module: nn.Module, max_norm: float | None, step: int, params: list[Tensor] | None = None
+    ) -> bool:
+        """Check and clip gradients from one global 2-norm (one reduction for both, for small hot-loop updates).
+
+        Returns what :meth:`check_gradients` returns; a finite result clips to ``max_norm`` (None or 0: no clipping).
+        ``params``: the module's parameters, if the caller keeps the list (walking the module costs per call).
+        """
+        grads = [p.grad for p in (module.parameters() if params is None else params) if p.grad is not None]
+        if not grads:
+            return True
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        if not bool(torch.isfinite(norm)):
+            # NaN/Inf gradients, or finite ones whose squares overflow: the max-abs check tells them apart.
+            if not self.check_gradients(module, step):
+                return False
+            if max_norm:
+                torch.nn.utils.clip_grad_norm_(grads, max_norm)
+            return True
+        if max_norm:
+            torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+        return True
 
     def state_dict(self) -> dict[str, int | str]:
         """Counts survive checkpoints so a resumed run keeps its tally."""

@@ -41,7 +41,12 @@ def make_adamw(
 
 
 def decay_param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices and embeddings only: biases and norm gains (ndim < 2) are not regularised toward zero."""
+    """Decay matrices and embeddings only: biases and norm gains (ndim < 2) are not regularised toward zero.
+
+    Without weight decay there is one group (each group costs a kernel launch per optimizer step).
+    """
+    if weight_decay == 0.0:
+        return [{"params": [p for p in module.parameters() if p.requires_grad], "weight_decay": 0.0}]
     decay, no_decay = [], []
     for p in module.parameters():
         if p.requires_grad:
