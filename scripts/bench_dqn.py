@@ -2,12 +2,14 @@
 
 Same task semantics for both: observation = the last W rows of the features flattened, plus the one-hot held
 position; actions short/flat/long; reward = scale·(position·r − cost·|Δposition|) with the same scale; episodes of
-the same length starting flat at random bars; same network widths (128-128; foxhunt adds LayerNorm), batch size,
-γ, initial learning rate, Polyak τ per update, ε schedule fraction, gradient clipping (10), replay warm-up
-(16,384 transitions) and number of gradient updates. SB3 steps one gymnasium env with train_freq 4 (its usual
-setting); foxhunt, driven by a Lightning Trainer (its wall time includes the Trainer's start), steps 256 agents
-before every k-th update (--env-step-every, default 4: 64 new transitions per update) and keeps its own defaults
-otherwise (LayerNorm, exogenous all-actions targets, AdamW with weight decay 1e-4 and a cosine schedule).
+the same length starting flat at random bars. Same learner settings: the same MLP (128-128 ReLU, no LayerNorm,
+unless --layer-norm), batch size, γ, learning rate, Adam without weight decay, Polyak τ every 4 updates (SB3's
+target_update_interval), ε schedule fraction, gradient clipping (10), replay warm-up (16,384 transitions) and
+number of gradient updates. SB3 steps one gymnasium env with train_freq 4 (its usual setting); foxhunt, driven by
+a Lightning Trainer (its wall time includes the Trainer's start), steps 1024 agents before every 8th update
+(--n-envs, --env-step-every: 128 new transitions per update) and keeps Double DQN targets and a cosine schedule.
+It runs in both target modes: all_actions (every action of a sampled state regressed onto its known reward: three
+targets per sample) and none (plain DQN on the taken action: SB3's work per update).
 Both greedy policies are scored on the test split with the same vectorised back-test, as a fraction of the
 best causal oracle's reward per bar after costs (scripts/dqn_quality.py).
 
@@ -90,21 +92,22 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--env-step-every", type=int, default=4,
-                   help="foxhunt steps its agents before every k-th update (256 agents: 256/k transitions per update)")
-    p.add_argument("--n-envs", type=int, default=256, help="foxhunt's parallel agents")
+    p.add_argument("--env-step-every", type=int, default=8,
+                   help="foxhunt steps its agents before every k-th update (n agents: n/k transitions per update)")
+    p.add_argument("--n-envs", type=int, default=1024, help="foxhunt's parallel agents")
     p.add_argument("--modes", default="all_actions,none",
                    help="foxhunt's target modes to run: all_actions (every action of a sampled state), none (plain DQN)")
     p.add_argument("--window", type=int, default=4)
-    p.add_argument("--no-layer-norm", action="store_true", help="foxhunt without LayerNorm (SB3's MLP has none)")
+    p.add_argument("--layer-norm", action="store_true", help="foxhunt's default LayerNorm (SB3's MLP has none)")
     p.add_argument("--no-double", action="store_true", help="foxhunt with plain DQN targets (SB3's)")
-    p.add_argument("--weight-decay", type=float, default=1e-4)
+    p.add_argument("--weight-decay", type=float, default=0.0, help="foxhunt's AdamW decay (SB3's Adam has none)")
     p.add_argument("--skip-sb3", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     data = ar1_market(n_bars=args.n_bars, phi=args.phi, seed=args.seed)
     common = {"batch_size": args.batch_size, "hidden": (128, 128), "gamma": 0.9, "lr": 3e-4, "tau": 0.005, "window": args.window,
-              "layer_norm": not args.no_layer_norm, "double_dqn": not args.no_double, "weight_decay": args.weight_decay}
+              "layer_norm": args.layer_norm, "double_dqn": not args.no_double, "weight_decay": args.weight_decay,
+              "polyak_every": 4}
 
     rows = {}
     for mode in args.modes.split(","):

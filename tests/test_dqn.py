@@ -166,13 +166,19 @@ def test_nonfinite_loss_raises_or_skips(tmp_path, market, monkeypatch) -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, skipping.q_net.parameters()))
 
 
-def test_resume_from_checkpoint_is_exact(tmp_path, market) -> None:
-    """Two epochs straight equal one epoch, a checkpoint, and a resumed second epoch: weights, replay, env, RNG."""
-    kwargs = dict(n_features=3, **SMALL)
+@pytest.mark.parametrize("env_step_every", [1, 3])
+def test_resume_from_checkpoint_is_exact(tmp_path, market, env_step_every) -> None:
+    """Two epochs straight equal one epoch, a checkpoint, and a resumed second epoch: weights, replay, env, RNG.
+
+    With env_step_every=3 the 20-update epoch ends two updates into a group of batches drawn ahead: the checkpoint
+    carries the unused one.
+    """
+    kwargs = dict(n_features=3, env_step_every=env_step_every, **SMALL)
 
     straight = DQNModule(**kwargs)
     straight.attach_market(market.train)
     fit(straight, trainer(tmp_path / "a", max_epochs=2))
+    assert straight.global_step == 40
 
     first = DQNModule(**kwargs)
     first.attach_market(market.train)
@@ -193,3 +199,52 @@ def test_resume_from_checkpoint_is_exact(tmp_path, market) -> None:
         assert torch.equal(sa[k], sb[k]), k
     assert torch.equal(straight.env.bars, resumed.env.bars)
     assert torch.equal(straight.explore_rng.get_state(), resumed.explore_rng.get_state())
+
+
+def test_updates_per_step_does_not_change_the_updates(tmp_path, market) -> None:
+    """Batching updates into training steps is bookkeeping only: 1 or 7 per step train the same weights."""
+    nets = []
+    for u in (1, 7):
+        module = DQNModule(n_features=3, updates_per_step=u, env_step_every=2, **SMALL)
+        module.attach_market(market.train)
+        t = trainer(tmp_path / str(u), max_epochs=2)
+        fit(module, t)
+        assert t.global_step == 40 and module.env_steps == 256 + 20 * 32
+        nets.append(module.q_net)
+    for pa, pb in zip(nets[0].parameters(), nets[1].parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_training_metrics_reach_the_logger_at_update_steps(tmp_path, market) -> None:
+    from lightning.pytorch.loggers import CSVLogger
+
+    module = DQNModule(n_features=3, **SMALL)
+    module.attach_market(market.train)
+    fit(module, trainer(tmp_path, max_epochs=2, logger=CSVLogger(tmp_path, name="csv")))
+    import csv
+
+    rows = list(csv.DictReader(open(next(tmp_path.glob("csv/*/metrics.csv")))))
+    steps = sorted({int(r["step"]) for r in rows if r.get("train/td_loss")})
+    assert steps == [5, 10, 15, 20, 25, 30, 35, 40]  # log_every_n_steps=5 counts updates, not training steps
+
+
+def test_plateau_schedule_steps_on_the_validation_reward(tmp_path, market) -> None:
+    module = DQNModule(n_features=3, scheduler="plateau", lr=1e-3, **SMALL)
+    module.attach_market(market.train, market.val)
+    seen = []
+    module.on_validation_epoch_end = lambda: (seen.append(module._val_objective), DQNModule.on_validation_epoch_end(module))
+    fit(module, trainer(tmp_path, max_epochs=3))
+    sched = module.lr_schedulers()
+    assert isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    assert len(seen) == 3 and all(v is not None for v in seen)
+    assert sched.best == pytest.approx(min(seen))  # the scheduler saw exactly the validation objectives
+
+
+def test_polyak_every_k_updates(tmp_path, market) -> None:
+    module = DQNModule(n_features=3, polyak_every=4, tau=0.5, **SMALL)
+    module.attach_market(market.train)
+    before = [p.detach().clone() for p in module.target_net.parameters()]
+    fit(module, trainer(tmp_path, max_steps=3))
+    assert all(torch.equal(a, b) for a, b in zip(before, module.target_net.parameters()))  # no averaging yet
+    fit(module, trainer(tmp_path / "more", max_steps=4))
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.target_net.parameters()))

@@ -104,13 +104,14 @@ class DQNModule(L.LightningModule):
         target_update: TargetUpdate = "polyak",
         target_update_every: int = 1000,
         tau: float = 0.005,
+        polyak_every: int = 1,
         epsilon_schedule: EpsilonSchedule = "linear",
         epsilon_start: float = 1.0,
         epsilon_end: float = 0.05,
         epsilon_steps: int = 5_000,
         env_steps_per_update: int = 1,
         env_step_every: int = 1,
-        updates_per_step: int = 8,
+        updates_per_step: int = 16,
         gradient_clip_val: float | None = 10.0,
         exogenous: ExogenousMode = "all_actions",
         huber_delta: float = 1.0,
@@ -146,9 +147,11 @@ class DQNModule(L.LightningModule):
             replay_capacity: transitions kept in the replay buffer.
             learning_starts: transitions collected with a uniform random policy before the first update.
             n_step: n-step returns (exogenous="none" only).
-            target_update: "hard" (copy every ``target_update_every`` updates) or "polyak" (τ every update).
+            target_update: "hard" (copy every ``target_update_every`` updates) or "polyak" (τ every
+                ``polyak_every`` updates).
             target_update_every: updates between hard target syncs.
             tau: Polyak averaging rate.
+            polyak_every: updates between Polyak averaging steps (Stable-Baselines3's target_update_interval).
             epsilon_schedule: "linear" or "exponential" decay of ε from start to end over ``epsilon_steps`` updates.
             epsilon_start: initial exploration rate.
             epsilon_end: final exploration rate.
@@ -195,10 +198,11 @@ class DQNModule(L.LightningModule):
             raise ValueError(f"epsilon_start/end must be in [0, 1], got {epsilon_start}, {epsilon_end}")
         if not 0.0 < tau <= 1.0:
             raise ValueError(f"tau must be in (0, 1], got {tau}")
-        if min(batch_size, env_steps_per_update, env_step_every, updates_per_step, target_update_every, epsilon_steps) < 1:
+        counts = (batch_size, env_steps_per_update, env_step_every, updates_per_step, target_update_every, polyak_every)
+        if min(*counts, epsilon_steps) < 1:
             raise ValueError(
-                "batch_size, env_steps_per_update, env_step_every, updates_per_step, target_update_every and"
-                " epsilon_steps must be >= 1"
+                "batch_size, env_steps_per_update, env_step_every, updates_per_step, target_update_every, polyak_every"
+                " and epsilon_steps must be >= 1"
             )
         if gradient_clip_val is not None and not gradient_clip_val >= 0:
             raise ValueError(f"gradient_clip_val must be >= 0 or None, got {gradient_clip_val}")
@@ -215,6 +219,7 @@ class DQNModule(L.LightningModule):
         self._val_market: MarketTensors | None = None
         self._pending_state: dict[str, Any] | None = None
         self._val_objective: float | None = None
+        self._presampled: list[ReplaySample] = []  # replay batches drawn ahead, until the next environment step
         self.reward_scale_used: float | None = None
         self.counters = _Counters()  # a plain object: nn.Module attribute writes are slow in the hot loop
 
@@ -378,13 +383,12 @@ class DQNModule(L.LightningModule):
         sched = self.lr_schedulers()
         if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
             sched = None  # stepped on the validation metric at epoch end
-        first = self.global_step
-        last: tuple[Tensor, Tensor, float] | None = None
+        every = self.trainer.log_every_n_steps
         for _ in range(n):
+            before = self.global_step
             last = self._update(opt, sched)
-        every = max(self.trainer.log_every_n_steps, 1)
-        if last is not None and first // every != self.global_step // every:
-            self._log_training(*last)
+            if every and self.global_step != before and self.global_step % every == 0:
+                self._log_training(*last)
 
     def _update(self, opt: Any, sched: Any) -> tuple[Tensor, Tensor, float]:
         """One gradient update (after stepping the agents, every ``env_step_every`` updates)."""
@@ -395,7 +399,8 @@ class DQNModule(L.LightningModule):
         if step % hp.env_step_every == 0:
             for _ in range(hp.env_steps_per_update):
                 self._env_step(eps)
-        loss, q = self.td_loss(self.replay.sample(hp.batch_size, hp.n_step, hp.gamma))
+            self._presampled = []  # new transitions: draw afresh
+        loss, q = self.td_loss(self._next_sample())
         if not self.guard.check_loss(loss, step):
             return loss, q, eps
         for p in self._params[1]:  # the optimizer's (or the module's) zero_grad costs several times more per call
@@ -406,6 +411,16 @@ class DQNModule(L.LightningModule):
             sched.step()
         self.update_target(self.global_step)
         return loss, q, eps
+
+    def _next_sample(self) -> ReplaySample:
+        """The next replay batch. The buffer does not change between environment steps, so the batches of the
+        ``env_step_every`` updates until the next step are drawn in one call (uniform sampling either way)."""
+        if not self._presampled:
+            assert self.replay is not None
+            hp = self.hparams
+            draw = self.replay.sample(hp.batch_size * hp.env_step_every, hp.n_step, hp.gamma)
+            self._presampled = draw.split(hp.batch_size)[::-1]
+        return self._presampled.pop()
 
     def _log_training(self, loss: Tensor, q: Tensor, eps: float) -> None:
         c = self.counters
@@ -450,15 +465,17 @@ class DQNModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         """A plateau schedule steps on this validation's negated reward per bar (manual optimisation steps it)."""
         sched = self.lr_schedulers()
-        if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau) and self._val_objective is not None:
-            if not self.trainer.sanity_checking:
-                sched.step(self._val_objective)
+        plateau = isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        if plateau and self._val_objective is not None and not self.trainer.sanity_checking:
+            sched.step(self._val_objective)
         self._val_objective = None
 
     def update_target(self, updates: int) -> None:
-        """Polyak-average the target network after every update, or copy it every ``target_update_every`` updates."""
+        """Polyak-average the target network every ``polyak_every`` updates, or copy it every ``target_update_every``."""
         hp = self.hparams
         if hp.target_update == "polyak":
+            if updates % hp.polyak_every:
+                return
             with torch.no_grad():
                 torch._foreach_lerp_(*self._params, hp.tau)
         elif updates % hp.target_update_every == 0:
@@ -493,6 +510,9 @@ class DQNModule(L.LightningModule):
         )
         if hp.fused_adamw:
             _prefer_fused(config["optimizer"] if isinstance(config, dict) else config)
+        if isinstance(config, dict):
+            # Manual optimisation: the module steps its schedule itself (the plateau one on validation reward).
+            config["lr_scheduler"] = {k: v for k, v in config["lr_scheduler"].items() if k not in ("monitor", "strict")}
         return config
 
     def _estimated_updates(self) -> int:
@@ -547,6 +567,8 @@ class DQNModule(L.LightningModule):
             "guard": self.guard.state_dict(),
             "env_steps": self.counters.env_steps,
             "reward_scale": self.reward_scale_used,
+            # batches drawn ahead and not used yet (in order of use), so a resumed run trains on the same ones
+            "presampled": ReplaySample.cat(self._presampled[::-1]).state_dict() if self._presampled else None,
         }
 
     def _load_run_state(self, state: dict[str, Any]) -> None:
@@ -556,6 +578,11 @@ class DQNModule(L.LightningModule):
         self.explore_rng.set_state(state["explore_rng"].cpu())
         self.guard.load_state_dict(state["guard"])
         self.counters.env_steps = int(state["env_steps"])
+        ahead = state.get("presampled")
+        if ahead is not None:
+            dev = self.device
+            draw = ReplaySample.from_state_dict({k: v.to(dev) for k, v in ahead.items()})
+            self._presampled = draw.split(self.hparams.batch_size)[::-1]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Environment, replay buffer and RNGs travel in the checkpoint, so a resumed run continues exactly."""

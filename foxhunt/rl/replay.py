@@ -9,6 +9,7 @@ n-step returns are a gather along the slot axis.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from dataclasses import fields as fields_of
 
 import torch
 from torch import Tensor
@@ -25,6 +26,23 @@ class ReplaySample:
     next_bars: Tensor
     next_positions: Tensor
     discounts: Tensor  # gamma ** (number of rewards summed): the factor on the bootstrap value
+
+
+    def split(self, size: int) -> list[ReplaySample]:
+        """Consecutive batches of ``size`` rows (one large draw serves several updates between environment steps)."""
+        fields = [getattr(self, f.name).split(size) for f in fields_of(self)]
+        return [ReplaySample(*parts) for parts in zip(*fields)]
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields_of(self)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Tensor]) -> ReplaySample:
+        return cls(**state)
+
+    @staticmethod
+    def cat(samples: list[ReplaySample]) -> ReplaySample:
+        return ReplaySample(*(torch.cat([getattr(x, f.name) for x in samples]) for f in fields_of(samples[0])))
 
 
 class ReplayBuffer:

@@ -98,16 +98,16 @@ class NonFiniteGuard:
         grads = [p.grad for p in (module.parameters() if params is None else params) if p.grad is not None]
         if not grads:
             return True
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-        if not bool(torch.isfinite(norm)):
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).item()
+        if not math.isfinite(norm):
             # NaN/Inf gradients, or finite ones whose squares overflow: the max-abs check tells them apart.
             if not self.check_gradients(module, step):
                 return False
             if max_norm:
                 torch.nn.utils.clip_grad_norm_(grads, max_norm)
             return True
-        if max_norm:
-            torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+        if max_norm and norm > max_norm:
+            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
         return True
 
     def state_dict(self) -> dict[str, int | str]:
