@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -101,6 +102,7 @@ def main() -> None:
     p.add_argument("--layer-norm", action="store_true", help="foxhunt's default LayerNorm (SB3's MLP has none)")
     p.add_argument("--no-double", action="store_true", help="foxhunt with plain DQN targets (SB3's)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="foxhunt's AdamW decay (SB3's Adam has none)")
+    p.add_argument("--repeats", type=int, default=3, help="timing repeats (medians are reported)")
     p.add_argument("--skip-sb3", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -109,59 +111,76 @@ def main() -> None:
               "layer_norm": args.layer_norm, "double_dqn": not args.no_double, "weight_decay": args.weight_decay,
               "polyak_every": 4}
 
-    rows = {}
-    for mode in args.modes.split(","):
-        module, fox_s = train_dqn(
-            data, args.updates, seed=args.seed, env_step_every=args.env_step_every, n_envs=args.n_envs,
-            exogenous=mode, **common,
-        )
-        hp = module.hparams
-        test = MarketTensors(data.test, hp.window, tuple(hp.actions), hp.cost_bps)
-        oracle = best_causal_oracle(baseline_metrics(test, data.expected["test"]))
-        fox_pos, _ = module.greedy_positions(test)
-        rows[f"foxhunt/{mode}"] = (module.env_steps, args.updates, fox_s, *score(fox_pos, test, oracle))
-
-    if not args.skip_sb3:
-        from stable_baselines3 import DQN
-
-        train = MarketTensors(data.train, hp.window, tuple(hp.actions), hp.cost_bps, reward_scale=module.reward_scale_used)
-        env = make_gym_env(train, hp.episode_length, args.seed)
-        learning_starts = 16_384
-        total = learning_starts + 4 * args.updates
-        model = DQN(
-            "MlpPolicy", env, learning_rate=hp.lr, buffer_size=262_144, learning_starts=learning_starts,
-            batch_size=args.batch_size, tau=hp.tau, gamma=hp.gamma, train_freq=4, gradient_steps=1,
-            target_update_interval=4, exploration_fraction=0.25, exploration_initial_eps=1.0,
-            exploration_final_eps=0.05, max_grad_norm=10.0, policy_kwargs={"net_arch": [128, 128]},
-            seed=args.seed, device="cpu",
-        )
-        t0 = time.perf_counter()
-        model.learn(total_timesteps=total)
-        sb3_s = time.perf_counter() - t0
-        q = model.q_net.eval()
-
-        def sb3_q(windows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return q(torch.cat([windows.flatten(1), positions], 1))
-
-        with torch.no_grad():
-            sb3_pos = greedy_positions(sb3_q, test)
-        rows["sb3"] = (total, model._n_updates, sb3_s, *score(sb3_pos, test, oracle))
+    modes = args.modes.split(",")
+    rows: dict[str, list[tuple]] = {}
+    for rep in range(args.repeats):
+        # Each repeat runs every learner once, in the same order: on a shared machine the timings drift, so the
+        # figures reported are medians over repeats (and the ratios medians of per-repeat ratios).
+        for mode in modes:
+            module, fox_s = train_dqn(
+                data, args.updates, seed=args.seed, env_step_every=args.env_step_every, n_envs=args.n_envs,
+                exogenous=mode, **common,
+            )
+            hp = module.hparams
+            test = MarketTensors(data.test, hp.window, tuple(hp.actions), hp.cost_bps)
+            oracle = best_causal_oracle(baseline_metrics(test, data.expected["test"]))
+            fox_pos, _ = module.greedy_positions(test)
+            rows.setdefault(f"foxhunt/{mode}", []).append(
+                (module.env_steps, args.updates, fox_s, *score(fox_pos, test, oracle))
+            )
+        if not args.skip_sb3:
+            rows.setdefault("sb3", []).append(run_sb3(data, module, test, oracle, args))
+        print(f"repeat {rep + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1][1] / v[-1][2]:.0f} updates/s" for k, v in rows.items()))
 
     print(f"\nphi={args.phi} batch={args.batch_size} updates={args.updates} threads={args.threads} "
-          f"oracle reward/bar={oracle:.3e}")
+          f"repeats={args.repeats} (medians) oracle reward/bar={oracle:.3e}")
     print(f"{'':22s}{'env steps':>12s}{'updates':>10s}{'wall s':>9s}{'env steps/s':>14s}{'updates/s':>11s}"
           f"{'frac oracle':>13s}{'reward/bar':>13s}{'turnover':>10s}")
-    for name, (steps, updates, secs, frac, rpb, turn) in rows.items():
+    for name, runs in rows.items():
+        steps, updates, _, frac, rpb, turn = runs[0]
+        secs = statistics.median(r[2] for r in runs)
         print(f"{name:22s}{steps:12d}{updates:10d}{secs:9.1f}{steps / secs:14.0f}{updates / secs:11.1f}"
               f"{frac:13.3f}{rpb:13.3e}{turn:10.3f}")
     if "sb3" in rows:
-        s = rows["sb3"]
-        for name, f in rows.items():
-            if name != "sb3":
-                print(f"ratio {name}/sb3: env steps/s x{(f[0] / f[2]) / (s[0] / s[2]):.1f}, "
-                      f"updates/s x{(f[1] / f[2]) / (s[1] / s[2]):.2f}, fraction of oracle {f[3]:.3f} vs {s[3]:.3f}")
+        sb3 = rows["sb3"]
+        for name, runs in rows.items():
+            if name == "sb3":
+                continue
+            env_x = statistics.median((f[0] / f[2]) / (s[0] / s[2]) for f, s in zip(runs, sb3))
+            upd_x = [(f[1] / f[2]) / (s[1] / s[2]) for f, s in zip(runs, sb3)]
+            print(f"ratio {name}/sb3: env steps/s x{env_x:.1f}, updates/s x{statistics.median(upd_x):.2f} "
+                  f"(per repeat {', '.join(f'{x:.2f}' for x in upd_x)}), fraction of oracle {runs[0][3]:.3f} vs {sb3[0][3]:.3f}")
     if not math.isfinite(oracle) or oracle <= 0:
         print("note: the oracle earns nothing on this market, fractions are meaningless")
+
+
+def run_sb3(data, module, test: MarketTensors, oracle: float, args: argparse.Namespace) -> tuple:
+    """Stable-Baselines3's DQN on the same task and settings: (env steps, updates, seconds, frac, reward/bar, turnover)."""
+    from stable_baselines3 import DQN
+
+    hp = module.hparams
+    train = MarketTensors(data.train, hp.window, tuple(hp.actions), hp.cost_bps, reward_scale=module.reward_scale_used)
+    env = make_gym_env(train, hp.episode_length, args.seed)
+    learning_starts = 16_384
+    total = learning_starts + 4 * args.updates
+    model = DQN(
+        "MlpPolicy", env, learning_rate=hp.lr, buffer_size=262_144, learning_starts=learning_starts,
+        batch_size=args.batch_size, tau=hp.tau, gamma=hp.gamma, train_freq=4, gradient_steps=1,
+        target_update_interval=4, exploration_fraction=0.25, exploration_initial_eps=1.0,
+        exploration_final_eps=0.05, max_grad_norm=10.0, policy_kwargs={"net_arch": [128, 128]},
+        seed=args.seed, device="cpu",
+    )
+    t0 = time.perf_counter()
+    model.learn(total_timesteps=total)
+    sb3_s = time.perf_counter() - t0
+    q = model.q_net.eval()
+
+    def sb3_q(windows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return q(torch.cat([windows.flatten(1), positions], 1))
+
+    with torch.no_grad():
+        sb3_pos = greedy_positions(sb3_q, test)
+    return (total, model._n_updates, sb3_s, *score(sb3_pos, test, oracle))
 
 
 if __name__ == "__main__":

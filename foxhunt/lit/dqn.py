@@ -1,15 +1,16 @@
 """DQNModule: a Double DQN that trades a MarketSplit through a vectorised market environment.
 
-Each ``training_step`` steps all N agents ``env_steps_per_update`` times with the ε-greedy online policy, stores
-the transitions (as bar indices and positions) in the on-device replay buffer, then takes one gradient step on the
-Huber TD loss against Double DQN targets from a target network. The dataloader only drives the loop
-(:class:`StepDataset`). Validation runs the greedy policy over the whole validation split in one vectorised pass.
+Each update (``updates_per_step`` of them per ``training_step``, under manual optimisation) first steps all N
+agents with the ε-greedy online policy every ``env_step_every`` updates, storing the transitions (as bar indices
+and positions) in the on-device replay buffer, then takes one gradient step on the Huber TD loss against Double DQN
+targets from a target network. The dataloader only drives the loop (:class:`StepDataset`). Validation runs the
+greedy policy over the whole validation split in one vectorised pass.
 
 Usage::
 
-    module = DQNModule(n_features=split.n_features, window=16)
+    module = DQNModule(n_features=split.n_features, window=16, gradient_clip_val=10.0)
     module.attach_market(train_split, val_split)
-    Trainer(max_steps=20_000, gradient_clip_val=10.0).fit(module)
+    Trainer(max_steps=20_000).fit(module)   # max_steps counts gradient updates
 """
 
 from __future__ import annotations
@@ -164,6 +165,7 @@ class DQNModule(L.LightningModule):
                 step; ``max_steps``, ε, schedules and ``global_step`` still count single updates.
             gradient_clip_val: clip gradients to this global 2-norm before each update (None or 0: no clipping).
                 The module clips itself (it optimises manually): do not set the Trainer's ``gradient_clip_val``.
+                Inside an EnsembleModule the coordinator's ``gradient_clip_val`` applies instead.
             exogenous: "all_actions" regresses Q(s, a) for every action of a sampled state onto its known reward
                 plus the bootstrapped value of (t+1, a); "none" is plain DQN on the taken action.
             huber_delta: Huber loss threshold (in reward units).
