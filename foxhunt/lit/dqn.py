@@ -221,6 +221,7 @@ class DQNModule(L.LightningModule):
         self._val_market: MarketTensors | None = None
         self._pending_state: dict[str, Any] | None = None
         self._val_objective: float | None = None
+        self._step = 0  # the update in progress (global_step before its optimizer step)
         self._presampled: list[ReplaySample] = []  # replay batches drawn ahead, until the next environment step
         self.reward_scale_used: float | None = None
         self.counters = _Counters()  # a plain object: nn.Module attribute writes are slow in the hot loop
@@ -386,17 +387,19 @@ class DQNModule(L.LightningModule):
         if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
             sched = None  # stepped on the validation metric at epoch end
         every = self.trainer.log_every_n_steps
+        step = self.global_step  # counted here: the Trainer's property walks several objects per read
         for _ in range(n):
-            before = self.global_step
-            last = self._update(opt, sched)
-            if every and self.global_step != before and self.global_step % every == 0:
-                self._log_training(*last)
+            self._step = step
+            loss, q, eps, stepped = self._update(opt, sched, step)
+            if stepped:
+                step += 1
+                if every and step % every == 0:
+                    self._log_training(loss, q, eps)
 
-    def _update(self, opt: Any, sched: Any) -> tuple[Tensor, Tensor, float]:
-        """One gradient update (after stepping the agents, every ``env_step_every`` updates)."""
+    def _update(self, opt: Any, sched: Any, step: int) -> tuple[Tensor, Tensor, float, bool]:
+        """Gradient update number ``step`` (after stepping the agents, every ``env_step_every`` updates)."""
         assert self.replay is not None
         hp = self.hparams
-        step = self.global_step
         eps = self.epsilon(step)
         if step % hp.env_step_every == 0:
             for _ in range(hp.env_steps_per_update):
@@ -404,15 +407,15 @@ class DQNModule(L.LightningModule):
             self._presampled = []  # new transitions: draw afresh
         loss, q = self.td_loss(self._next_sample())
         if not self.guard.check_loss(loss, step):
-            return loss, q, eps
+            return loss, q, eps, False
         for p in self._params[1]:  # the optimizer's (or the module's) zero_grad costs several times more per call
             p.grad = None
         self.manual_backward(loss)
         opt.step()  # on_before_optimizer_step: non-finite guard, grad-norm logging, clipping
         if sched is not None:
             sched.step()
-        self.update_target(self.global_step)
-        return loss, q, eps
+        self.update_target(step + 1)
+        return loss, q, eps, True
 
     def _next_sample(self) -> ReplaySample:
         """The next replay batch. The buffer does not change between environment steps, so the batches of the
@@ -451,7 +454,7 @@ class DQNModule(L.LightningModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Gradients are final (unscaled) here: guard them, log their norms, clip them."""
         hp = self.hparams
-        step = self.global_step
+        step = self._step
         every = hp.log_grad_norm_every
         if every and step % every == 0:
             norms = grad_norms(self.q_net, prefix="train/grad_norm")
