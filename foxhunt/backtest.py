@@ -125,7 +125,7 @@ def format_table(results: dict[str, dict[str, float]]) -> str:
         cells = []
         for key, _, fmt in COLUMNS:
             v = m.get(key, float("nan"))
-            cells.append(f"{fmt.format(v) if v == v else 'n/a':>15}")
+            cells.append(f"{'n/a' if math.isnan(v) else fmt.format(v):>15}")
         rows.append(f"{who:<14}" + "".join(cells))
     return "\n".join(rows)
 

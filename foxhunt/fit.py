@@ -14,7 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+from lightning.pytorch.callbacks import (
+    LearningRateMonitor,
+    ModelCheckpoint,
+    RichProgressBar,
+)
 from lightning.pytorch.cli import LightningCLI
 
 from foxhunt.data.datamodule import BarDataModule

@@ -304,7 +304,7 @@ class FeatureNormalizer(_FittedModule):
         self.register_buffer("fitted", torch.zeros((), dtype=torch.bool))
 
     @torch.no_grad()
-    def fit(self, x: Tensor, names: list[str] | None = None) -> "FeatureNormalizer":
+    def fit(self, x: Tensor, names: list[str] | None = None) -> FeatureNormalizer:
         mean, std = _nan_mean_std(x, self.ddof, type(self).__name__, names)
         self._set_buffer("mean", mean)
         self._set_buffer("std", std.clamp_min(self.eps))
@@ -362,7 +362,7 @@ class OutlierClip(_FittedModule):
         return f"n_sigma={self.n_sigma}, mode={self.mode!r}, window={self.window}"
 
     @torch.no_grad()
-    def fit(self, x: Tensor, names: list[str] | None = None) -> "OutlierClip":
+    def fit(self, x: Tensor, names: list[str] | None = None) -> OutlierClip:
         """Fit the bounds on training data (a no-op in rolling mode, whose bounds are computed on the fly)."""
         if self.mode == "rolling":
             return self
@@ -465,7 +465,7 @@ class TargetTransform(_FittedModule):
         return isinstance(self.scaler, FeatureNormalizer) or (self.clip is not None and self.clip.mode == "fitted")
 
     @torch.no_grad()
-    def fit(self, train_returns: Tensor, segment: Tensor | None = None) -> "TargetTransform":
+    def fit(self, train_returns: Tensor, segment: Tensor | None = None) -> TargetTransform:
         """Fit every fitted statistic on the training returns only (NaN ignored)."""
         if isinstance(self.scaler, FeatureNormalizer):
             self.scaler.fit(train_returns)

@@ -18,8 +18,8 @@ FEATS = ["logret_1", "logret_5", "rsi_14", "std_logret_20", "tod_sin", "tod_cos"
 
 
 def _dm(path: Path | None = None, **kw) -> BarDataModule:
-    args = dict(features=FEATS, known_future=["tod_sin", "tod_cos"], lookback=16, horizon=4, cache_dir=None,
-                synthetic_bars=6_000, synthetic_symbols=2, batch_size=32)
+    args = {"features": FEATS, "known_future": ["tod_sin", "tod_cos"], "lookback": 16, "horizon": 4, "cache_dir": None,
+            "synthetic_bars": 6_000, "synthetic_symbols": 2, "batch_size": 32}
     args.update(kw)
     return BarDataModule(path=None if path is None else str(path), **args)
 

@@ -11,8 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import zstandard
-
 from conftest import make_bars
+
 from foxhunt.data import BarLoadError, load_bars, read_dbn, write_bars
 from foxhunt.data.dbn import OHLCV_DTYPE, read_metadata
 

@@ -143,7 +143,7 @@ def test_entrypoint_is_foxhunt_fit_and_default_arguments_parse(monkeypatch, caps
 def commands(path: Path) -> list[str]:
     """Command lines of the ``bash`` blocks of a Markdown file (``&&`` chains split)."""
     out = []
-    for block in re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.S):
+    for block in re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.DOTALL):
         for line in block.splitlines():
             line = line.strip()
             if line and not line.startswith("#"):

@@ -8,13 +8,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from conftest import load_script
 
 from foxhunt.lit.dqn import DQNModule, double_dqn_target
 from foxhunt.training.guard import NonFiniteError
-
-from conftest import load_script
-
-
 
 quality = load_script("dqn_quality")
 
@@ -223,7 +220,8 @@ def test_training_metrics_reach_the_logger_at_update_steps(tmp_path, market) -> 
     fit(module, trainer(tmp_path, max_epochs=2, logger=CSVLogger(tmp_path, name="csv")))
     import csv
 
-    rows = list(csv.DictReader(open(next(tmp_path.glob("csv/*/metrics.csv")))))
+    with open(next(tmp_path.glob("csv/*/metrics.csv"))) as fh:
+        rows = list(csv.DictReader(fh))
     steps = sorted({int(r["step"]) for r in rows if r.get("train/td_loss")})
     assert steps == [5, 10, 15, 20, 25, 30, 35, 40]  # log_every_n_steps=5 counts updates, not training steps
 

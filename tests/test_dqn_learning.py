@@ -6,13 +6,10 @@ import math
 
 import pytest
 import torch
+from conftest import load_script
 
 from foxhunt.evaluation.trading import strategy_log_returns
 from foxhunt.rl.env import MarketTensors
-
-from conftest import load_script
-
-
 
 quality = load_script("dqn_quality")
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-
 from conftest import make_bars
+
 from foxhunt.data import BarLoadError, load_bars, write_bars
 
 

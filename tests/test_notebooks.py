@@ -140,7 +140,7 @@ def test_02_interpret_tft_executes(tmp_path: Path) -> None:
     }
     nb, seconds = execute("02_interpret_tft", params, tmp_path)
     print(f"02_interpret_tft executed in {seconds:.1f} s")
-    text, images = outputs(nb)
+    _, images = outputs(nb)
     assert images >= 5, f"expected importance, attention, fan charts and reliability figures, got {images}"
     coverage = json.loads((out / "calibration.json").read_text())
     levels = coverage["quantiles"]

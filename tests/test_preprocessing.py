@@ -372,9 +372,9 @@ def test_target_transform_config_errors() -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(scale="fitted", clip_sigma=2.0),
-        dict(scale="rolling", zscore_window=6, clip_sigma=2.0),
-        dict(scale="rolling", zscore_window=6, clip_sigma=2.0, clip_mode="rolling", clip_window=5),
+        {"scale": "fitted", "clip_sigma": 2.0},
+        {"scale": "rolling", "zscore_window": 6, "clip_sigma": 2.0},
+        {"scale": "rolling", "zscore_window": 6, "clip_sigma": 2.0, "clip_mode": "rolling", "clip_window": 5},
     ],
 )
 def test_target_transform_gradcheck(kwargs: dict) -> None:

@@ -8,7 +8,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from foxhunt.data.synthetic import MarketParams, SyntheticMarket, generate_market, oracle_from_bars, student_t_ppf
+from foxhunt.data.synthetic import (
+    MarketParams,
+    SyntheticMarket,
+    generate_market,
+    oracle_from_bars,
+    student_t_ppf,
+)
 
 N = 200_000
 QS = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99)
@@ -260,7 +266,7 @@ def test_oracle_quantiles_are_calibrated(name, request):
 
 
 def test_several_symbols_are_correlated_as_configured(trio):
-    u, ok = innovations(trio)
+    u, _ = innovations(trio)
     u = u.reshape(3, -1)
     for i, j in ((0, 1), (0, 2), (1, 2)):
         assert corr(u[i], u[j]) == pytest.approx(0.5, abs=0.03)

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-
 from conftest import make_bars
+
 from foxhunt.data import BadBarError, load_bars, write_bars
 
 

@@ -31,8 +31,9 @@ Validation policies (``on_bad_bar``):
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal
 
 import numpy as np
 import pandas as pd
@@ -158,10 +159,10 @@ def validate_bars(frame: pd.DataFrame, source: str, on_bad_bar: BadBarPolicy = "
             cols = ["open", "high", "low", "close", "volume"]
             values = np.column_stack([prices, volume])
 
-            def reason(i: int, mask=mask, kind=kind) -> str:
+            def reason(i: int, kind=kind, cols=cols, values=values) -> str:
                 bad = [c for c, v in zip(cols, values[i]) if (not np.isfinite(v)) or (kind != "non-finite values" and c != "volume" and v <= 0)]
                 shown = ", ".join(f"{c}={float(values[i][cols.index(c)])!r}" for c in bad)
-                return f"{kind[:-1] if kind.endswith('s') else kind} ({shown})"
+                return f"{kind.removesuffix('s')} ({shown})"
 
             _fail(frame, mask, source, reason, kind)
         report.add(kind, int(mask.sum()))

@@ -47,7 +47,7 @@ OHLCV_TS_OUT_DTYPE = np.dtype(OHLCV_DTYPE.descr + [("ts_out", "<u8")])
 
 def is_dbn_path(path: Path) -> bool:
     name = path.name.lower()
-    return name.endswith(".dbn") or name.endswith(".dbn.zst") or name.endswith(".dbn.zstd")
+    return name.endswith((".dbn", ".dbn.zst", ".dbn.zstd"))
 
 
 def _read_payload(path: Path) -> bytes:

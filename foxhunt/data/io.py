@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import glob as globlib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import pandas as pd
@@ -19,9 +19,9 @@ from foxhunt.data.bars import (
     BarLoadError,
     check_policy,
     finalize_bars,
+    log,
     symbol_codes,
     timestamps_ns,
-    log,
     validate_bars,
 )
 from foxhunt.data.dbn import is_dbn_path, read_dbn, write_dbn
@@ -70,7 +70,7 @@ def reader_kind(path: Path, strict: bool = True) -> str | None:
         return "dbn"
     name = path.name.lower()
     for suffix, kind in SUFFIXES.items():
-        if name.endswith(suffix) or name.endswith(suffix + ".gz"):
+        if name.endswith((suffix, suffix + ".gz")):
             return kind
     if strict:
         try:
@@ -231,7 +231,7 @@ def _normalise_table(raw: pd.DataFrame, path: Path, *, tz: str | None, symbol: s
         src = raw[mapping[col]]
         if not pd.api.types.is_numeric_dtype(src.dtype):
             num = pd.to_numeric(src, errors="coerce")
-            bad = num.isna() & src.notna() & (src.astype(str).str.strip().str.lower().isin(["nan", "inf", "-inf", ""]) == False)  # noqa: E712
+            bad = num.isna() & src.notna() & (src.astype(str).str.strip().str.lower().isin(["nan", "inf", "-inf", ""]) == False)
             if bad.any():
                 i = int(np.flatnonzero(bad.to_numpy())[0])
                 raise BarLoadError(f"{path}: row {i}: column {mapping[col]!r} value {src.iloc[i]!r} is not a number")

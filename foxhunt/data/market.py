@@ -63,13 +63,13 @@ class MarketSplit:
         ends = torch.cumsum(counts, 0)
         return torch.stack([ends - counts, ends], dim=1)
 
-    def select(self, rows: torch.Tensor) -> "MarketSplit":
+    def select(self, rows: torch.Tensor) -> MarketSplit:
         """The rows picked by a boolean mask [T], as a split of its own (order kept)."""
         idx = rows.nonzero().squeeze(1)
         picked = {f.name: getattr(self, f.name)[idx] for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
         return replace(self, **picked)
 
-    def to(self, device: torch.device | str) -> "MarketSplit":
+    def to(self, device: torch.device | str) -> MarketSplit:
         """Move every tensor to ``device`` (ohlcv stays float64 except on devices without it)."""
         moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
         return replace(self, **moved)

@@ -78,11 +78,11 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import accumulate
 from pathlib import Path
 from statistics import NormalDist
-from typing import Sequence
 
 import numpy as np
 import pandas as pd

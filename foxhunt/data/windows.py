@@ -131,7 +131,7 @@ class WindowBatches(IterableDataset):
         self._epoch = int(epoch)
 
     @property
-    def sampler(self) -> "WindowBatches":
+    def sampler(self) -> WindowBatches:
         """Lightning looks for ``set_epoch`` on ``dataloader.sampler``; this object is its own sampler."""
         return self
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+import math
+from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -43,7 +45,7 @@ def vote(positions: Sequence[Tensor]) -> Tensor:
 
 def sharpe_weights(sharpes: Sequence[float]) -> list[float]:
     """Weights proportional to each member's positive validation Sharpe (all zero when none is positive)."""
-    pos = [max(float(s), 0.0) if s == s else 0.0 for s in sharpes]
+    pos = [0.0 if math.isnan(float(s)) else max(float(s), 0.0) for s in sharpes]
     total = sum(pos)
     return [p / total for p in pos] if total > 0 else [0.0 for _ in pos]
 

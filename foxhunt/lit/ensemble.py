@@ -33,7 +33,13 @@ from torch import Tensor
 
 from foxhunt.data.market import MarketSplit
 from foxhunt.data.windows import WindowBatches
-from foxhunt.evaluation.policies import Combine, forecast_policy, sharpe_weights, vote, weighted
+from foxhunt.evaluation.policies import (
+    Combine,
+    forecast_policy,
+    sharpe_weights,
+    vote,
+    weighted,
+)
 from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
 from foxhunt.evaluation.trading import strategy_log_returns, trading_metrics
 from foxhunt.lit.dqn import DQNModule
