@@ -7,10 +7,11 @@ unless --layer-norm), batch size, γ, learning rate, Adam without weight decay, 
 target_update_interval), ε schedule fraction, gradient clipping (10), replay warm-up (16,384 transitions) and
 number of gradient updates. SB3 steps one gymnasium env with train_freq 4 (its usual setting); foxhunt, driven by
 a Lightning Trainer (its wall time includes the Trainer's start), steps 1024 agents before every 8th update
-(--n-envs, --env-step-every: 128 new transitions per update) and keeps Double DQN targets and a cosine schedule.
-It runs in both target modes: all_actions (every action of a sampled state regressed onto its known reward: three
-targets per sample) and none (plain DQN on the taken action: SB3's work per update).
-Both greedy policies are scored on the test split with the same vectorised back-test, as a fraction of the
+(--n-envs, --env-step-every: 128 new transitions per update) with a cosine schedule.
+It runs three target modes: all_actions (foxhunt's default: Double DQN targets for every action of a sampled state,
+three targets per sample), none (Double DQN on the taken action: one more network pass per update than SB3) and dqn
+(plain DQN targets on the taken action: SB3's algorithm and work per update).
+All greedy policies are scored on the test split with the same vectorised back-test, as a fraction of the
 best causal oracle's reward per bar after costs (scripts/dqn_quality.py).
 
     pip install stable-baselines3 gymnasium            # the optional "bench" extra
@@ -96,8 +97,10 @@ def main() -> None:
     p.add_argument("--env-step-every", type=int, default=8,
                    help="foxhunt steps its agents before every k-th update (n agents: n/k transitions per update)")
     p.add_argument("--n-envs", type=int, default=1024, help="foxhunt's parallel agents")
-    p.add_argument("--modes", default="all_actions,none",
-                   help="foxhunt's target modes to run: all_actions (every action of a sampled state), none (plain DQN)")
+    p.add_argument("--modes", default="all_actions,none,dqn",
+                   help="foxhunt's target modes: all_actions (Double DQN targets for every action of a sampled state), "
+                        "none (Double DQN on the taken action), dqn (plain DQN targets on the taken action: SB3's "
+                        "algorithm, the same work per update)")
     p.add_argument("--window", type=int, default=4)
     p.add_argument("--layer-norm", action="store_true", help="foxhunt's default LayerNorm (SB3's MLP has none)")
     p.add_argument("--no-double", action="store_true", help="foxhunt with plain DQN targets (SB3's)")
@@ -117,9 +120,12 @@ def main() -> None:
         # Each repeat runs every learner once, in the same order: on a shared machine the timings drift, so the
         # figures reported are medians over repeats (and the ratios medians of per-repeat ratios).
         for mode in modes:
+            overrides = dict(common, exogenous="none" if mode == "dqn" else mode)
+            if mode == "dqn":
+                overrides["double_dqn"] = False  # SB3's algorithm exactly: max_a Q_target(s', a)
             module, fox_s = train_dqn(
                 data, args.updates, seed=args.seed, env_step_every=args.env_step_every, n_envs=args.n_envs,
-                exogenous=mode, **common,
+                **overrides,
             )
             hp = module.hparams
             test = MarketTensors(data.test, hp.window, tuple(hp.actions), hp.cost_bps)
