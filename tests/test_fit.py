@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -276,3 +277,25 @@ def test_ckpt_path_last_resumes_the_newest_run(tiny_run, caplog) -> None:
         cli = _fit(tmp, "--ckpt_path", "last", "--trainer.max_epochs", "3", "--backtest", "false")
     assert "resuming from" in caplog.text and "version_0/checkpoints/last.ckpt" in caplog.text
     assert cli.trainer.current_epoch == 3 and cli.model.tft_updates > first.model.tft_updates
+
+
+def test_ensemble_dqn_steps_its_agents_every_env_step_every_updates(tmp_path: Path) -> None:
+    """The coordinator paces the DQN member's environment like the DQN alone: N agents every k-th update."""
+    import lightning.pytorch as pl
+
+    from foxhunt.data.datamodule import BarDataModule
+    from foxhunt.lit.dqn import DQNModule
+    from foxhunt.lit.ensemble import EnsembleModule
+
+    feats = ["logret_1", "logret_2", "rsi_14"]
+    dm = BarDataModule(synthetic_bars=3000, features=feats, known_future=[], lookback=8, horizon=2, batch_size=16,
+                       cache_dir=None)
+    dqn = DQNModule(n_features=3, window=4, n_envs=16, episode_length=32, hidden=(16,), batch_size=32,
+                    replay_capacity=2048, learning_starts=64, env_step_every=3)
+    model = EnsembleModule(tft=None, dqn=dqn)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=7, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.fit(model, datamodule=dm)
+    updates = model.dqn_updates
+    assert updates >= 7
+    assert dqn.env_steps == 64 + math.ceil(updates / 3) * 16  # warm-up, then one step of all agents per 3 updates

@@ -162,7 +162,8 @@ class DQNModule(L.LightningModule):
                 transitions per step, so with hundreds of agents the replay stays fresh with fewer steps).
             updates_per_step: gradient updates per Lightning training step. The update of a small Q-network takes
                 about a millisecond on CPU, as long as the Trainer's own per-step bookkeeping, so several run in one
-                step; ``max_steps``, ε, schedules and ``global_step`` still count single updates.
+                step; ``max_steps``, ε, schedules and ``global_step`` still count single updates. Inside an
+                EnsembleModule the coordinator's ``dqn_updates_per_joint_step`` sets the pace instead.
             gradient_clip_val: clip gradients to this global 2-norm before each update (None or 0: no clipping).
                 The module clips itself (it optimises manually): do not set the Trainer's ``gradient_clip_val``.
                 Inside an EnsembleModule the coordinator's ``gradient_clip_val`` applies instead.
