@@ -146,7 +146,8 @@ def test_hard_target_sync(tmp_path, market) -> None:
 
 def test_nonfinite_loss_raises_or_skips(tmp_path, market, monkeypatch) -> None:
     def nan_loss(self, sample):
-        q = self.q_net(*self._observe(self.env.market, sample.bars, sample.positions))
+        mk = self.env.market
+        q = self.q_net(mk.windows(sample.bars), mk.position_features(sample.positions))
         return q.sum() * float("nan"), q.detach()
 
     monkeypatch.setattr(DQNModule, "td_loss", nan_loss)

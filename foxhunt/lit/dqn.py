@@ -325,8 +325,17 @@ class DQNModule(L.LightningModule):
         self._params = (list(self.target_net.parameters()), list(self.q_net.parameters()))
 
     # ----------------------------------------------------------------------------------------------- learning
-    def _observe(self, market: MarketTensors, bars: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        return market.windows(bars), market.position_features(positions)
+    def act_and_td_loss(self, update: int) -> tuple[Tensor, Tensor, float]:
+        """Before gradient update number ``update``: step the agents (every ``env_step_every`` updates), then the TD
+        loss of the next replay batch. Returns (loss, online Q of the batch's states, ε). The ensemble calls it too."""
+        hp = self.hparams
+        eps = self.epsilon(update)
+        if update % hp.env_step_every == 0:
+            for _ in range(hp.env_steps_per_update):
+                self._env_step(eps)
+            self._presampled = []  # new transitions: draw afresh
+        loss, q = self.td_loss(self._next_sample())
+        return loss, q, eps
 
     def td_loss(self, sample: ReplaySample) -> tuple[Tensor, Tensor]:
         """Huber TD loss of a replay batch and the online Q-values of its states.
@@ -361,20 +370,23 @@ class DQNModule(L.LightningModule):
             prediction = q.gather(1, sample.actions.unsqueeze(1)).squeeze(1)
         return F.huber_loss(prediction, target, delta=hp.huber_delta), q.detach()
 
-    def _successor_values(self, windows: Tensor, positions: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    def _successor_values(self, windows: Tensor, positions: Tensor | None) -> tuple[Tensor | None, Tensor]:
         """(online, target) Q-values of successor states; ``positions`` None means every held position (rows B·P).
 
-        The online values are only needed for Double DQN's argmax. When the networks' inputs are parameter-free
-        (flat windows), one input tensor serves both networks.
+        The online values are only needed for Double DQN's argmax (None otherwise). When the networks' inputs are
+        parameter-free (flat windows), one input tensor serves both networks.
         """
-        online, target = self.q_net, self.target_net
+        online = self.q_net
+        shared = None
         if online.parameter_free_inputs:
-            x = online.inputs_all_positions(windows) if positions is None else online.inputs(windows, positions)
-            return (online.mlp(x) if self.hparams.double_dqn else None), target.mlp(x)
-        if positions is None:
-            q_on = online.forward_positions(windows).flatten(0, 1) if self.hparams.double_dqn else None
-            return q_on, target.forward_positions(windows).flatten(0, 1)
-        return (online(windows, positions) if self.hparams.double_dqn else None), target(windows, positions)
+            shared = online.inputs_all_positions(windows) if positions is None else online.inputs(windows, positions)
+
+        def values(net: QNetwork) -> Tensor:
+            if shared is not None:
+                return net.mlp(shared)
+            return net.forward_positions(windows).flatten(0, 1) if positions is None else net(windows, positions)
+
+        return (values(online) if self.hparams.double_dqn else None), values(self.target_net)
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         """Up to ``updates_per_step`` updates (fewer at the end of an epoch or at ``max_steps``)."""
@@ -399,14 +411,7 @@ class DQNModule(L.LightningModule):
 
     def _update(self, opt: Any, sched: Any, step: int) -> tuple[Tensor, Tensor, float, bool]:
         """Gradient update number ``step`` (after stepping the agents, every ``env_step_every`` updates)."""
-        assert self.replay is not None
-        hp = self.hparams
-        eps = self.epsilon(step)
-        if step % hp.env_step_every == 0:
-            for _ in range(hp.env_steps_per_update):
-                self._env_step(eps)
-            self._presampled = []  # new transitions: draw afresh
-        loss, q = self.td_loss(self._next_sample())
+        loss, q, eps = self.act_and_td_loss(step)
         if not self.guard.check_loss(loss, step):
             return loss, q, eps, False
         for p in self._params[1]:  # the optimizer's (or the module's) zero_grad costs several times more per call

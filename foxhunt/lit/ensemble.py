@@ -230,17 +230,11 @@ class EnsembleModule(L.LightningModule):
         self._dqn_ready = True
 
     def _dqn_loss(self) -> Tensor:
-        """Step every agent of the DQN's environment (every ``env_step_every`` updates), then its TD loss on a replay
-        sample (drawn ahead between environment steps, as the DQN does when it trains alone)."""
+        """The DQN's environment steps and TD loss, paced exactly as when it trains alone."""
         dqn = self.dqn
         assert dqn is not None and dqn.replay is not None
         hp = dqn.hparams
-        eps = dqn.epsilon(self.dqn_updates)
-        if self.dqn_updates % hp.env_step_every == 0:
-            for _ in range(hp.env_steps_per_update):
-                dqn._env_step(eps)
-            dqn._presampled = []  # new transitions: draw afresh
-        loss, q = dqn.td_loss(dqn._next_sample())
+        loss, q, eps = dqn.act_and_td_loss(self.dqn_updates)
         scale = dqn.reward_scale_used or 1.0
         self.log_dict(
             {"train/dqn_td_loss": loss.detach(), "train/q_mean": q.mean() / scale, "train/q_max": q.max() / scale,

@@ -140,8 +140,7 @@ class MarketTensors:
 
     def rewards(self, bars: Tensor, positions: Tensor, actions: Tensor) -> Tensor:
         """Reward (reward units) of moving from position index ``positions`` to ``actions`` at ``bars``."""
-        new = self.actions[actions]
-        return self.reward_scale * (new * self.signal[bars] - self.signal_cost * (new - self.actions[positions]).abs())
+        return self.reward_scale * (self.actions[actions] * self.signal[bars] - self.switch_cost[positions, actions])
 
     def rewards_all(self, bars: Tensor, positions: Tensor) -> Tensor:
         """[B, A] reward of every action: the market is exogenous, so all of them are known."""
