@@ -179,7 +179,7 @@ def main() -> None:
     out = fs.compute(ohlcv, ts, sym)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    print(f"peak numpy/Python allocations traced by tracemalloc (output mapped with mmap is not traced): {peak / 2**20:,.0f} MiB")
+    print(f"peak numpy/Python allocations traced by tracemalloc (output included): {peak / 2**20:,.0f} MiB")
     print(f"process peak RSS (whole script, incl. bar generation): "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:,.0f} MiB")
     values = out.values
