@@ -145,12 +145,12 @@ def test_hard_target_sync(tmp_path, market) -> None:
 
 
 def test_nonfinite_loss_raises_or_skips(tmp_path, market, monkeypatch) -> None:
-    def nan_loss(self, sample):
+    def nan_loss(self, batch):
         mk = self.env.market
-        q = self.q_net(mk.windows(sample.bars), mk.position_features(sample.positions))
+        q = self.q_net(mk.windows(batch.sample.bars), mk.position_features(batch.sample.positions))
         return q.sum() * float("nan"), q.detach()
 
-    monkeypatch.setattr(DQNModule, "td_loss", nan_loss)
+    monkeypatch.setattr(DQNModule, "_td_loss", nan_loss)
     raising = DQNModule(n_features=3, nonfinite="raise", **SMALL)
     raising.attach_market(market.train)
     with pytest.raises(NonFiniteError, match="non-finite loss"):
@@ -247,3 +247,47 @@ def test_polyak_every_k_updates(tmp_path, market) -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, module.target_net.parameters()))  # no averaging yet
     fit(module, trainer(tmp_path / "more", max_steps=4))
     assert any(not torch.equal(a, b) for a, b in zip(before, module.target_net.parameters()))
+
+
+class _StepCounter(L.Callback):
+    """Listens to the optimizer-step hook, so the module must route every update through Lightning."""
+
+    def __init__(self) -> None:
+        self.before_backward = self.before_step = 0
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.before_backward += 1
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.before_step += 1
+
+
+@pytest.mark.parametrize("exogenous,encoder", [("all_actions", "flat"), ("none", "conv")])
+def test_lean_update_equals_lightning_dispatch(tmp_path, market, exogenous, encoder) -> None:
+    """Without listeners an update calls backward and the optimizer directly; with one it goes through Lightning's
+    hooks. Both train bit-identical weights, and a listening callback sees every single update."""
+    kwargs = dict(n_features=market.train.n_features, exogenous=exogenous, encoder=encoder, **{**SMALL, "updates_per_step": 4})
+    lean = DQNModule(**kwargs)
+    lean.attach_market(market.train)
+    fit(lean, trainer(tmp_path, max_steps=30, max_epochs=2))
+    assert lean._lean_update
+
+    counter = _StepCounter()
+    dispatched = DQNModule(**kwargs)
+    dispatched.attach_market(market.train)
+    fit(dispatched, trainer(tmp_path, max_steps=30, max_epochs=2, callbacks=[counter]))
+    assert not dispatched._lean_update
+    assert counter.before_backward == counter.before_step == 30
+    assert lean.global_step == dispatched.global_step == 30
+    for a, b in zip(lean.q_net.parameters(), dispatched.q_net.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_can_monitor_a_training_metric(tmp_path, market) -> None:
+    """Training metrics reach trainer.callback_metrics, so ModelCheckpoint/EarlyStopping can monitor them."""
+    module = DQNModule(n_features=market.train.n_features, **SMALL)
+    module.attach_market(market.train)
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ck", monitor="train/td_loss", mode="min",
+                                               every_n_train_steps=1)
+    fit(module, trainer(tmp_path, max_steps=40, enable_checkpointing=True, callbacks=[ckpt]))
+    assert ckpt.best_model_path and torch.isfinite(ckpt.best_model_score)

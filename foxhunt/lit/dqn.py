@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import lightning as L
 import torch
@@ -77,6 +77,19 @@ class _Counters:
     reward_sum: Tensor | None = None  # raw reward since the last log (a tensor, so no device sync per step)
     reward_count: int = 0
     clock: tuple[float, int] = field(default_factory=lambda: (time.perf_counter(), 0))
+
+
+class _TDBatch(NamedTuple):
+    """A replay batch with the parameter-free inputs of its TD loss (see DQNModule._prepare)."""
+
+    sample: ReplaySample
+    windows: Tensor  # [B, W·F] states' windows
+    positions: Tensor  # [B, A] one-hot held positions
+    next_windows: Tensor  # [B, W·F] successors' windows
+    next_positions: Tensor | None  # [B, A]; None: every held position (all-actions mode)
+    rewards: Tensor | None  # [B, A] reward of every action (all-actions mode)
+    states: Tensor | None  # [B, in] the networks' input rows (flat encoder only)
+    successors: Tensor | None  # [B·P, in] or [B, in] successor input rows (flat encoder only)
 
 
 class DQNModule(L.LightningModule):
@@ -223,9 +236,10 @@ class DQNModule(L.LightningModule):
         self._pending_state: dict[str, Any] | None = None
         self._val_objective: float | None = None
         self._step = 0  # the update in progress (global_step before its optimizer step)
-        self._presampled: list[ReplaySample] = []  # replay batches drawn ahead, until the next environment step
+        self._presampled: list[_TDBatch] = []  # replay batches drawn ahead, until the next environment step
         self.reward_scale_used: float | None = None
         self.counters = _Counters()  # a plain object: nn.Module attribute writes are slow in the hot loop
+        self._lean_update = False  # decided at train start: see lean_update_possible
 
     @property
     def env_steps(self) -> int:
@@ -323,6 +337,7 @@ class DQNModule(L.LightningModule):
             self._env_step(1.0)
         self.counters.clock = (time.perf_counter(), self.counters.env_steps)
         self._params = (list(self.target_net.parameters()), list(self.q_net.parameters()))
+        self._lean_update = lean_update_possible(self.trainer, self)
 
     # ----------------------------------------------------------------------------------------------- learning
     def act_and_td_loss(self, update: int) -> tuple[Tensor, Tensor, float]:
@@ -334,59 +349,85 @@ class DQNModule(L.LightningModule):
             for _ in range(hp.env_steps_per_update):
                 self._env_step(eps)
             self._presampled = []  # new transitions: draw afresh
-        loss, q = self.td_loss(self._next_sample())
+        loss, q = self._td_loss(self._next_batch())
         return loss, q, eps
 
     def td_loss(self, sample: ReplaySample) -> tuple[Tensor, Tensor]:
-        """Huber TD loss of a replay batch and the online Q-values of its states.
+        """Huber TD loss of a replay batch and the online Q-values of its states."""
+        return self._td_loss(self._prepare(sample, sample.bars.shape[0])[0])
 
-        Only the sampled states go through the online network with gradient; successor states are evaluated under
-        no_grad (so backward touches B rows, not B plus every successor). In the all-actions mode the successors of
-        (t, p) are (t+1, a) for every action a: one window per sample, encoded once for all held positions.
+    def _prepare(self, draw: ReplaySample, batch_size: int) -> list[_TDBatch]:
+        """The parameter-free inputs of the TD loss (window gathers, position one-hots, all-action rewards, and with
+        a flat encoder the networks' whole inputs) for a draw of one or more batches, computed for the whole draw
+        at once, since they cost per call rather than per row, then split into batches of ``batch_size``.
+
+        Rows t-W+1 .. t+1 are gathered once per sample: the state's window is the first W rows, the successor's the
+        last W. In the all-actions mode the successors of (t, p) are (t+1, a) for every action a, one input row each.
         """
         assert self.env is not None
-        market, hp = self.env.market, self.hparams
-        b = sample.bars.shape[0]
-        # Rows t-W+1 .. t+1 flattened: the state's window is the first W rows, the successor's the last W.
-        both = market.windows(sample.bars, extra=1, flat=True)
+        market, hp, net = self.env.market, self.hparams, self.q_net
+        all_actions = hp.exogenous == "all_actions"
         n_feat = market.n_features
+        both = market.windows(draw.bars, extra=1, flat=True)
         windows, next_windows = both[:, : both.shape[1] - n_feat], both[:, n_feat:]
-        q = self.q_net(windows, market.position_features(sample.positions))
+        if not all_actions and hp.n_step != 1:
+            next_windows = market.windows(draw.next_bars, flat=True)
+        positions = market.position_features(draw.positions)
+        next_positions = None if all_actions else market.position_features(draw.next_positions)
+        rewards = market.rewards_all(draw.bars, draw.positions) if all_actions else None
+        states = successors = None
+        if net.parameter_free_inputs:
+            states = net.inputs(windows, positions)
+            successors = net.inputs_all_positions(next_windows) if all_actions else net.inputs(next_windows, next_positions)
+        per_sample = market.n_actions if all_actions else 1  # successor rows per sample
+
+        def split(x: Tensor | None, rows: int = 1) -> list[Tensor | None]:
+            return [None] * n if x is None else list(x.split(batch_size * rows))
+
+        samples = draw.split(batch_size)
+        n = len(samples)
+        return [
+            _TDBatch(*fields)
+            for fields in zip(
+                samples, split(windows), split(positions), split(next_windows), split(next_positions),
+                split(rewards), split(states), split(successors, per_sample), strict=True,
+            )
+        ]
+
+    def _td_loss(self, b: _TDBatch) -> tuple[Tensor, Tensor]:
+        """Huber TD loss of a prepared batch and the online Q-values of its states.
+
+        Only the sampled states go through the online network with gradient; successor states are evaluated under
+        no_grad (so backward touches B rows, not B plus every successor).
+        """
+        hp, net = self.hparams, self.q_net
+        q = net.mlp(b.states) if b.states is not None else net(b.windows, b.positions)
         with torch.no_grad():
+            q_next_online, q_next_target = self._successor_values(b)
             if hp.exogenous == "all_actions":
-                # The successor of (t, p) under action a is (t+1, a): one state per action, all with known rewards.
-                q_next_online, q_next_target = self._successor_values(next_windows, None)
-                rewards = market.rewards_all(sample.bars, sample.positions).reshape(-1)
-                target = double_dqn_target(q_next_online, q_next_target, rewards, hp.gamma, hp.double_dqn).view(b, -1)
-                prediction = q
+                target = double_dqn_target(q_next_online, q_next_target, b.rewards.reshape(-1), hp.gamma, hp.double_dqn)
+                target, prediction = target.view(q.shape[0], -1), q
             else:
-                if hp.n_step != 1:
-                    next_windows = market.windows(sample.next_bars, flat=True)
-                q_next_online, q_next_target = self._successor_values(
-                    next_windows, market.position_features(sample.next_positions)
-                )
-                target = double_dqn_target(q_next_online, q_next_target, sample.returns, sample.discounts, hp.double_dqn)
+                target = double_dqn_target(q_next_online, q_next_target, b.sample.returns, b.sample.discounts, hp.double_dqn)
         if hp.exogenous != "all_actions":
-            prediction = q.gather(1, sample.actions.unsqueeze(1)).squeeze(1)
+            prediction = q.gather(1, b.sample.actions.unsqueeze(1)).squeeze(1)
         return F.huber_loss(prediction, target, delta=hp.huber_delta), q.detach()
 
-    def _successor_values(self, windows: Tensor, positions: Tensor | None) -> tuple[Tensor | None, Tensor]:
-        """(online, target) Q-values of successor states; ``positions`` None means every held position (rows B·P).
+    def _successor_values(self, b: _TDBatch) -> tuple[Tensor | None, Tensor]:
+        """(online, target) Q-values of a batch's successor states (rows B·P in the all-actions mode).
 
-        The online values are only needed for Double DQN's argmax (None otherwise). When the networks' inputs are
-        parameter-free (flat windows), one input tensor serves both networks.
+        The online values are only needed for Double DQN's argmax (None otherwise). With a flat encoder the prepared
+        input rows serve both networks.
         """
-        online = self.q_net
-        shared = None
-        if online.parameter_free_inputs:
-            shared = online.inputs_all_positions(windows) if positions is None else online.inputs(windows, positions)
 
         def values(net: QNetwork) -> Tensor:
-            if shared is not None:
-                return net.mlp(shared)
-            return net.forward_positions(windows).flatten(0, 1) if positions is None else net(windows, positions)
+            if b.successors is not None:
+                return net.mlp(b.successors)
+            if b.next_positions is None:
+                return net.forward_positions(b.next_windows).flatten(0, 1)
+            return net(b.next_windows, b.next_positions)
 
-        return (values(online) if self.hparams.double_dqn else None), values(self.target_net)
+        return (values(self.q_net) if self.hparams.double_dqn else None), values(self.target_net)
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         """Up to ``updates_per_step`` updates (fewer at the end of an epoch or at ``max_steps``)."""
@@ -416,21 +457,31 @@ class DQNModule(L.LightningModule):
             return loss, q, eps, False
         for p in self._params[1]:  # the optimizer's (or the module's) zero_grad costs several times more per call
             p.grad = None
-        self.manual_backward(loss)
-        opt.step()  # on_before_optimizer_step: non-finite guard, grad-norm logging, clipping
+        if self._lean_update:
+            # What manual_backward and opt.step do when no callback, precision plugin, strategy or profiler listens
+            # (see lean_update_possible): the same calls in the same order, without the per-call hook dispatch.
+            loss.backward()
+            opt._on_before_step()  # Lightning's step progress (global_step) and profiler bookkeeping
+            self.on_before_optimizer_step(opt.optimizer)
+            opt.optimizer.step()
+            opt._on_after_step()
+        else:
+            self.manual_backward(loss)
+            opt.step()  # on_before_optimizer_step: non-finite guard, grad-norm logging, clipping
         if sched is not None:
             sched.step()
         self.update_target(step + 1)
         return loss, q, eps, True
 
-    def _next_sample(self) -> ReplaySample:
-        """The next replay batch. The buffer does not change between environment steps, so the batches of the
-        ``env_step_every`` updates until the next step are drawn in one call (uniform sampling either way)."""
+    def _next_batch(self) -> _TDBatch:
+        """The next replay batch, prepared. The buffer does not change between environment steps, so the batches of
+        the ``env_step_every`` updates until the next step are drawn and prepared in one call (uniform sampling
+        either way)."""
         if not self._presampled:
             assert self.replay is not None
             hp = self.hparams
             draw = self.replay.sample(hp.batch_size * hp.env_step_every, hp.n_step, hp.gamma)
-            self._presampled = draw.split(hp.batch_size)[::-1]
+            self._presampled = self._prepare(draw, hp.batch_size)[::-1]
         return self._presampled.pop()
 
     def _log_training(self, loss: Tensor, q: Tensor, eps: float) -> None:
@@ -452,10 +503,15 @@ class DQNModule(L.LightningModule):
         c.reward_sum, c.reward_count = None, 0
 
     def _log_at_update(self, metrics: dict[str, float]) -> None:
-        """Training metrics go to the loggers at the update count (the x-axis RL users read), and to the callbacks."""
-        self.log_dict(metrics, on_step=True, on_epoch=False, logger=False, batch_size=self.hparams.batch_size)
+        """Training metrics go to the loggers at the update count (the x-axis RL users read), and to the callbacks.
+
+        Callbacks (ModelCheckpoint, EarlyStopping) read ``trainer.callback_metrics``; the values are put there
+        directly because ``self.log`` costs about a millisecond per key in Lightning 2.6 (it deep-copies its metadata
+        on every call), more than a whole update, and these metrics are per-update snapshots with nothing to reduce.
+        """
         for logger in self.loggers:
             logger.log_metrics(metrics, step=self.global_step)
+        self.trainer.callback_metrics.update({k: torch.tensor(float(v)) for k, v in metrics.items()})
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Gradients are final (unscaled) here: guard them, log their norms, clip them."""
@@ -579,7 +635,7 @@ class DQNModule(L.LightningModule):
             "env_steps": self.counters.env_steps,
             "reward_scale": self.reward_scale_used,
             # batches drawn ahead and not used yet (in order of use), so a resumed run trains on the same ones
-            "presampled": ReplaySample.cat(self._presampled[::-1]).state_dict() if self._presampled else None,
+            "presampled": ReplaySample.cat([b.sample for b in self._presampled[::-1]]).state_dict() if self._presampled else None,
         }
 
     def _load_run_state(self, state: dict[str, Any]) -> None:
@@ -593,7 +649,7 @@ class DQNModule(L.LightningModule):
         if ahead is not None:
             dev = self.device
             draw = ReplaySample.from_state_dict({k: v.to(dev) for k, v in ahead.items()})
-            self._presampled = draw.split(self.hparams.batch_size)[::-1]
+            self._presampled = self._prepare(draw, self.hparams.batch_size)[::-1]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Environment, replay buffer and RNGs travel in the checkpoint, so a resumed run continues exactly."""
@@ -606,6 +662,41 @@ class DQNModule(L.LightningModule):
             self.reward_scale_used = state["reward_scale"]
             self._pending_state = state
             self.env = None  # rebuilt on the right device at train start, then the state is applied
+
+
+_STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
+
+
+def lean_update_possible(trainer: L.Trainer, module: L.LightningModule) -> bool:
+    """True when Lightning's per-update backward and optimizer-step dispatch does nothing observable.
+
+    That is: one device (no DDP gradient hooks), a precision plugin that neither scales nor casts gradients (32-true,
+    or bf16-mixed whose autocast already wraps ``training_step``), no profiler, no Trainer-level clipping, and no
+    callback or module override of the backward and optimizer-step hooks beyond this module's own
+    ``on_before_optimizer_step``. Then an update may call ``backward`` and the optimizer directly: Lightning's
+    dispatch costs about a fifth of a small Q-network's update. Otherwise every update goes through Lightning.
+    """
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+    from lightning.pytorch.profilers import PassThroughProfiler
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    plugin = trainer.precision_plugin
+    plain_precision = type(plugin) is Precision or (type(plugin) is MixedPrecision and plugin.scaler is None)
+    callbacks_listen = any(
+        getattr(type(cb), hook) is not getattr(L.Callback, hook) for cb in trainer.callbacks for hook in _STEP_HOOKS
+    )
+    module_listens = any(
+        getattr(type(module), hook) is not getattr(L.LightningModule, hook)
+        for hook in ("on_before_backward", "on_after_backward", "backward", "optimizer_step")
+    )
+    return (
+        plain_precision
+        and type(trainer.strategy) is SingleDeviceStrategy
+        and isinstance(trainer.profiler, PassThroughProfiler)
+        and not trainer.gradient_clip_val
+        and not callbacks_listen
+        and not module_listens
+    )
 
 
 def _prefer_fused(optimizer: torch.optim.Optimizer) -> None:
