@@ -1,8 +1,8 @@
 """Causal building blocks on [S, T] float64 panels (one row per symbol, time on the last axis).
 
-Every function here reads bar t only from bars <= t: recursive filters run as IIR filters
-(``scipy.signal.lfilter``) or as a blocked linear-recurrence scan, rolling sums as differences of
-prefix sums (sequential, so a sum at t never depends on later bars; rolling variance of price levels
+Every function here reads bar t only from bars <= t: recursive filters run as blocked scans (blocks at
+fixed offsets from the first bar, carries passed forward), rolling sums as differences of prefix sums
+(sequential running sums, so a sum at t never depends on later bars; rolling variance of price levels
 takes its prefix sums inside blocks, centred on a past value, so float64 error stays relative to the
 local spread rather than to a million squared prices), rolling extrema and arg-extrema by doubling
 (log2(n) vectorised passes, exact). No Python loop runs over bars.
@@ -12,6 +12,7 @@ Rows that an indicator has not yet filled are NaN.
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numpy.lib.stride_tricks import as_strided
 from scipy.signal import lfilter
 
@@ -34,13 +35,31 @@ def diff(x: np.ndarray, k: int = 1) -> np.ndarray:
     return out
 
 
-def safe_div(num: np.ndarray, den: np.ndarray, fill: float = 0.0) -> np.ndarray:
-    """num / den with ``fill`` where den is 0 (TA-Lib's convention for flat ranges)."""
+def nan_empty(shape: tuple[int, ...], filled: int) -> np.ndarray:
+    """An uninitialised float64 array whose first ``filled`` bars (last axis) are NaN: cheaper than np.full."""
+    out = np.empty(shape)
+    out[..., :filled] = np.nan
+    return out
+
+
+def cumsum(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Running sum along the last axis: torch's sequential loop gives numpy's result bit for bit, ~4x faster."""
+    if out is None:
+        out = np.empty(x.shape)
+    if not x.flags.writeable:
+        x = x.copy()
+    torch.cumsum(torch.from_numpy(x), dim=-1, out=torch.from_numpy(out))
+    return out
+
+
+def safe_div(num: np.ndarray, den: np.ndarray, fill: float = 0.0, out: np.ndarray | None = None,
+             scale: float = 1.0) -> np.ndarray:
+    """scale * num / den with ``fill`` where den is 0 (TA-Lib's convention for flat ranges), into ``out`` if given."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.divide(num if scale == 1.0 else scale * num, den, out=out)
     zero = den == 0
-    if not zero.any():
-        return num / den
-    out = num / np.where(zero, 1.0, den)
-    out[zero] = fill
+    if zero.any():
+        np.copyto(out, fill, where=zero)
     return out
 
 
@@ -49,13 +68,19 @@ def rolling_sum(x: np.ndarray, n: int, start: int = 0) -> np.ndarray:
     S, T = x.shape
     if n < 1:
         raise ValueError(f"window must be >= 1, got {n}")
-    out = np.full((S, T), np.nan)
+    out = nan_empty((S, T), min(T, start + n - 1))
     if T < start + n:
         return out
-    cs = np.cumsum(x[:, start:], axis=1)
+    cs = cumsum(x[:, start:])
     out[:, start + n - 1] = cs[:, n - 1]
     np.subtract(cs[:, n:], cs[:, :-n], out=out[:, start + n :])
     return out
+
+
+def _cumsum_of_squares(x: np.ndarray) -> np.ndarray:
+    """Running sum of x^2 along the last axis, in one buffer."""
+    sq = np.square(x)
+    return cumsum(sq, out=sq)
 
 
 def rolling_mean(x: np.ndarray, n: int, start: int = 0) -> np.ndarray:
@@ -76,13 +101,13 @@ class Prefix:
     def __init__(self, x: np.ndarray, start: int = 0, squares: bool = False) -> None:
         self.shape, self.start = x.shape, start
         xs = x[:, start:]
-        self.cs = np.cumsum(xs, axis=1)
-        self.cs2 = np.cumsum(xs * xs, axis=1) if squares else None
+        self.cs = cumsum(xs)
+        self.cs2 = _cumsum_of_squares(xs) if squares else None
 
     def _window(self, cs: np.ndarray, n: int) -> np.ndarray:
         S, T = self.shape
-        out = np.full((S, T), np.nan)
         a = self.start + n - 1
+        out = nan_empty((S, T), min(T, a))
         if a < T:
             out[:, a] = cs[:, n - 1]
             np.subtract(cs[:, n:], cs[:, :-n], out=out[:, a + 1 :])
@@ -96,9 +121,10 @@ class Prefix:
         """Rolling mean and population variance over n bars."""
         if self.cs2 is None:
             raise ValueError("Prefix built without squares")
-        s1, s2 = self._window(self.cs, n), self._window(self.cs2, n)
-        mean = s1 / n
-        var = s2 / n - mean * mean
+        mean, var = self._window(self.cs, n), self._window(self.cs2, n)
+        mean /= n
+        var /= n
+        var -= mean * mean
         np.maximum(var, 0.0, out=var)
         return mean, var
 
@@ -129,39 +155,47 @@ class BlockPrefix:
         np.subtract(view, self.ref, out=d[:, :, 1:])
         for k in range(min(nb, (start + W - 1) // B + 1)):  # bars before ``start`` (and the padding) add nothing
             d[:, k, 1 : 1 + max(0, start + W - 1 - k * B)] = 0.0
-        self.cs2 = np.cumsum(d * d, axis=2) if squares else None
-        self.cs = np.cumsum(d, axis=2, out=d)
+        self.cs2 = _cumsum_of_squares(d) if squares else None
+        self.cs = cumsum(d, out=d)
 
     def _window(self, cs: np.ndarray, n: int) -> np.ndarray:
+        """Window sums [S, nb, B] of the centred series (block layout)."""
         if n > self.W:
             raise ValueError(f"window {n} exceeds this prefix's max_window {self.W}")
-        S, T = self.shape
         W, B = self.W, self.B
-        w = cs[:, :, W : W + B] - cs[:, :, W - n : W - n + B]
-        out = w.reshape(S, self.nb * B)[:, :T]
+        return np.subtract(cs[:, :, W : W + B], cs[:, :, W - n : W - n + B])
+
+    def _flat(self, w: np.ndarray, n: int) -> np.ndarray:
+        """Block layout [S, nb, B] to bars [S, T], NaN before the first full window."""
+        S, T = self.shape
+        out = w.reshape(S, self.nb * self.B)[:, :T]
         out[:, : min(T, self.start + n - 1)] = np.nan
         return out
 
-    def _ref_flat(self) -> np.ndarray:
-        S, T = self.shape
-        return np.broadcast_to(self.ref, (S, self.nb, self.B)).reshape(S, self.nb * self.B)[:, :T]
-
     def sum(self, n: int) -> np.ndarray:
         """Sum of x[t-n+1..t]."""
-        out = self._window(self.cs, n)
-        out += n * self._ref_flat()
-        return out
+        w = self._window(self.cs, n)
+        w += n * self.ref
+        return self._flat(w, n)
+
+    def mean(self, n: int) -> np.ndarray:
+        """Mean of x[t-n+1..t] (TA-Lib SMA)."""
+        w = self._window(self.cs, n)
+        w /= n
+        w += self.ref
+        return self._flat(w, n)
 
     def mean_var(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Rolling mean and population variance over n bars (TA-Lib SMA and VAR)."""
         if self.cs2 is None:
             raise ValueError("BlockPrefix built without squares")
-        s1, s2 = self._window(self.cs, n), self._window(self.cs2, n)
-        m = s1 / n
-        var = s2 / n - m * m
+        m, var = self._window(self.cs, n), self._window(self.cs2, n)
+        m /= n
+        var /= n
+        var -= m * m
         np.maximum(var, 0.0, out=var)
-        m += self._ref_flat()
-        return m, var
+        m += self.ref
+        return self._flat(m, n), self._flat(var, n)
 
 
 def rolling_max(x: np.ndarray, n: int) -> np.ndarray:
@@ -174,14 +208,15 @@ def rolling_min(x: np.ndarray, n: int) -> np.ndarray:
     return _rolling_extreme(x, n, np.minimum)
 
 
-def _rolling_extreme(x, n, op):
+def _rolling_extreme(x: np.ndarray, n: int, op) -> np.ndarray:
     S, T = x.shape
-    out = np.full((S, T), np.nan)
+    out = nan_empty((S, T), min(T, n - 1))
     if T < n:
         return out
     m, k = x, 1  # m[t] = extreme of x[t-k+1..t]
+    spare = [np.empty_like(x), np.empty_like(x)] if 4 <= n else [np.empty_like(x)]
     while 2 * k <= n:
-        nxt = np.empty_like(m)
+        nxt = spare[0] if m is not spare[0] else spare[-1]
         nxt[:, :k] = m[:, :k]
         op(m[:, k:], m[:, :-k], out=nxt[:, k:])
         m, k = nxt, 2 * k
@@ -196,28 +231,76 @@ def bars_since_extreme(x: np.ndarray, n: int, highest: bool) -> np.ndarray:
     Doubling on (value, position) pairs: when two halves tie the later one wins.
     """
     S, T = x.shape
-    out = np.full((S, T), np.nan)
     w = n + 1
+    out = nan_empty((S, T), min(T, w - 1))
     if T < w:
         return out
     v = x if highest else -x
-    pos = np.broadcast_to(np.arange(T, dtype=np.int32 if T < 2**31 else np.int64), (S, T))
+    itype = np.int32 if T < 2**31 else np.int64
+    pos = np.broadcast_to(np.arange(T, dtype=itype), (S, T))
     m, i, k = v, pos, 1
+    vals, idx = [np.empty_like(v), np.empty_like(v)], [np.empty((S, T), itype), np.empty((S, T), itype)]
+    later, d = np.empty((S, T), bool), np.empty((S, T), itype)
     while 2 * k <= w:
-        later = m[:, k:] >= m[:, :-k]
-        nm, ni = np.empty_like(m), np.empty(i.shape, i.dtype)
+        j = 0 if m is not vals[0] else 1
+        nm, ni = vals[j], idx[j]
         nm[:, :k], ni[:, :k] = m[:, :k], i[:, :k]
+        lt, dd = later[:, k:], d[:, k:]
+        np.greater_equal(m[:, k:], m[:, :-k], out=lt)
         np.maximum(m[:, k:], m[:, :-k], out=nm[:, k:])
-        d = i[:, k:] - i[:, :-k]
-        d *= later
-        np.add(i[:, :-k], d, out=ni[:, k:])
+        np.subtract(i[:, k:], i[:, :-k], out=dd)
+        dd *= lt
+        np.add(i[:, :-k], dd, out=ni[:, k:])
         m, i, k = nm, ni, 2 * k
     a, b = slice(w - 1, None), slice(k - 1, T - w + k)  # recent half ends at t, older half at t - w + k
-    later = m[:, a] >= m[:, b]
-    d = i[:, a] - i[:, b]
-    d *= later
-    d += i[:, b]
-    np.subtract(pos[:, w - 1 :], d, out=out[:, w - 1 :])
+    lt, dd = later[:, a], d[:, a]
+    np.greater_equal(m[:, a], m[:, b], out=lt)
+    np.subtract(i[:, a], i[:, b], out=dd)
+    dd *= lt
+    dd += i[:, b]
+    np.subtract(pos[:, w - 1 :], dd, out=out[:, w - 1 :])
+    return out
+
+
+def _scan_block(a: float) -> int:
+    """Block length of the first-order scan: a^-B stays below 2^500, far from float64 overflow."""
+    return int(min(2048, max(16, 500.0 / -np.log2(a))))
+
+
+def first_order(x: np.ndarray, a: float, b: float, y0: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """y[t] = a y[t-1] + b x[t] along the last axis from y[-1] = y0, written into ``out`` (a blocked scan).
+
+    Inside a block of B bars, y[k] = a^k (b sum_{j<=k} a^-j x[j] + a y_in): one multiply, one sequential
+    running sum and two more passes, about twice as fast as scipy's lfilter. Blocks start at fixed
+    offsets from the first bar and carry y from block to block, so bar t only sees bars <= t.
+    """
+    S, L = x.shape
+    if L == 0:
+        return out
+    if not 0.01 <= a < 1.0:  # no gain from blocking
+        out[...] = lfilter([b], [1.0, -a], x, axis=-1, zi=(a * np.asarray(y0, dtype=np.float64))[:, None])[0]
+        return out
+    B = _scan_block(a)
+    k = np.arange(B, dtype=np.float64)
+    g, h = b * np.power(a, -k), np.power(a, k)
+    nf, r = divmod(L, B)
+    carry = np.asarray(y0, dtype=np.float64)
+    if nf:
+        X = x[:, : nf * B].reshape(S, nf, B)
+        V = out[:, : nf * B].reshape(S, nf, B, copy=False)
+        np.multiply(X, g, out=V)
+        cumsum(V, out=V)
+        ends = lfilter([1.0], [1.0, -(a**B)], h[-1] * V[:, :, -1], axis=-1, zi=(a**B * carry)[:, None])[0]
+        starts = np.concatenate([carry[:, None], ends[:, :-1]], axis=1)  # y just before each block
+        V += a * starts[:, :, None]
+        V *= h
+        carry = ends[:, -1]
+    if r:
+        V = out[:, nf * B :]
+        np.multiply(x[:, nf * B :], g[:r], out=V)
+        cumsum(V, out=V)
+        V += a * carry[:, None]
+        V *= h[:r]
     return out
 
 
@@ -231,25 +314,16 @@ def ema(x: np.ndarray, n: int | None = None, start: int = 0, alpha: float | None
     """
     if alpha is None:
         alpha = 2.0 / (n + 1)
-    S, T = x.shape
-    out = np.full((S, T), np.nan)
-    if seed == "sma":
-        s = start + n - 1
-        if s >= T:
-            return out
-        y0 = x[:, start : s + 1].mean(axis=1)
-    elif seed == "first":
-        s = start
-        if s >= T:
-            return out
-        y0 = x[:, s].copy()
-    else:
+    if seed not in ("sma", "first"):
         raise ValueError(f"unknown EMA seeding {seed!r}")
+    S, T = x.shape
+    s = start + n - 1 if seed == "sma" else start
+    out = nan_empty((S, T), min(s, T))
+    if s >= T:
+        return out
+    y0 = x[:, start : s + 1].mean(axis=1) if seed == "sma" else x[:, s].copy()
     out[:, s] = y0
-    if s + 1 < T:
-        a = 1.0 - alpha
-        zi = (a * y0)[:, None]
-        out[:, s + 1 :] = lfilter([alpha], [1.0, -a], x[:, s + 1 :], axis=1, zi=zi)[0]
+    first_order(x[:, s + 1 :], 1.0 - alpha, alpha, y0, out[:, s + 1 :])
     return out
 
 
@@ -261,20 +335,25 @@ def wilder(x: np.ndarray, n: int, start: int = 0) -> np.ndarray:
 def wilder_sum(x: np.ndarray, n: int, start: int = 0) -> np.ndarray:
     """Wilder's running sum as TA-Lib's DM/DI: seeded with the sum of n-1 values, then y = y - y/n + x."""
     S, T = x.shape
-    out = np.full((S, T), np.nan)
     s = start + n - 2
+    out = nan_empty((S, T), min(max(s, 0), T))
     if s >= T or n < 2:
+        out[:] = np.nan
         return out
     y0 = x[:, start : s + 1].sum(axis=1)
     out[:, s] = y0
-    if s + 1 < T:
-        a = 1.0 - 1.0 / n
-        out[:, s + 1 :] = lfilter([1.0], [1.0, -a], x[:, s + 1 :], axis=1, zi=(a * y0)[:, None])[0]
+    first_order(x[:, s + 1 :], 1.0 - 1.0 / n, 1.0, y0, out[:, s + 1 :])
     return out
 
 
 def linear_recurrence(a: np.ndarray, b: np.ndarray, y0: np.ndarray, a_min: float) -> np.ndarray:
-    """y[t] = a[t] * y[t-1] + b[t] for t = 0..T-1 from y[-1] = y0, with a_min <= a <= 1 (blocked scan).
+    """y[t] = a[t] * y[t-1] + b[t] for t = 0..T-1 from y[-1] = y0, with a_min <= a <= 1 (blocked scan)."""
+    y = np.array(b, dtype=np.float64)
+    return linear_recurrence_inplace(np.array(a, dtype=np.float64), y, y0, a_min)
+
+
+def linear_recurrence_inplace(a: np.ndarray, y: np.ndarray, y0: np.ndarray, a_min: float) -> np.ndarray:
+    """:func:`linear_recurrence` on y (which holds b on entry and y on return), using ``a`` as scratch.
 
     Within a block of B bars, y = A * (y_in + cumsum(b / A)) with A the running product of a; B comes
     from the caller's bound ``a_min`` (never from the data, so the blocking, and hence the rounding, of
@@ -285,18 +364,34 @@ def linear_recurrence(a: np.ndarray, b: np.ndarray, y0: np.ndarray, a_min: float
     if not 0.0 < a_min <= 1.0:
         raise ValueError(f"linear_recurrence: a_min must be in (0, 1], got {a_min}")
     B = int(min(1024, max(1, 250 // max(1e-12, -np.log10(a_min)))))
-    nb = -(-T // B)
-    ap = np.ones((S, nb * B))
-    bp = np.zeros((S, nb * B))
-    ap[:, :T] = a
-    bp[:, :T] = b
-    A = np.cumprod(ap.reshape(S, nb, B), axis=2)
-    P = A * np.cumsum(bp.reshape(S, nb, B) / A, axis=2)  # block-local response to b from a zero start
-    carry = np.empty((S, nb))
+    nf, r = divmod(T, B)
     c = np.asarray(y0, dtype=np.float64).copy()
-    Aend, Pend = A[:, :, -1], P[:, :, -1]
-    for k in range(nb):  # one step per block of B bars
-        carry[:, k] = c
-        c = Aend[:, k] * c + Pend[:, k]
-    y = A * carry[:, :, None] + P
-    return y.reshape(S, nb * B)[:, :T]
+    if nf:
+        A = a[:, : nf * B].reshape(S, nf, B, copy=False)
+        P = y[:, : nf * B].reshape(S, nf, B, copy=False)
+        torch.from_numpy(A).cumprod_(dim=-1)
+        P /= A
+        cumsum(P, out=P)
+        starts = np.empty((S, nf))
+        for s in range(S):  # one step per block of B bars
+            starts[s] = _block_carries(A[s, :, -1].tolist(), P[s, :, -1].tolist(), float(c[s]))
+            c[s] = A[s, -1, -1] * (starts[s, -1] + P[s, -1, -1])
+        P += starts[:, :, None]
+        P *= A
+    if r:
+        A, P = a[:, nf * B :], y[:, nf * B :]
+        torch.from_numpy(A).cumprod_(dim=-1)
+        P /= A
+        cumsum(P, out=P)
+        P += c[:, None]
+        P *= A
+    return y
+
+
+def _block_carries(a_end: list[float], p_end: list[float], y0: float) -> list[float]:
+    """y entering each block: y_in[k+1] = A_end[k] (y_in[k] + P_end[k]), a loop over blocks in plain floats."""
+    out, c = [], y0
+    for ak, pk in zip(a_end, p_end):
+        out.append(c)
+        c = ak * (c + pk)
+    return out
