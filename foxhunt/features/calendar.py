@@ -47,5 +47,5 @@ def calendar_array(ts_ns: np.ndarray, names: list[str], phases: dict | None = No
 def features() -> FeatureList:
     fl = FeatureList("calendar")
     for name, (definition, _, _) in CALENDAR_DEFINITIONS.items():
-        fl.add(name, definition, 0, lambda p, name=name: calendar_array(p.timestamps, [name], p.memo("calendar_phases", lambda: _phases(p.timestamps)))[0], known_future=True)
+        fl.add(name, definition, 0, lambda p, out=None, name=name: calendar_array(p.timestamps, [name], p.memo("calendar_phases", lambda: _phases(p.timestamps)))[0], known_future=True)
     return fl

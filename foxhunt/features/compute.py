@@ -87,6 +87,16 @@ def _check_input(ohlcv: np.ndarray, timestamps: np.ndarray, symbol_index: np.nda
         raise ValueError(f"features: timestamps must increase within a symbol; row {bad} is not after row {bad - 1}")
 
 
+def _place(row: np.ndarray, dest: np.ndarray, panel: Panel, warmup: int) -> None:
+    """Move a feature's [S, T] values into its flat output row and blank each symbol's warm-up."""
+    if dest.shape[0] == 1:  # dest is the row itself
+        row[:warmup] = np.nan
+        return
+    for s, (a, m) in enumerate(zip(panel.starts, panel.lengths)):
+        row[a : a + m] = dest[s, :m]
+        row[a : a + min(m, warmup)] = np.nan
+
+
 def _compute_flat(
     selected: list[Feature], ohlcv: np.ndarray, timestamps: np.ndarray, symbol_index: np.ndarray, dtype=np.float32
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -99,19 +109,17 @@ def _compute_flat(
     panel = Panel.from_flat(ohlcv, timestamps, symbol_index)
     S, T = panel.shape
     plan = _release_plan(tuple(f.name for f in selected))
+    scratch = None if S == 1 else np.empty((S, T), dtype=dtype)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         for j, f in enumerate(selected):
-            v = f.fn(panel)
+            dest = out[j].reshape(1, T) if S == 1 else scratch
+            v = f.fn(panel, dest)
             if v.shape != (S, T):
                 raise RuntimeError(f"feature {f.name!r} returned shape {v.shape}, expected {(S, T)}")
-            if S == 1:
-                out[j] = v[0]
-                out[j, : f.warmup] = np.nan
-            else:
-                for s, (a, m) in enumerate(zip(panel.starts, panel.lengths)):
-                    out[j, a : a + m] = v[s, :m]
-                    out[j, a : a + min(m, f.warmup)] = np.nan
+            if v is not dest:
+                np.copyto(dest, v, casting="same_kind")
             del v
+            _place(out[j], dest, panel, f.warmup)
             panel.forget(plan[j])
     warm = max((f.warmup for f in selected), default=0)
     pos = np.arange(n) - np.repeat(panel.starts, panel.lengths)

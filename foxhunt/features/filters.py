@@ -27,9 +27,9 @@ def shift(x: np.ndarray, k: int, fill: float = np.nan) -> np.ndarray:
     return out
 
 
-def diff(x: np.ndarray, k: int = 1) -> np.ndarray:
-    """x[t] - x[t - k]."""
-    out = np.empty_like(x)
+def diff(x: np.ndarray, k: int = 1, out: np.ndarray | None = None) -> np.ndarray:
+    """x[t] - x[t - k], into ``out`` when given."""
+    out = np.empty_like(x) if out is None else out
     out[:, :k] = np.nan
     np.subtract(x[:, k:], x[:, :-k], out=out[:, k:])
     return out
@@ -52,13 +52,40 @@ def cumsum(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
+def put(x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """x, or x copied into ``out`` when given (for features that are a shared intermediate as it is)."""
+    if out is None:
+        return x
+    np.copyto(out, x, casting="same_kind")
+    return out
+
+
+def ratio(num: np.ndarray, den: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """num / den, into ``out`` when given (e.g. a price difference in ATR units)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.divide(num, den, out=out)
+
+
+def pct_change(x: np.ndarray, k: int, out: np.ndarray | None = None) -> np.ndarray:
+    """100 (x[t] / x[t-k] - 1), NaN for the first k bars, into ``out`` when given (TA-Lib ROC)."""
+    out = np.empty(x.shape) if out is None else out
+    out[:, :k] = np.nan
+    r = x[:, k:] / x[:, :-k]
+    r -= 1.0
+    np.multiply(r, 100.0, out=out[:, k:])
+    return out
+
+
 def safe_div(num: np.ndarray, den: np.ndarray, fill: float = 0.0, out: np.ndarray | None = None,
              scale: float = 1.0) -> np.ndarray:
-    """scale * num / den with ``fill`` where den is 0 (TA-Lib's convention for flat ranges), into ``out`` if given."""
+    """scale * num / den with ``fill`` where den is 0 (TA-Lib's convention for flat ranges), into ``out`` if given
+    (which may be num or den)."""
+    zero = den == 0
+    if not zero.any():
+        zero = None
     with np.errstate(divide="ignore", invalid="ignore"):
         out = np.divide(num if scale == 1.0 else scale * num, den, out=out)
-    zero = den == 0
-    if zero.any():
+    if zero is not None:
         np.copyto(out, fill, where=zero)
     return out
 

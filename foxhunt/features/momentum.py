@@ -13,9 +13,9 @@ from foxhunt.features.panel import Panel
 from foxhunt.features.registry import FeatureList
 
 
-def roc(p: Panel, n: int) -> np.ndarray:
+def roc(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
     """TA-Lib ROC: 100 * (C[t] / C[t-n] - 1)."""
-    return (p.close / F.shift(p.close, n) - 1.0) * 100.0
+    return F.pct_change(p.close, n, out)
 
 
 def mom(p: Panel, n: int) -> np.ndarray:
@@ -23,24 +23,34 @@ def mom(p: Panel, n: int) -> np.ndarray:
     return F.diff(p.close, n)
 
 
-def _gain_loss_averages(p: Panel, n: int) -> tuple[np.ndarray, np.ndarray]:
+def _gains(p: Panel) -> tuple[np.ndarray, np.ndarray]:
+    """Close-to-close gains and losses (both >= 0), shared by every RSI window."""
+
     def f():
         d = p.close_change()
-        return F.wilder(np.maximum(d, 0.0), n, start=1), F.wilder(np.maximum(-d, 0.0), n, start=1)
+        return np.maximum(d, 0.0), np.maximum(-d, 0.0)
+
+    return p.memo("gains_losses", f)
+
+
+def _gain_loss_averages(p: Panel, n: int) -> tuple[np.ndarray, np.ndarray]:
+    def f():
+        up, down = _gains(p)
+        return F.wilder(up, n, start=1), F.wilder(down, n, start=1)
 
     return p.memo(("gain_loss", n), f)
 
 
-def rsi(p: Panel, n: int) -> np.ndarray:
+def rsi(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
     """TA-Lib RSI: 100 * avg gain / (avg gain + avg loss), Wilder-smoothed, seeded with the mean of n changes."""
     g, l = _gain_loss_averages(p, n)
-    return 100.0 * F.safe_div(g, g + l)
+    return F.safe_div(g, g + l, out=out, scale=100.0)
 
 
-def cmo(p: Panel, n: int) -> np.ndarray:
+def cmo(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
     """TA-Lib CMO: 100 * (avg gain - avg loss) / (avg gain + avg loss), Wilder-smoothed as TA-Lib does."""
     g, l = _gain_loss_averages(p, n)
-    return 100.0 * F.safe_div(g - l, g + l)
+    return F.safe_div(g - l, g + l, out=out, scale=100.0)
 
 
 def hh_ll(p: Panel, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -53,7 +63,8 @@ def stoch(p: Panel, fastk: int, slowk: int = 3, slowd: int = 3) -> tuple[np.ndar
 
     def f():
         hh, ll = hh_ll(p, fastk)
-        fk = 100.0 * F.safe_div(p.close - ll, hh - ll)
+        rng = hh - ll
+        fk = F.safe_div(p.close - ll, rng, out=rng, scale=100.0)
         k = F.rolling_mean(fk, slowk, start=fastk - 1)
         d = F.rolling_mean(k, slowd, start=fastk + slowk - 2)
         k[:, : fastk + slowk + slowd - 3] = np.nan  # TA-Lib reports %K from %D's first bar
@@ -62,17 +73,18 @@ def stoch(p: Panel, fastk: int, slowk: int = 3, slowd: int = 3) -> tuple[np.ndar
     return p.memo(("stoch", fastk, slowk, slowd), f)
 
 
-def willr(p: Panel, n: int) -> np.ndarray:
+def willr(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
     """TA-Lib WILLR: -100 * (HH - C) / (HH - LL)."""
     hh, ll = hh_ll(p, n)
-    return -100.0 * F.safe_div(hh - p.close, hh - ll)
+    return F.safe_div(hh - p.close, hh - ll, out=out, scale=-100.0)
 
 
 def macd(p: Panel, fast: int, slow: int, signal: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """TA-Lib MACD: the fast EMA is seeded at the slow EMA's first bar (TA-Lib's alignment), signal = EMA of the line."""
 
     def f():
-        line = F.ema(p.close, fast, start=slow - fast) - F.ema(p.close, slow)
+        line = F.ema(p.close, fast, start=slow - fast)
+        line -= F.ema(p.close, slow)
         sig = F.ema(line, signal, start=slow - 1)
         line[:, : slow + signal - 2] = np.nan  # TA-Lib reports all three from the signal's first bar
         return line, sig, line - sig
@@ -80,25 +92,31 @@ def macd(p: Panel, fast: int, slow: int, signal: int) -> tuple[np.ndarray, np.nd
     return p.memo(("macd", fast, slow, signal), f)
 
 
-def cci(p: Panel, n: int, chunk: int = 32768) -> np.ndarray:
-    """TA-Lib CCI: (TP - SMA(TP)) / (0.015 * mean |TP - SMA(TP)|) over n bars."""
-    tp = p.typical_price()
-    sma = p.memo("tp_block_prefix", lambda: F.BlockPrefix(tp, 20)).sum(n) / n
+def _mean_abs_deviation(tp: np.ndarray, sma: np.ndarray, n: int, chunk: int = 32768) -> np.ndarray:
+    """Mean over the last n bars of |TP - SMA(TP)[t]|, in chunks of bars that stay in cache through the n passes."""
     S, T = tp.shape
-    md = np.full((S, T), np.nan)
+    md = F.nan_empty((S, T), min(T, n - 1))
     buf = np.empty((S, chunk))
-    acc = np.empty((S, chunk))
-    for c0 in range(n - 1, T, chunk):  # chunks of bars that stay in cache through the n passes
+    for c0 in range(n - 1, T, chunk):
         c1 = min(T, c0 + chunk)
-        m, a, b = sma[:, c0:c1], acc[:, : c1 - c0], buf[:, : c1 - c0]
-        a.fill(0.0)
-        for k in range(n):  # mean absolute deviation of the window from its current mean
+        m, a, b = sma[:, c0:c1], md[:, c0:c1], buf[:, : c1 - c0]
+        np.subtract(tp[:, c0:c1], m, out=a)
+        np.abs(a, out=a)
+        for k in range(1, n):
             np.subtract(tp[:, c0 - k : c1 - k], m, out=b)
             np.abs(b, out=b)
             a += b
-        md[:, c0:c1] = a
-    md /= n
-    return F.safe_div(tp - sma, 0.015 * md)
+    md *= 0.015 / n
+    return md
+
+
+def cci(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
+    """TA-Lib CCI: (TP - SMA(TP)) / (0.015 * mean |TP - SMA(TP)|) over n bars."""
+    tp = p.typical_price()
+    sma = p.memo("tp_block_prefix", lambda: F.BlockPrefix(tp, 20)).mean(n)
+    md = _mean_abs_deviation(tp, sma, n)
+    np.subtract(tp, sma, out=sma)
+    return F.safe_div(sma, md, out=out)
 
 
 def directional(p: Panel, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -106,19 +124,22 @@ def directional(p: Panel, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
     def moves():
         dp = F.diff(p.high, 1)
-        dm = -F.diff(p.low, 1)
+        dm = F.diff(p.low, 1)
+        np.negative(dm, out=dm)
         # masks by multiplication: np.where is slow on random masks
         return dp * ((dp > 0) & (dp > dm)), dm * ((dm > 0) & (dp < dm))
 
     def f():
         plus, minus = p.memo("directional_moves", moves)
         tr_s = F.wilder_sum(p.true_range(), n, start=1)
-        pdi = 100.0 * F.safe_div(F.wilder_sum(plus, n, start=1), tr_s)
-        mdi = 100.0 * F.safe_div(F.wilder_sum(minus, n, start=1), tr_s)
+        pdi = F.safe_div(F.wilder_sum(plus, n, start=1), tr_s, scale=100.0)
+        mdi = F.safe_div(F.wilder_sum(minus, n, start=1), tr_s, out=tr_s, scale=100.0)
         pdi[:, :n] = np.nan
         mdi[:, :n] = np.nan
-        dx = 100.0 * F.safe_div(np.abs(mdi - pdi), mdi + pdi)
-        adx = F.wilder(dx, n, start=n)
+        tot = mdi + pdi
+        dx = np.subtract(mdi, pdi)
+        np.abs(dx, out=dx)
+        adx = F.wilder(F.safe_div(dx, tot, out=dx, scale=100.0), n, start=n)
         return pdi, mdi, adx
 
     return p.memo(("directional", n), f)
@@ -128,64 +149,78 @@ def aroon(p: Panel, n: int) -> tuple[np.ndarray, np.ndarray]:
     """TA-Lib AROON: 100 * (n - bars since the highest high / lowest low of the last n+1 bars) / n."""
 
     def f():
-        up = 100.0 * (n - F.bars_since_extreme(p.high, n, highest=True)) / n
-        down = 100.0 * (n - F.bars_since_extreme(p.low, n, highest=False)) / n
+        up = F.bars_since_extreme(p.high, n, highest=True)
+        down = F.bars_since_extreme(p.low, n, highest=False)
+        for x in (up, down):  # 100 (n - x) / n
+            np.subtract(n, x, out=x)
+            x *= 100.0
+            x /= n
         return up, down
 
     return p.memo(("aroon", n), f)
 
 
-def ultosc(p: Panel, n1: int = 7, n2: int = 14, n3: int = 28) -> np.ndarray:
+def ultosc(p: Panel, n1: int = 7, n2: int = 14, n3: int = 28, out: np.ndarray | None = None) -> np.ndarray:
     """TA-Lib ULTOSC: 100 * (4 A1 + 2 A2 + A3) / 7, A_k = sum(buying pressure) / sum(true range) over n_k."""
     pc = p.prev_close()
     low = np.minimum(p.low, pc)
     bp = p.close - low
-    tr = np.maximum(p.high, pc) - low
+    tr = np.maximum(p.high, pc)
+    tr -= low
+    del low
     bps, trs = F.Prefix(bp, 1), F.Prefix(tr, 1)
-    a = [F.safe_div(bps.sum(n), trs.sum(n)) for n in (n1, n2, n3)]
-    return 100.0 * (4.0 * a[0] + 2.0 * a[1] + a[2]) / 7.0
+    del bp, tr
+    acc = None
+    for w, n in ((4.0, n1), (2.0, n2), (1.0, n3)):
+        t = trs.sum(n)
+        a = F.safe_div(bps.sum(n), t, out=t, scale=w)
+        acc = a if acc is None else np.add(acc, a, out=acc)
+    return np.multiply(acc, 100.0 / 7.0, out=out)
 
 
-def trix(p: Panel, n: int) -> np.ndarray:
+def trix(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
     """TA-Lib TRIX: 1-bar percent change of a triple EMA (each EMA seeded with the SMA of its input)."""
     e1 = F.ema(p.close, n)
     e2 = F.ema(e1, n, start=n - 1)
     e3 = F.ema(e2, n, start=2 * n - 2)
-    return (e3 / F.shift(e3, 1) - 1.0) * 100.0
+    return F.pct_change(e3, 1, out)
 
 
 def features() -> FeatureList:
     fl = FeatureList("momentum")
     for h in (1, 2, 3, 5, 10, 20, 50, 100):
-        fl.add(f"logret_{h}", f"ln C[t] - ln C[t-{h}]", h, lambda p, h=h: p.log_return(h), talib="ROCR")
+        fl.add(f"logret_{h}", f"ln C[t] - ln C[t-{h}]", h, lambda p, out=None, h=h: p.log_return(h, out), talib="ROCR")
     for n in (5, 10, 20):
-        fl.add(f"roc_{n}", f"TA-Lib ROC({n}): 100 (C[t]/C[t-{n}] - 1)", n, lambda p, n=n: roc(p, n), talib="ROC")
+        fl.add(f"roc_{n}", f"TA-Lib ROC({n}): 100 (C[t]/C[t-{n}] - 1)", n, lambda p, out=None, n=n: roc(p, n, out), talib="ROC")
     for n in (5, 10, 20):
-        fl.add(f"mom_{n}", f"TA-Lib MOM({n}) / ATR(14)", max(n, 14), lambda p, n=n: mom(p, n) / p.atr(14), talib="MOM")
+        fl.add(f"mom_{n}", f"TA-Lib MOM({n}) / ATR(14)", max(n, 14), lambda p, out=None, n=n: F.ratio(mom(p, n), p.atr(14), out), talib="MOM")
     for n in (6, 14, 21, 28):
-        fl.add(f"rsi_{n}", f"TA-Lib RSI({n}), Wilder smoothing, 0..100", n, lambda p, n=n: rsi(p, n), talib="RSI")
-    fl.add("cmo_14", "TA-Lib CMO(14), -100..100", 14, lambda p: cmo(p, 14), talib="CMO")
+        fl.add(f"rsi_{n}", f"TA-Lib RSI({n}), Wilder smoothing, 0..100", n, lambda p, out=None, n=n: rsi(p, n, out), talib="RSI")
+    fl.add("cmo_14", "TA-Lib CMO(14), -100..100", 14, lambda p, out=None: cmo(p, 14, out), talib="CMO")
     for n in (5, 14):
         w = n + 1
-        fl.add(f"stoch_k_{n}", f"TA-Lib STOCH({n},3,SMA,3,SMA) slow %K", w + 2, lambda p, n=n: stoch(p, n)[0], talib="STOCH")
-        fl.add(f"stoch_d_{n}", f"TA-Lib STOCH({n},3,SMA,3,SMA) slow %D", w + 2, lambda p, n=n: stoch(p, n)[1], talib="STOCH")
+        fl.add(f"stoch_k_{n}", f"TA-Lib STOCH({n},3,SMA,3,SMA) slow %K", w + 2, lambda p, out=None, n=n: F.put(stoch(p, n)[0], out), talib="STOCH")
+        fl.add(f"stoch_d_{n}", f"TA-Lib STOCH({n},3,SMA,3,SMA) slow %D", w + 2, lambda p, out=None, n=n: F.put(stoch(p, n)[1], out), talib="STOCH")
     for n in (14, 28):
-        fl.add(f"willr_{n}", f"TA-Lib WILLR({n}): -100 (HH - C) / (HH - LL)", n - 1, lambda p, n=n: willr(p, n), talib="WILLR")
+        fl.add(f"willr_{n}", f"TA-Lib WILLR({n}): -100 (HH - C) / (HH - LL)", n - 1, lambda p, out=None, n=n: willr(p, n, out), talib="WILLR")
     for f_, s_, g_ in ((12, 26, 9), (5, 35, 5)):
         tag, w = f"{f_}_{s_}_{g_}", s_ + g_ - 2
-        fl.add(f"macd_{tag}", f"TA-Lib MACD({f_},{s_},{g_}) line / ATR(14)", w, lambda p, a=(f_, s_, g_): macd(p, *a)[0] / p.atr(14), talib="MACD")
-        fl.add(f"macd_signal_{tag}", f"TA-Lib MACD({f_},{s_},{g_}) signal / ATR(14)", w, lambda p, a=(f_, s_, g_): macd(p, *a)[1] / p.atr(14), talib="MACD")
-        fl.add(f"macd_hist_{tag}", f"TA-Lib MACD({f_},{s_},{g_}) histogram / ATR(14)", w, lambda p, a=(f_, s_, g_): macd(p, *a)[2] / p.atr(14), talib="MACD")
+        fl.add(f"macd_{tag}", f"TA-Lib MACD({f_},{s_},{g_}) line / ATR(14)", w,
+               lambda p, out=None, a=(f_, s_, g_): F.ratio(macd(p, *a)[0], p.atr(14), out), talib="MACD")
+        fl.add(f"macd_signal_{tag}", f"TA-Lib MACD({f_},{s_},{g_}) signal / ATR(14)", w,
+               lambda p, out=None, a=(f_, s_, g_): F.ratio(macd(p, *a)[1], p.atr(14), out), talib="MACD")
+        fl.add(f"macd_hist_{tag}", f"TA-Lib MACD({f_},{s_},{g_}) histogram / ATR(14)", w,
+               lambda p, out=None, a=(f_, s_, g_): F.ratio(macd(p, *a)[2], p.atr(14), out), talib="MACD")
     for n in (14, 20):
-        fl.add(f"cci_{n}", f"TA-Lib CCI({n}): (TP - SMA(TP)) / (0.015 mean abs deviation)", n - 1, lambda p, n=n: cci(p, n), talib="CCI")
+        fl.add(f"cci_{n}", f"TA-Lib CCI({n}): (TP - SMA(TP)) / (0.015 mean abs deviation)", n - 1, lambda p, out=None, n=n: cci(p, n, out), talib="CCI")
     for n in (14, 28):
-        fl.add(f"adx_{n}", f"TA-Lib ADX({n}): Wilder-smoothed DX", 2 * n - 1, lambda p, n=n: directional(p, n)[2], talib="ADX")
-        fl.add(f"plus_di_{n}", f"TA-Lib PLUS_DI({n})", n, lambda p, n=n: directional(p, n)[0], talib="PLUS_DI")
-        fl.add(f"minus_di_{n}", f"TA-Lib MINUS_DI({n})", n, lambda p, n=n: directional(p, n)[1], talib="MINUS_DI")
+        fl.add(f"adx_{n}", f"TA-Lib ADX({n}): Wilder-smoothed DX", 2 * n - 1, lambda p, out=None, n=n: F.put(directional(p, n)[2], out), talib="ADX")
+        fl.add(f"plus_di_{n}", f"TA-Lib PLUS_DI({n})", n, lambda p, out=None, n=n: F.put(directional(p, n)[0], out), talib="PLUS_DI")
+        fl.add(f"minus_di_{n}", f"TA-Lib MINUS_DI({n})", n, lambda p, out=None, n=n: F.put(directional(p, n)[1], out), talib="MINUS_DI")
     for n in (25,):
-        fl.add(f"aroon_up_{n}", f"TA-Lib AROON({n}) up", n, lambda p, n=n: aroon(p, n)[0], talib="AROON")
-        fl.add(f"aroon_down_{n}", f"TA-Lib AROON({n}) down", n, lambda p, n=n: aroon(p, n)[1], talib="AROON")
-    fl.add("aroon_osc_25", "TA-Lib AROONOSC(25): Aroon up - Aroon down", 25, lambda p: aroon(p, 25)[0] - aroon(p, 25)[1], talib="AROONOSC")
-    fl.add("ultosc_7_14_28", "TA-Lib ULTOSC(7,14,28)", 28, lambda p: ultosc(p, 7, 14, 28), talib="ULTOSC")
-    fl.add("trix_15", "TA-Lib TRIX(15): 1-bar % change of a triple EMA", 43, lambda p: trix(p, 15), talib="TRIX")
+        fl.add(f"aroon_up_{n}", f"TA-Lib AROON({n}) up", n, lambda p, out=None, n=n: F.put(aroon(p, n)[0], out), talib="AROON")
+        fl.add(f"aroon_down_{n}", f"TA-Lib AROON({n}) down", n, lambda p, out=None, n=n: F.put(aroon(p, n)[1], out), talib="AROON")
+    fl.add("aroon_osc_25", "TA-Lib AROONOSC(25): Aroon up - Aroon down", 25, lambda p, out=None: np.subtract(*aroon(p, 25), out=out), talib="AROONOSC")
+    fl.add("ultosc_7_14_28", "TA-Lib ULTOSC(7,14,28)", 28, lambda p, out=None: ultosc(p, 7, 14, 28, out), talib="ULTOSC")
+    fl.add("trix_15", "TA-Lib TRIX(15): 1-bar % change of a triple EMA", 43, lambda p, out=None: trix(p, 15, out), talib="TRIX")
     return fl

@@ -79,9 +79,11 @@ class Panel:
     def log_close(self) -> np.ndarray:
         return self.memo("log_close", lambda: np.log(self.close))
 
-    def log_return(self, k: int = 1) -> np.ndarray:
-        """ln C[t] - ln C[t-k]."""
-        return self.memo(("log_return", k), lambda: F.diff(self.log_close(), k))
+    def log_return(self, k: int = 1, out: np.ndarray | None = None) -> np.ndarray:
+        """ln C[t] - ln C[t-k], into ``out`` when given; only the 1-bar return is shared (memoised)."""
+        if k == 1:
+            return F.put(self.memo(("log_return", 1), lambda: F.diff(self.log_close(), 1)), out)
+        return F.diff(self.log_close(), k, out)
 
     def close_change(self) -> np.ndarray:
         """C[t] - C[t-1]."""

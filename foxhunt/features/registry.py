@@ -7,8 +7,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from foxhunt.features.panel import Panel
-
 FAMILIES = ("momentum", "trend", "volatility", "volume", "shape", "calendar")
 
 
@@ -19,14 +17,16 @@ class Feature:
     ``warmup`` is the number of leading bars of each symbol on which the feature is not yet defined
     (TA-Lib's lookback for indicators TA-Lib also computes). ``talib`` names the TA-Lib function whose
     output this feature is, or is a transform of; ``known_future`` marks features computable from the
-    timestamp alone, usable as known-future inputs.
+    timestamp alone, usable as known-future inputs. ``fn(panel, out=None)`` returns the feature as
+    [S, T]; given ``out`` ([S, T], float32 or float64) it may write its last step straight there and
+    return ``out`` (one rounding from float64, no full-size temporary), or return its own array.
     """
 
     name: str
     family: str
     definition: str
     warmup: int
-    fn: Callable[[Panel], np.ndarray]
+    fn: Callable[..., np.ndarray]
     talib: str | None = None
     known_future: bool = False
 

@@ -13,12 +13,17 @@ WINDOWS = (5, 10, 20, 50, 100, 200)
 
 def sma(p: Panel, n: int) -> np.ndarray:
     """TA-Lib SMA of the close."""
-    return p.memo(("sma", n), lambda: p.close_prefix().sum(n) / n)
+    return p.memo(("sma", n), lambda: p.close_prefix().mean(n))
 
 
 def ema(p: Panel, n: int) -> np.ndarray:
     """TA-Lib EMA of the close, seeded with the SMA of the first n closes."""
     return p.memo(("ema", n), lambda: F.ema(p.close, n))
+
+
+def _abs_change_prefix(p: Panel) -> F.Prefix:
+    """Prefix sums of |C[t] - C[t-1]| from bar 1, shared by every KAMA window."""
+    return p.prefix("abs_close_change", lambda: np.abs(p.close_change()), 1)
 
 
 def kama(p: Panel, n: int) -> np.ndarray:
@@ -27,43 +32,50 @@ def kama(p: Panel, n: int) -> np.ndarray:
     def f():
         c = p.close
         S, T = c.shape
-        out = np.full((S, T), np.nan)
+        out = F.nan_empty((S, T), min(n, T))
         if T <= n:
             return out
-        noise = F.rolling_sum(np.abs(F.diff(c, 1)), n, start=1)[:, n:]
-        change = c[:, n:] - c[:, :-n]
+        noise = _abs_change_prefix(p).sum(n)[:, n:]
+        er = np.subtract(c[:, n:], c[:, :-n])
+        np.abs(er, out=er)
         # |change| <= noise, with equality exactly when TA-Lib sets ER = 1; a flat window (noise 0) gives 1 too
-        er = np.minimum(F.safe_div(np.abs(change), noise, fill=1.0), 1.0)
+        F.safe_div(er, noise, fill=1.0, out=er)
+        np.minimum(er, 1.0, out=er)
         fastest, slowest = 2.0 / 3.0, 2.0 / 31.0
-        sc = (er * (fastest - slowest) + slowest) ** 2
-        out[:, n:] = F.linear_recurrence(1.0 - sc, sc * c[:, n:], c[:, n - 1], a_min=1.0 - fastest**2)
+        er *= fastest - slowest
+        er += slowest
+        sc = np.square(er, out=er)
+        y = np.multiply(sc, c[:, n:], out=out[:, n:])
+        a = np.subtract(1.0, sc, out=noise)
+        F.linear_recurrence_inplace(a, y, c[:, n - 1], a_min=1.0 - fastest**2)
         return out
 
     return p.memo(("kama", n), f)
 
 
-def _dist(p: Panel, ma: np.ndarray) -> np.ndarray:
-    return (p.close - ma) / p.atr(14)
+def _dist(p: Panel, ma: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    return F.ratio(p.close - ma, p.atr(14), out)
 
 
-def _slope(p: Panel, ma: np.ndarray) -> np.ndarray:
-    return F.diff(ma, 1) / p.atr(14)
+def _slope(p: Panel, ma: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    return F.ratio(F.diff(ma, 1), p.atr(14), out)
 
 
 def features() -> FeatureList:
     fl = FeatureList("trend")
     for n in WINDOWS:
-        fl.add(f"dist_sma_{n}", f"(C - TA-Lib SMA({n})) / ATR(14)", max(n - 1, 14), lambda p, n=n: _dist(p, sma(p, n)), talib="SMA")
+        fl.add(f"dist_sma_{n}", f"(C - TA-Lib SMA({n})) / ATR(14)", max(n - 1, 14), lambda p, out=None, n=n: _dist(p, sma(p, n), out), talib="SMA")
     for n in WINDOWS:
-        fl.add(f"dist_ema_{n}", f"(C - TA-Lib EMA({n})) / ATR(14)", max(n - 1, 14), lambda p, n=n: _dist(p, ema(p, n)), talib="EMA")
+        fl.add(f"dist_ema_{n}", f"(C - TA-Lib EMA({n})) / ATR(14)", max(n - 1, 14), lambda p, out=None, n=n: _dist(p, ema(p, n), out), talib="EMA")
     for n in (10, 30):
-        fl.add(f"dist_kama_{n}", f"(C - TA-Lib KAMA({n})) / ATR(14)", max(n, 14), lambda p, n=n: _dist(p, kama(p, n)), talib="KAMA")
+        fl.add(f"dist_kama_{n}", f"(C - TA-Lib KAMA({n})) / ATR(14)", max(n, 14), lambda p, out=None, n=n: _dist(p, kama(p, n), out), talib="KAMA")
     for n in WINDOWS:
-        fl.add(f"slope_sma_{n}", f"(SMA({n})[t] - SMA({n})[t-1]) / ATR(14)", max(n, 14), lambda p, n=n: _slope(p, sma(p, n)), talib="SMA")
+        fl.add(f"slope_sma_{n}", f"(SMA({n})[t] - SMA({n})[t-1]) / ATR(14)", max(n, 14), lambda p, out=None, n=n: _slope(p, sma(p, n), out), talib="SMA")
     for n in WINDOWS:
-        fl.add(f"slope_ema_{n}", f"(EMA({n})[t] - EMA({n})[t-1]) / ATR(14)", max(n, 14), lambda p, n=n: _slope(p, ema(p, n)), talib="EMA")
+        fl.add(f"slope_ema_{n}", f"(EMA({n})[t] - EMA({n})[t-1]) / ATR(14)", max(n, 14), lambda p, out=None, n=n: _slope(p, ema(p, n), out), talib="EMA")
     for n in (10, 30):
-        fl.add(f"slope_kama_{n}", f"(KAMA({n})[t] - KAMA({n})[t-1]) / ATR(14)", max(n + 1, 14), lambda p, n=n: _slope(p, kama(p, n)), talib="KAMA")
+        fl.add(f"slope_kama_{n}", f"(KAMA({n})[t] - KAMA({n})[t-1]) / ATR(14)", max(n + 1, 14), lambda p, out=None, n=n: _slope(p, kama(p, n), out), talib="KAMA")
     for a, b in ((5, 20), (20, 50), (50, 200)):
-        fl.add(f"ema_cross_{a}_{b}", f"(EMA({a}) - EMA({b})) / ATR(14)", max(b - 1, 14), lambda p, a=a, b=b: (ema(p, a) - ema(p, b)) / p.atr(14), talib="EMA")
+        fl.add(f"ema_cross_{a}_{b}", f"(EMA({a}) - EMA({b})) / ATR(14)", max(b - 1, 14),
+               lambda p, out=None, a=a, b=b: F.ratio(ema(p, a) - ema(p, b), p.atr(14), out), talib="EMA")
     return fl
