@@ -16,6 +16,7 @@ from foxhunt.models.tft import (
     InterpretableMultiHeadAttention,
     TemporalFusionTransformer,
     VariableSelectionNetwork,
+    _VariableGRNs,
 )
 
 
@@ -99,9 +100,10 @@ def _loop_vsn_reference(vsn: VariableSelectionNetwork, x: torch.Tensor, ctx: tor
     return (weights.unsqueeze(-1) * stacked).sum(-2), weights
 
 
-@pytest.mark.parametrize("n_vars,e,d", [(7, 5, 12), (3, 12, 12), (1, 4, 8)])
-def test_vsn_fused_equals_loop_reference(n_vars: int, e: int, d: int) -> None:
-    vsn = VariableSelectionNetwork(n_vars, e, d, context_size=d).eval()
+@pytest.mark.parametrize("n_vars,e,d,pairs", [(7, 5, 12, 8192), (7, 5, 12, 30), (3, 12, 12, 1), (1, 4, 8, 5)])
+def test_vsn_fused_equals_loop_reference(n_vars: int, e: int, d: int, pairs: int) -> None:
+    """Whole batch in one chunk, and row chunks of every size down to one row (ragged last chunk included)."""
+    vsn = VariableSelectionNetwork(n_vars, e, d, context_size=d, pairs_per_chunk=pairs).eval()
     with torch.no_grad():
         vsn.variable_grns.norm_weight.uniform_(0.5, 1.5)
     x, ctx = torch.randn(3, 4, n_vars), torch.randn(3, d)
@@ -114,14 +116,48 @@ def test_vsn_fused_equals_loop_reference(n_vars: int, e: int, d: int) -> None:
     torch.testing.assert_close(w.sum(-1), torch.ones(3, 4))
 
 
-def test_vsn_fused_gradients_match_reference() -> None:
-    vsn = VariableSelectionNetwork(5, 4, 8, context_size=8).eval()
+@pytest.mark.parametrize("e,d,pairs", [(4, 8, 8192), (4, 8, 12), (8, 8, 7)])
+def test_vsn_fused_gradients_match_reference(e: int, d: int, pairs: int) -> None:
+    """Hand-written chunked backward == autograd through the unfused layers (parameters and inputs)."""
+    vsn = VariableSelectionNetwork(5, e, d, context_size=d, pairs_per_chunk=pairs).eval()
+    with torch.no_grad():
+        vsn.variable_grns.norm_weight.uniform_(0.5, 1.5)
+        vsn.variable_grns.norm_bias.normal_()
     ref = copy.deepcopy(vsn)
-    x, ctx = torch.randn(2, 3, 5), torch.randn(2, 8)
+    x, ctx = torch.randn(2, 3, 5, requires_grad=True), torch.randn(2, d)
+    x_ref = x.detach().clone().requires_grad_(True)
     vsn(x, ctx)[0].square().sum().backward()
-    ref.forward_embedded(ref.embed(x), ctx)[0].square().sum().backward()
+    ref.forward_embedded(ref.embed(x_ref), ctx)[0].square().sum().backward()
     for (name, p), q in zip(vsn.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)  # float32 rounding only
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [3, 4, 10])
+def test_chunked_variable_grns_gradcheck_with_dropout(rows: int) -> None:
+    """Finite differences (float64) through the chunked GRNs with dropout on: the kept masks are the ones used."""
+    v, n, h, d = 3, 10, 4, 6
+    x, w = torch.randn(v, n, dtype=torch.float64), torch.rand(v, n, dtype=torch.float64)
+    shapes = [(v, h), (v, h), (v, h, h), (v, h), (v, h, 2 * d), (v, 2 * d), (v, d), (v, d), (v, d), (v, d)]
+    params = [torch.randn(*s, dtype=torch.float64) for s in shapes]
+
+    def fn(*args: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(1)  # same dropout masks at every evaluation
+        return _VariableGRNs.apply(args[0], args[1], 0.3, rows, *args[2:])
+
+    inputs = [t.requires_grad_(True) for t in (x, w, *params)]
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5)
+
+
+def test_vsn_dropout_in_training_only() -> None:
+    vsn = VariableSelectionNetwork(6, 4, 8, context_size=8, dropout=0.5, pairs_per_chunk=10)
+    x, ctx = torch.randn(3, 5, 6), torch.randn(3, 8)
+    evaluated = vsn.eval()(x, ctx)[0]
+    trained = vsn.train()(x, ctx)[0]
+    assert not torch.allclose(trained, evaluated)
+    no_dropout = VariableSelectionNetwork(6, 4, 8, context_size=8, dropout=0.0, pairs_per_chunk=10)
+    no_dropout.load_state_dict(vsn.state_dict())
+    torch.testing.assert_close(no_dropout.train()(x, ctx)[0], no_dropout.eval()(x, ctx)[0])
 
 
 def test_vsn_rejects_wrong_width() -> None:

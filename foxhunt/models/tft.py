@@ -137,8 +137,10 @@ class VariableSelectionNetwork(nn.Module):
         context_size: int | None = None,
         dropout: float = 0.0,
         continuous: bool = True,
+        pairs_per_chunk: int = 8192,
     ) -> None:
         super().__init__()
+        self.pairs_per_chunk = pairs_per_chunk  # (row, variable) pairs per chunk of the per-variable GRNs on CPU
         if n_variables < 1:
             raise ValueError(f"a variable selection network needs at least one variable, got {n_variables}")
         self.n_variables, self.input_size, self.hidden_size, self.continuous = n_variables, input_size, hidden_size, continuous
@@ -189,18 +191,20 @@ class VariableSelectionNetwork(nn.Module):
         weights = torch.softmax(fg.from_projections(fc2_out, residual, ctx).float(), dim=-1)  # [N, V]
         # Per-variable GRNs, variable-major: first layer and skip are rank-1 in the scalar x_v.
         g = self.variable_grns
-        xv = flat_x.t().unsqueeze(-1)  # [V, N, 1]
         a2 = torch.einsum("ve,veh->vh", self.embed_weight, g.fc2_weight)
         b2 = torch.einsum("ve,veh->vh", self.embed_bias, g.fc2_weight) + g.fc2_bias
-        fc2_v = torch.addcmul(b2.unsqueeze(1), xv, a2.unsqueeze(1))  # [V, N, h]
         if g.skip_weight is not None:
             a_s = torch.einsum("ve,veo->vo", self.embed_weight, g.skip_weight)
             b_s = torch.einsum("ve,veo->vo", self.embed_bias, g.skip_weight) + g.skip_bias
-            res_v = torch.addcmul(b_s.unsqueeze(1), xv, a_s.unsqueeze(1))
         else:
-            res_v = torch.addcmul(self.embed_bias.unsqueeze(1), xv, self.embed_weight.unsqueeze(1))
-        processed = g.from_projections(fc2_v, res_v)  # [V, N, d]
-        combined = _weighted_sum(processed, weights)
+            a_s, b_s = self.embed_weight, self.embed_bias
+        p = g.dropout.p if g.training else 0.0
+        glu_weight = g.glu_weight / (1.0 - p) if p > 0.0 else g.glu_weight  # dropout's 1/(1-p) moved onto W_glu
+        rows = max(1, self.pairs_per_chunk // v) if x.device.type == "cpu" else flat_x.shape[0]
+        combined = _selected_variable_grns(
+            flat_x.t(), weights.t(), (a2, b2, g.fc1_weight, g.fc1_bias, glu_weight, g.glu_bias, a_s, b_s,
+                                  g.norm_weight, g.norm_bias), p, rows,
+        )
         return combined.reshape(*lead, self.hidden_size), weights.reshape(*lead, v)
 
     def forward_embedded(self, e: Tensor, context: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -212,6 +216,113 @@ class VariableSelectionNetwork(nn.Module):
         processed = self.variable_grns(flat.transpose(0, 1))
         combined = _weighted_sum(processed, weights)
         return combined.reshape(*lead, self.hidden_size), weights.reshape(*lead, self.n_variables)
+
+
+@torch.compiler.disable  # a loop of cache-sized chunks: compiling would unroll it, and it is already fused by hand
+def _selected_variable_grns(x: Tensor, weights: Tensor, params: tuple[Tensor, ...], p: float, rows: int) -> Tensor:
+    """sum_v weights[v, n] * GRN_v(x[v, n]) in float32 (autocast off: the GRNs end in a float32 LayerNorm anyway)."""
+    with torch.autocast(x.device.type, enabled=False):
+        x, weights = x.float().contiguous(), weights.float().contiguous()  # [V, N]: chunks are row slices
+        return _VariableGRNs.apply(x, weights, p, rows, *(t.float().contiguous() for t in params))
+
+
+class _VariableGRNs(torch.autograd.Function):
+    """Per-variable GRNs on scalar inputs and their selection-weighted sum, ``rows`` rows at a time.
+
+    Forward keeps nothing of size [V, N, d]: each chunk's [V, rows, *] intermediates stay in cache and are reduced
+    over variables at once; backward recomputes a chunk's forward and applies the chain rule by hand (the same
+    maths as autograd through the layers, with the dropout masks kept from the forward pass as booleans).
+    Parameters (variable-major): a2, b2 [V, h] (embedding composed with fc2), fc1 [V, h, h] and [V, h], glu
+    [V, h, 2d] (already divided by 1-p) and [V, 2d], a_s, b_s [V, d] (embedding composed with skip), norm [V, d] x2.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weights: Tensor, p: float, rows: int, *params: Tensor) -> Tensor:  # type: ignore[override]
+        """x [V, N] scalars, weights [V, N] -> [N, d]."""
+        n = x.shape[1]
+        wt = weights
+        gamma, beta = params[8].unsqueeze(1), params[9].unsqueeze(1)
+        out = x.new_empty(n, params[8].shape[-1])
+        masks: list[Tensor | None] = []
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            mask = None
+            if p > 0.0:  # keep with probability 1-p, as nn.Dropout's bernoulli_(1-p) (uniform draws are cheaper on CPU)
+                mask = torch.rand(x.shape[0], r1 - r0, params[2].shape[-1], device=x.device) < 1.0 - p
+            masks.append(mask)
+            ln = _grn_chunk(x[:, r0:r1].unsqueeze(-1), mask, params)[-3]
+            out[r0:r1] = ln.mul_(gamma).add_(beta).mul_(wt[:, r0:r1].unsqueeze(-1)).sum(0)
+        ctx.save_for_backward(x, weights, *params)
+        ctx.masks, ctx.rows = masks, rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        """Chain rule through each chunk's recomputed forward; parameter gradients accumulate over chunks."""
+        x, weights, *params = ctx.saved_tensors
+        a2, _b2, w1, _b1, wg, _bg, a_s, _b_s, gamma, beta = params
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grads = [torch.zeros_like(t) for t in params]
+        da2, db2, dw1, db1, dwg, dbg, da_s, db_s, dgamma, dbeta = grads
+        dx = torch.empty_like(x) if need_x else None
+        dwt = x.new_empty(x.shape) if need_w else None  # [V, N]
+        wt, grad_out = weights, grad_out.contiguous()
+        d = gamma.shape[-1]
+        w1_t, wg_t = w1.transpose(1, 2), wg.transpose(1, 2)
+        for i, r0 in enumerate(range(0, x.shape[1], ctx.rows)):
+            r1 = min(x.shape[1], r0 + ctx.rows)
+            xc, wc, gc, mask = x[:, r0:r1].unsqueeze(-1), wt[:, r0:r1], grad_out[r0:r1], ctx.masks[i]
+            f2, e, eta, gl, gate, z, ln, mean, rstd = _grn_chunk(xc, mask, params)
+            u = ln * gc  # [V, R, d]: d out / d (w, gamma) both read it
+            dgamma.unsqueeze(1).baddbmm_(wc.unsqueeze(1), u)
+            if dwt is not None:
+                dwt[:, r0:r1] = torch.baddbmm((beta @ gc.t()).unsqueeze(-1), u, gamma.unsqueeze(-1)).squeeze(-1)
+            dbeta.addmm_(wc, gc)
+            dln = torch.mul(wc.unsqueeze(-1), gc).mul_(gamma.unsqueeze(1))
+            dz = torch.ops.aten.native_layer_norm_backward(dln, z, [d], mean, rstd, None, None, [True, False, False])[0]
+            xc_t = xc.transpose(1, 2)
+            da_s.unsqueeze(1).baddbmm_(xc_t, dz)
+            db_s.add_(dz.sum(1))
+            dg = torch.empty_like(gl)  # GLU backward: d/dA = dz * gate, d/dB = dz * A * gate * (1 - gate)
+            da = torch.mul(dz, gate, out=dg[..., :d])
+            db = torch.mul(da, gl[..., :d], out=dg[..., d:])
+            db.addcmul_(db, gate, value=-1.0)
+            dwg.baddbmm_(eta.transpose(1, 2), dg)
+            dbg.add_(dg.sum(1))
+            deta = torch.bmm(dg, wg_t)
+            if mask is not None:
+                deta.mul_(mask)
+            dw1.baddbmm_(e.transpose(1, 2), deta)
+            db1.add_(deta.sum(1))
+            df2 = torch.ops.aten.elu_backward(torch.bmm(deta, w1_t), 1.0, 1, 1, False, f2)
+            da2.unsqueeze(1).baddbmm_(xc_t, df2)
+            db2.add_(df2.sum(1))
+            if dx is not None:
+                dx[:, r0:r1] = (df2 * a2.unsqueeze(1)).sum(-1) + (dz * a_s.unsqueeze(1)).sum(-1)
+        return (dx, dwt, None, None, *grads)
+
+
+def _grn_chunk(xc: Tensor, mask: Tensor | None, params: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """One chunk of the per-variable GRNs, xc [V, R, 1] -> (fc2, ELU, eta1, GLU input, its gate, z, LN(z), mean, rstd)."""
+    a2, b2, w1, b1, wg, bg, a_s, b_s = params[:8]
+    d = a_s.shape[-1]
+    f2 = torch.addcmul(b2.unsqueeze(1), xc, a2.unsqueeze(1))  # W2 embed(x) + b2, rank-1 in x
+    e = F.elu(f2)
+    eta = torch.bmm(e, w1).add_(b1.unsqueeze(1))  # bmm + add_: baddbmm's broadcast bias copy is slower on CPU
+    if mask is not None:
+        eta.mul_(mask)
+    gl = torch.bmm(eta, wg).add_(bg.unsqueeze(1))
+    gate = torch.sigmoid(gl[..., d:])
+    z = torch.mul(gl[..., :d], gate).addcmul_(xc, a_s.unsqueeze(1)).add_(b_s.unsqueeze(1))  # GLU + skip(embed(x))
+    # LayerNorm statistics as matrix-vector products (two-pass: mean, then the centred variance), faster than
+    # aten's layer_norm over a 32-wide last dim on CPU.
+    flat = z.view(-1, d)
+    avg = z.new_full((d, 1), 1.0 / d)
+    mean = flat @ avg
+    centred = flat - mean
+    rstd = torch.mm(centred * centred, avg).add_(1e-5).rsqrt_()
+    ln = centred.mul_(rstd).view_as(z)
+    return f2, e, eta, gl, gate, z, ln, mean.view(*z.shape[:-1], 1), rstd.view(*z.shape[:-1], 1)
 
 
 def _weighted_sum(processed: Tensor, weights: Tensor) -> Tensor:
