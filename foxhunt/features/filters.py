@@ -255,38 +255,46 @@ def _rolling_extreme(x: np.ndarray, n: int, op) -> np.ndarray:
 def bars_since_extreme(x: np.ndarray, n: int, highest: bool) -> np.ndarray:
     """Bars since the highest (lowest) value of x[t-n..t], n+1 bars, ties to the latest bar (TA-Lib AROON).
 
-    Doubling on (value, position) pairs: when two halves tie the later one wins.
+    Doubling on (extreme, age) pairs, the age (bars since the window's extreme, < 256) in uint8 so that
+    it costs little memory traffic: when two halves tie the later one wins.
     """
     S, T = x.shape
     w = n + 1
     out = nan_empty((S, T), min(T, w - 1))
     if T < w:
         return out
-    v = x if highest else -x
-    itype = np.int32 if T < 2**31 else np.int64
-    pos = np.broadcast_to(np.arange(T, dtype=itype), (S, T))
-    m, i, k = v, pos, 1
-    vals, idx = [np.empty_like(v), np.empty_like(v)], [np.empty((S, T), itype), np.empty((S, T), itype)]
-    later, d = np.empty((S, T), bool), np.empty((S, T), itype)
+    if w > 128:
+        raise ValueError(f"bars_since_extreme: window {w} exceeds 128 bars")
+    op, later_of = (np.maximum, np.greater_equal) if highest else (np.minimum, np.less_equal)
+    m, age, k = x, np.zeros((S, T), np.uint8), 1  # extreme of x[t-k+1..t] and bars since it
+    vals, ages = [np.empty_like(x), np.empty_like(x)], [np.empty((S, T), np.uint8), age]
+    later, d = np.empty((S, T), bool), np.empty((S, T), np.uint8)
     while 2 * k <= w:
         j = 0 if m is not vals[0] else 1
-        nm, ni = vals[j], idx[j]
-        nm[:, :k], ni[:, :k] = m[:, :k], i[:, :k]
-        lt, dd = later[:, k:], d[:, k:]
-        np.greater_equal(m[:, k:], m[:, :-k], out=lt)
-        np.maximum(m[:, k:], m[:, :-k], out=nm[:, k:])
-        np.subtract(i[:, k:], i[:, :-k], out=dd)
-        dd *= lt
-        np.add(i[:, :-k], dd, out=ni[:, k:])
-        m, i, k = nm, ni, 2 * k
-    a, b = slice(w - 1, None), slice(k - 1, T - w + k)  # recent half ends at t, older half at t - w + k
-    lt, dd = later[:, a], d[:, a]
-    np.greater_equal(m[:, a], m[:, b], out=lt)
-    np.subtract(i[:, a], i[:, b], out=dd)
-    dd *= lt
-    dd += i[:, b]
-    np.subtract(pos[:, w - 1 :], dd, out=out[:, w - 1 :])
+        nm, na = vals[j], ages[0] if age is not ages[0] else ages[1]
+        nm[:, :k], na[:, :k] = m[:, :k], age[:, :k]
+        _merge(m[:, k:], age[:, k:], m[:, :-k], age[:, :-k], k, op, later_of, nm[:, k:], na[:, k:], later[:, k:], d[:, k:])
+        m, age, k = nm, na, 2 * k
+    # window of w = [t-w+1, t-w+k] (ends k - w bars back) U [t-k+1, t]
+    a, b = slice(w - 1, None), slice(k - 1, T - w + k)
+    res = ages[0] if age is not ages[0] else ages[1]
+    _merge(m[:, a], age[:, a], m[:, b], age[:, b], w - k, op, later_of, None, res[:, a], later[:, a], d[:, a])
+    out[:, w - 1 :] = res[:, a]
     return out
+
+
+def _merge(m_new, age_new, m_old, age_old, lag, op, later_of, m_out, age_out, later, d) -> None:
+    """Combine a recent window's (extreme, age) with an older one's ending ``lag`` bars back; ties go to the recent.
+
+    The combined extreme goes to ``m_out`` unless it is None (the last merge needs only the age).
+    """
+    later_of(m_new, m_old, out=later)
+    if m_out is not None:
+        op(m_new, m_old, out=m_out)
+    np.add(age_old, lag, out=age_out)  # the older window's age, seen from t
+    np.subtract(age_out, age_new, out=d)
+    d *= later
+    age_out -= d
 
 
 def _scan_block(a: float) -> int:
