@@ -17,9 +17,9 @@ from numpy.lib.stride_tricks import as_strided
 from scipy.signal import lfilter
 
 
-def shift(x: np.ndarray, k: int, fill: float = np.nan) -> np.ndarray:
-    """x[t - k] (k > 0 looks back), padded with ``fill``."""
-    out = np.empty_like(x)
+def shift(x: np.ndarray, k: int, fill: float = np.nan, out: np.ndarray | None = None) -> np.ndarray:
+    """x[t - k] (k > 0 looks back), padded with ``fill``, into ``out`` when given."""
+    out = np.empty_like(x) if out is None else out
     if k <= 0:
         raise ValueError(f"shift: k must be positive (a look-back), got {k}")
     out[:, :k] = fill
@@ -35,9 +35,9 @@ def diff(x: np.ndarray, k: int = 1, out: np.ndarray | None = None) -> np.ndarray
     return out
 
 
-def nan_empty(shape: tuple[int, ...], filled: int) -> np.ndarray:
-    """An uninitialised float64 array whose first ``filled`` bars (last axis) are NaN: cheaper than np.full."""
-    out = np.empty(shape)
+def nan_empty(shape: tuple[int, ...], filled: int, out: np.ndarray | None = None) -> np.ndarray:
+    """An uninitialised float64 array (``out`` if given) whose first ``filled`` bars (last axis) are NaN."""
+    out = np.empty(shape) if out is None else out
     out[..., :filled] = np.nan
     return out
 
@@ -225,19 +225,19 @@ class BlockPrefix:
         return self._flat(m, n), self._flat(var, n)
 
 
-def rolling_max(x: np.ndarray, n: int) -> np.ndarray:
+def rolling_max(x: np.ndarray, n: int, out: np.ndarray | None = None) -> np.ndarray:
     """Highest value of x[t-n+1..t] (doubling: ceil(log2 n) + 1 passes, exact)."""
-    return _rolling_extreme(x, n, np.maximum)
+    return _rolling_extreme(x, n, np.maximum, out)
 
 
-def rolling_min(x: np.ndarray, n: int) -> np.ndarray:
+def rolling_min(x: np.ndarray, n: int, out: np.ndarray | None = None) -> np.ndarray:
     """Lowest value of x[t-n+1..t]."""
-    return _rolling_extreme(x, n, np.minimum)
+    return _rolling_extreme(x, n, np.minimum, out)
 
 
-def _rolling_extreme(x: np.ndarray, n: int, op) -> np.ndarray:
+def _rolling_extreme(x: np.ndarray, n: int, op, out: np.ndarray | None) -> np.ndarray:
     S, T = x.shape
-    out = nan_empty((S, T), min(T, n - 1))
+    out = nan_empty((S, T), min(T, n - 1), out)
     if T < n:
         return out
     m, k = x, 1  # m[t] = extreme of x[t-k+1..t]
@@ -252,7 +252,7 @@ def _rolling_extreme(x: np.ndarray, n: int, op) -> np.ndarray:
     return out
 
 
-def bars_since_extreme(x: np.ndarray, n: int, highest: bool) -> np.ndarray:
+def bars_since_extreme(x: np.ndarray, n: int, highest: bool, out: np.ndarray | None = None) -> np.ndarray:
     """Bars since the highest (lowest) value of x[t-n..t], n+1 bars, ties to the latest bar (TA-Lib AROON).
 
     Doubling on (extreme, age) pairs, the age (bars since the window's extreme, < 256) in uint8 so that
@@ -260,7 +260,7 @@ def bars_since_extreme(x: np.ndarray, n: int, highest: bool) -> np.ndarray:
     """
     S, T = x.shape
     w = n + 1
-    out = nan_empty((S, T), min(T, w - 1))
+    out = nan_empty((S, T), min(T, w - 1), out)
     if T < w:
         return out
     if w > 128:
@@ -339,13 +339,14 @@ def first_order(x: np.ndarray, a: float, b: float, y0: np.ndarray, out: np.ndarr
     return out
 
 
-def ema(x: np.ndarray, n: int | None = None, start: int = 0, alpha: float | None = None, seed: str = "sma") -> np.ndarray:
+def ema(x: np.ndarray, n: int | None = None, start: int = 0, alpha: float | None = None, seed: str = "sma",
+        out: np.ndarray | None = None) -> np.ndarray:
     """Exponential moving average as TA-Lib computes it.
 
     x is valid from ``start``; the filter is seeded at ``start + n - 1`` with the simple mean of the
     first n valid values (TA-Lib's default seeding), then y[t] = y[t-1] + alpha * (x[t] - y[t-1]) with
     alpha = 2 / (n + 1) unless given (Wilder smoothing: alpha = 1 / n). ``seed="first"`` seeds with the
-    first valid value at ``start`` instead (TA-Lib's ADOSC).
+    first valid value at ``start`` instead (TA-Lib's ADOSC). Written into ``out`` when given.
     """
     if alpha is None:
         alpha = 2.0 / (n + 1)
@@ -353,7 +354,7 @@ def ema(x: np.ndarray, n: int | None = None, start: int = 0, alpha: float | None
         raise ValueError(f"unknown EMA seeding {seed!r}")
     S, T = x.shape
     s = start + n - 1 if seed == "sma" else start
-    out = nan_empty((S, T), min(s, T))
+    out = nan_empty((S, T), min(s, T), out)
     if s >= T:
         return out
     y0 = x[:, start : s + 1].mean(axis=1) if seed == "sma" else x[:, s].copy()
@@ -362,16 +363,16 @@ def ema(x: np.ndarray, n: int | None = None, start: int = 0, alpha: float | None
     return out
 
 
-def wilder(x: np.ndarray, n: int, start: int = 0) -> np.ndarray:
+def wilder(x: np.ndarray, n: int, start: int = 0, out: np.ndarray | None = None) -> np.ndarray:
     """Wilder's smoothing (RSI, ATR, ADX): an EMA with alpha = 1/n, seeded with the mean of the first n values."""
-    return ema(x, n, start, alpha=1.0 / n)
+    return ema(x, n, start, alpha=1.0 / n, out=out)
 
 
-def wilder_sum(x: np.ndarray, n: int, start: int = 0) -> np.ndarray:
+def wilder_sum(x: np.ndarray, n: int, start: int = 0, out: np.ndarray | None = None) -> np.ndarray:
     """Wilder's running sum as TA-Lib's DM/DI: seeded with the sum of n-1 values, then y = y - y/n + x."""
     S, T = x.shape
     s = start + n - 2
-    out = nan_empty((S, T), min(max(s, 0), T))
+    out = nan_empty((S, T), min(max(s, 0), T), out)
     if s >= T or n < 2:
         out[:] = np.nan
         return out

@@ -28,7 +28,8 @@ def _gains(p: Panel) -> tuple[np.ndarray, np.ndarray]:
 
     def f():
         d = p.close_change()
-        return np.maximum(d, 0.0), np.maximum(-d, 0.0)
+        down = np.negative(d, out=p.empty())
+        return np.maximum(d, 0.0, out=p.empty()), np.maximum(down, 0.0, out=down)
 
     return p.memo("gains_losses", f)
 
@@ -36,7 +37,7 @@ def _gains(p: Panel) -> tuple[np.ndarray, np.ndarray]:
 def _gain_loss_averages(p: Panel, n: int) -> tuple[np.ndarray, np.ndarray]:
     def f():
         up, down = _gains(p)
-        return F.wilder(up, n, start=1), F.wilder(down, n, start=1)
+        return F.wilder(up, n, start=1, out=p.empty()), F.wilder(down, n, start=1, out=p.empty())
 
     return p.memo(("gain_loss", n), f)
 
@@ -55,7 +56,7 @@ def cmo(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
 
 def hh_ll(p: Panel, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Highest high and lowest low over the last n bars."""
-    return p.memo(("hh_ll", n), lambda: (F.rolling_max(p.high, n), F.rolling_min(p.low, n)))
+    return p.memo(("hh_ll", n), lambda: (F.rolling_max(p.high, n, p.empty()), F.rolling_min(p.low, n, p.empty())))
 
 
 def stoch(p: Panel, fastk: int, slowk: int = 3, slowd: int = 3) -> tuple[np.ndarray, np.ndarray]:
@@ -83,11 +84,11 @@ def macd(p: Panel, fast: int, slow: int, signal: int) -> tuple[np.ndarray, np.nd
     """TA-Lib MACD: the fast EMA is seeded at the slow EMA's first bar (TA-Lib's alignment), signal = EMA of the line."""
 
     def f():
-        line = F.ema(p.close, fast, start=slow - fast)
+        line = F.ema(p.close, fast, start=slow - fast, out=p.empty())
         line -= F.ema(p.close, slow)
-        sig = F.ema(line, signal, start=slow - 1)
+        sig = F.ema(line, signal, start=slow - 1, out=p.empty())
         line[:, : slow + signal - 2] = np.nan  # TA-Lib reports all three from the signal's first bar
-        return line, sig, line - sig
+        return line, sig, np.subtract(line, sig, out=p.empty())
 
     return p.memo(("macd", fast, slow, signal), f)
 
@@ -123,23 +124,26 @@ def directional(p: Panel, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """TA-Lib PLUS_DI, MINUS_DI and ADX: Wilder sums of +DM, -DM and TR, DX smoothed by Wilder into ADX."""
 
     def moves():
-        dp = F.diff(p.high, 1)
-        dm = F.diff(p.low, 1)
+        dp = F.diff(p.high, 1, p.empty())
+        dm = F.diff(p.low, 1, p.empty())
         np.negative(dm, out=dm)
         # masks by multiplication: np.where is slow on random masks
-        return dp * ((dp > 0) & (dp > dm)), dm * ((dm > 0) & (dp < dm))
+        plus, minus = (dp > 0) & (dp > dm), (dm > 0) & (dp < dm)
+        dp *= plus
+        dm *= minus
+        return dp, dm
 
     def f():
         plus, minus = p.memo("directional_moves", moves)
         tr_s = F.wilder_sum(p.true_range(), n, start=1)
-        pdi = F.safe_div(F.wilder_sum(plus, n, start=1), tr_s, scale=100.0)
-        mdi = F.safe_div(F.wilder_sum(minus, n, start=1), tr_s, out=tr_s, scale=100.0)
-        pdi[:, :n] = np.nan
-        mdi[:, :n] = np.nan
-        tot = mdi + pdi
-        dx = np.subtract(mdi, pdi)
+        pdi = F.wilder_sum(plus, n, start=1, out=p.empty())
+        mdi = F.wilder_sum(minus, n, start=1, out=p.empty())
+        for di in (pdi, mdi):
+            F.safe_div(di, tr_s, out=di, scale=100.0)
+            di[:, :n] = np.nan
+        dx = np.subtract(mdi, pdi, out=tr_s)
         np.abs(dx, out=dx)
-        adx = F.wilder(F.safe_div(dx, tot, out=dx, scale=100.0), n, start=n)
+        adx = F.wilder(F.safe_div(dx, mdi + pdi, out=dx, scale=100.0), n, start=n, out=p.empty())
         return pdi, mdi, adx
 
     return p.memo(("directional", n), f)
@@ -149,8 +153,8 @@ def aroon(p: Panel, n: int) -> tuple[np.ndarray, np.ndarray]:
     """TA-Lib AROON: 100 * (n - bars since the highest high / lowest low of the last n+1 bars) / n."""
 
     def f():
-        up = F.bars_since_extreme(p.high, n, highest=True)
-        down = F.bars_since_extreme(p.low, n, highest=False)
+        up = F.bars_since_extreme(p.high, n, highest=True, out=p.empty())
+        down = F.bars_since_extreme(p.low, n, highest=False, out=p.empty())
         for x in (up, down):  # 100 (n - x) / n
             np.subtract(n, x, out=x)
             x *= 100.0
@@ -180,9 +184,9 @@ def ultosc(p: Panel, n1: int = 7, n2: int = 14, n3: int = 28, out: np.ndarray | 
 
 def trix(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
     """TA-Lib TRIX: 1-bar percent change of a triple EMA (each EMA seeded with the SMA of its input)."""
-    e1 = F.ema(p.close, n)
+    e1 = F.ema(p.close, n, out=p.empty())
     e2 = F.ema(e1, n, start=n - 1)
-    e3 = F.ema(e2, n, start=2 * n - 2)
+    e3 = F.ema(e2, n, start=2 * n - 2, out=e1)
     return F.pct_change(e3, 1, out)
 
 

@@ -18,7 +18,7 @@ def sma(p: Panel, n: int) -> np.ndarray:
 
 def ema(p: Panel, n: int) -> np.ndarray:
     """TA-Lib EMA of the close, seeded with the SMA of the first n closes."""
-    return p.memo(("ema", n), lambda: F.ema(p.close, n))
+    return p.memo(("ema", n), lambda: F.ema(p.close, n, out=p.empty()))
 
 
 def _abs_change_prefix(p: Panel) -> F.Prefix:
@@ -32,7 +32,7 @@ def kama(p: Panel, n: int) -> np.ndarray:
     def f():
         c = p.close
         S, T = c.shape
-        out = F.nan_empty((S, T), min(n, T))
+        out = F.nan_empty((S, T), min(n, T), p.empty())
         if T <= n:
             return out
         noise = _abs_change_prefix(p).sum(n)[:, n:]
