@@ -231,7 +231,7 @@ class _VariableGRNs(torch.autograd.Function):
 
     Forward keeps nothing of size [V, N, d]: each chunk's [V, rows, *] intermediates stay in cache and are reduced
     over variables at once; backward recomputes a chunk's forward and applies the chain rule by hand (the same
-    maths as autograd through the layers, with the dropout masks kept from the forward pass as booleans).
+    maths as autograd through the layers, with the dropout masks kept from the forward pass as bytes, 1 = kept).
     Parameters (variable-major): a2, b2 [V, h] (embedding composed with fc2), fc1 [V, h, h] and [V, h], glu
     [V, h, 2d] (already divided by 1-p) and [V, 2d], a_s, b_s [V, d] (embedding composed with skip), norm [V, d] x2.
     """
@@ -239,19 +239,22 @@ class _VariableGRNs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weights: Tensor, p: float, rows: int, *params: Tensor) -> Tensor:  # type: ignore[override]
         """x [V, N] scalars, weights [V, N] -> [N, d]."""
-        n = x.shape[1]
-        wt = weights
-        gamma, beta = params[8].unsqueeze(1), params[9].unsqueeze(1)
-        out = x.new_empty(n, params[8].shape[-1])
+        (v, n), h, d = x.shape, params[2].shape[-1], params[8].shape[-1]
+        gamma, beta = params[8].unsqueeze(1), params[9]
+        out = x.new_empty(n, d)
         masks: list[Tensor | None] = []
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             mask = None
-            if p > 0.0:  # keep with probability 1-p, as nn.Dropout's bernoulli_(1-p) (uniform draws are cheaper on CPU)
-                mask = torch.rand(x.shape[0], r1 - r0, params[2].shape[-1], device=x.device) < 1.0 - p
+            if p > 0.0:  # kept with probability 1-p, as nn.Dropout's bernoulli_(1-p) (uniform draws are cheaper on CPU)
+                mask = (torch.rand(v, r1 - r0, h, device=x.device) < 1.0 - p).view(torch.uint8)
             masks.append(mask)
-            ln = _grn_chunk(x[:, r0:r1].unsqueeze(-1), mask, params)[-3]
-            out[r0:r1] = ln.mul_(gamma).add_(beta).mul_(wt[:, r0:r1].unsqueeze(-1)).sum(0)
+            wc = weights[:, r0:r1]
+            centred, rstd = _grn_chunk(x[:, r0:r1].unsqueeze(-1), mask, params)[-2:]
+            # sum_v w (LN(z) gamma + beta) = sum_v (centred * rstd * w) gamma + w^T beta
+            scaled = centred.mul_(rstd.mul_(wc.unsqueeze(-1))).mul_(gamma)
+            torch.sum(scaled, 0, out=out[r0:r1])
+            out[r0:r1].addmm_(wc.t(), beta)
         ctx.save_for_backward(x, weights, *params)
         ctx.masks, ctx.rows = masks, rows
         return out
@@ -261,68 +264,77 @@ class _VariableGRNs(torch.autograd.Function):
         """Chain rule through each chunk's recomputed forward; parameter gradients accumulate over chunks."""
         x, weights, *params = ctx.saved_tensors
         a2, _b2, w1, _b1, wg, _bg, a_s, _b_s, gamma, beta = params
+        (v, n), h, d = x.shape, w1.shape[-1], gamma.shape[-1]
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grads = [torch.zeros_like(t) for t in params]
         da2, db2, dw1, db1, dwg, dbg, da_s, db_s, dgamma, dbeta = grads
+        dwa, dwb = torch.zeros(v, h, d, dtype=x.dtype, device=x.device), torch.zeros(v, h, d, dtype=x.dtype, device=x.device)
         dx = torch.empty_like(x) if need_x else None
-        dwt = x.new_empty(x.shape) if need_w else None  # [V, N]
-        wt, grad_out = weights, grad_out.contiguous()
-        d = gamma.shape[-1]
-        w1_t, wg_t = w1.transpose(1, 2), wg.transpose(1, 2)
-        for i, r0 in enumerate(range(0, x.shape[1], ctx.rows)):
-            r1 = min(x.shape[1], r0 + ctx.rows)
-            xc, wc, gc, mask = x[:, r0:r1].unsqueeze(-1), wt[:, r0:r1], grad_out[r0:r1], ctx.masks[i]
-            f2, e, eta, gl, gate, z, ln, mean, rstd = _grn_chunk(xc, mask, params)
-            u = ln * gc  # [V, R, d]: d out / d (w, gamma) both read it
+        dweights = torch.empty_like(weights) if need_w else None
+        grad_out = grad_out.contiguous()
+        x1 = torch.stack([x, torch.ones_like(x)], dim=1)  # [V, 2, N]: one product gives a rank-1 layer's (a, b) grads
+        w1_t, wa_t, wb_t = w1.transpose(1, 2), wg[..., :d].transpose(1, 2), wg[..., d:].transpose(1, 2)
+        gamma_col, a2_col, a_s_col = gamma.unsqueeze(-1), a2.unsqueeze(-1), a_s.unsqueeze(-1)
+        for i, r0 in enumerate(range(0, n, ctx.rows)):
+            r1 = min(n, r0 + ctx.rows)
+            xc, wc, gc, mask = x[:, r0:r1].unsqueeze(-1), weights[:, r0:r1], grad_out[r0:r1], ctx.masks[i]
+            e, eta, glu_a, gate, centred, rstd = _grn_chunk(xc, mask, params)
+            ln = centred.mul_(rstd)
+            u = ln * gc  # [V, R, d]
+            s2 = torch.bmm(u, gamma_col)  # [V, R, 1]: sum_k LN(z) gamma G
             dgamma.unsqueeze(1).baddbmm_(wc.unsqueeze(1), u)
-            if dwt is not None:
-                dwt[:, r0:r1] = torch.baddbmm((beta @ gc.t()).unsqueeze(-1), u, gamma.unsqueeze(-1)).squeeze(-1)
             dbeta.addmm_(wc, gc)
-            dln = torch.mul(wc.unsqueeze(-1), gc).mul_(gamma.unsqueeze(1))
-            dz = torch.ops.aten.native_layer_norm_backward(dln, z, [d], mean, rstd, None, None, [True, False, False])[0]
-            xc_t = xc.transpose(1, 2)
-            da_s.unsqueeze(1).baddbmm_(xc_t, dz)
-            db_s.add_(dz.sum(1))
-            dg = torch.empty_like(gl)  # GLU backward: d/dA = dz * gate, d/dB = dz * A * gate * (1 - gate)
-            da = torch.mul(dz, gate, out=dg[..., :d])
-            db = torch.mul(da, gl[..., :d], out=dg[..., d:])
-            db.addcmul_(db, gate, value=-1.0)
-            dwg.baddbmm_(eta.transpose(1, 2), dg)
-            dbg.add_(dg.sum(1))
-            deta = torch.bmm(dg, wg_t)
+            if dweights is not None:
+                torch.addmm(s2.squeeze(-1), beta, gc.t(), out=dweights[:, r0:r1])
+            # LayerNorm backward with dLN = w gamma G: dz = rstd w (gamma G - mean_k(gamma G) - LN(z) mean_k(LN(z) gamma G))
+            dz = torch.addcmul((gamma @ gc.t()).unsqueeze(-1).mul_(-1.0 / d), gamma.unsqueeze(1), gc)
+            dz.addcmul_(ln, s2, value=-1.0 / d).mul_(rstd.mul_(wc.unsqueeze(-1)))
+            x1c = x1[:, :, r0:r1]
+            ab = torch.bmm(x1c, dz)  # skip(embed(x)) = a_s x + b_s
+            da_s.add_(ab[:, 0])
+            db_s.add_(ab[:, 1])
+            da = dz * gate  # GLU: z = A sigmoid(B)
+            db = torch.ops.aten.sigmoid_backward(dz * glu_a, gate)
+            eta_t = eta.transpose(1, 2)
+            dwa.baddbmm_(eta_t, da)
+            dwb.baddbmm_(eta_t, db)
+            dbg[:, :d].add_(da.sum(1))
+            dbg[:, d:].add_(db.sum(1))
+            deta = torch.bmm(da, wa_t).baddbmm_(db, wb_t)
             if mask is not None:
                 deta.mul_(mask)
             dw1.baddbmm_(e.transpose(1, 2), deta)
             db1.add_(deta.sum(1))
-            df2 = torch.ops.aten.elu_backward(torch.bmm(deta, w1_t), 1.0, 1, 1, False, f2)
-            da2.unsqueeze(1).baddbmm_(xc_t, df2)
-            db2.add_(df2.sum(1))
+            df2 = torch.ops.aten.elu_backward(torch.bmm(deta, w1_t), 1.0, 1, 1, True, e)
+            ab = torch.bmm(x1c, df2)
+            da2.add_(ab[:, 0])
+            db2.add_(ab[:, 1])
             if dx is not None:
-                dx[:, r0:r1] = (df2 * a2.unsqueeze(1)).sum(-1) + (dz * a_s.unsqueeze(1)).sum(-1)
-        return (dx, dwt, None, None, *grads)
+                dx[:, r0:r1] = (torch.bmm(df2, a2_col) + torch.bmm(dz, a_s_col)).squeeze(-1)
+        dwg.copy_(torch.cat([dwa, dwb], dim=-1))
+        return (dx, dweights, None, None, *grads)
 
 
 def _grn_chunk(xc: Tensor, mask: Tensor | None, params: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """One chunk of the per-variable GRNs, xc [V, R, 1] -> (fc2, ELU, eta1, GLU input, its gate, z, LN(z), mean, rstd)."""
+    """One chunk of the per-variable GRNs up to the LayerNorm, xc [V, R, 1] -> (ELU, eta1, GLU value, GLU gate,
+    z - mean, 1/std); the GLU's halves are separate products so that every elementwise op runs contiguous."""
     a2, b2, w1, b1, wg, bg, a_s, b_s = params[:8]
     d = a_s.shape[-1]
     f2 = torch.addcmul(b2.unsqueeze(1), xc, a2.unsqueeze(1))  # W2 embed(x) + b2, rank-1 in x
-    e = F.elu(f2)
+    e = torch.maximum(f2, f2.clamp(max=0.0).exp_().sub_(1.0))  # ELU: max(x, e^min(x,0) - 1), 2x aten's on CPU
     eta = torch.bmm(e, w1).add_(b1.unsqueeze(1))  # bmm + add_: baddbmm's broadcast bias copy is slower on CPU
-    if mask is not None:
+    if mask is not None:  # uint8 0/1: multiplied without the float copy a bool mask would cost
         eta.mul_(mask)
-    gl = torch.bmm(eta, wg).add_(bg.unsqueeze(1))
-    gate = torch.sigmoid(gl[..., d:])
-    z = torch.mul(gl[..., :d], gate).addcmul_(xc, a_s.unsqueeze(1)).add_(b_s.unsqueeze(1))  # GLU + skip(embed(x))
+    glu_a = torch.bmm(eta, wg[..., :d]).add_(bg[:, :d].unsqueeze(1))
+    gate = torch.bmm(eta, wg[..., d:]).add_(bg[:, d:].unsqueeze(1)).sigmoid_()
+    z = torch.addcmul(b_s.unsqueeze(1), xc, a_s.unsqueeze(1)).addcmul_(glu_a, gate)  # skip(embed(x)) + GLU
     # LayerNorm statistics as matrix-vector products (two-pass: mean, then the centred variance), faster than
     # aten's layer_norm over a 32-wide last dim on CPU.
     flat = z.view(-1, d)
     avg = z.new_full((d, 1), 1.0 / d)
-    mean = flat @ avg
-    centred = flat - mean
+    centred = flat.sub_(flat @ avg)
     rstd = torch.mm(centred * centred, avg).add_(1e-5).rsqrt_()
-    ln = centred.mul_(rstd).view_as(z)
-    return f2, e, eta, gl, gate, z, ln, mean.view(*z.shape[:-1], 1), rstd.view(*z.shape[:-1], 1)
+    return e, eta, glu_a, gate, centred.view_as(z), rstd.view(*z.shape[:-1], 1)
 
 
 def _weighted_sum(processed: Tensor, weights: Tensor) -> Tensor:
