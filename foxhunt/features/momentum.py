@@ -197,7 +197,7 @@ def features() -> FeatureList:
     for n in (5, 10, 20):
         fl.add(f"roc_{n}", f"TA-Lib ROC({n}): 100 (C[t]/C[t-{n}] - 1)", n, lambda p, out=None, n=n: roc(p, n, out), talib="ROC")
     for n in (5, 10, 20):
-        fl.add(f"mom_{n}", f"TA-Lib MOM({n}) / ATR(14)", max(n, 14), lambda p, out=None, n=n: F.ratio(mom(p, n), p.atr(14), out), talib="MOM")
+        fl.add(f"mom_{n}", f"TA-Lib MOM({n}) / ATR(14)", max(n, 14), lambda p, out=None, n=n: p.per_atr(mom(p, n), out), talib="MOM")
     for n in (6, 14, 21, 28):
         fl.add(f"rsi_{n}", f"TA-Lib RSI({n}), Wilder smoothing, 0..100", n, lambda p, out=None, n=n: rsi(p, n, out), talib="RSI")
     fl.add("cmo_14", "TA-Lib CMO(14), -100..100", 14, lambda p, out=None: cmo(p, 14, out), talib="CMO")
@@ -210,11 +210,11 @@ def features() -> FeatureList:
     for f_, s_, g_ in ((12, 26, 9), (5, 35, 5)):
         tag, w = f"{f_}_{s_}_{g_}", s_ + g_ - 2
         fl.add(f"macd_{tag}", f"TA-Lib MACD({f_},{s_},{g_}) line / ATR(14)", w,
-               lambda p, out=None, a=(f_, s_, g_): F.ratio(macd(p, *a)[0], p.atr(14), out), talib="MACD")
+               lambda p, out=None, a=(f_, s_, g_): p.per_atr(macd(p, *a)[0], out), talib="MACD")
         fl.add(f"macd_signal_{tag}", f"TA-Lib MACD({f_},{s_},{g_}) signal / ATR(14)", w,
-               lambda p, out=None, a=(f_, s_, g_): F.ratio(macd(p, *a)[1], p.atr(14), out), talib="MACD")
+               lambda p, out=None, a=(f_, s_, g_): p.per_atr(macd(p, *a)[1], out), talib="MACD")
         fl.add(f"macd_hist_{tag}", f"TA-Lib MACD({f_},{s_},{g_}) histogram / ATR(14)", w,
-               lambda p, out=None, a=(f_, s_, g_): F.ratio(macd(p, *a)[2], p.atr(14), out), talib="MACD")
+               lambda p, out=None, a=(f_, s_, g_): p.per_atr(macd(p, *a)[2], out), talib="MACD")
     for n in (14, 20):
         fl.add(f"cci_{n}", f"TA-Lib CCI({n}): (TP - SMA(TP)) / (0.015 mean abs deviation)", n - 1, lambda p, out=None, n=n: cci(p, n, out), talib="CCI")
     for n in (14, 28):

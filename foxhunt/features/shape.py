@@ -29,7 +29,7 @@ def range_rel(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
 def features() -> FeatureList:
     fl = FeatureList("shape")
     fl.add("range_log", "ln(H / L)", 0, lambda p, out=None: log_ratio(p.high, p.low, out))
-    fl.add("range_atr", "(H - L) / ATR(14)", 14, lambda p, out=None: F.ratio(p.hl_range(), p.atr(14), out), talib="ATR")
+    fl.add("range_atr", "(H - L) / ATR(14)", 14, lambda p, out=None: p.per_atr(p.hl_range(), out), talib="ATR")
     fl.add("range_rel_20", "ln(max((H - L) / SMA(20) of (H - L), 0.001))", 19, lambda p, out=None: range_rel(p, 20, out))
     fl.add("body", "TA-Lib BOP: (C - O) / (H - L)", 0, bop, talib="BOP")
     fl.add("upper_wick", "(H - max(O, C)) / (H - L)", 0,
@@ -39,5 +39,5 @@ def features() -> FeatureList:
     fl.add("close_location", "(C - L) / (H - L), 0.5 on flat bars", 0, lambda p, out=None: F.safe_div(p.close - p.low, p.hl_range(), 0.5, out))
     fl.add("bar_return", "ln(C / O)", 0, lambda p, out=None: log_ratio(p.close, p.open, out))
     fl.add("gap", "ln(O[t] / C[t-1])", 1, lambda p, out=None: log_ratio(p.open, p.prev_close(), out))
-    fl.add("gap_atr", "(O[t] - C[t-1]) / ATR(14)", 14, lambda p, out=None: F.ratio(p.open - p.prev_close(), p.atr(14), out), talib="ATR")
+    fl.add("gap_atr", "(O[t] - C[t-1]) / ATR(14)", 14, lambda p, out=None: p.per_atr(p.open - p.prev_close(), out), talib="ATR")
     return fl

@@ -54,11 +54,11 @@ def kama(p: Panel, n: int) -> np.ndarray:
 
 
 def _dist(p: Panel, ma: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    return F.ratio(p.close - ma, p.atr(14), out)
+    return p.per_atr(p.close - ma, out)
 
 
 def _slope(p: Panel, ma: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    return F.ratio(F.diff(ma, 1), p.atr(14), out)
+    return p.per_atr(F.diff(ma, 1), out)
 
 
 def features() -> FeatureList:
@@ -77,5 +77,5 @@ def features() -> FeatureList:
         fl.add(f"slope_kama_{n}", f"(KAMA({n})[t] - KAMA({n})[t-1]) / ATR(14)", max(n + 1, 14), lambda p, out=None, n=n: _slope(p, kama(p, n), out), talib="KAMA")
     for a, b in ((5, 20), (20, 50), (50, 200)):
         fl.add(f"ema_cross_{a}_{b}", f"(EMA({a}) - EMA({b})) / ATR(14)", max(b - 1, 14),
-               lambda p, out=None, a=a, b=b: F.ratio(ema(p, a) - ema(p, b), p.atr(14), out), talib="EMA")
+               lambda p, out=None, a=a, b=b: p.per_atr(ema(p, a) - ema(p, b), out), talib="EMA")
     return fl

@@ -77,7 +77,7 @@ def vwap_distance(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray
     flat = vol == 0
     vwap[flat] = tp[flat]
     np.subtract(p.close, vwap, out=vwap)
-    return F.ratio(vwap, p.atr(14), out)
+    return p.per_atr(vwap, out)
 
 
 def amihud(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
