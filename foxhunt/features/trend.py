@@ -38,9 +38,10 @@ def kama(p: Panel, n: int) -> np.ndarray:
         noise = _abs_change_prefix(p).sum(n)[:, n:]
         er = np.subtract(c[:, n:], c[:, :-n])
         np.abs(er, out=er)
-        # |change| <= noise, with equality exactly when TA-Lib sets ER = 1; a flat window (noise 0) gives 1 too
-        F.safe_div(er, noise, fill=1.0, out=er)
-        np.minimum(er, 1.0, out=er)
+        # |change| <= noise, with equality exactly when TA-Lib sets ER = 1; a flat window (0 / 0) gives 1 too:
+        # fmin takes 1 over NaN
+        np.divide(er, noise, out=er)
+        np.fmin(er, 1.0, out=er)
         fastest, slowest = 2.0 / 3.0, 2.0 / 31.0
         er *= fastest - slowest
         er += slowest

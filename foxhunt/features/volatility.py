@@ -26,28 +26,36 @@ def natr(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
     return F.ratio(100.0 * p.atr(n), p.close, out)
 
 
-def bbands(p: Panel, n: int, k: float = 2.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """TA-Lib BBANDS(n, k, k, SMA): middle SMA, bands at k population standard deviations."""
+def _mid_halfwidth(p: Panel, n: int, k: float) -> tuple[np.ndarray, np.ndarray]:
+    """Bollinger middle band (SMA) and half-width (k population standard deviations), shared by the band features."""
 
     def f():
         mid, sd = p.close_prefix().mean_var(n)
         np.sqrt(sd, out=sd)
         sd *= k
-        return mid + sd, mid, np.subtract(mid, sd, out=sd)
+        return mid, sd
 
-    return p.memo(("bbands", n, k), f)
+    return p.memo(("bb_mid_halfwidth", n, k), f)
+
+
+def bbands(p: Panel, n: int, k: float = 2.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """TA-Lib BBANDS(n, k, k, SMA): middle SMA, bands at k population standard deviations."""
+    mid, half = _mid_halfwidth(p, n, k)
+    return mid + half, mid, mid - half
 
 
 def bb_pctb(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
-    """Bollinger %B: (C - lower) / (upper - lower), 0.5 where the bands meet."""
-    upper, _, lower = bbands(p, n)
-    return F.safe_div(p.close - lower, upper - lower, 0.5, out)
+    """Bollinger %B: (C - lower) / (upper - lower) = (C - middle + half-width) / (2 half-width), 0.5 where the bands meet."""
+    mid, half = _mid_halfwidth(p, n, 2.0)
+    num = np.subtract(p.close, mid)
+    num += half
+    return F.safe_div(num, half, 0.5, out, scale=0.5)
 
 
 def bb_width(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
-    """Bollinger bandwidth: (upper - lower) / middle."""
-    upper, mid, lower = bbands(p, n)
-    return F.ratio(upper - lower, mid, out)
+    """Bollinger bandwidth: (upper - lower) / middle = 2 half-width / middle."""
+    mid, half = _mid_halfwidth(p, n, 2.0)
+    return np.divide(2.0 * half, mid, out=out)
 
 
 def log_ratio(num: np.ndarray, den: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
