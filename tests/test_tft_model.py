@@ -16,6 +16,7 @@ from foxhunt.models.tft import (
     InterpretableMultiHeadAttention,
     TemporalFusionTransformer,
     VariableSelectionNetwork,
+    _dropout_keep_mask,
     _VariableGRNs,
 )
 
@@ -147,6 +148,19 @@ def test_chunked_variable_grns_gradcheck_with_dropout(rows: int) -> None:
 
     inputs = [t.requires_grad_(True) for t in (x, w, *params)]
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dropout_keep_mask_is_bernoulli(p: float) -> None:
+    """Geometric gaps between drops give i.i.d. Bernoulli(p) drops: the rate, and pairs at lag 1 and 7 at rate p^2."""
+    n = 400_000
+    dropped = 1.0 - _dropout_keep_mask(n, p, torch.device("cpu")).double()
+    sd = (p * (1 - p) / n) ** 0.5
+    assert abs(float(dropped.mean()) - p) < 5 * sd
+    for lag in (1, 7):
+        both = float((dropped[lag:] * dropped[:-lag]).mean())
+        assert abs(both - p * p) < 5 * (p * p * (1 - p * p) / n) ** 0.5
+    assert _dropout_keep_mask(5, 0.999, torch.device("cpu")).shape == (5,)
 
 
 def test_vsn_dropout_in_training_only() -> None:

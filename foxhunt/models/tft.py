@@ -231,7 +231,7 @@ class _VariableGRNs(torch.autograd.Function):
 
     Forward keeps nothing of size [V, N, d]: each chunk's [V, rows, *] intermediates stay in cache and are reduced
     over variables at once; backward recomputes a chunk's forward and applies the chain rule by hand (the same
-    maths as autograd through the layers, with the dropout masks kept from the forward pass as bytes, 1 = kept).
+    maths as autograd through the layers, with the dropout mask kept from the forward pass as bytes, 1 = kept).
     Parameters (variable-major): a2, b2 [V, h] (embedding composed with fc2), fc1 [V, h, h] and [V, h], glu
     [V, h, 2d] (already divided by 1-p) and [V, 2d], a_s, b_s [V, d] (embedding composed with skip), norm [V, d] x2.
     """
@@ -242,13 +242,10 @@ class _VariableGRNs(torch.autograd.Function):
         (v, n), h, d = x.shape, params[2].shape[-1], params[8].shape[-1]
         gamma, beta = params[8].unsqueeze(1), params[9]
         out = x.new_empty(n, d)
-        masks: list[Tensor | None] = []
+        keep = _dropout_keep_mask(v * n * h, p, x.device).view(v, n, h) if p > 0.0 else None
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
-            mask = None
-            if p > 0.0:  # kept with probability 1-p, as nn.Dropout's bernoulli_(1-p) (uniform draws are cheaper on CPU)
-                mask = (torch.rand(v, r1 - r0, h, device=x.device) < 1.0 - p).view(torch.uint8)
-            masks.append(mask)
+            mask = None if keep is None else keep[:, r0:r1]
             wc = weights[:, r0:r1]
             centred, rstd = _grn_chunk(x[:, r0:r1].unsqueeze(-1), mask, params)[-2:]
             # sum_v w (LN(z) gamma + beta) = sum_v (centred * rstd * w) gamma + w^T beta
@@ -256,7 +253,7 @@ class _VariableGRNs(torch.autograd.Function):
             torch.sum(scaled, 0, out=out[r0:r1])
             out[r0:r1].addmm_(wc.t(), beta)
         ctx.save_for_backward(x, weights, *params)
-        ctx.masks, ctx.rows = masks, rows
+        ctx.keep, ctx.rows = keep, rows
         return out
 
     @staticmethod
@@ -275,9 +272,10 @@ class _VariableGRNs(torch.autograd.Function):
         x1 = torch.stack([x, torch.ones_like(x)], dim=1)  # [V, 2, N]: one product gives a rank-1 layer's (a, b) grads
         w1_t, wa_t, wb_t = w1.transpose(1, 2), wg[..., :d].transpose(1, 2), wg[..., d:].transpose(1, 2)
         gamma_col, a2_col, a_s_col = gamma.unsqueeze(-1), a2.unsqueeze(-1), a_s.unsqueeze(-1)
-        for i, r0 in enumerate(range(0, n, ctx.rows)):
+        for r0 in range(0, n, ctx.rows):
             r1 = min(n, r0 + ctx.rows)
-            xc, wc, gc, mask = x[:, r0:r1].unsqueeze(-1), weights[:, r0:r1], grad_out[r0:r1], ctx.masks[i]
+            xc, wc, gc = x[:, r0:r1].unsqueeze(-1), weights[:, r0:r1], grad_out[r0:r1]
+            mask = None if ctx.keep is None else ctx.keep[:, r0:r1]
             e, eta, glu_a, gate, centred, rstd = _grn_chunk(xc, mask, params)
             ln = centred.mul_(rstd)
             u = ln * gc  # [V, R, d]
@@ -313,6 +311,22 @@ class _VariableGRNs(torch.autograd.Function):
                 dx[:, r0:r1] = (torch.bmm(df2, a2_col) + torch.bmm(dz, a_s_col)).squeeze(-1)
         dwg.copy_(torch.cat([dwa, dwb], dim=-1))
         return (dx, dweights, None, None, *grads)
+
+
+def _dropout_keep_mask(n: int, p: float, device: torch.device) -> Tensor:
+    """n independent Bernoulli(1-p) keeps as uint8, drawn as the geometric gaps between drops: the same process as
+    nn.Dropout's, with one random number per dropped entry instead of one per entry (10x fewer at p = 0.1)."""
+    keep = torch.ones(n, dtype=torch.uint8, device=device)
+    drops, last = [], -1  # ``last``: the latest drop drawn; every position up to it is decided
+    while last < n:
+        todo = n - last
+        m = int(todo * p + 8.0 * math.sqrt(todo * p * (1.0 - p))) + 16  # almost always one round
+        pos = torch.empty(m, dtype=torch.int64, device=device).geometric_(p).cumsum_(0).add_(last)
+        drops.append(pos)
+        last = int(pos[-1])
+    pos = torch.cat(drops) if len(drops) > 1 else drops[0]
+    keep[pos[: int(torch.searchsorted(pos, n))]] = 0
+    return keep
 
 
 def _grn_chunk(xc: Tensor, mask: Tensor | None, params: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
