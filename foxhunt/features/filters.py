@@ -11,6 +11,8 @@ Rows that an indicator has not yet filled are NaN.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from numpy.lib.stride_tricks import as_strided
@@ -60,34 +62,68 @@ def put(x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
     return out
 
 
+def blockwise(fn, out: np.ndarray, *arrays: np.ndarray, block: int = 32768) -> np.ndarray:
+    """out = fn(*arrays) evaluated on blocks of bars (last axis), ``fn(*blocks, out=block_of_out)`` elementwise:
+    the expression's temporaries then stay in cache instead of making full-length round trips to memory."""
+    T = out.shape[-1]
+    for a in range(0, T, block):
+        b = min(T, a + block)
+        fn(*(x[..., a:b] for x in arrays), out=out[..., a:b])
+    return out
+
+
+def _sub_mul(a: np.ndarray, b: np.ndarray, c: np.ndarray, out: np.ndarray) -> np.ndarray:
+    return np.multiply(np.subtract(a, b), c, out=out)
+
+
+def diff_times(a: np.ndarray, b: np.ndarray, c: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """(a - b) * c, blockwise, into ``out`` when given."""
+    return blockwise(_sub_mul, np.empty(a.shape) if out is None else out, a, b, c)
+
+
+def lag_diff_times(x: np.ndarray, k: int, c: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """(x[t] - x[t-k]) * c[t], NaN for the first k bars, blockwise, into ``out`` when given."""
+    out = np.empty(x.shape) if out is None else out
+    out[:, :k] = np.nan
+    blockwise(_sub_mul, out[:, k:], x[:, k:], x[:, :-k], c[:, k:])
+    return out
+
+
 def ratio(num: np.ndarray, den: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """num / den, into ``out`` when given (e.g. a price difference in ATR units)."""
+    """num / den, into ``out`` when given."""
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.divide(num, den, out=out)
 
 
 def pct_change(x: np.ndarray, k: int, out: np.ndarray | None = None) -> np.ndarray:
-    """100 (x[t] / x[t-k] - 1), NaN for the first k bars, into ``out`` when given (TA-Lib ROC)."""
+    """100 (x[t] / x[t-k] - 1), NaN for the first k bars, into ``out`` when given (TA-Lib ROC); blockwise."""
     out = np.empty(x.shape) if out is None else out
     out[:, :k] = np.nan
-    r = x[:, k:] / x[:, :-k]
-    r -= 1.0
-    np.multiply(r, 100.0, out=out[:, k:])
+    blockwise(_pct_block, out[:, k:], x[:, k:], x[:, :-k])
     return out
+
+
+def _pct_block(now: np.ndarray, then: np.ndarray, out: np.ndarray) -> None:
+    r = now / then
+    r -= 1.0
+    np.multiply(r, 100.0, out=out)
 
 
 def safe_div(num: np.ndarray, den: np.ndarray, fill: float = 0.0, out: np.ndarray | None = None,
              scale: float = 1.0) -> np.ndarray:
     """scale * num / den with ``fill`` where den is 0 (TA-Lib's convention for flat ranges), into ``out`` if given
-    (which may be num or den)."""
-    zero = den == 0
-    if not zero.any():
-        zero = None
+    (which may be num or den); blockwise, so the zero mask and the scaled numerator stay in cache."""
+    out = np.empty(num.shape) if out is None else out
     with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.divide(num if scale == 1.0 else scale * num, den, out=out)
-    if zero is not None:
+        return blockwise(functools.partial(_safe_div_block, fill=fill, scale=scale), out, num, den)
+
+
+def _safe_div_block(num: np.ndarray, den: np.ndarray, out: np.ndarray, fill: float, scale: float) -> None:
+    zero = den == 0
+    has_zero = zero.any()
+    np.divide(num if scale == 1.0 else scale * num, den, out=out)
+    if has_zero:
         np.copyto(out, fill, where=zero)
-    return out
 
 
 def rolling_sum(x: np.ndarray, n: int, start: int = 0) -> np.ndarray:

@@ -42,16 +42,24 @@ def _gain_loss_averages(p: Panel, n: int) -> tuple[np.ndarray, np.ndarray]:
     return p.memo(("gain_loss", n), f)
 
 
+def _rsi_block(g: np.ndarray, l: np.ndarray, out: np.ndarray) -> None:
+    F.safe_div(g, g + l, out=out, scale=100.0)
+
+
+def _cmo_block(g: np.ndarray, l: np.ndarray, out: np.ndarray) -> None:
+    F.safe_div(g - l, g + l, out=out, scale=100.0)
+
+
 def rsi(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
     """TA-Lib RSI: 100 * avg gain / (avg gain + avg loss), Wilder-smoothed, seeded with the mean of n changes."""
     g, l = _gain_loss_averages(p, n)
-    return F.safe_div(g, g + l, out=out, scale=100.0)
+    return F.blockwise(_rsi_block, np.empty(g.shape) if out is None else out, g, l)
 
 
 def cmo(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
     """TA-Lib CMO: 100 * (avg gain - avg loss) / (avg gain + avg loss), Wilder-smoothed as TA-Lib does."""
     g, l = _gain_loss_averages(p, n)
-    return F.safe_div(g - l, g + l, out=out, scale=100.0)
+    return F.blockwise(_cmo_block, np.empty(g.shape) if out is None else out, g, l)
 
 
 def hh_ll(p: Panel, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -64,8 +72,7 @@ def stoch(p: Panel, fastk: int, slowk: int = 3, slowd: int = 3) -> tuple[np.ndar
 
     def f():
         hh, ll = hh_ll(p, fastk)
-        rng = hh - ll
-        fk = F.safe_div(p.close - ll, rng, out=rng, scale=100.0)
+        fk = F.blockwise(_stoch_block, p.empty(), p.close, hh, ll)
         k = F.rolling_mean(fk, slowk, start=fastk - 1)
         d = F.rolling_mean(k, slowd, start=fastk + slowk - 2)
         k[:, : fastk + slowk + slowd - 3] = np.nan  # TA-Lib reports %K from %D's first bar
@@ -74,10 +81,18 @@ def stoch(p: Panel, fastk: int, slowk: int = 3, slowd: int = 3) -> tuple[np.ndar
     return p.memo(("stoch", fastk, slowk, slowd), f)
 
 
+def _stoch_block(c: np.ndarray, hh: np.ndarray, ll: np.ndarray, out: np.ndarray) -> None:
+    F.safe_div(c - ll, hh - ll, out=out, scale=100.0)
+
+
+def _willr_block(c: np.ndarray, hh: np.ndarray, ll: np.ndarray, out: np.ndarray) -> None:
+    F.safe_div(hh - c, hh - ll, out=out, scale=-100.0)
+
+
 def willr(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
     """TA-Lib WILLR: -100 * (HH - C) / (HH - LL)."""
     hh, ll = hh_ll(p, n)
-    return F.safe_div(hh - p.close, hh - ll, out=out, scale=-100.0)
+    return F.blockwise(_willr_block, np.empty(hh.shape) if out is None else out, p.close, hh, ll)
 
 
 def macd(p: Panel, fast: int, slow: int, signal: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -197,7 +212,7 @@ def features() -> FeatureList:
     for n in (5, 10, 20):
         fl.add(f"roc_{n}", f"TA-Lib ROC({n}): 100 (C[t]/C[t-{n}] - 1)", n, lambda p, out=None, n=n: roc(p, n, out), talib="ROC")
     for n in (5, 10, 20):
-        fl.add(f"mom_{n}", f"TA-Lib MOM({n}) / ATR(14)", max(n, 14), lambda p, out=None, n=n: p.per_atr(mom(p, n), out), talib="MOM")
+        fl.add(f"mom_{n}", f"TA-Lib MOM({n}) / ATR(14)", max(n, 14), lambda p, out=None, n=n: F.lag_diff_times(p.close, n, p.inv_atr(), out), talib="MOM")
     for n in (6, 14, 21, 28):
         fl.add(f"rsi_{n}", f"TA-Lib RSI({n}), Wilder smoothing, 0..100", n, lambda p, out=None, n=n: rsi(p, n, out), talib="RSI")
     fl.add("cmo_14", "TA-Lib CMO(14), -100..100", 14, lambda p, out=None: cmo(p, 14, out), talib="CMO")

@@ -141,10 +141,13 @@ class Panel:
         """TA-Lib ATR: Wilder smoothing of the true range, seeded with its mean over bars 1..n."""
         return self.memo(("atr", n), lambda: F.wilder(self.true_range(), n, start=1, out=self.empty()))
 
+    def inv_atr(self) -> np.ndarray:
+        """1 / ATR(14): features in ATR units multiply by it (a multiply is cheaper than a divide)."""
+        return self.memo("inv_atr_14", lambda: np.divide(1.0, self.atr(14), out=self.empty()))
+
     def per_atr(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """x / ATR(14) (price units to ATR units), as x times a shared 1 / ATR(14): a multiply is cheaper than a divide."""
-        inv = self.memo("inv_atr_14", lambda: np.divide(1.0, self.atr(14), out=self.empty()))
-        return np.multiply(x, inv, out=out)
+        """x / ATR(14): price units to ATR units."""
+        return np.multiply(x, self.inv_atr(), out=out)
 
     def typical_price(self) -> np.ndarray:
         def f():

@@ -11,7 +11,11 @@ from foxhunt.features.registry import FeatureList
 
 def bop(p: Panel, out: np.ndarray | None = None) -> np.ndarray:
     """TA-Lib BOP: (C - O) / (H - L), 0 on a flat bar."""
-    return F.safe_div(p.close - p.open, p.hl_range(), out=out)
+    return F.blockwise(_bop_block, np.empty(p.shape) if out is None else out, p.close, p.open, p.hl_range())
+
+
+def _bop_block(c: np.ndarray, o: np.ndarray, hl: np.ndarray, out: np.ndarray) -> None:
+    F.safe_div(c - o, hl, out=out)
 
 
 def log_ratio(num: np.ndarray, den: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

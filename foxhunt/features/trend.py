@@ -55,11 +55,11 @@ def kama(p: Panel, n: int) -> np.ndarray:
 
 
 def _dist(p: Panel, ma: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    return p.per_atr(p.close - ma, out)
+    return F.diff_times(p.close, ma, p.inv_atr(), out)
 
 
 def _slope(p: Panel, ma: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    return p.per_atr(F.diff(ma, 1), out)
+    return F.lag_diff_times(ma, 1, p.inv_atr(), out)
 
 
 def features() -> FeatureList:
@@ -78,5 +78,5 @@ def features() -> FeatureList:
         fl.add(f"slope_kama_{n}", f"(KAMA({n})[t] - KAMA({n})[t-1]) / ATR(14)", max(n + 1, 14), lambda p, out=None, n=n: _slope(p, kama(p, n), out), talib="KAMA")
     for a, b in ((5, 20), (20, 50), (50, 200)):
         fl.add(f"ema_cross_{a}_{b}", f"(EMA({a}) - EMA({b})) / ATR(14)", max(b - 1, 14),
-               lambda p, out=None, a=a, b=b: p.per_atr(ema(p, a) - ema(p, b), out), talib="EMA")
+               lambda p, out=None, a=a, b=b: F.diff_times(ema(p, a), ema(p, b), p.inv_atr(), out), talib="EMA")
     return fl

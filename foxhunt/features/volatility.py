@@ -47,9 +47,13 @@ def bbands(p: Panel, n: int, k: float = 2.0) -> tuple[np.ndarray, np.ndarray, np
 def bb_pctb(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
     """Bollinger %B: (C - lower) / (upper - lower) = (C - middle + half-width) / (2 half-width), 0.5 where the bands meet."""
     mid, half = _mid_halfwidth(p, n, 2.0)
-    num = np.subtract(p.close, mid)
+    return F.blockwise(_pctb_block, np.empty(mid.shape) if out is None else out, p.close, mid, half)
+
+
+def _pctb_block(c: np.ndarray, mid: np.ndarray, half: np.ndarray, out: np.ndarray) -> None:
+    num = c - mid
     num += half
-    return F.safe_div(num, half, 0.5, out, scale=0.5)
+    F.safe_div(num, half, 0.5, out, scale=0.5)
 
 
 def bb_width(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
