@@ -178,16 +178,21 @@ class Prefix:
     def __init__(self, x: np.ndarray, start: int = 0, squares: bool = False) -> None:
         self.shape, self.start = x.shape, start
         xs = x[:, start:]
-        self.cs = cumsum(xs)
-        self.cs2 = _cumsum_of_squares(xs) if squares else None
+        self.cs = _running_sum0(xs)  # cs[:, k] = sum of the first k values
+        self.cs2 = _running_sum0(np.square(xs)) if squares else None
+
+    def parts(self, n: int, at: int, squares: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Views (hi, lo) aligned with bars at.. (at >= start + n - 1): the window sum over n bars is hi - lo."""
+        cs = self.cs2 if squares else self.cs
+        k = at - self.start + 1
+        return cs[:, k:], cs[:, k - n : cs.shape[1] - n]
 
     def _window(self, cs: np.ndarray, n: int) -> np.ndarray:
         S, T = self.shape
         a = self.start + n - 1
         out = nan_empty((S, T), min(T, a))
         if a < T:
-            out[:, a] = cs[:, n - 1]
-            np.subtract(cs[:, n:], cs[:, :-n], out=out[:, a + 1 :])
+            np.subtract(cs[:, n:], cs[:, :-n], out=out[:, a:])
         return out
 
     def sum(self, n: int) -> np.ndarray:
@@ -204,6 +209,35 @@ class Prefix:
         var -= mean * mean
         np.maximum(var, 0.0, out=var)
         return mean, var
+
+    def std(self, n: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rolling population standard deviation over n bars (as :meth:`mean_var`), blockwise into ``out``."""
+        if self.cs2 is None:
+            raise ValueError("Prefix built without squares")
+        S, T = self.shape
+        a = self.start + n - 1
+        out = nan_empty((S, T), min(T, a), out)
+        if a < T:
+            blockwise(functools.partial(_std_block, n=n), out[:, a:], *self.parts(n, a), *self.parts(n, a, True))
+        return out
+
+
+def _std_block(hi: np.ndarray, lo: np.ndarray, hi2: np.ndarray, lo2: np.ndarray, out: np.ndarray, n: int) -> None:
+    mean = hi - lo
+    mean /= n
+    var = hi2 - lo2
+    var /= n
+    var -= mean * mean
+    np.maximum(var, 0.0, out=var)
+    np.sqrt(var, out=out)
+
+
+def _running_sum0(x: np.ndarray) -> np.ndarray:
+    """Running sums of x along the last axis after a leading 0 (so a window sum is always one subtraction)."""
+    out = np.empty(x.shape[:-1] + (x.shape[-1] + 1,))
+    out[..., 0] = 0.0
+    cumsum(x, out=out[..., 1:])
+    return out
 
 
 class BlockPrefix:

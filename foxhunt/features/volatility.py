@@ -15,8 +15,7 @@ def std_logret(p: Panel, n: int) -> np.ndarray:
     """TA-Lib STDDEV(n, 1) of 1-bar log returns (population std)."""
 
     def f():
-        var = p.prefix("log_return_1", p.log_return, 1, True).mean_var(n)[1]
-        return np.sqrt(var, out=var)
+        return p.prefix("log_return_1", p.log_return, 1, True).std(n, out=p.empty())
 
     return p.memo(("std_logret", n), f)
 

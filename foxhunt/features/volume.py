@@ -47,8 +47,16 @@ def obv(p: Panel) -> np.ndarray:
 
 def obv_change(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
     """(OBV[t] - OBV[t-n]) / sum of V over the last n bars: the net signed share of recent volume, in [-1, 1]."""
-    num = p.prefix("signed_volume", lambda: _signed_volume(p), 1).sum(n)
-    return F.safe_div(num, p.prefix("volume", lambda: p.volume, 1).sum(n), out=out)
+    out = F.nan_empty(p.shape, min(n, p.shape[1]), out)
+    if n < p.shape[1]:
+        signed = p.prefix("signed_volume", lambda: _signed_volume(p), 1).parts(n, n)
+        vol = p.prefix("volume", lambda: p.volume, 1).parts(n, n)
+        F.blockwise(_obv_block, out[:, n:], *signed, *vol)
+    return out
+
+
+def _obv_block(s_hi: np.ndarray, s_lo: np.ndarray, v_hi: np.ndarray, v_lo: np.ndarray, out: np.ndarray) -> None:
+    F.safe_div(s_hi - s_lo, v_hi - v_lo, out=out)
 
 
 def mfi(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -60,12 +68,20 @@ def mfi(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
         return mf * (d > 0), mf * (d < 0)
 
     up, down = p.memo("money_flows", flows)
-    pos = p.prefix("money_flow_up", lambda: up, 1).sum(n)
-    tot = p.prefix("money_flow_down", lambda: down, 1).sum(n)
-    tot += pos
-    out = F.safe_div(pos, tot, out=out, scale=100.0)
-    np.copyto(out, 0.0, where=tot < 1.0)
+    out = F.nan_empty(p.shape, min(n, p.shape[1]), out)
+    if n < p.shape[1]:
+        pos = p.prefix("money_flow_up", lambda: up, 1).parts(n, n)
+        neg = p.prefix("money_flow_down", lambda: down, 1).parts(n, n)
+        F.blockwise(_mfi_block, out[:, n:], *pos, *neg)
     return out
+
+
+def _mfi_block(u_hi: np.ndarray, u_lo: np.ndarray, d_hi: np.ndarray, d_lo: np.ndarray, out: np.ndarray) -> None:
+    pos = u_hi - u_lo
+    tot = d_hi - d_lo
+    tot += pos
+    F.safe_div(pos, tot, out=out, scale=100.0)
+    np.copyto(out, 0.0, where=tot < 1.0)
 
 
 def vwap_distance(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
