@@ -181,20 +181,26 @@ def aroon(p: Panel, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 def ultosc(p: Panel, n1: int = 7, n2: int = 14, n3: int = 28, out: np.ndarray | None = None) -> np.ndarray:
     """TA-Lib ULTOSC: 100 * (4 A1 + 2 A2 + A3) / 7, A_k = sum(buying pressure) / sum(true range) over n_k."""
-    pc = p.prev_close()
-    low = np.minimum(p.low, pc)
-    bp = p.close - low
-    tr = np.maximum(p.high, pc)
-    tr -= low
-    del low
-    bps, trs = F.Prefix(bp, 1), F.Prefix(tr, 1)
-    del bp, tr
+    bp = np.minimum(p.low, p.prev_close(), out=p.empty())
+    np.subtract(p.close, bp, out=bp)  # buying pressure C - min(L, C[t-1])
+    bps, trs = F.Prefix(bp, 1), F.Prefix(p.true_range(), 1)
+    del bp
+    a = max(n1, n2, n3)
+    out = F.nan_empty(p.shape, min(a, p.shape[1]), out)
+    if a < p.shape[1]:
+        views = [v for n in (n1, n2, n3) for v in (*bps.parts(n, a), *trs.parts(n, a))]
+        F.blockwise(_ultosc_block, out[:, a:], *views)
+    return out
+
+
+def _ultosc_block(*args: np.ndarray, out: np.ndarray) -> None:
+    """100/7 (4 A1 + 2 A2 + A3) from (bp hi, bp lo, tr hi, tr lo) window views of the three windows."""
     acc = None
-    for w, n in ((4.0, n1), (2.0, n2), (1.0, n3)):
-        t = trs.sum(n)
-        a = F.safe_div(bps.sum(n), t, out=t, scale=w)
+    for w, (bh, bl, th, tl) in zip((4.0, 2.0, 1.0), (args[0:4], args[4:8], args[8:12])):
+        t = th - tl
+        a = F.safe_div(bh - bl, t, out=t, scale=w)
         acc = a if acc is None else np.add(acc, a, out=acc)
-    return np.multiply(acc, 100.0 / 7.0, out=out)
+    np.multiply(acc, 100.0 / 7.0, out=out)
 
 
 def trix(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
