@@ -276,6 +276,18 @@ class BlockPrefix:
         W, B = self.W, self.B
         return np.subtract(cs[:, :, W : W + B], cs[:, :, W - n : W - n + B])
 
+    def _chunks(self, per: int = 32768) -> list[slice]:
+        """Runs of blocks of about ``per`` bars: work on them stays in cache."""
+        step = max(1, per // self.B)
+        return [slice(j, j + step) for j in range(0, self.nb, step)]
+
+    def _parts(self, cs: np.ndarray, n: int, j: slice) -> tuple[np.ndarray, np.ndarray]:
+        """(hi, lo) of the blocks j: their window sums over n bars are hi - lo."""
+        if n > self.W:
+            raise ValueError(f"window {n} exceeds this prefix's max_window {self.W}")
+        W, B = self.W, self.B
+        return cs[:, j, W : W + B], cs[:, j, W - n : W - n + B]
+
     def _flat(self, w: np.ndarray, n: int) -> np.ndarray:
         """Block layout [S, nb, B] to bars [S, T], NaN before the first full window."""
         S, T = self.shape
@@ -291,10 +303,31 @@ class BlockPrefix:
 
     def mean(self, n: int) -> np.ndarray:
         """Mean of x[t-n+1..t] (TA-Lib SMA)."""
-        w = self._window(self.cs, n)
-        w /= n
-        w += self.ref
+        S = self.shape[0]
+        w = np.empty((S, self.nb, self.B))
+        for j in self._chunks():
+            m = np.subtract(*self._parts(self.cs, n, j), out=w[:, j])
+            m /= n
+            m += self.ref[:, j]
         return self._flat(w, n)
+
+    def mean_std(self, n: int, k: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+        """Rolling mean and k population standard deviations over n bars (TA-Lib SMA and k STDDEV)."""
+        if self.cs2 is None:
+            raise ValueError("BlockPrefix built without squares")
+        S = self.shape[0]
+        mean, sd = np.empty((S, self.nb, self.B)), np.empty((S, self.nb, self.B))
+        for j in self._chunks():
+            m = np.subtract(*self._parts(self.cs, n, j), out=mean[:, j])
+            m /= n
+            v = np.subtract(*self._parts(self.cs2, n, j), out=sd[:, j])
+            v /= n
+            v -= m * m
+            np.maximum(v, 0.0, out=v)
+            np.sqrt(v, out=v)
+            v *= k
+            m += self.ref[:, j]
+        return self._flat(mean, n), self._flat(sd, n)
 
     def mean_var(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Rolling mean and population variance over n bars (TA-Lib SMA and VAR)."""

@@ -29,10 +29,7 @@ def _mid_halfwidth(p: Panel, n: int, k: float) -> tuple[np.ndarray, np.ndarray]:
     """Bollinger middle band (SMA) and half-width (k population standard deviations), shared by the band features."""
 
     def f():
-        mid, sd = p.close_prefix().mean_var(n)
-        np.sqrt(sd, out=sd)
-        sd *= k
-        return mid, sd
+        return p.close_prefix().mean_std(n, k)
 
     return p.memo(("bb_mid_halfwidth", n, k), f)
 
