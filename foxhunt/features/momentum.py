@@ -141,11 +141,7 @@ def directional(p: Panel, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     def moves():
         dp = F.diff(p.high, 1, p.empty())
         dm = F.diff(p.low, 1, p.empty())
-        np.negative(dm, out=dm)
-        # masks by multiplication: np.where is slow on random masks
-        plus, minus = (dp > 0) & (dp > dm), (dm > 0) & (dp < dm)
-        dp *= plus
-        dm *= minus
+        F.blockwise(_moves_block, dm, dp, dm)  # in place, block by block: +DM over dp, -DM over dm
         return dp, dm
 
     def f():
@@ -153,15 +149,31 @@ def directional(p: Panel, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         tr_s = F.wilder_sum(p.true_range(), n, start=1)
         pdi = F.wilder_sum(plus, n, start=1, out=p.empty())
         mdi = F.wilder_sum(minus, n, start=1, out=p.empty())
-        for di in (pdi, mdi):
-            F.safe_div(di, tr_s, out=di, scale=100.0)
-            di[:, :n] = np.nan
-        dx = np.subtract(mdi, pdi, out=tr_s)
-        np.abs(dx, out=dx)
-        adx = F.wilder(F.safe_div(dx, mdi + pdi, out=dx, scale=100.0), n, start=n, out=p.empty())
+        dx = F.blockwise(_di_dx_block, tr_s, pdi, mdi, tr_s)  # pdi, mdi in place; DX over tr_s
+        pdi[:, :n] = np.nan  # DX before bar n is not used: ADX starts from DX[n]
+        mdi[:, :n] = np.nan
+        adx = F.wilder(dx, n, start=n, out=p.empty())
         return pdi, mdi, adx
 
     return p.memo(("directional", n), f)
+
+
+def _moves_block(dp: np.ndarray, dl: np.ndarray, out: np.ndarray) -> None:
+    """+DM and -DM from the high's change dp and the low's change dl (dp in place, -DM into out, which is dl)."""
+    dm = np.negative(dl, out=out)  # the low's fall
+    # masks by multiplication: np.where is slow on random masks
+    plus, minus = (dp > 0) & (dp > dm), (dm > 0) & (dp < dm)
+    dp *= plus
+    np.multiply(dm, minus, out=out)
+
+
+def _di_dx_block(pdi: np.ndarray, mdi: np.ndarray, tr: np.ndarray, out: np.ndarray) -> None:
+    """+DI and -DI (in place over the Wilder sums of +DM and -DM) and DX (into out, which is tr's block)."""
+    F.safe_div(pdi, tr, out=pdi, scale=100.0)
+    F.safe_div(mdi, tr, out=mdi, scale=100.0)
+    dx = np.subtract(mdi, pdi)
+    np.abs(dx, out=dx)
+    F.safe_div(dx, mdi + pdi, out=out, scale=100.0)
 
 
 def aroon(p: Panel, n: int) -> tuple[np.ndarray, np.ndarray]:
