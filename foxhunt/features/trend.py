@@ -35,23 +35,31 @@ def kama(p: Panel, n: int) -> np.ndarray:
         out = F.nan_empty((S, T), min(n, T), p.empty())
         if T <= n:
             return out
-        noise = _abs_change_prefix(p).sum(n)[:, n:]
-        er = np.subtract(c[:, n:], c[:, :-n])
-        np.abs(er, out=er)
-        # |change| <= noise, with equality exactly when TA-Lib sets ER = 1; a flat window (0 / 0) gives 1 too:
-        # fmin takes 1 over NaN
-        np.divide(er, noise, out=er)
-        np.fmin(er, 1.0, out=er)
-        fastest, slowest = 2.0 / 3.0, 2.0 / 31.0
-        er *= fastest - slowest
-        er += slowest
-        sc = np.square(er, out=er)
-        y = np.multiply(sc, c[:, n:], out=out[:, n:])
-        a = np.subtract(1.0, sc, out=noise)
-        F.linear_recurrence_inplace(a, y, c[:, n - 1], a_min=1.0 - fastest**2)
+        a = np.empty((S, T - n))
+        y = F.blockwise(_kama_block, out[:, n:], c[:, n:], c[:, :-n], *_abs_change_prefix(p).parts(n, n), a)
+        F.linear_recurrence_inplace(a, y, c[:, n - 1], a_min=1.0 - _FASTEST**2)
         return out
 
     return p.memo(("kama", n), f)
+
+
+_FASTEST, _SLOWEST = 2.0 / 3.0, 2.0 / 31.0
+
+
+def _kama_block(now: np.ndarray, then: np.ndarray, hi: np.ndarray, lo: np.ndarray, a: np.ndarray, out: np.ndarray) -> None:
+    """KAMA's recurrence y = a y[t-1] + b: a = 1 - sc into ``a``, b = sc C into out, from the closes n bars apart
+    and the prefix sums (hi - lo) of |C[t] - C[t-1]| over the window."""
+    er = np.subtract(now, then)
+    np.abs(er, out=er)
+    # |change| <= noise, with equality exactly when TA-Lib sets ER = 1; a flat window (0 / 0) gives 1 too:
+    # fmin takes 1 over NaN
+    er /= hi - lo
+    np.fmin(er, 1.0, out=er)
+    er *= _FASTEST - _SLOWEST
+    er += _SLOWEST
+    sc = np.square(er, out=er)
+    np.subtract(1.0, sc, out=a)
+    np.multiply(sc, now, out=out)
 
 
 def _dist(p: Panel, ma: np.ndarray, out: np.ndarray | None) -> np.ndarray:
