@@ -3,11 +3,13 @@
 Shapes: B batch, L lookback (encoder), H horizon (decoder), F observed past inputs, K known-future inputs,
 d ``hidden_size``, Q quantiles. Inputs are continuous variables (scalars) plus an optional symbol id as static input.
 
-Speed: the per-variable GRNs of a variable selection network run as grouped matrix products (``baddbmm`` over a
-variable-major ``[V, N, d]`` layout), never a Python loop over variables. A continuous variable's embedding
-(``hidden_continuous_size``) is affine in its scalar, so every linear layer that reads embeddings directly (the
-per-variable GRNs' first layer and skip, the flattened GRN that scores variables) is composed with it on the fly:
-the same function and parameters as the paper's, without materialising the [N, V, hidden_continuous] embeddings.
+Speed: a continuous variable's embedding (``hidden_continuous_size``) is affine in its scalar, so every linear layer
+that reads embeddings directly (the per-variable GRNs' first layer and skip, the flattened GRN that scores variables)
+is composed with it on the fly: the same function and parameters as the paper's, without materialising the
+[N, V, hidden_continuous] embeddings. The per-variable GRNs and their selection-weighted sum then run as one autograd
+Function over cache-sized chunks of rows (grouped matrix products over a variable-major [V, rows, d] layout, never a
+Python loop over variables): nothing of size [V, N, d] exists in forward or backward, which recomputes each chunk and
+applies the chain rule by hand. With ~125 inputs those [V, N, d] intermediates were the whole cost of a step.
 """
 
 from __future__ import annotations
@@ -264,8 +266,8 @@ class _VariableGRNs(torch.autograd.Function):
         (v, n), h, d = x.shape, w1.shape[-1], gamma.shape[-1]
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grads = [torch.zeros_like(t) for t in params]
-        da2, db2, dw1, db1, dwg, dbg, da_s, db_s, dgamma, dbeta = grads
-        dwa, dwb = torch.zeros(v, h, d, dtype=x.dtype, device=x.device), torch.zeros(v, h, d, dtype=x.dtype, device=x.device)
+        da2, db2, dw1, db1, _dwg, dbg, da_s, db_s, dgamma, dbeta = grads
+        dwa, dwb = x.new_zeros(v, h, d), x.new_zeros(v, h, d)  # the GLU's value and gate halves
         dx = torch.empty_like(x) if need_x else None
         dweights = torch.empty_like(weights) if need_w else None
         grad_out = grad_out.contiguous()
@@ -309,7 +311,7 @@ class _VariableGRNs(torch.autograd.Function):
             db2.add_(ab[:, 1])
             if dx is not None:
                 dx[:, r0:r1] = (torch.bmm(df2, a2_col) + torch.bmm(dz, a_s_col)).squeeze(-1)
-        dwg.copy_(torch.cat([dwa, dwb], dim=-1))
+        grads[4] = torch.cat([dwa, dwb], dim=-1)
         return (dx, dweights, None, None, *grads)
 
 
