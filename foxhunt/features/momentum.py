@@ -95,17 +95,21 @@ def willr(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
     return F.blockwise(_willr_block, np.empty(hh.shape) if out is None else out, p.close, hh, ll)
 
 
-def macd(p: Panel, fast: int, slow: int, signal: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """TA-Lib MACD: the fast EMA is seeded at the slow EMA's first bar (TA-Lib's alignment), signal = EMA of the line."""
-
+def _macd_line_signal(p: Panel, fast: int, slow: int, signal: int) -> tuple[np.ndarray, np.ndarray]:
     def f():
         line = F.ema(p.close, fast, start=slow - fast, out=p.empty())
         line -= F.ema(p.close, slow)
         sig = F.ema(line, signal, start=slow - 1, out=p.empty())
         line[:, : slow + signal - 2] = np.nan  # TA-Lib reports all three from the signal's first bar
-        return line, sig, np.subtract(line, sig, out=p.empty())
+        return line, sig
 
     return p.memo(("macd", fast, slow, signal), f)
+
+
+def macd(p: Panel, fast: int, slow: int, signal: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """TA-Lib MACD: the fast EMA is seeded at the slow EMA's first bar (TA-Lib's alignment), signal = EMA of the line."""
+    line, sig = _macd_line_signal(p, fast, slow, signal)
+    return line, sig, line - sig
 
 
 def _mean_abs_deviation(tp: np.ndarray, sma: np.ndarray, n: int, chunk: int = 32768) -> np.ndarray:
@@ -243,11 +247,11 @@ def features() -> FeatureList:
     for f_, s_, g_ in ((12, 26, 9), (5, 35, 5)):
         tag, w = f"{f_}_{s_}_{g_}", s_ + g_ - 2
         fl.add(f"macd_{tag}", f"TA-Lib MACD({f_},{s_},{g_}) line / ATR(14)", w,
-               lambda p, out=None, a=(f_, s_, g_): p.per_atr(macd(p, *a)[0], out), talib="MACD")
+               lambda p, out=None, a=(f_, s_, g_): p.per_atr(_macd_line_signal(p, *a)[0], out), talib="MACD")
         fl.add(f"macd_signal_{tag}", f"TA-Lib MACD({f_},{s_},{g_}) signal / ATR(14)", w,
-               lambda p, out=None, a=(f_, s_, g_): p.per_atr(macd(p, *a)[1], out), talib="MACD")
+               lambda p, out=None, a=(f_, s_, g_): p.per_atr(_macd_line_signal(p, *a)[1], out), talib="MACD")
         fl.add(f"macd_hist_{tag}", f"TA-Lib MACD({f_},{s_},{g_}) histogram / ATR(14)", w,
-               lambda p, out=None, a=(f_, s_, g_): p.per_atr(macd(p, *a)[2], out), talib="MACD")
+               lambda p, out=None, a=(f_, s_, g_): F.diff_times(*_macd_line_signal(p, *a), p.inv_atr(), out), talib="MACD")
     for n in (14, 20):
         fl.add(f"cci_{n}", f"TA-Lib CCI({n}): (TP - SMA(TP)) / (0.015 mean abs deviation)", n - 1, lambda p, out=None, n=n: cci(p, n, out), talib="CCI")
     for n in (14, 28):

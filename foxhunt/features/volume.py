@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from foxhunt.features import filters as F
@@ -107,7 +109,13 @@ def amihud(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
 
 def _clv(p: Panel) -> np.ndarray:
     """Close location value ((C - L) - (H - C)) / (H - L), 0 on a flat bar."""
-    return p.memo("clv", lambda: F.safe_div((p.close - p.low) - (p.high - p.close), p.hl_range()))
+    return p.memo("clv", lambda: F.blockwise(_clv_block, p.empty(), p.close, p.low, p.high, p.hl_range()))
+
+
+def _clv_block(c: np.ndarray, lo: np.ndarray, hi: np.ndarray, rng: np.ndarray, out: np.ndarray) -> None:
+    num = c - lo
+    num -= hi - c
+    F.safe_div(num, rng, out=out)
 
 
 def ad(p: Panel) -> np.ndarray:
@@ -123,6 +131,22 @@ def adosc(p: Panel, fast: int = 3, slow: int = 10) -> np.ndarray:
     out -= F.ema(line, slow, seed="first")
     out[:, : slow - 1] = np.nan
     return out
+
+
+def adosc_per_volume(p: Panel, fast: int, slow: int, out: np.ndarray | None = None) -> np.ndarray:
+    """ADOSC / SMA(slow) of V (0 where that mean is 0), blockwise from prefix-sum views of the volume."""
+    line = adosc(p, fast, slow)
+    a = slow - 1
+    out = F.nan_empty(p.shape, min(a, p.shape[1]), out)
+    if a < p.shape[1]:
+        F.blockwise(functools.partial(_per_volume_block, n=slow), out[:, a:], line[:, a:], *p.prefix("volume", lambda: p.volume).parts(slow, a))
+    return out
+
+
+def _per_volume_block(x: np.ndarray, hi: np.ndarray, lo: np.ndarray, out: np.ndarray, n: int) -> None:
+    mean = hi - lo
+    mean /= n
+    F.safe_div(x, mean, out=out)
 
 
 def cmf(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -145,6 +169,6 @@ def features() -> FeatureList:
         fl.add(f"vwap_dist_{n}", f"(C - rolling VWAP({n})) / ATR(14)", max(n - 1, 14), lambda p, out=None, n=n: vwap_distance(p, n, out))
     for n in (20, 50):
         fl.add(f"amihud_{n}", f"ln mean(|r| / (C V)) over {n} bars", n, lambda p, out=None, n=n: amihud(p, n, out))
-    fl.add("adosc_3_10", "TA-Lib ADOSC(3,10) / SMA(10) of V", 9, lambda p, out=None: F.safe_div(adosc(p, 3, 10), p.volume_mean(10), out=out), talib="ADOSC")
+    fl.add("adosc_3_10", "TA-Lib ADOSC(3,10) / SMA(10) of V", 9, lambda p, out=None: adosc_per_volume(p, 3, 10, out), talib="ADOSC")
     fl.add("cmf_20", "Chaikin money flow: sum(CLV V) / sum(V) over 20 bars", 19, lambda p, out=None: cmf(p, 20, out))
     return fl
