@@ -27,11 +27,17 @@ def _gains(p: Panel) -> tuple[np.ndarray, np.ndarray]:
     """Close-to-close gains and losses (both >= 0), shared by every RSI window."""
 
     def f():
-        d = p.close_change()
-        down = np.negative(d, out=p.empty())
-        return np.maximum(d, 0.0, out=p.empty()), np.maximum(down, 0.0, out=down)
+        down = p.empty()
+        return F.blockwise(_gain_loss_block, p.empty(), p.close_change(), down), down
 
     return p.memo("gains_losses", f)
+
+
+def _gain_loss_block(d: np.ndarray, down: np.ndarray, out: np.ndarray) -> None:
+    """max(d, 0) into out and max(-d, 0) into ``down``."""
+    np.maximum(d, 0.0, out=out)
+    np.negative(d, out=down)
+    np.maximum(down, 0.0, out=down)
 
 
 def _gain_loss_averages(p: Panel, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -22,7 +22,12 @@ def std_logret(p: Panel, n: int) -> np.ndarray:
 
 def natr(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
     """TA-Lib NATR: 100 * ATR(n) / C."""
-    return F.ratio(100.0 * p.atr(n), p.close, out)
+    atr = p.atr(n)
+    return F.blockwise(_natr_block, np.empty(atr.shape) if out is None else out, atr, p.close)
+
+
+def _natr_block(atr: np.ndarray, c: np.ndarray, out: np.ndarray) -> None:
+    np.divide(100.0 * atr, c, out=out)
 
 
 def _mid_halfwidth(p: Panel, n: int, k: float) -> tuple[np.ndarray, np.ndarray]:
@@ -59,8 +64,12 @@ def bb_width(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
 
 
 def log_ratio(num: np.ndarray, den: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """ln(num / den), into ``out`` when given."""
-    return np.log(num / den, out=out)
+    """ln(num / den), into ``out`` when given; blockwise."""
+    return F.blockwise(_log_ratio_block, np.empty(num.shape) if out is None else out, num, den)
+
+
+def _log_ratio_block(num: np.ndarray, den: np.ndarray, out: np.ndarray) -> None:
+    np.log(num / den, out=out)
 
 
 def _log_hl_sq(p: Panel) -> np.ndarray:
