@@ -244,10 +244,10 @@ class _VariableGRNs(torch.autograd.Function):
         (v, n), h, d = x.shape, params[2].shape[-1], params[8].shape[-1]
         gamma, beta = params[8].unsqueeze(1), params[9]
         out = x.new_empty(n, d)
-        keep = _dropout_keep_mask(v * n * h, p, x.device).view(v, n, h) if p > 0.0 else None
+        keep = _dropout_keep_mask(v * n * h, p, x.device) if p > 0.0 else None
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
-            mask = None if keep is None else keep[:, r0:r1]
+            mask = _chunk_mask(keep, (v, h), r0, r1)
             wc = weights[:, r0:r1]
             centred, rstd = _grn_chunk(x[:, r0:r1].unsqueeze(-1), mask, params)[-2:]
             # sum_v w (LN(z) gamma + beta) = sum_v (centred * rstd * w) gamma + w^T beta
@@ -277,7 +277,7 @@ class _VariableGRNs(torch.autograd.Function):
         for r0 in range(0, n, ctx.rows):
             r1 = min(n, r0 + ctx.rows)
             xc, wc, gc = x[:, r0:r1].unsqueeze(-1), weights[:, r0:r1], grad_out[r0:r1]
-            mask = None if ctx.keep is None else ctx.keep[:, r0:r1]
+            mask = _chunk_mask(ctx.keep, (v, h), r0, r1)
             e, eta, glu_a, gate, centred, rstd = _grn_chunk(xc, mask, params)
             ln = centred.mul_(rstd)
             u = ln * gc  # [V, R, d]
@@ -313,6 +313,15 @@ class _VariableGRNs(torch.autograd.Function):
                 dx[:, r0:r1] = (torch.bmm(df2, a2_col) + torch.bmm(dz, a_s_col)).squeeze(-1)
         grads[4] = torch.cat([dwa, dwb], dim=-1)
         return (dx, dweights, None, None, *grads)
+
+
+def _chunk_mask(keep: Tensor | None, shape: tuple[int, int], r0: int, r1: int) -> Tensor | None:
+    """Rows r0:r1's [V, rows, h] dropout mask as a contiguous segment of the flat mask (entries are i.i.d., so any
+    layout is the same draw), which ``mul_`` reads without first casting it to float."""
+    if keep is None:
+        return None
+    v, h = shape
+    return keep[v * h * r0 : v * h * r1].view(v, r1 - r0, h)
 
 
 def _dropout_keep_mask(n: int, p: float, device: torch.device) -> Tensor:
