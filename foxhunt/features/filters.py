@@ -352,11 +352,18 @@ def rolling_min(x: np.ndarray, n: int, out: np.ndarray | None = None) -> np.ndar
     return _rolling_extreme(x, n, np.minimum, out)
 
 
-def _rolling_extreme(x: np.ndarray, n: int, op, out: np.ndarray | None) -> np.ndarray:
+def _rolling_extreme(x: np.ndarray, n: int, op, out: np.ndarray | None, chunk: int = 32768) -> np.ndarray:
     S, T = x.shape
     out = nan_empty((S, T), min(T, n - 1), out)
-    if T < n:
-        return out
+    for a in range(n - 1, T, chunk):  # runs of bars (with the n - 1 before them) that stay in cache
+        b = min(T, a + chunk)
+        _extreme_tail(x[:, a - n + 1 : b], n, op, out[:, a:b])
+    return out
+
+
+def _extreme_tail(x: np.ndarray, n: int, op, dst: np.ndarray) -> None:
+    """Extreme of the last n bars at each bar n-1.. of x, into dst (doubling: ceil(log2 n) + 1 passes, exact)."""
+    T = x.shape[1]
     m, k = x, 1  # m[t] = extreme of x[t-k+1..t]
     spare = [np.empty_like(x), np.empty_like(x)] if 4 <= n else [np.empty_like(x)]
     while 2 * k <= n:
@@ -365,23 +372,29 @@ def _rolling_extreme(x: np.ndarray, n: int, op, out: np.ndarray | None) -> np.nd
         op(m[:, k:], m[:, :-k], out=nxt[:, k:])
         m, k = nxt, 2 * k
     # window of n = [t-n+1, t-n+k] U [t-k+1, t]
-    op(m[:, n - 1 :], m[:, k - 1 : T - n + k], out=out[:, n - 1 :])
-    return out
+    op(m[:, n - 1 :], m[:, k - 1 : T - n + k], out=dst)
 
 
-def bars_since_extreme(x: np.ndarray, n: int, highest: bool, out: np.ndarray | None = None) -> np.ndarray:
+def bars_since_extreme(x: np.ndarray, n: int, highest: bool, out: np.ndarray | None = None, chunk: int = 32768) -> np.ndarray:
     """Bars since the highest (lowest) value of x[t-n..t], n+1 bars, ties to the latest bar (TA-Lib AROON).
 
     Doubling on (extreme, age) pairs, the age (bars since the window's extreme, < 256) in uint8 so that
-    it costs little memory traffic: when two halves tie the later one wins.
+    it costs little memory traffic: when two halves tie the later one wins. Runs of bars stay in cache.
     """
     S, T = x.shape
     w = n + 1
     out = nan_empty((S, T), min(T, w - 1), out)
-    if T < w:
-        return out
     if w > 128:
         raise ValueError(f"bars_since_extreme: window {w} exceeds 128 bars")
+    for a in range(w - 1, T, chunk):
+        b = min(T, a + chunk)
+        _bars_since_tail(x[:, a - w + 1 : b], w, highest, out[:, a:b])
+    return out
+
+
+def _bars_since_tail(x: np.ndarray, w: int, highest: bool, dst: np.ndarray) -> None:
+    """Bars since the extreme of the last w bars at each bar w-1.. of x, into dst."""
+    S, T = x.shape
     op, later_of = (np.maximum, np.greater_equal) if highest else (np.minimum, np.less_equal)
     m, age, k = x, np.zeros((S, T), np.uint8), 1  # extreme of x[t-k+1..t] and bars since it
     vals, ages = [np.empty_like(x), np.empty_like(x)], [np.empty((S, T), np.uint8), age]
@@ -396,8 +409,7 @@ def bars_since_extreme(x: np.ndarray, n: int, highest: bool, out: np.ndarray | N
     a, b = slice(w - 1, None), slice(k - 1, T - w + k)
     res = ages[0] if age is not ages[0] else ages[1]
     _merge(m[:, a], age[:, a], m[:, b], age[:, b], w - k, op, later_of, None, res[:, a], later[:, a], d[:, a])
-    out[:, w - 1 :] = res[:, a]
-    return out
+    dst[...] = res[:, a]
 
 
 def _merge(m_new, age_new, m_old, age_old, lag, op, later_of, m_out, age_out, later, d) -> None:
