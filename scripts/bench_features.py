@@ -8,9 +8,11 @@ Measured (1,000,000 bars, one thread, a 2-core machine shared with other jobs at
 by up to 30% from run to run), six runs: the whole 132-feature set in 1.0-1.6 s (1.0-1.3 s in five; was
 1.8-2.3 s); the 97 TA-Lib-derived features in 0.79-1.0 s against 0.47-0.75 s for TA-Lib's 69 equivalent
 calls with outputs kept, ratios 1.94, 1.32, 1.68, 1.60, 1.62, 1.68 (was 2.9-3.4); peak memory 1.22x the
-float32 output in five runs, 1.40x in one (was 1.12x). Where the time went: a shared-memory output without huge pages (a page fault per 4 KiB row
-chunk), scipy's lfilter and numpy's cumsum, full-length temporaries for each final expression and a float64
-result cast into the output row. Now each feature writes its last step into its output row, final
+float32 output in five runs, 1.40x in one (was 1.12x).
+
+Where the time went: a shared-memory output without huge pages (a page fault per 4 KiB), scipy's lfilter
+and numpy's cumsum, full-length temporaries for each final expression and a float64 result cast into the
+output row. Now each feature writes its last step into its output row, final
 expressions run blockwise in cache, first-order filters are blocked scans, running sums use torch's
 sequential cumsum, and released intermediates' buffers are reused.
 """
