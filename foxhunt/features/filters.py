@@ -89,12 +89,6 @@ def lag_diff_times(x: np.ndarray, k: int, c: np.ndarray, out: np.ndarray | None 
     return out
 
 
-def ratio(num: np.ndarray, den: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """num / den, into ``out`` when given."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.divide(num, den, out=out)
-
-
 def pct_change(x: np.ndarray, k: int, out: np.ndarray | None = None) -> np.ndarray:
     """100 (x[t] / x[t-k] - 1), NaN for the first k bars, into ``out`` when given (TA-Lib ROC); blockwise."""
     out = np.empty(x.shape) if out is None else out
