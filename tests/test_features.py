@@ -257,3 +257,19 @@ def test_no_lookahead_on_the_synthetic_market():
     for t in rng.integers(0, len(bars) - 1, 3):
         g = compute_features(perturb_after(bars, bars.index[t + 1 :], rng), dtype=np.float64).to_numpy()
         np.testing.assert_array_equal(g[: t + 1], full[: t + 1])
+
+
+def test_released_buffers_are_reused_only_when_unshared():
+    """Panel.forget gives a dropped intermediate's buffer to later intermediates only when nothing else holds it."""
+    from foxhunt.features.panel import Panel
+
+    n = 64
+    panel = Panel.from_flat(np.ones((n, 5)), np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
+    free = panel.memo("free", lambda: np.ones((1, n)))
+    free_id = id(free)
+    del free
+    held = panel.memo("held", lambda: (np.ones((1, n)), np.ones((1, n))))
+    panel.forget(["free", "held"])
+    got = [panel.empty() for _ in range(3)]
+    assert free_id in {id(g) for g in got}
+    assert not any(g is a for g in got for a in held), "a buffer still referenced elsewhere was handed out"

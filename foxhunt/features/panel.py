@@ -85,6 +85,8 @@ class Panel:
     def _keep_if_unshared(self, items: tuple, i: int, keep: int = 8) -> None:
         """Keep items[i] for :meth:`empty` if it is a whole [S, T] float64 array that nothing else references."""
         a = items[i]
+        probe_items = (np.empty(0),)  # the same references to an object nothing else holds: the unshared count
+        probe = probe_items[0]
         if (
             len(self._spare) < keep
             and isinstance(a, np.ndarray)
@@ -92,7 +94,7 @@ class Panel:
             and a.shape == self.shape
             and a.dtype == np.float64
             and a.flags.writeable
-            and sys.getrefcount(a) <= 3  # the tuple, ``a`` and getrefcount's argument
+            and sys.getrefcount(a) <= sys.getrefcount(probe)
         ):
             self._spare.append(a)
 
