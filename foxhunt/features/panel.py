@@ -77,6 +77,9 @@ class Panel:
         """Drop memoised intermediates no later feature needs, to bound peak memory; their buffers serve later ones."""
         for k in keys:
             items = self._memo.pop(k, None)
+            probe = (object(),)  # a tuple nothing else holds (built at run time, not a constant)
+            if isinstance(items, tuple) and sys.getrefcount(items) > sys.getrefcount(probe):
+                continue  # the tuple itself is still held elsewhere, and with it its arrays
             if not isinstance(items, tuple):
                 items = (items,)
             for i in range(len(items)):
