@@ -260,8 +260,16 @@ class _VariableGRNs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        """Chain rule through each chunk's recomputed forward; parameter gradients accumulate over chunks."""
-        x, weights, *params = ctx.saved_tensors
+        """Chain rule through each chunk's recomputed forward, in float32 like the forward: under manual
+        optimisation Lightning runs backward inside the training step's autocast region."""
+        saved = ctx.saved_tensors
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _VariableGRNs._backward(ctx, grad_out.to(saved[0].dtype), saved)
+
+    @staticmethod
+    def _backward(ctx, grad_out: Tensor, saved: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
+        """Parameter gradients accumulate over chunks."""
+        x, weights, *params = saved
         a2, _b2, w1, _b1, wg, _bg, a_s, _b_s, gamma, beta = params
         (v, n), h, d = x.shape, w1.shape[-1], gamma.shape[-1]
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
