@@ -13,6 +13,8 @@ three targets per sample), none (Double DQN on the taken action: one more networ
 (plain DQN targets on the taken action: SB3's algorithm and work per update).
 All greedy policies are scored on the test split with the same vectorised back-test, as a fraction of the
 best causal oracle's reward per bar after costs (scripts/dqn_quality.py).
+Speed is reported per wall second and per CPU second of the process (both learners run on one thread): on a
+shared machine, wall time also counts time taken by other processes, CPU time does not.
 
     pip install stable-baselines3 gymnasium            # the optional "bench" extra
     python scripts/bench_dqn.py --updates 10000 --phi 0.1
@@ -123,16 +125,18 @@ def main() -> None:
             overrides = dict(common, exogenous="none" if mode == "dqn" else mode)
             if mode == "dqn":
                 overrides["double_dqn"] = False  # SB3's algorithm exactly: max_a Q_target(s', a)
+            cpu0 = time.process_time()
             module, fox_s = train_dqn(
                 data, args.updates, seed=args.seed, env_step_every=args.env_step_every, n_envs=args.n_envs,
                 **overrides,
             )
+            fox_cpu = time.process_time() - cpu0
             hp = module.hparams
             test = MarketTensors(data.test, hp.window, tuple(hp.actions), hp.cost_bps)
             oracle = best_causal_oracle(baseline_metrics(test, data.expected["test"]))
             fox_pos, _ = module.greedy_positions(test)
             rows.setdefault(f"foxhunt/{mode}", []).append(
-                (module.env_steps, args.updates, fox_s, *score(fox_pos, test, oracle))
+                (module.env_steps, args.updates, fox_s, *score(fox_pos, test, oracle), fox_cpu)
             )
         if not args.skip_sb3:
             rows.setdefault("sb3", []).append(run_sb3(data, module, test, oracle, args))
@@ -140,13 +144,14 @@ def main() -> None:
 
     print(f"\nphi={args.phi} batch={args.batch_size} updates={args.updates} threads={args.threads} "
           f"repeats={args.repeats} (medians) oracle reward/bar={oracle:.3e}")
-    print(f"{'':22s}{'env steps':>12s}{'updates':>10s}{'wall s':>9s}{'env steps/s':>14s}{'updates/s':>11s}"
-          f"{'frac oracle':>13s}{'reward/bar':>13s}{'turnover':>10s}")
+    print(f"{'':22s}{'env steps':>12s}{'updates':>10s}{'wall s':>9s}{'CPU s':>8s}{'env steps/s':>14s}{'updates/s':>11s}"
+          f"{'upd/CPU-s':>11s}{'frac oracle':>13s}{'reward/bar':>13s}{'turnover':>10s}")
     for name, runs in rows.items():
-        steps, updates, _, frac, rpb, turn = runs[0]
+        steps, updates, _, frac, rpb, turn, _ = runs[0]
         secs = statistics.median(r[2] for r in runs)
-        print(f"{name:22s}{steps:12d}{updates:10d}{secs:9.1f}{steps / secs:14.0f}{updates / secs:11.1f}"
-              f"{frac:13.3f}{rpb:13.3e}{turn:10.3f}")
+        cpu = statistics.median(r[6] for r in runs)
+        print(f"{name:22s}{steps:12d}{updates:10d}{secs:9.1f}{cpu:8.1f}{steps / secs:14.0f}{updates / secs:11.1f}"
+              f"{updates / cpu:11.1f}{frac:13.3f}{rpb:13.3e}{turn:10.3f}")
     if "sb3" in rows:
         sb3 = rows["sb3"]
         for name, runs in rows.items():
@@ -154,8 +159,11 @@ def main() -> None:
                 continue
             env_x = statistics.median((f[0] / f[2]) / (s[0] / s[2]) for f, s in zip(runs, sb3))
             upd_x = [(f[1] / f[2]) / (s[1] / s[2]) for f, s in zip(runs, sb3)]
+            cpu_x = [(f[1] / f[6]) / (s[1] / s[6]) for f, s in zip(runs, sb3)]
             print(f"ratio {name}/sb3: env steps/s x{env_x:.1f}, updates/s x{statistics.median(upd_x):.2f} "
-                  f"(per repeat {', '.join(f'{x:.2f}' for x in upd_x)}), fraction of oracle {runs[0][3]:.3f} vs {sb3[0][3]:.3f}")
+                  f"(per repeat {', '.join(f'{x:.2f}' for x in upd_x)}), updates per CPU-second "
+                  f"x{statistics.median(cpu_x):.2f} ({', '.join(f'{x:.2f}' for x in cpu_x)}), "
+                  f"fraction of oracle {runs[0][3]:.3f} vs {sb3[0][3]:.3f}")
     if not math.isfinite(oracle) or oracle <= 0:
         print("note: the oracle earns nothing on this market, fractions are meaningless")
 
@@ -176,9 +184,9 @@ def run_sb3(data, module, test: MarketTensors, oracle: float, args: argparse.Nam
         exploration_final_eps=0.05, max_grad_norm=10.0, policy_kwargs={"net_arch": [128, 128]},
         seed=args.seed, device="cpu",
     )
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     model.learn(total_timesteps=total)
-    sb3_s = time.perf_counter() - t0
+    sb3_s, sb3_cpu = time.perf_counter() - t0, time.process_time() - cpu0
     q = model.q_net.eval()
 
     def sb3_q(windows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -186,7 +194,7 @@ def run_sb3(data, module, test: MarketTensors, oracle: float, args: argparse.Nam
 
     with torch.no_grad():
         sb3_pos = greedy_positions(sb3_q, test)
-    return (total, model._n_updates, sb3_s, *score(sb3_pos, test, oracle))
+    return (total, model._n_updates, sb3_s, *score(sb3_pos, test, oracle), sb3_cpu)
 
 
 if __name__ == "__main__":
