@@ -232,30 +232,43 @@ class _VariableGRNs(torch.autograd.Function):
     """Per-variable GRNs on scalar inputs and their selection-weighted sum, ``rows`` rows at a time.
 
     Forward keeps nothing of size [V, N, d]: each chunk's [V, rows, *] intermediates stay in cache and are reduced
-    over variables at once; backward recomputes a chunk's forward and applies the chain rule by hand (the same
-    maths as autograd through the layers, with the dropout mask kept from the forward pass as bytes, 1 = kept).
-    Parameters (variable-major): a2, b2 [V, h] (embedding composed with fc2), fc1 [V, h, h] and [V, h], glu
-    [V, h, 2d] (already divided by 1-p) and [V, 2d], a_s, b_s [V, d] (embedding composed with skip), norm [V, d] x2.
+    over variables at once; it keeps each pair's LayerNorm mean and 1/std ([V, N] each). Backward recomputes a
+    chunk's forward up to the centred LayerNorm input (one product of (x, 1, -mean) with (a_s, b_s, 1) instead of
+    the statistics' passes) and applies the chain rule by hand (the same maths as autograd through the layers, with
+    the forward pass's dropout drops, kept as positions and laid out per chunk in a reused mask). Biases of fc1 and
+    the GLU ride in their products on a constant-1 column. Parameters (variable-major): a2, b2 [V, h]
+    (embedding composed with fc2), fc1 [V, h, h] and [V, h], glu [V, h, 2d] (already divided by 1-p) and [V, 2d],
+    a_s, b_s [V, d] (embedding composed with skip), norm [V, d] x2.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, weights: Tensor, p: float, rows: int, *params: Tensor) -> Tensor:  # type: ignore[override]
         """x [V, N] scalars, weights [V, N] -> [N, d]."""
         (v, n), h, d = x.shape, params[2].shape[-1], params[8].shape[-1]
-        gamma, beta = params[8].unsqueeze(1), params[9]
+        gamma, beta, a_s, b_s = params[8].unsqueeze(1), params[9], params[6].unsqueeze(1), params[7].unsqueeze(1)
         out = x.new_empty(n, d)
-        keep = _dropout_keep_mask(v * n * h, p, x.device) if p > 0.0 else None
-        for r0 in range(0, n, rows):
+        mean, rstd = x.new_empty(v * n), x.new_empty(v * n)  # chunk r0:r1 at [v r0, v r1), variable-major
+        avg = x.new_full((d, 1), 1.0 / d)
+        drops = _chunk_drops(_dropout_drops(v * n * h, p, x.device), v * h * rows, h) if p > 0.0 else None
+        aug, bufs = _augmented(params), _chunk_buffers(x, v, rows, h)
+        for c, r0 in enumerate(range(0, n, rows)):
             r1 = min(n, r0 + rows)
-            mask = _chunk_mask(keep, (v, h), r0, r1)
-            wc = weights[:, r0:r1]
-            centred, rstd = _grn_chunk(x[:, r0:r1].unsqueeze(-1), mask, params)[-2:]
+            mask = _chunk_mask(drops, bufs, c, r1 - r0)
+            wc, xc = weights[:, r0:r1], x[:, r0:r1].unsqueeze(-1)
+            ab = _grn_chunk(xc, mask, params, aug, bufs)[-1]
+            z = torch.addcmul(b_s, xc, a_s).addcmul_(ab[..., :d], ab[..., d:])  # skip(embed(x)) + GLU
+            # LayerNorm statistics as matrix-vector products (two-pass: mean, then the centred variance), faster
+            # than aten's layer_norm over a 32-wide last dim on CPU.
+            flat = z.view(-1, d)
+            mu, rs = mean[v * r0 : v * r1].view(-1, 1), rstd[v * r0 : v * r1].view(-1, 1)
+            centred = flat.sub_(torch.mm(flat, avg, out=mu))
+            torch.mm(torch.mul(centred, centred, out=ab.view(-1, 2 * d)[:, :d]), avg, out=rs).add_(1e-5).rsqrt_()
             # sum_v w (LN(z) gamma + beta) = sum_v (centred * rstd * w) gamma + w^T beta
-            scaled = centred.mul_(rstd.mul_(wc.unsqueeze(-1))).mul_(gamma)
+            scaled = z.mul_(rs.view(v, -1, 1) * wc.unsqueeze(-1)).mul_(gamma)
             torch.sum(scaled, 0, out=out[r0:r1])
-            out[r0:r1].addmm_(wc.t(), beta)
-        ctx.save_for_backward(x, weights, *params)
-        ctx.keep, ctx.rows = keep, rows
+        out.addmm_(weights.t(), beta)
+        ctx.save_for_backward(x, weights, mean, rstd, *params)
+        ctx.drops, ctx.rows = drops, rows
         return out
 
     @staticmethod
@@ -268,26 +281,42 @@ class _VariableGRNs(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_out: Tensor, saved: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
-        """Parameter gradients accumulate over chunks."""
-        x, weights, *params = saved
-        a2, _b2, w1, _b1, wg, _bg, a_s, _b_s, gamma, beta = params
+        """Parameter gradients accumulate over chunks. The GLU's backward runs in place over its [value | gate]
+        buffer, leaving [d gate-logit | d value]; its products use the weights with halves swapped to match."""
+        x, weights, mean, rstd, *params = saved
+        a2, _b2, w1, _b1, wg, _bg, a_s, b_s, gamma, beta = params
         (v, n), h, d = x.shape, w1.shape[-1], gamma.shape[-1]
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grads = [torch.zeros_like(t) for t in params]
-        da2, db2, dw1, db1, _dwg, dbg, da_s, db_s, dgamma, dbeta = grads
-        dwa, dwb = x.new_zeros(v, h, d), x.new_zeros(v, h, d)  # the GLU's value and gate halves
+        da2, db2, _dw1, _db1, _dwg, _dbg, da_s, db_s, dgamma, dbeta = grads
+        # with a row of bias grads: [dW1; db1] and [dWg; dbg] with the GLU's halves as [gate | value]
+        dw1_aug, dwg_sw = x.new_zeros(v, h + 1, h + 1), x.new_zeros(v, h + 1, 2 * d)
+        aug, bufs = _augmented(params), _chunk_buffers(x, v, ctx.rows, h)
         dx = torch.empty_like(x) if need_x else None
         dweights = torch.empty_like(weights) if need_w else None
         grad_out = grad_out.contiguous()
-        x1 = torch.stack([x, torch.ones_like(x)], dim=1)  # [V, 2, N]: one product gives a rank-1 layer's (a, b) grads
-        w1_t, wa_t, wb_t = w1.transpose(1, 2), wg[..., :d].transpose(1, 2), wg[..., d:].transpose(1, 2)
-        gamma_col, a2_col, a_s_col = gamma.unsqueeze(-1), a2.unsqueeze(-1), a_s.unsqueeze(-1)
-        for r0 in range(0, n, ctx.rows):
+        # [V, N, 3] rows (x, 1, -mean): transposed, one product gives a rank-1 layer's (a, b) grads; times
+        # (a_s, b_s, 1) it is the skip minus the LayerNorm mean
+        x1m = torch.stack([x, torch.ones_like(x), mean.new_empty(v, n)], dim=-1)
+        sw = torch.stack([a_s, b_s, torch.ones_like(a_s)], dim=1)  # [V, 3, d]
+        # transposed products over [V, R, h+1] layouts: an extra zero output column keeps d eta1 and dELU
+        # contiguous (the latter's last column, fed by the bias row, is never read)
+        w1_aug_t = aug[0].transpose(1, 2)
+        wg_sw_t = F.pad(torch.cat([wg[..., d:], wg[..., :d]], dim=-1).transpose(1, 2), (0, 1))  # [V, 2d, h+1]
+        gamma_col, a2_col, a_s_col = gamma.unsqueeze(-1), F.pad(a2, (0, 1)).unsqueeze(-1), a_s.unsqueeze(-1)
+        gamma_b = gamma.unsqueeze(1)
+        for c, r0 in enumerate(range(0, n, ctx.rows)):
             r1 = min(n, r0 + ctx.rows)
+            rr = r1 - r0
             xc, wc, gc = x[:, r0:r1].unsqueeze(-1), weights[:, r0:r1], grad_out[r0:r1]
-            mask = _chunk_mask(ctx.keep, (v, h), r0, r1)
-            e, eta, glu_a, gate, centred, rstd = _grn_chunk(xc, mask, params)
-            ln = centred.mul_(rstd)
+            xm = x1m[:, r0:r1]
+            xm[..., 2] = mean[v * r0 : v * r1].view(v, rr).neg()
+            x1c = xm[..., :2].transpose(1, 2)  # [V, 2, R]
+            rs = rstd[v * r0 : v * r1].view(v, rr, 1)
+            mask = _chunk_mask(ctx.drops, bufs, c, rr)
+            e, eta, ab = _grn_chunk(xc, mask, params, aug, bufs)
+            glu_a, gate = ab[..., :d], ab[..., d:]
+            ln = torch.bmm(xm, sw).addcmul_(glu_a, gate).mul_(rs)  # LN(z) before its affine
             u = ln * gc  # [V, R, d]
             s2 = torch.bmm(u, gamma_col)  # [V, R, 1]: sum_k LN(z) gamma G
             dgamma.unsqueeze(1).baddbmm_(wc.unsqueeze(1), u)
@@ -295,47 +324,68 @@ class _VariableGRNs(torch.autograd.Function):
             if dweights is not None:
                 torch.addmm(s2.squeeze(-1), beta, gc.t(), out=dweights[:, r0:r1])
             # LayerNorm backward with dLN = w gamma G: dz = rstd w (gamma G - mean_k(gamma G) - LN(z) mean_k(LN(z) gamma G))
-            dz = torch.addcmul((gamma @ gc.t()).unsqueeze(-1).mul_(-1.0 / d), gamma.unsqueeze(1), gc)
-            dz.addcmul_(ln, s2, value=-1.0 / d).mul_(rstd.mul_(wc.unsqueeze(-1)))
-            x1c = x1[:, :, r0:r1]
-            ab = torch.bmm(x1c, dz)  # skip(embed(x)) = a_s x + b_s
-            da_s.add_(ab[:, 0])
-            db_s.add_(ab[:, 1])
-            da = dz * gate  # GLU: z = A sigmoid(B)
-            db = torch.ops.aten.sigmoid_backward(dz * glu_a, gate)
-            eta_t = eta.transpose(1, 2)
-            dwa.baddbmm_(eta_t, da)
-            dwb.baddbmm_(eta_t, db)
-            dbg[:, :d].add_(da.sum(1))
-            dbg[:, d:].add_(db.sum(1))
-            deta = torch.bmm(da, wa_t).baddbmm_(db, wb_t)
+            dz = torch.addcmul((gamma @ gc.t()).unsqueeze(-1).mul_(-1.0 / d), gamma_b, gc, out=u)
+            dz.addcmul_(ln, s2, value=-1.0 / d).mul_(rs * wc.unsqueeze(-1))
+            sk = torch.bmm(x1c, dz)  # skip(embed(x)) = a_s x + b_s
+            da_s.add_(sk[:, 0])
+            db_s.add_(sk[:, 1])
+            if dx is not None:
+                dx[:, r0:r1] = torch.bmm(dz, a_s_col).squeeze(-1)
+            # GLU z = A sigmoid(B), in place: A <- dz A sigmoid'(B) (d gate logit), sigmoid(B) <- dz sigmoid(B) (d A)
+            glu_a.mul_(dz)
+            torch.ops.aten.sigmoid_backward.grad_input(glu_a, gate, grad_input=glu_a)
+            gate.mul_(dz)
+            dwg_sw.baddbmm_(eta.transpose(1, 2), ab)
+            deta = torch.bmm(ab, wg_sw_t)  # [V, R, h+1], last column 0
             if mask is not None:
                 deta.mul_(mask)
-            dw1.baddbmm_(e.transpose(1, 2), deta)
-            db1.add_(deta.sum(1))
-            df2 = torch.ops.aten.elu_backward(torch.bmm(deta, w1_t), 1.0, 1, 1, True, e)
-            ab = torch.bmm(x1c, df2)
-            da2.add_(ab[:, 0])
-            db2.add_(ab[:, 1])
+            dw1_aug.baddbmm_(e.transpose(1, 2), deta)
+            df2 = torch.bmm(deta, w1_aug_t)
+            torch.ops.aten.elu_backward.grad_input(df2, 1.0, 1, 1, True, e, grad_input=df2)
+            ab2 = torch.bmm(x1c, df2)
+            da2.add_(ab2[:, 0, :h])
+            db2.add_(ab2[:, 1, :h])
             if dx is not None:
-                dx[:, r0:r1] = (torch.bmm(df2, a2_col) + torch.bmm(dz, a_s_col)).squeeze(-1)
-        grads[4] = torch.cat([dwa, dwb], dim=-1)
+                dx[:, r0:r1] += torch.bmm(df2, a2_col).squeeze(-1)
+        grads[2], grads[3] = dw1_aug[:, :h, :h], dw1_aug[:, h, :h]
+        grads[4] = torch.cat([dwg_sw[:, :h, d:], dwg_sw[:, :h, :d]], dim=-1)
+        grads[5] = torch.cat([dwg_sw[:, h, d:], dwg_sw[:, h, :d]], dim=-1)
         return (dx, dweights, None, None, *grads)
 
 
-def _chunk_mask(keep: Tensor | None, shape: tuple[int, int], r0: int, r1: int) -> Tensor | None:
-    """Rows r0:r1's [V, rows, h] dropout mask as a contiguous segment of the flat mask (entries are i.i.d., so any
-    layout is the same draw), which ``mul_`` reads without first casting it to float."""
-    if keep is None:
+def _chunk_buffers(x: Tensor, v: int, rows: int, h: int) -> tuple[Tensor, Tensor]:
+    """Reused per chunk: the dropout mask and the ELU output, [V, rows, h+1] with a constant-1 last column."""
+    e = x.new_empty(v, rows, h + 1)
+    e[..., h] = 1.0
+    return x.new_empty(v * rows * (h + 1)), e
+
+
+def _chunk_drops(drops: Tensor, per_chunk: int, h: int) -> tuple[Tensor, list[int]]:
+    """Sorted drop positions over chunks of ``per_chunk`` [V, rows, h] entries -> positions within their chunk's
+    [V, rows, h+1] layout (skipping the constant column) and each chunk's range in them."""
+    chunk_ends = torch.arange(per_chunk, int(drops[-1]) + per_chunk + 1 if len(drops) else 1, per_chunk)
+    offsets = [0, *torch.searchsorted(drops, chunk_ends.to(drops.device)).tolist()]
+    rel = drops % per_chunk
+    return rel + rel // h, offsets
+
+
+def _chunk_mask(drops: tuple[Tensor, list[int]] | None, bufs: tuple[Tensor, Tensor], c: int, r: int) -> Tensor | None:
+    """Chunk c's (r rows) keep mask [V, r, h+1] (1 = kept, last column 1) from its drops, in the reused buffer:
+    entries are i.i.d., so any layout of the draw is the same draw."""
+    if drops is None:
         return None
-    v, h = shape
-    return keep[v * h * r0 : v * h * r1].view(v, r1 - r0, h)
+    rel, offsets = drops
+    buf, e = bufs
+    v, h1 = e.shape[0], e.shape[-1]
+    mask = buf[: v * r * h1].fill_(1.0)
+    if c + 1 < len(offsets):
+        mask.index_fill_(0, rel[offsets[c] : offsets[c + 1]], 0.0)
+    return mask.view(v, r, h1)
 
 
-def _dropout_keep_mask(n: int, p: float, device: torch.device) -> Tensor:
-    """n independent Bernoulli(1-p) keeps as uint8, drawn as the geometric gaps between drops: the same process as
-    nn.Dropout's, with one random number per dropped entry instead of one per entry (10x fewer at p = 0.1)."""
-    keep = torch.ones(n, dtype=torch.uint8, device=device)
+def _dropout_drops(n: int, p: float, device: torch.device) -> Tensor:
+    """Sorted positions of the drops among n independent Bernoulli(p) drops, drawn as the geometric gaps between
+    them: the same process as nn.Dropout's, with one random number per drop instead of one per entry."""
     drops, last = [], -1  # ``last``: the latest drop drawn; every position up to it is decided
     while last < n:
         todo = n - last
@@ -344,30 +394,48 @@ def _dropout_keep_mask(n: int, p: float, device: torch.device) -> Tensor:
         drops.append(pos)
         last = int(pos[-1])
     pos = torch.cat(drops) if len(drops) > 1 else drops[0]
-    keep[pos[: int(torch.searchsorted(pos, n))]] = 0
+    return pos[: int(torch.searchsorted(pos, n))]
+
+
+def _dropout_keep_mask(n: int, p: float, device: torch.device) -> Tensor:
+    """n independent Bernoulli(1-p) keeps as uint8 (1 = kept), from ``_dropout_drops``."""
+    keep = torch.ones(n, dtype=torch.uint8, device=device)
+    keep[_dropout_drops(n, p, device)] = 0
     return keep
 
 
-def _grn_chunk(xc: Tensor, mask: Tensor | None, params: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """One chunk of the per-variable GRNs up to the LayerNorm, xc [V, R, 1] -> (ELU, eta1, GLU value, GLU gate,
-    z - mean, 1/std); the GLU's halves are separate products so that every elementwise op runs contiguous."""
-    a2, b2, w1, b1, wg, bg, a_s, b_s = params[:8]
-    d = a_s.shape[-1]
+def _augmented(params: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+    """fc1 and GLU weights with their bias as an extra input row, for inputs carrying a constant-1 last column:
+    [W1 b1-row | e_h] [V, h+1, h+1] (its last output column is the constant 1 again) and [Wg; bg] [V, h+1, 2d].
+    One product then adds the bias, instead of a separate pass over the product's output."""
+    w1, b1, wg, bg = params[2:6]
+    v, h = b1.shape
+    w1_aug = w1.new_zeros(v, h + 1, h + 1)
+    w1_aug[:, :h, :h] = w1
+    w1_aug[:, h, :h] = b1
+    w1_aug[:, h, h] = 1.0
+    return w1_aug, torch.cat([wg, bg.unsqueeze(1)], dim=1)
+
+
+def _grn_chunk(
+    xc: Tensor, mask: Tensor | None, params: tuple[Tensor, ...], aug: tuple[Tensor, Tensor], bufs: tuple[Tensor, Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One chunk of the per-variable GRNs up to the GLU, xc [V, R, 1] -> ([ELU, 1], [eta1, 1] (both [V, R, h+1]),
+    [V, R, 2d] = [GLU value | sigmoid(GLU gate logit)]): biases ride in the products on the constant-1 column,
+    one product gives both GLU halves, the gate's sigmoid runs in place."""
+    a2, b2 = params[:2]
+    w1_aug, wg_aug = aug
+    r, h = xc.shape[1], a2.shape[-1]
+    d = wg_aug.shape[-1] // 2
     f2 = torch.addcmul(b2.unsqueeze(1), xc, a2.unsqueeze(1))  # W2 embed(x) + b2, rank-1 in x
-    e = torch.maximum(f2, f2.clamp(max=0.0).exp_().sub_(1.0))  # ELU: max(x, e^min(x,0) - 1), 2x aten's on CPU
-    eta = torch.bmm(e, w1).add_(b1.unsqueeze(1))  # bmm + add_: baddbmm's broadcast bias copy is slower on CPU
-    if mask is not None:  # uint8 0/1: multiplied without the float copy a bool mask would cost
+    e = bufs[1][:, :r]
+    torch.maximum(f2, f2.clamp(max=0.0).exp_().sub_(1.0), out=e[..., :h])  # ELU: max(x, e^min(x,0) - 1), 2x aten's
+    eta = torch.bmm(e, w1_aug)  # [eta1, 1]
+    if mask is not None:  # the mask's last column is 1
         eta.mul_(mask)
-    glu_a = torch.bmm(eta, wg[..., :d]).add_(bg[:, :d].unsqueeze(1))
-    gate = torch.bmm(eta, wg[..., d:]).add_(bg[:, d:].unsqueeze(1)).sigmoid_()
-    z = torch.addcmul(b_s.unsqueeze(1), xc, a_s.unsqueeze(1)).addcmul_(glu_a, gate)  # skip(embed(x)) + GLU
-    # LayerNorm statistics as matrix-vector products (two-pass: mean, then the centred variance), faster than
-    # aten's layer_norm over a 32-wide last dim on CPU.
-    flat = z.view(-1, d)
-    avg = z.new_full((d, 1), 1.0 / d)
-    centred = flat.sub_(flat @ avg)
-    rstd = torch.mm(centred * centred, avg).add_(1e-5).rsqrt_()
-    return e, eta, glu_a, gate, centred.view_as(z), rstd.view(*z.shape[:-1], 1)
+    ab = torch.bmm(eta, wg_aug)
+    ab[..., d:].sigmoid_()
+    return e, eta, ab
 
 
 def _weighted_sum(processed: Tensor, weights: Tensor) -> Tensor:
