@@ -18,8 +18,12 @@ interleaved ratios less so), foxhunt / pytorch-forecasting ("compiled": --compil
     5 inputs, eager:      throughput x1.87, step x1.58 (157 vs 249 ms),  memory x0.47 (52 vs 109 MiB),  test loss x1.004
     5 inputs, compiled:   throughput x1.83, step x1.50 (132 vs 198 ms),  test loss x1.002
 (before the chunked variable selection: x0.99 / x0.96 at 125 inputs, x1.56 / x1.59 at 5). At 125 inputs ~90% of
-foxhunt's step is the per-variable GRNs (compiling the rest gains little; that Function is not compiled). The
-issue's CPU targets: x1.5 at ~5 inputs is met; x3 at ~125 inputs is not quite (x2.7-2.8 throughput).
+foxhunt's step is the per-variable GRNs (compiling the rest gains little; that Function is not compiled).
+After folding biases into the products, one GLU product, LayerNorm statistics kept from forward and per-chunk float
+dropout masks (--steps 10, a more loaded box: both sides slower):
+    125 inputs, eager:    throughput x2.83, step x2.68 (1196 vs 3203 ms), memory x0.08, test loss x0.994
+    5 inputs, eager:      throughput x1.81, step x1.53 (114 vs 175 ms),   memory x0.47, test loss x1.004
+The issue's CPU targets: x1.5 at ~5 inputs is met; x3 at ~125 inputs is not quite (x2.7-2.85 throughput).
 """
 
 from __future__ import annotations
