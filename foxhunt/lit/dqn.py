@@ -380,12 +380,11 @@ class DQNModule(L.LightningModule):
             states = net.inputs(windows, positions)
             successors = net.inputs_all_positions(next_windows) if all_actions else net.inputs(next_windows, next_positions)
         per_sample = market.n_actions if all_actions else 1  # successor rows per sample
+        samples = draw.split(batch_size)
 
         def split(x: Tensor | None, rows: int = 1) -> list[Tensor | None]:
-            return [None] * n if x is None else list(x.split(batch_size * rows))
+            return [None] * len(samples) if x is None else list(x.split(batch_size * rows))
 
-        samples = draw.split(batch_size)
-        n = len(samples)
         return [
             _TDBatch(*fields)
             for fields in zip(
