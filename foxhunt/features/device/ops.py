@@ -1,0 +1,405 @@
+"""Causal building blocks on [S, T] float64 torch tensors on any device: the device twin of ``filters.py``.
+
+Same semantics as the numpy path (NaN before an indicator is defined, TA-Lib seeding, the same ``start``),
+written for a GPU: only tensor ops, no loop over bars, no host synchronisation on data. Recursive filters
+are blocked scans (fixed block offsets from the first bar, so bar t never depends on later bars) whose
+block carries are solved by a doubling (Hillis-Steele) scan over the blocks; rolling sums are differences
+of prefix sums (centred inside blocks for price levels); rolling extrema and arg-extrema use doubling.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as nnf
+from torch import Tensor
+
+NAN = float("nan")
+
+
+def nans(x: Tensor) -> Tensor:
+    """A contiguous NaN tensor shaped like x (outputs start all undefined and get filled where defined)."""
+    return torch.full(x.shape, NAN, dtype=x.dtype, device=x.device)
+
+
+def rows(y0: Tensor | float, x: Tensor) -> Tensor:
+    """y0 as one float64 value per row of x (a tensor [S] on x's device)."""
+    y0 = torch.as_tensor(y0, dtype=x.dtype, device=x.device)
+    return y0.expand(x.shape[0]) if y0.ndim == 0 else y0
+
+
+def cumsum(x: Tensor) -> Tensor:
+    """Running sum along the last axis."""
+    return torch.cumsum(x, dim=-1)
+
+
+def shift(x: Tensor, k: int, fill: float = NAN) -> Tensor:
+    """x[t - k] (k > 0 looks back), padded with ``fill``."""
+    if k <= 0:
+        raise ValueError(f"shift: k must be positive (a look-back), got {k}")
+    out = torch.full(x.shape, fill, dtype=x.dtype, device=x.device)
+    if k < x.shape[-1]:
+        out[..., k:] = x[..., :-k]
+    return out
+
+
+def diff(x: Tensor, k: int = 1) -> Tensor:
+    """x[t] - x[t - k], NaN for the first k bars."""
+    out = nans(x)
+    if k < x.shape[-1]:
+        torch.sub(x[..., k:], x[..., :-k], out=out[..., k:])
+    return out
+
+
+def diff_times(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    """(a - b) * c (distances in ATR units)."""
+    return (a - b) * c
+
+
+def lag_diff_times(x: Tensor, k: int, c: Tensor) -> Tensor:
+    """(x[t] - x[t-k]) * c[t], NaN for the first k bars."""
+    out = nans(x)
+    if k < x.shape[-1]:
+        out[..., k:] = (x[..., k:] - x[..., :-k]) * c[..., k:]
+    return out
+
+
+def pct_change(x: Tensor, k: int) -> Tensor:
+    """100 (x[t] / x[t-k] - 1), NaN for the first k bars (TA-Lib ROC)."""
+    out = nans(x)
+    if k < x.shape[-1]:
+        out[..., k:] = (x[..., k:] / x[..., :-k] - 1.0) * 100.0
+    return out
+
+
+def safe_div(num: Tensor, den: Tensor, fill: float = 0.0, scale: float = 1.0) -> Tensor:
+    """scale * num / den with ``fill`` where den is 0 (TA-Lib's convention for flat ranges)."""
+    q = (num if scale == 1.0 else scale * num) / den
+    return torch.where(den == 0, fill, q)
+
+
+def rolling_sum(x: Tensor, n: int, start: int = 0) -> Tensor:
+    """Sum of x[t-n+1..t] as a difference of prefix sums; defined from t = start + n - 1 (x valid from ``start``)."""
+    if n < 1:
+        raise ValueError(f"window must be >= 1, got {n}")
+    T = x.shape[-1]
+    out = nans(x)
+    if T < start + n:
+        return out
+    cs = cumsum(x[..., start:])
+    out[..., start + n - 1] = cs[..., n - 1]
+    torch.sub(cs[..., n:], cs[..., :-n], out=out[..., start + n :])
+    return out
+
+
+def rolling_mean(x: Tensor, n: int, start: int = 0) -> Tensor:
+    """TA-Lib SMA of a series near zero or of a small window (up to 4 bars: shifted adds, exact as numpy's)."""
+    if n > 4:
+        return rolling_sum(x, n, start) / n
+    T = x.shape[-1]
+    a = start + n - 1
+    out = nans(x)
+    if a < T:
+        acc = x[..., a:].clone()
+        for k in range(1, n):
+            acc += x[..., a - k : T - k]
+        out[..., a:] = acc / n
+    return out
+
+
+def rolling_std(x: Tensor, n: int, start: int = 0) -> Tensor:
+    """Rolling population standard deviation over n bars (TA-Lib STDDEV(n, 1)), block-centred for price levels."""
+    return BlockPrefix(x, n, start, squares=True).mean_std(n)[1]
+
+
+def rolling_mean_std(x: Tensor, n: int, start: int = 0, k: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Rolling mean and k population standard deviations over n bars (Bollinger's middle band and half-width)."""
+    return BlockPrefix(x, n, start, squares=True).mean_std(n, k)
+
+
+class Prefix:
+    """Prefix sums of x (and x^2) from ``start``, shared by every window length over the same series near zero.
+
+    Rounding error is relative to the running total: use :class:`BlockPrefix` for price levels.
+    """
+
+    def __init__(self, x: Tensor, start: int = 0, squares: bool = False) -> None:
+        self.shape, self.start = tuple(x.shape), start
+        xs = x[..., start:]
+        self.cs = _running_sum0(xs)  # cs[:, k] = sum of the first k values
+        self.cs2 = _running_sum0(xs * xs) if squares else None
+
+    def parts(self, n: int, at: int, squares: bool = False) -> tuple[Tensor, Tensor]:
+        """Views (hi, lo) aligned with bars at.. (at >= start + n - 1): the window sum over n bars is hi - lo."""
+        cs = self.cs2 if squares else self.cs
+        k = at - self.start + 1
+        return cs[..., k:], cs[..., k - n : cs.shape[-1] - n]
+
+    def _window(self, cs: Tensor, n: int) -> Tensor:
+        a = self.start + n - 1
+        out = torch.full(self.shape, NAN, dtype=cs.dtype, device=cs.device)
+        if a < self.shape[-1]:
+            torch.sub(cs[..., n:], cs[..., :-n], out=out[..., a:])
+        return out
+
+    def sum(self, n: int) -> Tensor:
+        """Sum of x[t-n+1..t]; NaN before start + n - 1."""
+        return self._window(self.cs, n)
+
+    def mean_var(self, n: int) -> tuple[Tensor, Tensor]:
+        """Rolling mean and population variance over n bars."""
+        if self.cs2 is None:
+            raise ValueError("Prefix built without squares")
+        mean, var = self._window(self.cs, n) / n, self._window(self.cs2, n) / n
+        var = torch.clamp_min(var - mean * mean, 0.0)
+        return mean, var
+
+    def std(self, n: int) -> Tensor:
+        """Rolling population standard deviation over n bars (as :meth:`mean_var`)."""
+        return torch.sqrt(self.mean_var(n)[1])
+
+
+def _running_sum0(x: Tensor) -> Tensor:
+    """Running sums along the last axis after a leading 0 (so a window sum is always one subtraction)."""
+    return cumsum(nnf.pad(x, (1, 0)))
+
+
+class BlockPrefix:
+    """Prefix sums of x - r (and (x - r)^2) inside blocks, for windows up to ``max_window`` bars of a price level.
+
+    Each block of ``block`` output bars carries the max_window - 1 bars before it and is centred on r, x at
+    the block's first output bar (a past value for every bar of the block): rounding error scales with the
+    local spread of x, not with its level times the series length, and a sum at t depends only on bars <= t.
+    The same layout and arithmetic as ``filters.BlockPrefix``.
+    """
+
+    def __init__(self, x: Tensor, max_window: int, start: int = 0, squares: bool = False, block: int = 512) -> None:
+        S, T = x.shape
+        W, B = max_window, max(block, max_window)
+        nb = max(1, -(-T // B))
+        self.shape, self.start, self.W, self.B, self.nb = (S, T), start, W, B, nb
+        xp = x.new_zeros((S, W - 1 + nb * B))
+        xp[:, W - 1 + start : W - 1 + T] = x[:, start:]
+        view = xp.unfold(-1, B + W - 1, B)  # [S, nb, B + W - 1], block j's bars j B - W + 1 .. (j + 1) B - 1
+        self.ref = view[:, :, W - 1 : W].clone()  # [S, nb, 1]
+        early = min(nb, -(-start // B))  # blocks that begin before ``start``: centre on x[start] instead
+        if early and start < T:
+            self.ref[:, :early, 0] = x[:, start : start + 1]
+        d = x.new_zeros((S, nb, B + W))
+        torch.sub(view, self.ref, out=d[:, :, 1:])
+        for k in range(min(nb, (start + W - 1) // B + 1)):  # bars before ``start`` (and the padding) add nothing
+            d[:, k, 1 : 1 + max(0, start + W - 1 - k * B)] = 0.0
+        self.cs2 = cumsum(d * d) if squares else None
+        self.cs = cumsum(d)
+
+    def _parts(self, cs: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        """(hi, lo) in block layout [S, nb, B]: the window sums over n bars are hi - lo."""
+        if n > self.W:
+            raise ValueError(f"window {n} exceeds this prefix's max_window {self.W}")
+        W, B = self.W, self.B
+        return cs[:, :, W : W + B], cs[:, :, W - n : W - n + B]
+
+    def _flat(self, w: Tensor, n: int) -> Tensor:
+        """Block layout [S, nb, B] to bars [S, T], NaN before the first full window."""
+        S, T = self.shape
+        out = w.reshape(S, self.nb * self.B)[:, :T]
+        out[:, : min(T, self.start + n - 1)] = NAN
+        return out
+
+    def sum(self, n: int) -> Tensor:
+        """Sum of x[t-n+1..t]."""
+        hi, lo = self._parts(self.cs, n)
+        return self._flat(hi - lo + n * self.ref, n)
+
+    def mean(self, n: int) -> Tensor:
+        """Mean of x[t-n+1..t] (TA-Lib SMA)."""
+        hi, lo = self._parts(self.cs, n)
+        return self._flat((hi - lo) / n + self.ref, n)
+
+    def mean_var(self, n: int) -> tuple[Tensor, Tensor]:
+        """Rolling mean and population variance over n bars (TA-Lib SMA and VAR)."""
+        if self.cs2 is None:
+            raise ValueError("BlockPrefix built without squares")
+        hi, lo = self._parts(self.cs, n)
+        hi2, lo2 = self._parts(self.cs2, n)
+        m = (hi - lo) / n
+        var = torch.clamp_min((hi2 - lo2) / n - m * m, 0.0)
+        return self._flat(m + self.ref, n), self._flat(var, n)
+
+    def mean_std(self, n: int, k: float = 1.0) -> tuple[Tensor, Tensor]:
+        """Rolling mean and k population standard deviations over n bars (TA-Lib SMA and k STDDEV)."""
+        m, var = self.mean_var(n)
+        return m, torch.sqrt(var) * k
+
+
+def rolling_max(x: Tensor, n: int) -> Tensor:
+    """Highest value of x[t-n+1..t] (doubling: ceil(log2 n) + 1 passes, exact)."""
+    return _rolling_extreme(x, n, torch.maximum)
+
+
+def rolling_min(x: Tensor, n: int) -> Tensor:
+    """Lowest value of x[t-n+1..t]."""
+    return _rolling_extreme(x, n, torch.minimum)
+
+
+def _rolling_extreme(x: Tensor, n: int, op) -> Tensor:
+    if n < 1:
+        raise ValueError(f"window must be >= 1, got {n}")
+    T = x.shape[-1]
+    out = nans(x)
+    if n > T:
+        return out
+    m, k = x, 1  # m[t] = extreme of x[t-k+1..t] (for t >= k - 1)
+    while 2 * k <= n:
+        m = torch.cat((m[..., :k], op(m[..., k:], m[..., :-k])), dim=-1)
+        k *= 2
+    # window of n = [t-n+1, t-n+k] U [t-k+1, t]
+    out[..., n - 1 :] = op(m[..., n - 1 :], m[..., k - 1 : T - n + k])
+    return out
+
+
+def bars_since_extreme(x: Tensor, n: int, highest: bool) -> Tensor:
+    """Bars since the highest (lowest) value of x[t-n..t], n+1 bars, ties to the latest bar (TA-Lib AROON).
+
+    Doubling on (extreme, age) pairs: when two halves tie the later one wins.
+    """
+    T = x.shape[-1]
+    w = n + 1
+    out = nans(x)
+    if w > T:
+        return out
+    op = torch.maximum if highest else torch.minimum
+    later_of = torch.greater_equal if highest else torch.less_equal
+    m, age, k = x, torch.zeros_like(x), 1  # extreme of x[t-k+1..t] and bars since it
+    while 2 * k <= w:
+        new, old = m[..., k:], m[..., :-k]
+        age = torch.cat((age[..., :k], torch.where(later_of(new, old), age[..., k:], age[..., :-k] + k)), dim=-1)
+        m = torch.cat((m[..., :k], op(new, old)), dim=-1)
+        k *= 2
+    # window of w = [t-w+1, t-w+k] (ends w - k bars back) U [t-k+1, t]
+    a, b = slice(w - 1, None), slice(k - 1, T - w + k)
+    out[..., a] = torch.where(later_of(m[..., a], m[..., b]), age[..., a], age[..., b] + (w - k))
+    return out
+
+
+def _scan_block(a: float) -> int:
+    """Block length of the first-order scan: a^-B stays below 2^500, far from float64 overflow."""
+    return int(min(2048, max(16, 500.0 / -math.log2(a))))
+
+
+def const_scan(u: Tensor, c: float, y0: Tensor) -> Tensor:
+    """y[j] = c y[j-1] + u[j] along the last axis from y[-1] = y0, a constant c (doubling: log2 passes, stops
+    once c^k underflows to 0)."""
+    y = u.clone()
+    if y.shape[-1] == 0:
+        return y
+    y[..., 0] += c * y0
+    ck, k, m = c, 1, y.shape[-1]
+    while k < m and ck != 0.0:
+        y = torch.cat((y[..., :k], torch.add(y[..., k:], y[..., :-k], alpha=ck)), dim=-1)
+        ck, k = ck * ck, 2 * k
+    return y
+
+
+def affine_scan(c: Tensor, u: Tensor, y0: Tensor) -> Tensor:
+    """y[j] = c[j] y[j-1] + u[j] along the last axis from y[-1] = y0 (Hillis-Steele doubling: log2 passes, causal)."""
+    y = u.clone()
+    if y.shape[-1] == 0:
+        return y
+    y[..., 0] += c[..., 0] * y0
+    k, m = 1, y.shape[-1]
+    while k < m:  # pairs (c, y) now compose the k steps ending at each bar
+        y = torch.cat((y[..., :k], torch.addcmul(y[..., k:], c[..., k:], y[..., :-k])), dim=-1)
+        c = torch.cat((c[..., :k], c[..., k:] * c[..., :-k]), dim=-1)
+        k *= 2
+    return y
+
+
+def first_order(x: Tensor, a: float, b: float, y0: Tensor | float) -> Tensor:
+    """y[t] = a y[t-1] + b x[t] along the last axis from y[-1] = y0 (a blocked scan).
+
+    Inside a block of B bars y[k] = a^k (a y_in + b sum_{j<=k} a^-j x[j]) (a multiply, a running sum and a
+    multiply); the block carries, y_in[j+1] = a^B y_in[j] + (block j's sum), are a scan over T / B blocks.
+    Blocks start at fixed offsets from the first bar, so bar t only sees bars <= t.
+    """
+    S, L = x.shape
+    y0 = rows(y0, x)
+    if L == 0:
+        return x.new_empty((S, 0))
+    if not 0.01 <= a < 1.0:  # no gain from blocking: a^k vanishes within a few doublings
+        return const_scan(b * x, a, y0)
+    B = _scan_block(a)
+    nf = -(-L // B)
+    k = torch.arange(B, dtype=x.dtype, device=x.device)
+    g, h = b * torch.pow(a, -k), torch.pow(a, k)
+    V = nnf.pad(x, (0, nf * B - L)).view(S, nf, B) * g  # zeros after the last bar feed no earlier bar
+    ends = const_scan(h[-1] * V.sum(dim=-1), a**B, y0)  # y at each block's end
+    V[:, 0, 0] += a * y0
+    V[:, 1:, 0] += a * ends[:, :-1]
+    V = cumsum(V)
+    V *= h
+    return V.view(S, nf * B)[:, :L]
+
+
+def ema(x: Tensor, n: int | None = None, start: int = 0, alpha: float | None = None, seed: str = "sma") -> Tensor:
+    """Exponential moving average as TA-Lib computes it (as ``filters.ema``).
+
+    x is valid from ``start``; seeded at ``start + n - 1`` with the mean of the first n valid values, then
+    y[t] = y[t-1] + alpha (x[t] - y[t-1]), alpha = 2 / (n + 1) unless given; ``seed="first"`` seeds with x[start].
+    """
+    if alpha is None:
+        alpha = 2.0 / (n + 1)
+    if seed not in ("sma", "first"):
+        raise ValueError(f"unknown EMA seeding {seed!r}")
+    T = x.shape[-1]
+    s = start + n - 1 if seed == "sma" else start
+    out = nans(x)
+    if s >= T:
+        return out
+    y0 = x[:, start : s + 1].mean(dim=1) if seed == "sma" else x[:, s].clone()
+    out[:, s] = y0
+    out[:, s + 1 :] = first_order(x[:, s + 1 :], 1.0 - alpha, alpha, y0)
+    return out
+
+
+def wilder(x: Tensor, n: int, start: int = 0) -> Tensor:
+    """Wilder's smoothing (RSI, ATR, ADX): an EMA with alpha = 1/n, seeded with the mean of the first n values."""
+    return ema(x, n, start, alpha=1.0 / n)
+
+
+def wilder_sum(x: Tensor, n: int, start: int = 0) -> Tensor:
+    """Wilder's running sum as TA-Lib's DM/DI: seeded with the sum of n-1 values, then y = y - y/n + x."""
+    T = x.shape[-1]
+    s = start + n - 2
+    out = nans(x)
+    if s >= T or n < 2:
+        return out
+    y0 = x[:, start : s + 1].sum(dim=1)
+    out[:, s] = y0
+    out[:, s + 1 :] = first_order(x[:, s + 1 :], 1.0 - 1.0 / n, 1.0, y0)
+    return out
+
+
+def linear_recurrence(a: Tensor, b: Tensor, y0: Tensor | float, a_min: float) -> Tensor:
+    """y[t] = a[t] y[t-1] + b[t] for t = 0..T-1 from y[-1] = y0, with a_min <= a <= 1 (blocked scan).
+
+    Within a block of B bars y = A (y_in + cumsum(b / A)), A the running product of a; B comes from the
+    caller's bound ``a_min`` (never from the data) and keeps A above float64 underflow. The block carries
+    y_in[j+1] = A_end[j] (y_in[j] + P_end[j]) are solved by a doubling scan over the blocks, on the device.
+    """
+    S, T = a.shape
+    if not 0.0 < a_min <= 1.0:
+        raise ValueError(f"linear_recurrence: a_min must be in (0, 1], got {a_min}")
+    y0 = rows(y0, a)
+    if T == 0:
+        return a.new_empty((S, 0))
+    B = int(min(1024, max(1, 250 // max(1e-12, -math.log10(a_min)))))
+    nb = -(-T // B)
+    A = torch.cumprod(nnf.pad(a, (0, nb * B - T), value=1.0).view(S, nb, B), dim=-1)
+    P = cumsum(nnf.pad(b, (0, nb * B - T)).view(S, nb, B) / A)
+    a_end = A[..., -1]
+    ends = affine_scan(a_end, a_end * P[..., -1], y0)  # y at each block's end
+    P += torch.cat((y0[:, None], ends[:, :-1]), dim=1)[..., None]
+    P *= A
+    return P.view(S, nb * B)[:, :T]

@@ -1,0 +1,147 @@
+"""TorchPanel: the bars of several symbols as [S, T] float64 tensors on one device, with a memo of intermediates."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+
+import torch
+from torch import Tensor
+
+from foxhunt.features.device import ops
+
+
+class TorchPanel:
+    """OHLCV of S symbols, one row each, padded with NaN after a symbol's last bar (the twin of ``Panel``).
+
+    Padding sits after every real bar and every computation is causal, so it never reaches a real bar's
+    value. Intermediates shared by several features are computed once per panel through :meth:`memo`.
+    """
+
+    def __init__(self, ohlcv: Tensor, timestamps: Tensor, starts: Tensor | list[int], lengths: list[int]) -> None:
+        self.ohlcv = ohlcv  # [5, S, T] float64
+        self.timestamps = timestamps  # [S, T] int64 ns UTC
+        self.starts = starts  # [S] first flat row of each symbol
+        self.lengths = [int(m) for m in lengths]  # [S] bars of each symbol (host ints: they size the output)
+        self._memo: dict[Hashable, object] = {}
+        self.trace: set | None = None  # when a set, records every memo key touched (for release plans)
+
+    @classmethod
+    def from_flat(cls, ohlcv: Tensor, timestamps: Tensor, symbol_index: Tensor) -> TorchPanel:
+        """Build from rows sorted by (symbol, time): ohlcv [N, 5], timestamps [N], symbol_index [N]."""
+        return cls.from_columns(ohlcv.to(torch.float64).T.contiguous(), timestamps, symbol_index)
+
+    @classmethod
+    def from_columns(cls, cols: Tensor, timestamps: Tensor, symbol_index: Tensor) -> TorchPanel:
+        """Build from the columns [5, N] (float64) of rows sorted by (symbol, time); one symbol's panel is a view.
+
+        Two host synchronisations in all (the order check and the symbols' lengths), none per symbol.
+        """
+        dev = cols.device
+        cols = cols.to(torch.float64)
+        n = cols.shape[1]
+        timestamps = timestamps.to(dev, torch.int64)
+        if n == 0:
+            empty = torch.zeros(0, dtype=torch.int64, device=dev)
+            return cls(cols.reshape(5, 0, 0), timestamps.reshape(0, 0), empty, [])
+        sym = symbol_index.to(dev)
+        step = sym[1:] - sym[:-1]
+        if bool((step < 0).any()):
+            raise ValueError("features: rows must be sorted by symbol then time (symbol_index decreases somewhere)")
+        moved = step != 0  # rows are grouped by symbol: a symbol starts where the index moves
+        zero = torch.zeros(1, dtype=torch.int64, device=dev)
+        starts = torch.cat((zero, torch.nonzero(moved).flatten() + 1))
+        lengths_t = torch.diff(starts, append=torch.full((1,), n, dtype=torch.int64, device=dev))
+        lengths = lengths_t.tolist()
+        S, T = len(lengths), max(lengths)
+        if S == 1:
+            return cls(cols.reshape(5, 1, T), timestamps.reshape(1, T), starts, lengths)
+        group = torch.cat((zero, torch.cumsum(moved, 0)))  # symbol row of each flat row
+        pos = torch.arange(n, device=dev) - starts[group]
+        arr = torch.full((5, S, T), float("nan"), dtype=torch.float64, device=dev)
+        arr[:, group, pos] = cols
+        ts = torch.zeros((S, T), dtype=torch.int64, device=dev)
+        ts[group, pos] = timestamps
+        return cls(arr, ts, starts, lengths)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.ohlcv.shape[1:])
+
+    @property
+    def device(self) -> torch.device:
+        return self.ohlcv.device
+
+    open = property(lambda self: self.ohlcv[0])
+    high = property(lambda self: self.ohlcv[1])
+    low = property(lambda self: self.ohlcv[2])
+    close = property(lambda self: self.ohlcv[3])
+    volume = property(lambda self: self.ohlcv[4])
+
+    def memo(self, key: Hashable, fn: Callable[[], object]):
+        """Compute ``fn()`` once per panel under ``key``."""
+        if self.trace is not None:
+            self.trace.add(key)
+        if key not in self._memo:
+            self._memo[key] = fn()
+        return self._memo[key]
+
+    def forget(self, keys: Iterable[Hashable]) -> None:
+        """Drop memoised intermediates no later feature needs (the caching allocator reuses their memory)."""
+        for k in keys:
+            self._memo.pop(k, None)
+
+    def prefix(self, key: Hashable, fn: Callable[[], Tensor], start: int = 0, squares: bool = False) -> ops.Prefix:
+        """Shared prefix sums of the series ``fn()`` (named ``key``): every window length is then one subtraction."""
+        return self.memo(("prefix", key, start, squares), lambda: ops.Prefix(fn(), start, squares))
+
+    def close_prefix(self) -> ops.BlockPrefix:
+        """Block-centred prefix sums of the close and its square, shared by the SMAs and Bollinger bands."""
+        return self.memo("close_block_prefix", lambda: ops.BlockPrefix(self.close, 200, squares=True))
+
+    # shared intermediates used across families
+    def log_close(self) -> Tensor:
+        return self.memo("log_close", lambda: torch.log(self.close))
+
+    def log_return(self, k: int = 1) -> Tensor:
+        """ln C[t] - ln C[t-k]; only the 1-bar return is shared (memoised)."""
+        if k == 1:
+            return self.memo(("log_return", 1), lambda: ops.diff(self.log_close(), 1))
+        return ops.diff(self.log_close(), k)
+
+    def close_change(self) -> Tensor:
+        """C[t] - C[t-1]."""
+        return self.memo("close_change", lambda: ops.diff(self.close, 1))
+
+    def prev_close(self) -> Tensor:
+        return self.memo("prev_close", lambda: ops.shift(self.close, 1))
+
+    def true_range(self) -> Tensor:
+        """TA-Lib TRANGE: max(H, C[t-1]) - min(L, C[t-1]); undefined at the first bar."""
+
+        def f():
+            pc = self.prev_close()
+            return torch.maximum(self.high, pc) - torch.minimum(self.low, pc)
+
+        return self.memo("true_range", f)
+
+    def atr(self, n: int = 14) -> Tensor:
+        """TA-Lib ATR: Wilder smoothing of the true range, seeded with its mean over bars 1..n."""
+        return self.memo(("atr", n), lambda: ops.wilder(self.true_range(), n, start=1))
+
+    def inv_atr(self) -> Tensor:
+        """1 / ATR(14): features in ATR units multiply by it (a multiply is cheaper than a divide)."""
+        return self.memo("inv_atr_14", lambda: 1.0 / self.atr(14))
+
+    def per_atr(self, x: Tensor) -> Tensor:
+        """x / ATR(14): price units to ATR units."""
+        return x * self.inv_atr()
+
+    def typical_price(self) -> Tensor:
+        return self.memo("typical_price", lambda: (self.high + self.low + self.close) / 3.0)
+
+    def hl_range(self) -> Tensor:
+        return self.memo("hl_range", lambda: self.high - self.low)
+
+    def volume_mean(self, n: int) -> Tensor:
+        """SMA(n) of the volume."""
+        return self.prefix("volume", lambda: self.volume).sum(n) / n
