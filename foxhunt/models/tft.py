@@ -249,7 +249,7 @@ class _VariableGRNs(torch.autograd.Function):
         out = x.new_empty(n, d)
         mean, rstd = x.new_empty(v * n), x.new_empty(v * n)  # chunk r0:r1 at [v r0, v r1), variable-major
         avg = x.new_full((d, 1), 1.0 / d)
-        drops = _chunk_drops(_dropout_drops(v * n * h, p, x.device), v * h * rows, h) if p > 0.0 else None
+        drops = _chunk_drops(_dropout_drops(v * n * h, p, x.device), v * h * rows) if p > 0.0 else None
         aug, bufs = _augmented(params), _chunk_buffers(x, v, rows, h)
         for c, r0 in enumerate(range(0, n, rows)):
             r1 = min(n, r0 + rows)
@@ -290,7 +290,7 @@ class _VariableGRNs(torch.autograd.Function):
         grads = [torch.zeros_like(t) for t in params]
         da2, db2, _dw1, _db1, _dwg, _dbg, da_s, db_s, dgamma, dbeta = grads
         # with a row of bias grads: [dW1; db1] and [dWg; dbg] with the GLU's halves as [gate | value]
-        dw1_aug, dwg_sw = x.new_zeros(v, h + 1, h + 1), x.new_zeros(v, h + 1, 2 * d)
+        dw1_aug, dwg_sw = x.new_zeros(v, h + 1, h), x.new_zeros(v, h + 1, 2 * d)
         aug, bufs = _augmented(params), _chunk_buffers(x, v, ctx.rows, h)
         dx = torch.empty_like(x) if need_x else None
         dweights = torch.empty_like(weights) if need_w else None
@@ -299,10 +299,10 @@ class _VariableGRNs(torch.autograd.Function):
         # (a_s, b_s, 1) it is the skip minus the LayerNorm mean
         x1m = torch.stack([x, torch.ones_like(x), mean.new_empty(v, n)], dim=-1)
         sw = torch.stack([a_s, b_s, torch.ones_like(a_s)], dim=1)  # [V, 3, d]
-        # transposed products over [V, R, h+1] layouts: an extra zero output column keeps d eta1 and dELU
-        # contiguous (the latter's last column, fed by the bias row, is never read)
-        w1_aug_t = aug[0].transpose(1, 2)
-        wg_sw_t = F.pad(torch.cat([wg[..., d:], wg[..., :d]], dim=-1).transpose(1, 2), (0, 1))  # [V, 2d, h+1]
+        # transposed weights, contiguous: d eta1 is [V, R, h]; dELU is [V, R, h+1] like the ELU buffer it is
+        # multiplied with (elu_backward is vectorised on contiguous operands only); its last column is never read
+        w1_aug_t = aug[0].transpose(1, 2)[:, :h].contiguous()  # [V, h, h+1] = [W1^T | b1]
+        wg_sw_t = torch.cat([wg[..., d:], wg[..., :d]], dim=-1).transpose(1, 2).contiguous()  # [V, 2d, h]
         gamma_col, a2_col, a_s_col = gamma.unsqueeze(-1), F.pad(a2, (0, 1)).unsqueeze(-1), a_s.unsqueeze(-1)
         gamma_b = gamma.unsqueeze(1)
         for c, r0 in enumerate(range(0, n, ctx.rows)):
@@ -336,10 +336,10 @@ class _VariableGRNs(torch.autograd.Function):
             torch.ops.aten.sigmoid_backward.grad_input(glu_a, gate, grad_input=glu_a)
             gate.mul_(dz)
             dwg_sw.baddbmm_(eta.transpose(1, 2), ab)
-            deta = torch.bmm(ab, wg_sw_t)  # [V, R, h+1], last column 0
+            deta = torch.bmm(ab, wg_sw_t)  # [V, R, h]
             if mask is not None:
                 deta.mul_(mask)
-            dw1_aug.baddbmm_(e.transpose(1, 2), deta)
+            dw1_aug.baddbmm_(e.transpose(1, 2), deta)  # e's constant column gives db1's row
             df2 = torch.bmm(deta, w1_aug_t)
             torch.ops.aten.elu_backward.grad_input(df2, 1.0, 1, 1, True, e, grad_input=df2)
             ab2 = torch.bmm(x1c, df2)
@@ -347,50 +347,52 @@ class _VariableGRNs(torch.autograd.Function):
             db2.add_(ab2[:, 1, :h])
             if dx is not None:
                 dx[:, r0:r1] += torch.bmm(df2, a2_col).squeeze(-1)
-        grads[2], grads[3] = dw1_aug[:, :h, :h], dw1_aug[:, h, :h]
+        grads[2], grads[3] = dw1_aug[:, :h], dw1_aug[:, h]
         grads[4] = torch.cat([dwg_sw[:, :h, d:], dwg_sw[:, :h, :d]], dim=-1)
         grads[5] = torch.cat([dwg_sw[:, h, d:], dwg_sw[:, h, :d]], dim=-1)
         return (dx, dweights, None, None, *grads)
 
 
 def _chunk_buffers(x: Tensor, v: int, rows: int, h: int) -> tuple[Tensor, Tensor]:
-    """Reused per chunk: the dropout mask and the ELU output, [V, rows, h+1] with a constant-1 last column."""
+    """Reused per chunk: the dropout mask [V, rows, h] and the ELU output [V, rows, h+1] with a constant-1 last column."""
     e = x.new_empty(v, rows, h + 1)
     e[..., h] = 1.0
-    return x.new_empty(v * rows * (h + 1)), e
+    return x.new_empty(v * rows * h), e
 
 
-def _chunk_drops(drops: Tensor, per_chunk: int, h: int) -> tuple[Tensor, list[int]]:
-    """Sorted drop positions over chunks of ``per_chunk`` [V, rows, h] entries -> positions within their chunk's
-    [V, rows, h+1] layout (skipping the constant column) and each chunk's range in them."""
+def _chunk_drops(drops: Tensor, per_chunk: int) -> tuple[Tensor, list[int], int]:
+    """Sorted drop positions over chunks of ``per_chunk`` [V, rows, h] entries, each chunk's range in them, and
+    ``per_chunk`` (a chunk's positions are its drops minus its first entry's)."""
     chunk_ends = torch.arange(per_chunk, int(drops[-1]) + per_chunk + 1 if len(drops) else 1, per_chunk)
     offsets = [0, *torch.searchsorted(drops, chunk_ends.to(drops.device)).tolist()]
-    rel = drops % per_chunk
-    return rel + rel // h, offsets
+    return drops, offsets, per_chunk
 
 
-def _chunk_mask(drops: tuple[Tensor, list[int]] | None, bufs: tuple[Tensor, Tensor], c: int, r: int) -> Tensor | None:
-    """Chunk c's (r rows) keep mask [V, r, h+1] (1 = kept, last column 1) from its drops, in the reused buffer:
-    entries are i.i.d., so any layout of the draw is the same draw."""
+def _chunk_mask(drops: tuple[Tensor, list[int], int] | None, bufs: tuple[Tensor, Tensor], c: int, r: int) -> Tensor | None:
+    """Chunk c's (r rows) keep mask [V, r, h] (1 = kept) from its drops, in the reused buffer."""
     if drops is None:
         return None
-    rel, offsets = drops
+    pos, offsets, per_chunk = drops
     buf, e = bufs
-    v, h1 = e.shape[0], e.shape[-1]
-    mask = buf[: v * r * h1].fill_(1.0)
-    if c + 1 < len(offsets):
-        mask.index_fill_(0, rel[offsets[c] : offsets[c + 1]], 0.0)
-    return mask.view(v, r, h1)
+    v, h = e.shape[0], e.shape[-1] - 1
+    mask = buf[: v * r * h].fill_(1.0)
+    if c + 1 < len(offsets) and offsets[c + 1] > offsets[c]:
+        mask.index_fill_(0, pos[offsets[c] : offsets[c + 1]] - c * per_chunk, 0.0)
+    return mask.view(v, r, h)
 
 
 def _dropout_drops(n: int, p: float, device: torch.device) -> Tensor:
     """Sorted positions of the drops among n independent Bernoulli(p) drops, drawn as the geometric gaps between
-    them: the same process as nn.Dropout's, with one random number per drop instead of one per entry."""
+    them: the same process as nn.Dropout's, with one random number per drop instead of one per entry. A gap is
+    1 + floor(ln(1 - U) / ln(1 - p)) for U uniform on [0, 1) (2.5x faster than ``geometric_`` on CPU)."""
+    inv_log_keep = 1.0 / math.log1p(-p)
     drops, last = [], -1  # ``last``: the latest drop drawn; every position up to it is decided
     while last < n:
         todo = n - last
         m = int(todo * p + 8.0 * math.sqrt(todo * p * (1.0 - p))) + 16  # almost always one round
-        pos = torch.empty(m, dtype=torch.int64, device=device).geometric_(p).cumsum_(0).add_(last)
+        u = torch.empty(m, device=device).uniform_()
+        gaps = u.neg_().add_(1.0).log_().mul_(inv_log_keep).floor_().clamp_(max=float(n))  # ln(0): capped
+        pos = gaps.to(torch.int64).add_(1).cumsum_(0).add_(last)
         drops.append(pos)
         last = int(pos[-1])
     pos = torch.cat(drops) if len(drops) > 1 else drops[0]
@@ -431,8 +433,8 @@ def _grn_chunk(
     e = bufs[1][:, :r]
     torch.maximum(f2, f2.clamp(max=0.0).exp_().sub_(1.0), out=e[..., :h])  # ELU: max(x, e^min(x,0) - 1), 2x aten's
     eta = torch.bmm(e, w1_aug)  # [eta1, 1]
-    if mask is not None:  # the mask's last column is 1
-        eta.mul_(mask)
+    if mask is not None:
+        eta[..., :h].mul_(mask)
     ab = torch.bmm(eta, wg_aug)
     ab[..., d:].sigmoid_()
     return e, eta, ab
