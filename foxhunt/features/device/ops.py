@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as nnf
 from torch import Tensor
 
 NAN = float("nan")
@@ -27,6 +26,15 @@ def rows(y0: Tensor | float, x: Tensor) -> Tensor:
     """y0 as one float64 value per row of x (a tensor [S] on x's device)."""
     y0 = torch.as_tensor(y0, dtype=x.dtype, device=x.device)
     return y0.expand(x.shape[0]) if y0.ndim == 0 else y0
+
+
+def pad_right(x: Tensor, k: int, value: float = 0.0) -> Tensor:
+    """x followed by k bars of ``value`` on the last axis (a copy; faster than ``F.pad`` on CPU)."""
+    T = x.shape[-1]
+    out = x.new_empty(x.shape[:-1] + (T + k,))
+    out[..., :T] = x
+    out[..., T:] = value
+    return out
 
 
 def cumsum(x: Tensor) -> Tensor:
@@ -162,7 +170,10 @@ class Prefix:
 
 def _running_sum0(x: Tensor) -> Tensor:
     """Running sums along the last axis after a leading 0 (so a window sum is always one subtraction)."""
-    return cumsum(nnf.pad(x, (1, 0)))
+    out = x.new_empty(x.shape[:-1] + (x.shape[-1] + 1,))
+    out[..., 0] = 0.0
+    out[..., 1:] = cumsum(x)
+    return out
 
 
 class BlockPrefix:
@@ -251,11 +262,14 @@ def _rolling_extreme(x: Tensor, n: int, op) -> Tensor:
     if n > T:
         return out
     m, k = x, 1  # m[t] = extreme of x[t-k+1..t] (for t >= k - 1)
+    bufs = (torch.empty_like(out), torch.empty_like(out))  # ping-pong: no allocation per pass
     while 2 * k <= n:
-        m = torch.cat((m[..., :k], op(m[..., k:], m[..., :-k])), dim=-1)
-        k *= 2
+        nxt = bufs[0] if m is not bufs[0] else bufs[1]
+        nxt[..., :k] = m[..., :k]
+        op(m[..., k:], m[..., :-k], out=nxt[..., k:])
+        m, k = nxt, 2 * k
     # window of n = [t-n+1, t-n+k] U [t-k+1, t]
-    out[..., n - 1 :] = op(m[..., n - 1 :], m[..., k - 1 : T - n + k])
+    op(m[..., n - 1 :], m[..., k - 1 : T - n + k], out=out[..., n - 1 :])
     return out
 
 
@@ -271,16 +285,31 @@ def bars_since_extreme(x: Tensor, n: int, highest: bool) -> Tensor:
         return out
     op = torch.maximum if highest else torch.minimum
     later_of = torch.greater_equal if highest else torch.less_equal
-    m, age, k = x, torch.zeros_like(x), 1  # extreme of x[t-k+1..t] and bars since it
+    m, age, k = x, torch.zeros_like(out), 1  # extreme of x[t-k+1..t] and bars since it
+    vals, ages = (torch.empty_like(out), torch.empty_like(out)), (torch.empty_like(out), torch.empty_like(out))
+    later = torch.empty(out.shape, dtype=torch.bool, device=out.device)
     while 2 * k <= w:
-        new, old = m[..., k:], m[..., :-k]
-        age = torch.cat((age[..., :k], torch.where(later_of(new, old), age[..., k:], age[..., :-k] + k)), dim=-1)
-        m = torch.cat((m[..., :k], op(new, old)), dim=-1)
-        k *= 2
+        nm, na = vals[0] if m is not vals[0] else vals[1], ages[0] if age is not ages[0] else ages[1]
+        nm[..., :k], na[..., :k] = m[..., :k], age[..., :k]
+        _merge(m[..., k:], age[..., k:], m[..., :-k], age[..., :-k], k, op, later_of, nm[..., k:], na[..., k:], later[..., k:])
+        m, age, k = nm, na, 2 * k
     # window of w = [t-w+1, t-w+k] (ends w - k bars back) U [t-k+1, t]
     a, b = slice(w - 1, None), slice(k - 1, T - w + k)
-    out[..., a] = torch.where(later_of(m[..., a], m[..., b]), age[..., a], age[..., b] + (w - k))
+    _merge(m[..., a], age[..., a], m[..., b], age[..., b], w - k, op, later_of, None, out[..., a], later[..., a])
     return out
+
+
+def _merge(m_new: Tensor, age_new: Tensor, m_old: Tensor, age_old: Tensor, lag: int, op, later_of,
+           m_out: Tensor | None, age_out: Tensor, later: Tensor) -> None:
+    """Combine a recent window's (extreme, age) with an older one's ending ``lag`` bars back; ties go to the recent.
+
+    The combined extreme goes to ``m_out`` unless it is None (the last merge needs only the age).
+    """
+    later_of(m_new, m_old, out=later)
+    if m_out is not None:
+        op(m_new, m_old, out=m_out)
+    torch.add(age_old, lag, out=age_out)  # the older window's age, seen from t
+    torch.where(later, age_new, age_out, out=age_out)
 
 
 def _scan_block(a: float) -> int:
@@ -333,7 +362,7 @@ def first_order(x: Tensor, a: float, b: float, y0: Tensor | float) -> Tensor:
     nf = -(-L // B)
     k = torch.arange(B, dtype=x.dtype, device=x.device)
     g, h = b * torch.pow(a, -k), torch.pow(a, k)
-    V = nnf.pad(x, (0, nf * B - L)).view(S, nf, B) * g  # zeros after the last bar feed no earlier bar
+    V = pad_right(x, nf * B - L).view(S, nf, B) * g  # zeros after the last bar feed no earlier bar
     ends = const_scan(h[-1] * V.sum(dim=-1), a**B, y0)  # y at each block's end
     V[:, 0, 0] += a * y0
     V[:, 1:, 0] += a * ends[:, :-1]
@@ -396,8 +425,8 @@ def linear_recurrence(a: Tensor, b: Tensor, y0: Tensor | float, a_min: float) ->
         return a.new_empty((S, 0))
     B = int(min(1024, max(1, 250 // max(1e-12, -math.log10(a_min)))))
     nb = -(-T // B)
-    A = torch.cumprod(nnf.pad(a, (0, nb * B - T), value=1.0).view(S, nb, B), dim=-1)
-    P = cumsum(nnf.pad(b, (0, nb * B - T)).view(S, nb, B) / A)
+    A = torch.cumprod(pad_right(a, nb * B - T, 1.0).view(S, nb, B), dim=-1)
+    P = cumsum(pad_right(b, nb * B - T).view(S, nb, B) / A)
     a_end = A[..., -1]
     ends = affine_scan(a_end, a_end * P[..., -1], y0)  # y at each block's end
     P += torch.cat((y0[:, None], ends[:, :-1]), dim=1)[..., None]

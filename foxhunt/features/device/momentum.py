@@ -1,0 +1,194 @@
+"""Returns and momentum on the device: the torch twins of ``foxhunt/features/momentum.py`` (same names, same values).
+
+TA-Lib definitions, seeding and look-backs as the numpy path; price-unit features are divided by ATR(14).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from foxhunt.features.device import ops
+from foxhunt.features.device.panel import TorchPanel
+
+
+def _gains(p: TorchPanel) -> tuple[Tensor, Tensor]:
+    """Close-to-close gains and losses (both >= 0, NaN at the first bar), shared by every RSI window."""
+
+    def f():
+        d = p.close_change()
+        return torch.clamp_min(d, 0.0), torch.clamp_min(-d, 0.0)
+
+    return p.memo("gains_losses", f)
+
+
+def _gain_loss_averages(p: TorchPanel, n: int) -> tuple[Tensor, Tensor]:
+    def f():
+        up, down = _gains(p)
+        return ops.wilder(up, n, start=1), ops.wilder(down, n, start=1)
+
+    return p.memo(("gain_loss", n), f)
+
+
+def rsi(p: TorchPanel, n: int) -> Tensor:
+    """TA-Lib RSI: 100 * avg gain / (avg gain + avg loss), Wilder-smoothed, seeded with the mean of n changes."""
+    g, l = _gain_loss_averages(p, n)
+    return ops.safe_div(g, g + l, scale=100.0)
+
+
+def cmo(p: TorchPanel, n: int) -> Tensor:
+    """TA-Lib CMO: 100 * (avg gain - avg loss) / (avg gain + avg loss), Wilder-smoothed as TA-Lib does."""
+    g, l = _gain_loss_averages(p, n)
+    return ops.safe_div(g - l, g + l, scale=100.0)
+
+
+def hh_ll(p: TorchPanel, n: int) -> tuple[Tensor, Tensor]:
+    """Highest high and lowest low over the last n bars."""
+    return p.memo(("hh_ll", n), lambda: (ops.rolling_max(p.high, n), ops.rolling_min(p.low, n)))
+
+
+def stoch(p: TorchPanel, fastk: int, slowk: int = 3, slowd: int = 3) -> tuple[Tensor, Tensor]:
+    """TA-Lib STOCH with SMA smoothing: slow %K = SMA(fast %K), %D = SMA(slow %K)."""
+
+    def f():
+        hh, ll = hh_ll(p, fastk)
+        fk = ops.safe_div(p.close - ll, hh - ll, scale=100.0)
+        k = ops.rolling_mean(fk, slowk, start=fastk - 1)
+        d = ops.rolling_mean(k, slowd, start=fastk + slowk - 2)
+        k[:, : fastk + slowk + slowd - 3] = ops.NAN  # TA-Lib reports %K from %D's first bar
+        return k, d
+
+    return p.memo(("stoch", fastk, slowk, slowd), f)
+
+
+def willr(p: TorchPanel, n: int) -> Tensor:
+    """TA-Lib WILLR: -100 * (HH - C) / (HH - LL)."""
+    hh, ll = hh_ll(p, n)
+    return ops.safe_div(hh - p.close, hh - ll, scale=-100.0)
+
+
+def macd_line_signal(p: TorchPanel, fast: int, slow: int, signal: int) -> tuple[Tensor, Tensor]:
+    """TA-Lib MACD line and signal: the fast EMA seeded at the slow EMA's first bar, signal = EMA of the line."""
+
+    def f():
+        line = ops.ema(p.close, fast, start=slow - fast) - ops.ema(p.close, slow)
+        sig = ops.ema(line, signal, start=slow - 1)
+        line[:, : slow + signal - 2] = ops.NAN  # TA-Lib reports all three from the signal's first bar
+        return line, sig
+
+    return p.memo(("macd", fast, slow, signal), f)
+
+
+def _mean_abs_deviation(tp: Tensor, sma: Tensor, n: int) -> Tensor:
+    """Mean over the last n bars of |TP - SMA(TP)[t]| (times 0.015, CCI's constant): n passes over the bars."""
+    T = tp.shape[-1]
+    md = ops.nans(tp)
+    if n - 1 < T:
+        m = sma[:, n - 1 :]
+        acc = torch.abs(tp[:, n - 1 :] - m)
+        for k in range(1, n):  # a loop over the window's offsets, not over bars
+            acc += torch.abs(tp[:, n - 1 - k : T - k] - m)
+        md[:, n - 1 :] = acc
+    return md * (0.015 / n)
+
+
+def cci(p: TorchPanel, n: int) -> Tensor:
+    """TA-Lib CCI: (TP - SMA(TP)) / (0.015 * mean |TP - SMA(TP)|) over n bars."""
+    tp = p.typical_price()
+    sma = p.memo("tp_block_prefix", lambda: ops.BlockPrefix(tp, 20)).mean(n)
+    return ops.safe_div(tp - sma, _mean_abs_deviation(tp, sma, n))
+
+
+def _moves(p: TorchPanel) -> tuple[Tensor, Tensor]:
+    """+DM and -DM: the high's rise / the low's fall where it is positive and the larger (NaN at the first bar)."""
+    dp, dm = ops.diff(p.high, 1), -ops.diff(p.low, 1)
+    # masks by multiplication, as the numpy path (NaN * False stays NaN at the first bar)
+    return dp * ((dp > 0) & (dp > dm)), dm * ((dm > 0) & (dp < dm))
+
+
+def directional(p: TorchPanel, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """TA-Lib PLUS_DI, MINUS_DI and ADX: Wilder sums of +DM, -DM and TR, DX smoothed by Wilder into ADX."""
+
+    def f():
+        plus, minus = p.memo("directional_moves", lambda: _moves(p))
+        tr_s = ops.wilder_sum(p.true_range(), n, start=1)
+        pdi = ops.safe_div(ops.wilder_sum(plus, n, start=1), tr_s, scale=100.0)
+        mdi = ops.safe_div(ops.wilder_sum(minus, n, start=1), tr_s, scale=100.0)
+        dx = ops.safe_div(torch.abs(mdi - pdi), mdi + pdi, scale=100.0)
+        pdi[:, :n] = ops.NAN  # DX before bar n is not used: ADX starts from DX[n]
+        mdi[:, :n] = ops.NAN
+        return pdi, mdi, ops.wilder(dx, n, start=n)
+
+    return p.memo(("directional", n), f)
+
+
+def aroon(p: TorchPanel, n: int) -> tuple[Tensor, Tensor]:
+    """TA-Lib AROON: 100 * (n - bars since the highest high / lowest low of the last n+1 bars) / n."""
+
+    def f():
+        up = ops.bars_since_extreme(p.high, n, highest=True)
+        down = ops.bars_since_extreme(p.low, n, highest=False)
+        return (n - up) * 100.0 / n, (n - down) * 100.0 / n
+
+    return p.memo(("aroon", n), f)
+
+
+def ultosc(p: TorchPanel, n1: int = 7, n2: int = 14, n3: int = 28) -> Tensor:
+    """TA-Lib ULTOSC: 100 * (4 A1 + 2 A2 + A3) / 7, A_k = sum(buying pressure) / sum(true range) over n_k."""
+    bp = p.close - torch.minimum(p.low, p.prev_close())  # buying pressure C - min(L, C[t-1])
+    bps, trs = ops.Prefix(bp, 1), ops.Prefix(p.true_range(), 1)
+    a = max(n1, n2, n3)
+    out = ops.nans(bp)
+    if a < p.shape[1]:
+        acc = None
+        for w, n in zip((4.0, 2.0, 1.0), (n1, n2, n3)):
+            (bh, bl), (th, tl) = bps.parts(n, a), trs.parts(n, a)
+            term = ops.safe_div(bh - bl, th - tl, scale=w)
+            acc = term if acc is None else acc + term
+        out[:, a:] = acc * (100.0 / 7.0)
+    return out
+
+
+def trix(p: TorchPanel, n: int) -> Tensor:
+    """TA-Lib TRIX: 1-bar percent change of a triple EMA (each EMA seeded with the SMA of its input)."""
+    e1 = ops.ema(p.close, n)
+    e2 = ops.ema(e1, n, start=n - 1)
+    return ops.pct_change(ops.ema(e2, n, start=2 * n - 2), 1)
+
+
+def functions() -> dict[str, Callable[[TorchPanel], Tensor]]:
+    """Every momentum feature of the numpy registry, by name, as a function of a TorchPanel."""
+    fs: dict[str, Callable[[TorchPanel], Tensor]] = {}
+    for h in (1, 2, 3, 5, 10, 20, 50, 100):
+        fs[f"logret_{h}"] = lambda p, h=h: p.log_return(h)
+    for n in (5, 10, 20):
+        fs[f"roc_{n}"] = lambda p, n=n: ops.pct_change(p.close, n)
+    for n in (5, 10, 20):
+        fs[f"mom_{n}"] = lambda p, n=n: ops.lag_diff_times(p.close, n, p.inv_atr())
+    for n in (6, 14, 21, 28):
+        fs[f"rsi_{n}"] = lambda p, n=n: rsi(p, n)
+    fs["cmo_14"] = lambda p: cmo(p, 14)
+    for n in (5, 14):
+        fs[f"stoch_k_{n}"] = lambda p, n=n: stoch(p, n)[0]
+        fs[f"stoch_d_{n}"] = lambda p, n=n: stoch(p, n)[1]
+    for n in (14, 28):
+        fs[f"willr_{n}"] = lambda p, n=n: willr(p, n)
+    for a in ((12, 26, 9), (5, 35, 5)):
+        tag = "_".join(map(str, a))
+        fs[f"macd_{tag}"] = lambda p, a=a: p.per_atr(macd_line_signal(p, *a)[0])
+        fs[f"macd_signal_{tag}"] = lambda p, a=a: p.per_atr(macd_line_signal(p, *a)[1])
+        fs[f"macd_hist_{tag}"] = lambda p, a=a: ops.diff_times(*macd_line_signal(p, *a), p.inv_atr())
+    for n in (14, 20):
+        fs[f"cci_{n}"] = lambda p, n=n: cci(p, n)
+    for n in (14, 28):
+        fs[f"adx_{n}"] = lambda p, n=n: directional(p, n)[2]
+        fs[f"plus_di_{n}"] = lambda p, n=n: directional(p, n)[0]
+        fs[f"minus_di_{n}"] = lambda p, n=n: directional(p, n)[1]
+    fs["aroon_up_25"] = lambda p: aroon(p, 25)[0]
+    fs["aroon_down_25"] = lambda p: aroon(p, 25)[1]
+    fs["aroon_osc_25"] = lambda p: aroon(p, 25)[0] - aroon(p, 25)[1]
+    fs["ultosc_7_14_28"] = lambda p: ultosc(p, 7, 14, 28)
+    fs["trix_15"] = lambda p: trix(p, 15)
+    return fs
