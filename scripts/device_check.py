@@ -11,7 +11,9 @@ metric. Meant to run once on the device machine (about 5 minutes on one GPU), we
 - issue 4: the TFT alone at the benchmark sizes with the full feature set (~125 inputs; ``tft.yaml``): samples/s
   per precision and finite losses.
 - issue 3: the feature set over ``--bars`` bars from tensors on the device, next to TA-Lib's equivalent calls on
-  the CPU (when installed): seconds and ns per bar per feature.
+  the CPU (when installed): seconds and ns per bar per feature; then, on CUDA, ``bench_features.py --device cuda
+  --backend torch --bars 1000000 --repeat 3 --no-exactness`` (the device path per family, its peak GPU memory and
+  "foxhunt on cuda vs TA-Lib on CPU per feature").
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 import sys
 import tempfile
 import time
@@ -159,6 +162,8 @@ def main() -> None:
         r = feature_check(device, args.bars)
         results["features"] = r
         print(f"[issue 3] features: {r}", flush=True)
+        if device == "cuda":
+            subprocess.run([sys.executable, str(Path(__file__).with_name("bench_features.py")), "--device", "cuda", "--backend", "torch", "--bars", "1000000", "--repeat", "3", "--no-exactness"], check=False)
     print(json.dumps(results))
     if any(r.get("non_finite") for r in results.values()):
         sys.exit(1)

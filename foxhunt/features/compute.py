@@ -1,4 +1,9 @@
-"""Compute a selection of registered features for bars of several symbols: the DataFrame and tensor paths."""
+"""Compute a selection of registered features for bars of several symbols: the DataFrame and tensor paths.
+
+Two backends compute the same values: "numpy" (float64 numpy on the host, tuned for one CPU core) and "torch"
+(float64 torch ops on the input tensors' device, :mod:`foxhunt.features.device`, for CUDA); ``FeatureSet.compute``
+picks torch for CUDA input and numpy otherwise unless told.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from foxhunt.features import calendar, momentum, shape, trend, volatility, volum
 from foxhunt.features.panel import Panel
 from foxhunt.features.registry import Feature, build_registry, select
 
+BACKENDS: tuple[str, ...] = ("auto", "numpy", "torch")
 REGISTRY: dict[str, Feature] = build_registry(
     m.features() for m in (momentum, trend, volatility, volume, shape, calendar)
 )
@@ -25,7 +31,7 @@ class FeatureOutput:
 
     ``values`` is a transposed view of a feature-major [F, T] buffer (each feature is written as one
     contiguous row, which is what keeps the computation fast and within memory); call
-    ``values.contiguous()`` for row-major storage.
+    ``values.contiguous()`` for row-major storage. Both backends give the same layout, on the input's device.
     """
 
     values: torch.Tensor
@@ -40,23 +46,33 @@ def _release_plan(names: tuple[str, ...]) -> tuple[tuple[Hashable, ...], ...]:
     Found by a dry run on a short random panel that records which intermediates each feature touches,
     so a full run frees every intermediate right after its last use and peak memory stays bounded.
     """
-    rng = np.random.default_rng(0)
-    n = 512
-    c = 100.0 * np.exp(np.cumsum(0.01 * rng.standard_normal(n)))
-    o = np.concatenate([[100.0], c[:-1]])
-    ohlcv = np.stack([o, np.maximum(o, c) * 1.001, np.minimum(o, c) * 0.999, c, rng.uniform(100, 200, n)], axis=1)
-    panel = Panel.from_flat(ohlcv, np.arange(n, dtype=np.int64) * 60_000_000_000, np.zeros(n, dtype=np.int64))
+    ohlcv, ts, sym = _dry_run_bars()
+    panel = Panel.from_flat(ohlcv, ts, sym)
     touched: list[set] = []
     with np.errstate(all="ignore"):
         for name in names:
             panel.trace = set()
             REGISTRY[name].fn(panel)
             touched.append(panel.trace)
+    return _plan_from_traces(touched)
+
+
+def _dry_run_bars(n: int = 512) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A short random single-symbol series (ohlcv [n, 5], timestamps, symbol index) for the release plans' dry runs."""
+    rng = np.random.default_rng(0)
+    c = 100.0 * np.exp(np.cumsum(0.01 * rng.standard_normal(n)))
+    o = np.concatenate([[100.0], c[:-1]])
+    ohlcv = np.stack([o, np.maximum(o, c) * 1.001, np.minimum(o, c) * 0.999, c, rng.uniform(100, 200, n)], axis=1)
+    return ohlcv, np.arange(n, dtype=np.int64) * 60_000_000_000, np.zeros(n, dtype=np.int64)
+
+
+def _plan_from_traces(touched: list[set]) -> tuple[tuple[Hashable, ...], ...]:
+    """From the memo keys each feature touched, in order, the keys to release after each feature (their last use)."""
     last: dict[Hashable, int] = {}
     for j, keys in enumerate(touched):
         for k in keys:
             last[k] = j
-    plan: list[list[Hashable]] = [[] for _ in names]
+    plan: list[list[Hashable]] = [[] for _ in touched]
     for k, j in last.items():
         plan[j].append(k)
     return tuple(tuple(p) for p in plan)
@@ -131,6 +147,85 @@ def _compute_flat(
     return out, pos >= warm
 
 
+def _first_true(mask: torch.Tensor) -> torch.Tensor:
+    """Index of mask's first True as a 0-d tensor, len(mask) when there is none (no host synchronisation)."""
+    return torch.cat((mask, mask.new_ones(1))).to(torch.uint8).argmax()
+
+
+def _check_input_device(ohlcv: torch.Tensor, timestamps: torch.Tensor, symbol_index: torch.Tensor) -> None:
+    """:func:`_check_input`'s checks and messages on the bars' device (ohlcv [N, 5] float64): one host sync."""
+    n = ohlcv.shape[0]
+    ok = torch.isfinite(ohlcv).all(dim=1) & (ohlcv[:, :4] > 0).all(dim=1) & (ohlcv[:, 4] >= 0)
+    step = symbol_index[1:] - symbol_index[:-1]
+    back_ts = (step == 0) & (timestamps[1:] <= timestamps[:-1])
+    bad, back, late = torch.stack((_first_true(~ok), _first_true(step < 0), _first_true(back_ts))).tolist()
+    if bad < n:
+        raise ValueError(
+            f"features: row {bad} has a non-finite or non-positive price, or a negative or non-finite volume "
+            f"(open, high, low, close, volume = {ohlcv[bad].tolist()})"
+        )
+    if back < n - 1:
+        raise ValueError(f"features: rows must be grouped by symbol, sorted by (symbol, time); row {back + 1} goes back to an earlier symbol")
+    if late < n - 1:
+        raise ValueError(f"features: timestamps must increase within a symbol; row {late + 1} is not after row {late}")
+
+
+@functools.lru_cache(maxsize=64)
+def _device_release_plan(names: tuple[str, ...]) -> tuple[tuple[Hashable, ...], ...]:
+    """:func:`_release_plan` for the torch path: per feature, the TorchPanel memo keys no later feature touches
+    (a dry run on a short random CPU panel), so each intermediate is freed right after its last use."""
+    from foxhunt.features.device import DEVICE_FUNCTIONS, TorchPanel
+
+    panel = TorchPanel.from_flat(*(torch.from_numpy(a) for a in _dry_run_bars()))
+    touched: list[set] = []
+    with torch.no_grad():
+        for name in names:
+            panel.trace = set()
+            DEVICE_FUNCTIONS[name](panel)
+            touched.append(panel.trace)
+    return _plan_from_traces(touched)
+
+
+def _compute_device(
+    selected: list[Feature], ohlcv: torch.Tensor, timestamps: torch.Tensor, symbol_index: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feature-major values [F, N] and ready [N] on ohlcv's device, by the torch backend, from rows sorted by
+    (symbol, time); the same checks, warm-up blanking and ready mask as :func:`_compute_flat`."""
+    from foxhunt.features.device import DEVICE_FUNCTIONS, TorchPanel
+
+    dev = ohlcv.device
+    n = ohlcv.shape[0]
+    out = torch.empty((len(selected), n), dtype=dtype, device=dev)
+    if n == 0:
+        return out, torch.zeros(0, dtype=torch.bool, device=dev)
+    x = ohlcv.detach().to(torch.float64)
+    ts = timestamps.detach().to(dev, torch.int64)
+    sym = symbol_index.detach().to(dev)
+    _check_input_device(x, ts, sym)
+    panel = TorchPanel.from_columns(x.T.contiguous(), ts, sym)
+    del x
+    S, T = panel.shape
+    plan = _device_release_plan(tuple(f.name for f in selected))
+    moved = sym[1:] != sym[:-1]
+    group = torch.cat((moved.new_zeros(1, dtype=torch.int64), torch.cumsum(moved, 0)))  # symbol row of each row
+    pos = torch.arange(n, device=dev) - torch.as_tensor(panel.starts, device=dev)[group]  # bar within its symbol
+    flat = group * T + pos
+    for j, f in enumerate(selected):
+        v = DEVICE_FUNCTIONS[f.name](panel)
+        if tuple(v.shape) != (S, T):
+            raise RuntimeError(f"feature {f.name!r} returned shape {tuple(v.shape)}, expected {(S, T)}")
+        if S == 1:
+            out[j].copy_(v[0])
+            out[j, : f.warmup] = float("nan")
+        else:
+            out[j].copy_(torch.take(v, flat).masked_fill_(pos < f.warmup, float("nan")))
+        del v
+        panel.forget(plan[j])
+    warm = max((f.warmup for f in selected), default=0)
+    return out, pos >= warm
+
+
 class FeatureSet:
     """A chosen set of registered features (by names and/or families) and its tensor path for the DataModule."""
 
@@ -151,8 +246,16 @@ class FeatureSet:
         """Bars each symbol needs before every selected feature is defined."""
         return max(self.warmup.values())
 
-    def compute(self, ohlcv: torch.Tensor, timestamps: torch.Tensor, symbol_index: torch.Tensor) -> FeatureOutput:
-        """Features of rows sorted by (symbol, time); computed on CPU float64 and returned on ohlcv's device."""
+    def compute(self, ohlcv: torch.Tensor, timestamps: torch.Tensor, symbol_index: torch.Tensor,
+                backend: str = "auto") -> FeatureOutput:
+        """Features of rows sorted by (symbol, time), returned on ohlcv's device.
+
+        ``backend``: "numpy" computes in float64 numpy on the host; "torch" in float64 torch ops on ohlcv's
+        device (no host round trip); "auto" (default) is torch for CUDA tensors and numpy otherwise. Both give
+        the same values (to float32 rounding), NaN warm-ups, ready mask and errors.
+        """
+        if backend not in BACKENDS:
+            raise ValueError(f"FeatureSet.compute: unknown backend {backend!r}; choose from {list(BACKENDS)}")
         if ohlcv.ndim != 2 or ohlcv.shape[1] != 5:
             raise ValueError(f"FeatureSet.compute: ohlcv must be [T, 5] (open, high, low, close, volume), got {tuple(ohlcv.shape)}")
         if timestamps.shape != ohlcv.shape[:1] or symbol_index.shape != ohlcv.shape[:1]:
@@ -160,6 +263,10 @@ class FeatureSet:
                 f"FeatureSet.compute: timestamps {tuple(timestamps.shape)} and symbol_index {tuple(symbol_index.shape)} "
                 f"must both be [{ohlcv.shape[0]}]"
             )
+        if backend == "torch" or (backend == "auto" and ohlcv.device.type == "cuda"):
+            with torch.no_grad():
+                values, ready = _compute_device(self.features, ohlcv, timestamps, symbol_index)
+            return FeatureOutput(values.T, list(self.names), ready)
         device = ohlcv.device
         values, ready = _compute_flat(
             self.features,

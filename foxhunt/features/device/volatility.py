@@ -1,0 +1,120 @@
+"""Volatility features as torch tensors on the bars' device, mirroring :mod:`foxhunt.features.volatility`.
+
+Bollinger bands take their rolling mean and variance of the close from prefix sums inside blocks centred on a
+past close (``TorchPanel.close_prefix``, laid out as the numpy path's), so float64 error stays relative to the local
+spread of the price, not to its level times the series length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from foxhunt.features.device import ops as O
+
+if TYPE_CHECKING:
+    from foxhunt.features.device.panel import TorchPanel
+
+_LN2 = math.log(2.0)
+_NAN = float("nan")
+
+
+def std_logret(p: TorchPanel, n: int) -> Tensor:
+    """TA-Lib STDDEV(n, 1) of 1-bar log returns (population std)."""
+    return p.memo(("std_logret", n), lambda: p.prefix("log_return_1", lambda: p.log_return(1), 1, True).std(n))
+
+
+def natr(p: TorchPanel, n: int) -> Tensor:
+    """TA-Lib NATR: 100 * ATR(n) / C."""
+    return (100.0 * p.atr(n)) / p.close
+
+
+def _mid_halfwidth(p: TorchPanel, n: int, k: float) -> tuple[Tensor, Tensor]:
+    """Bollinger middle band (SMA) and half-width (k population standard deviations), shared by the band features."""
+    return p.memo(("bb_mid_halfwidth", n, k), lambda: p.close_prefix().mean_std(n, k))
+
+
+def bb_pctb(p: TorchPanel, n: int) -> Tensor:
+    """Bollinger %B: (C - lower) / (upper - lower) = (C - middle + half-width) / (2 half-width), 0.5 where the bands meet."""
+    mid, half = _mid_halfwidth(p, n, 2.0)
+    num = p.close - mid
+    num += half
+    return O.safe_div(num, half, 0.5, scale=0.5)
+
+
+def bb_width(p: TorchPanel, n: int) -> Tensor:
+    """Bollinger bandwidth: (upper - lower) / middle = 2 half-width / middle."""
+    mid, half = _mid_halfwidth(p, n, 2.0)
+    return (2.0 * half) / mid
+
+
+def log_ratio(num: Tensor, den: Tensor) -> Tensor:
+    """ln(num / den)."""
+    return (num / den).log_()
+
+
+def _log_hl_sq(p: TorchPanel) -> Tensor:
+    def f() -> Tensor:
+        x = (p.high / p.low).log_()
+        return x.mul_(x)
+
+    return p.memo("log_hl_sq", f)
+
+
+def _sqrt_mean(s: Tensor, n: int) -> Tensor:
+    """sqrt(max(s / n, 0)) of a window sum s (overwritten)."""
+    s /= n
+    return s.clamp_(min=0.0).sqrt_()
+
+
+def parkinson(p: TorchPanel, n: int) -> Tensor:
+    """Parkinson (1980): sqrt(mean(ln(H/L)^2) / (4 ln 2)) over n bars."""
+    s = p.prefix("log_hl_sq", lambda: _log_hl_sq(p)).sum(n)
+    s /= n * 4.0 * _LN2
+    return s.sqrt_()
+
+
+def garman_klass(p: TorchPanel, n: int) -> Tensor:
+    """Garman-Klass (1980): sqrt(mean(0.5 ln(H/L)^2 - (2 ln 2 - 1) ln(C/O)^2)) over n bars."""
+
+    def term() -> Tensor:
+        lco = (p.close / p.open).log_()
+        return 0.5 * _log_hl_sq(p) - (2.0 * _LN2 - 1.0) * (lco * lco)
+
+    return _sqrt_mean(p.prefix("gk_term", term).sum(n), n)
+
+
+def rogers_satchell(p: TorchPanel, n: int) -> Tensor:
+    """Rogers-Satchell (1991): sqrt(mean(ln(H/C) ln(H/O) + ln(L/C) ln(L/O))) over n bars."""
+
+    def term() -> Tensor:
+        lh, ll, lc, lo = (torch.log(a) for a in (p.high, p.low, p.close, p.open))
+        return (lh - lc) * (lh - lo) + (ll - lc) * (ll - lo)
+
+    return _sqrt_mean(p.prefix("rs_term", term).sum(n), n)
+
+
+def functions() -> dict[str, Callable[[TorchPanel], Tensor]]:
+    """Every volatility feature of the numpy registry, by name, as a function of a :class:`TorchPanel`."""
+    fns: dict[str, Callable[[TorchPanel], Tensor]] = {}
+    for n in (5, 10, 20, 50, 100):
+        fns[f"std_logret_{n}"] = lambda p, n=n: std_logret(p, n)
+    fns["vol_ratio_5_50"] = lambda p: log_ratio(std_logret(p, 5), std_logret(p, 50))
+    fns["vol_ratio_10_100"] = lambda p: log_ratio(std_logret(p, 10), std_logret(p, 100))
+    for n in (7, 14, 28):
+        fns[f"natr_{n}"] = lambda p, n=n: natr(p, n)
+    fns["atr_ratio_7_28"] = lambda p: log_ratio(p.atr(7), p.atr(28))
+    for n in (10, 20, 50):
+        fns[f"parkinson_{n}"] = lambda p, n=n: parkinson(p, n)
+    for n in (10, 20, 50):
+        fns[f"garman_klass_{n}"] = lambda p, n=n: garman_klass(p, n)
+    for n in (10, 20, 50):
+        fns[f"rogers_satchell_{n}"] = lambda p, n=n: rogers_satchell(p, n)
+    for n in (20, 50):
+        fns[f"bb_pctb_{n}"] = lambda p, n=n: bb_pctb(p, n)
+        fns[f"bb_width_{n}"] = lambda p, n=n: bb_width(p, n)
+    return fns

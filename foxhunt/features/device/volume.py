@@ -1,0 +1,178 @@
+"""Volume features as torch tensors on the bars' device, mirroring :mod:`foxhunt.features.volume` operation by operation.
+
+Window sums are differences of prefix sums shared by every window length (``TorchPanel.prefix``), as the numpy path
+does, so on CPU the two paths round alike and on CUDA each window is one subtraction of a parallel scan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from foxhunt.features.device import ops as O
+
+if TYPE_CHECKING:
+    from foxhunt.features.device.panel import TorchPanel
+
+_NAN = float("nan")
+
+
+def volume_prefix(p: TorchPanel, start: int = 0) -> O.Prefix:
+    """Prefix sums of the volume from ``start``."""
+    return p.prefix("volume", lambda: p.volume, start)
+
+
+def _log_volume(p: TorchPanel) -> Tensor:
+    return p.memo("log1p_volume", lambda: torch.log1p(p.volume))
+
+
+def volume_z(p: TorchPanel, n: int) -> Tensor:
+    """z-score of ln(1 + V) against its trailing n-bar mean and population std (0 when the std is 0)."""
+    x = _log_volume(p)
+    x0 = x[:, :1]  # a past value for every bar: centring keeps the prefix sums of squares small
+    mean, var = p.prefix("log1p_volume_centred", lambda: x - x0, 0, True).mean_var(n)
+    dev = x - x0
+    dev -= mean
+    return O.safe_div(dev, var.sqrt_())
+
+
+def rel_volume(p: TorchPanel, n: int) -> Tensor:
+    """ln(1 + V) - ln(1 + SMA(n) of V)."""
+    return _log_volume(p) - torch.log1p(p.volume_mean(n))
+
+
+def _signed_volume(p: TorchPanel) -> Tensor:
+    def f() -> Tensor:
+        sv = torch.sign(O.diff(p.close, 1))
+        sv *= p.volume
+        sv[:, 0] = p.volume[:, 0]  # TA-Lib's OBV starts at the first bar's volume
+        return sv
+
+    return p.memo("signed_volume", f)
+
+
+def obv(p: TorchPanel) -> Tensor:
+    """TA-Lib OBV: running sum of volume signed by the close's direction, starting at V[0]."""
+    return torch.cumsum(_signed_volume(p), dim=1)
+
+
+def obv_change(p: TorchPanel, n: int) -> Tensor:
+    """(OBV[t] - OBV[t-n]) / sum of V over the last n bars: the net signed share of recent volume, in [-1, 1]."""
+    out = O.nans(p.close)
+    if n < p.shape[1]:
+        s_hi, s_lo = p.prefix("signed_volume", lambda: _signed_volume(p), 1).parts(n, n)
+        v_hi, v_lo = volume_prefix(p, 1).parts(n, n)
+        out[:, n:] = O.safe_div(s_hi - s_lo, v_hi - v_lo)
+    return out
+
+
+def _money_flows(p: TorchPanel) -> tuple[Tensor, Tensor]:
+    """Money flow TP V on bars whose typical price rose, and on bars where it fell."""
+
+    def f() -> tuple[Tensor, Tensor]:
+        tp = p.typical_price()
+        d = O.diff(tp, 1)
+        mf = tp * p.volume
+        return mf * (d > 0), mf * (d < 0)
+
+    return p.memo("money_flows", f)
+
+
+def mfi(p: TorchPanel, n: int) -> Tensor:
+    """TA-Lib MFI: 100 * positive money flow / total money flow over n bars (0 when the total is below 1)."""
+    up, down = _money_flows(p)
+    out = O.nans(p.close)
+    if n < p.shape[1]:
+        u_hi, u_lo = p.prefix("money_flow_up", lambda: up, 1).parts(n, n)
+        d_hi, d_lo = p.prefix("money_flow_down", lambda: down, 1).parts(n, n)
+        pos = u_hi - u_lo
+        tot = d_hi - d_lo
+        tot += pos
+        r = O.safe_div(pos, tot, scale=100.0)
+        out[:, n:] = r.masked_fill_(tot < 1.0, 0.0)
+    return out
+
+
+def vwap_distance(p: TorchPanel, n: int) -> Tensor:
+    """(C - VWAP over n bars) / ATR(14), VWAP = sum(TP V) / sum(V) (TP itself where the volume is 0)."""
+    tp = p.typical_price()
+    pv = p.prefix("tp_volume", lambda: tp * p.volume).sum(n)
+    vol = volume_prefix(p).sum(n)
+    vwap = torch.where(vol == 0, tp, O.safe_div(pv, vol))
+    return p.per_atr(p.close - vwap)
+
+
+def amihud(p: TorchPanel, n: int) -> Tensor:
+    """ln of Amihud's illiquidity: mean over n bars of |log return| / (C V), V floored at 1."""
+    illiq = p.memo("illiq", lambda: p.log_return(1).abs() / (p.close * p.volume.clamp(min=1.0)))
+    m = p.prefix("illiq", lambda: illiq, 1).sum(n)
+    m /= n
+    m += 1e-30
+    return m.log_()
+
+
+def _clv(p: TorchPanel) -> Tensor:
+    """Close location value ((C - L) - (H - C)) / (H - L), 0 on a flat bar."""
+
+    def f() -> Tensor:
+        num = p.close - p.low
+        num -= p.high - p.close
+        return O.safe_div(num, p.hl_range())
+
+    return p.memo("clv", f)
+
+
+def ad(p: TorchPanel) -> Tensor:
+    """TA-Lib AD: Chaikin accumulation/distribution line, the running sum of CLV * V."""
+    return torch.cumsum(_clv(p) * p.volume, dim=1)
+
+
+def adosc(p: TorchPanel, fast: int = 3, slow: int = 10) -> Tensor:
+    """TA-Lib ADOSC: EMA(fast) - EMA(slow) of the AD line, both seeded with AD[0]."""
+    line = ad(p)
+    out = O.ema(line, fast, seed="first")
+    out -= O.ema(line, slow, seed="first")
+    out[:, : slow - 1] = _NAN
+    return out
+
+
+def adosc_per_volume(p: TorchPanel, fast: int, slow: int) -> Tensor:
+    """ADOSC / SMA(slow) of V (0 where that mean is 0)."""
+    line = adosc(p, fast, slow)
+    a = slow - 1
+    out = O.nans(line)
+    if a < p.shape[1]:
+        hi, lo = volume_prefix(p).parts(slow, a)
+        mean = hi - lo
+        mean /= slow
+        out[:, a:] = O.safe_div(line[:, a:], mean)
+    return out
+
+
+def cmf(p: TorchPanel, n: int) -> Tensor:
+    """Chaikin money flow: sum(CLV V) / sum(V) over n bars."""
+    flow = p.prefix("clv_volume", lambda: _clv(p) * p.volume).sum(n)
+    return O.safe_div(flow, p.volume_mean(n) * n)
+
+
+def functions() -> dict[str, Callable[[TorchPanel], Tensor]]:
+    """Every volume feature of the numpy registry, by name, as a function of a :class:`TorchPanel`."""
+    fns: dict[str, Callable[[TorchPanel], Tensor]] = {}
+    for n in (20, 50, 100):
+        fns[f"volume_z_{n}"] = lambda p, n=n: volume_z(p, n)
+    for n in (5, 20):
+        fns[f"rel_volume_{n}"] = lambda p, n=n: rel_volume(p, n)
+    for n in (10, 20, 50):
+        fns[f"obv_change_{n}"] = lambda p, n=n: obv_change(p, n)
+    for n in (14, 28):
+        fns[f"mfi_{n}"] = lambda p, n=n: mfi(p, n)
+    for n in (20, 50, 100):
+        fns[f"vwap_dist_{n}"] = lambda p, n=n: vwap_distance(p, n)
+    for n in (20, 50):
+        fns[f"amihud_{n}"] = lambda p, n=n: amihud(p, n)
+    fns["adosc_3_10"] = lambda p: adosc_per_volume(p, 3, 10)
+    fns["cmf_20"] = lambda p: cmf(p, 20)
+    return fns
