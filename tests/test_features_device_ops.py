@@ -76,6 +76,16 @@ def test_safe_div(rng):
         close(ops.safe_div(t(num), t(den), fill, scale), F.safe_div(num, den, fill, scale=scale), tol=0.0)
 
 
+def test_blocked_cumsum(rng):
+    """The two-level scan CUDA uses for several long rows: running sums within rounding of the sequential ones."""
+    x = padded(rng, T=1000, lengths=(1000, 999, 300), level=100.0)
+    for block in (1, 7, 64, 1000, 4096):
+        close(ops.blocked_cumsum(t(x), block), np.cumsum(x, axis=1), tol=1e-14)
+    y = t(x)
+    y[:, 500:] += 1.0  # later bars never change an earlier running sum
+    assert np.array_equal(ops.blocked_cumsum(y, 64)[:, :500].numpy(), ops.blocked_cumsum(t(x), 64)[:, :500].numpy(), equal_nan=True)
+
+
 @pytest.mark.parametrize("start", [0, 1, 7])
 def test_rolling_sums_means(rng, start):
     x = padded(rng)
@@ -229,9 +239,9 @@ def arrays(bars: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return ohlcv, ts, pd.factorize(bars["symbol"])[0].astype(np.int64)
 
 
-def device_features(bars: pd.DataFrame) -> tuple[TorchPanel, dict[str, torch.Tensor]]:
-    """The TorchPanel of the bars and every momentum and trend feature of it, [S, T] each."""
-    ohlcv, ts, sym = (torch.tensor(a) for a in arrays(bars))
+def device_features(bars: pd.DataFrame, device: str = "cpu") -> tuple[TorchPanel, dict[str, torch.Tensor]]:
+    """The TorchPanel of the bars (on ``device``) and every momentum and trend feature of it, [S, T] each."""
+    ohlcv, ts, sym = (torch.tensor(a, device=device) for a in arrays(bars))
     panel = TorchPanel.from_flat(ohlcv, ts, sym)
     fns = {**momentum.functions(), **trend.functions()}
     return panel, {name: fns[name](panel) for name in NAMES}
@@ -259,8 +269,8 @@ def assert_features_match(bars: pd.DataFrame, panel: TorchPanel, got: dict[str, 
     errors = {}
     for j, f in enumerate(selected):
         g = got[f.name]
-        assert g.shape == panel.shape and g.dtype == torch.float64, f.name
-        g = g.numpy()
+        assert g.shape == panel.shape and g.dtype == torch.float64 and g.device == panel.device, f.name
+        g = g.cpu().numpy()
         w_rows, g_rows = [], []
         for s, (a, m) in enumerate(zip(panel.starts.tolist(), panel.lengths)):
             w_rows.append(want[j, a + f.warmup : a + m])
@@ -287,15 +297,18 @@ def test_features_match_numpy_one_symbol(bars3):
 
 def test_features_are_causal(bars3, computed):
     """New prices at every bar after a random t (per symbol) leave every feature at bars <= t bit-identical."""
+    assert_causal(bars3, *computed)
+
+
+def assert_causal(bars3: pd.DataFrame, panel: TorchPanel, base: dict[str, torch.Tensor]) -> None:
     rng = np.random.default_rng(5)
-    panel, base = computed
     cut = [int(rng.integers(50, m - 1)) for m in panel.lengths]
     pos = bars3.groupby("symbol", sort=False).cumcount().to_numpy()
     sym = pd.factorize(bars3["symbol"])[0]
     after = np.flatnonzero(pos > np.asarray(cut)[sym])
-    _, moved = device_features(perturb_after(bars3, after, rng))
+    _, moved = device_features(perturb_after(bars3, after, rng), str(panel.device))
     for name in NAMES:
-        a, b = base[name].numpy(), moved[name].numpy()
+        a, b = base[name].cpu().numpy(), moved[name].cpu().numpy()
         for s, t_ in enumerate(cut):
             assert np.array_equal(a[s, : t_ + 1], b[s, : t_ + 1], equal_nan=True), f"{name}: symbol {s} changed at <= {t_}"
             later = a[s, t_ + 1 : panel.lengths[s]] != b[s, t_ + 1 : panel.lengths[s]]
@@ -308,3 +321,22 @@ def test_features_on_short_symbols(lengths):
     frames = [make_bars(max(lengths) + 40, (f"S{k}",), seed=k).iloc[:m] for k, m in enumerate(lengths)]
     bars = pd.concat(frames, ignore_index=True)
     assert_features_match(bars, *device_features(bars))
+
+
+def test_features_with_blocked_running_sums(bars3, monkeypatch):
+    """The CUDA choice of two-level running sums for several long rows, forced on CPU, keeps the numpy values."""
+    plain = ops.cumsum
+    monkeypatch.setattr(ops, "cumsum", lambda x, block=256: ops.blocked_cumsum(x, block) if x.shape[-1] > block else plain(x))
+    assert_features_match(bars3, *device_features(bars3))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_features_on_cuda():
+    """On the GPU (its scans and reductions round differently): the numpy values, causality, several long rows."""
+    bars = make_bars(6000, ("AAA", "BBB", "CCC"), seed=2)  # rows over 4096 bars: the two-level running sums
+    panel, got = device_features(bars, "cuda")
+    assert panel.device.type == "cuda"
+    assert_features_match(bars, panel, got)
+    assert_causal(bars, panel, got)
+    x = torch.randn(3, 10000, dtype=torch.float64, device="cuda").cumsum(-1)
+    close(ops.cumsum(x), np.cumsum(x.cpu().numpy(), axis=1), tol=1e-14)

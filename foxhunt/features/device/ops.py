@@ -37,9 +37,28 @@ def pad_right(x: Tensor, k: int, value: float = 0.0) -> Tensor:
     return out
 
 
-def cumsum(x: Tensor) -> Tensor:
-    """Running sum along the last axis."""
+def cumsum(x: Tensor, block: int = 4096) -> Tensor:
+    """Running sum along the last axis; on CUDA, several rows longer than ``block`` take :func:`blocked_cumsum`.
+
+    torch scans a lone row with CUB but each row of a 2-D tensor within one thread block, chunk after chunk,
+    which leaves a GPU nearly idle for a few long symbols. On CPU the sequential sum is numpy's, bit for bit.
+    """
+    T = x.shape[-1]
+    if x.is_cuda and T > block and x.numel() != T:
+        return blocked_cumsum(x, block)
     return torch.cumsum(x, dim=-1)
+
+
+def blocked_cumsum(x: Tensor, block: int = 4096) -> Tensor:
+    """Running sum along the last axis as a two-level scan: running sums inside fixed blocks of ``block`` bars
+    plus the running sum of the block totals before each block (causal: the blocks do not depend on the data)."""
+    T = x.shape[-1]
+    nb = -(-T // block)
+    lead = x.shape[:-1]
+    inner = torch.cumsum(pad_right(x, nb * block - T).view(*lead, nb, block), dim=-1)
+    carry = torch.cumsum(inner[..., -1], dim=-1)  # sums up to each block's end
+    inner[..., 1:, :] += carry[..., :-1, None]
+    return inner.view(*lead, nb * block)[..., :T]
 
 
 def shift(x: Tensor, k: int, fill: float = NAN) -> Tensor:
@@ -201,8 +220,8 @@ class BlockPrefix:
         torch.sub(view, self.ref, out=d[:, :, 1:])
         for k in range(min(nb, (start + W - 1) // B + 1)):  # bars before ``start`` (and the padding) add nothing
             d[:, k, 1 : 1 + max(0, start + W - 1 - k * B)] = 0.0
-        self.cs2 = cumsum(d * d) if squares else None
-        self.cs = cumsum(d)
+        self.cs2 = torch.cumsum(d * d, dim=-1) if squares else None  # inside blocks: short rows, many of them
+        self.cs = torch.cumsum(d, dim=-1)
 
     def _parts(self, cs: Tensor, n: int) -> tuple[Tensor, Tensor]:
         """(hi, lo) in block layout [S, nb, B]: the window sums over n bars are hi - lo."""
@@ -366,7 +385,7 @@ def first_order(x: Tensor, a: float, b: float, y0: Tensor | float) -> Tensor:
     ends = const_scan(h[-1] * V.sum(dim=-1), a**B, y0)  # y at each block's end
     V[:, 0, 0] += a * y0
     V[:, 1:, 0] += a * ends[:, :-1]
-    V = cumsum(V)
+    V = torch.cumsum(V, dim=-1)  # inside blocks: short rows, many of them
     V *= h
     return V.view(S, nf * B)[:, :L]
 
@@ -426,7 +445,7 @@ def linear_recurrence(a: Tensor, b: Tensor, y0: Tensor | float, a_min: float) ->
     B = int(min(1024, max(1, 250 // max(1e-12, -math.log10(a_min)))))
     nb = -(-T // B)
     A = torch.cumprod(pad_right(a, nb * B - T, 1.0).view(S, nb, B), dim=-1)
-    P = cumsum(pad_right(b, nb * B - T).view(S, nb, B) / A)
+    P = torch.cumsum(pad_right(b, nb * B - T).view(S, nb, B) / A, dim=-1)
     a_end = A[..., -1]
     ends = affine_scan(a_end, a_end * P[..., -1], y0)  # y at each block's end
     P += torch.cat((y0[:, None], ends[:, :-1]), dim=1)[..., None]
