@@ -34,7 +34,7 @@ class TorchPanel:
     def from_columns(cls, cols: Tensor, timestamps: Tensor, symbol_index: Tensor) -> TorchPanel:
         """Build from the columns [5, N] (float64) of rows sorted by (symbol, time); one symbol's panel is a view.
 
-        Two host synchronisations in all (the order check and the symbols' lengths), none per symbol.
+        Three host synchronisations in all (the order check, the symbol boundaries, their lengths), none per symbol.
         """
         dev = cols.device
         cols = cols.to(torch.float64)
