@@ -10,17 +10,22 @@ _NS_PER_S = 1_000_000_000
 _DAY_S = 86_400
 _YEAR_DAYS = 365.2425
 _TWO_PI = 2.0 * np.pi
+DAYS_PER_NS = 1.0 / (_NS_PER_S * _DAY_S)
 
 
 def _phases(ts_ns: np.ndarray) -> dict[str, np.ndarray]:
     """Phases in [0, 1) of the day, week and year; float64 seconds are exact to well under a second."""
-    days = np.asarray(ts_ns, dtype=np.int64) * (1.0 / (_NS_PER_S * _DAY_S))  # days since epoch, fractional
-    whole = np.floor(days)
+    return phases_of_days(np.asarray(ts_ns, dtype=np.int64) * DAYS_PER_NS)
+
+
+def phases_of_days(days):  # numpy array or torch tensor (float64 days since the epoch): both backends share it
+    """Phases in [0, 1) of the day, week and year from fractional days since the epoch."""
+    whole = days // 1.0
     tod = days - whole
     weeks = (whole + 3.0) / 7.0  # 1970-01-01 was a Thursday; Monday = 0
-    dow = weeks - np.floor(weeks)
+    dow = weeks - weeks // 1.0
     years = days / _YEAR_DAYS
-    toy = years - np.floor(years)
+    toy = years - years // 1.0
     return {"tod": tod, "dow": dow, "toy": toy}
 
 

@@ -10,7 +10,29 @@ import numpy as np
 from foxhunt.features import filters as F
 
 
-class Panel:
+class PanelBase:
+    """What both backends' panels share: the OHLCV rows of an ``ohlcv`` [5, S, T] array and the memo."""
+
+    ohlcv: object
+    _memo: dict
+    trace: set | None
+
+    open = property(lambda self: self.ohlcv[0])
+    high = property(lambda self: self.ohlcv[1])
+    low = property(lambda self: self.ohlcv[2])
+    close = property(lambda self: self.ohlcv[3])
+    volume = property(lambda self: self.ohlcv[4])
+
+    def memo(self, key: Hashable, fn: Callable[[], object]):
+        """Compute ``fn()`` once per panel under ``key``."""
+        if self.trace is not None:
+            self.trace.add(key)
+        if key not in self._memo:
+            self._memo[key] = fn()
+        return self._memo[key]
+
+
+class Panel(PanelBase):
     """OHLCV of S symbols, one row each, padded with NaN after a symbol's last bar.
 
     Padding sits after every real bar and every computation is causal, so it never reaches a real
@@ -58,20 +80,6 @@ class Panel:
     @property
     def shape(self) -> tuple[int, int]:
         return self.ohlcv.shape[1:]
-
-    open = property(lambda self: self.ohlcv[0])
-    high = property(lambda self: self.ohlcv[1])
-    low = property(lambda self: self.ohlcv[2])
-    close = property(lambda self: self.ohlcv[3])
-    volume = property(lambda self: self.ohlcv[4])
-
-    def memo(self, key: Hashable, fn: Callable[[], object]):
-        """Compute ``fn()`` once per panel under ``key``."""
-        if self.trace is not None:
-            self.trace.add(key)
-        if key not in self._memo:
-            self._memo[key] = fn()
-        return self._memo[key]
 
     def forget(self, keys) -> None:
         """Drop memoised intermediates no later feature needs, to bound peak memory; their buffers serve later ones."""

@@ -12,28 +12,18 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from foxhunt.features.calendar import CALENDAR_DEFINITIONS
+from foxhunt.features.calendar import CALENDAR_DEFINITIONS, DAYS_PER_NS, phases_of_days
 
 if TYPE_CHECKING:
     from foxhunt.features.device.panel import TorchPanel
 
-_NS_PER_S = 1_000_000_000
-_DAY_S = 86_400
-_YEAR_DAYS = 365.2425
 _TWO_PI = 2.0 * math.pi
 _TRIG = {"sin": torch.sin, "cos": torch.cos}
 
 
 def phases(ts_ns: Tensor) -> dict[str, Tensor]:
     """Phases in [0, 1) of the day, week and year (float64) of int64 ns UTC timestamps."""
-    days = ts_ns.to(torch.float64) * (1.0 / (_NS_PER_S * _DAY_S))  # days since epoch, fractional
-    whole = torch.floor(days)
-    tod = days - whole
-    weeks = (whole + 3.0) / 7.0  # 1970-01-01 was a Thursday; Monday = 0
-    dow = weeks - torch.floor(weeks)
-    years = days / _YEAR_DAYS
-    toy = years - torch.floor(years)
-    return {"tod": tod, "dow": dow, "toy": toy}
+    return phases_of_days(ts_ns.to(torch.float64) * DAYS_PER_NS)
 
 
 def calendar_feature(p: TorchPanel, name: str) -> Tensor:

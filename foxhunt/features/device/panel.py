@@ -8,9 +8,10 @@ import torch
 from torch import Tensor
 
 from foxhunt.features.device import ops
+from foxhunt.features.panel import PanelBase
 
 
-class TorchPanel:
+class TorchPanel(PanelBase):
     """OHLCV of S symbols, one row each, padded with NaN after a symbol's last bar (the twin of ``Panel``).
 
     Padding sits after every real bar and every computation is causal, so it never reaches a real bar's
@@ -70,20 +71,6 @@ class TorchPanel:
     @property
     def device(self) -> torch.device:
         return self.ohlcv.device
-
-    open = property(lambda self: self.ohlcv[0])
-    high = property(lambda self: self.ohlcv[1])
-    low = property(lambda self: self.ohlcv[2])
-    close = property(lambda self: self.ohlcv[3])
-    volume = property(lambda self: self.ohlcv[4])
-
-    def memo(self, key: Hashable, fn: Callable[[], object]):
-        """Compute ``fn()`` once per panel under ``key``."""
-        if self.trace is not None:
-            self.trace.add(key)
-        if key not in self._memo:
-            self._memo[key] = fn()
-        return self._memo[key]
 
     def forget(self, keys: Iterable[Hashable]) -> None:
         """Drop memoised intermediates no later feature needs (the caching allocator reuses their memory)."""
