@@ -287,10 +287,12 @@ class _VariableGRNs(torch.autograd.Function):
         a2, _b2, w1, _b1, wg, _bg, a_s, b_s, gamma, beta = params
         (v, n), h, d = x.shape, w1.shape[-1], gamma.shape[-1]
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grads = [torch.zeros_like(t) for t in params]
-        da2, db2, _dw1, _db1, _dwg, _dbg, da_s, db_s, dgamma, dbeta = grads
+        grads: list[Tensor] = [None] * len(params)  # type: ignore[list-item]
+        dgamma, dbeta = torch.zeros_like(gamma), torch.zeros_like(beta)
         # with a row of bias grads: [dW1; db1] and [dWg; dbg] with the GLU's halves as [gate | value]
         dw1_aug, dwg_sw = x.new_zeros(v, h + 1, h), x.new_zeros(v, h + 1, 2 * d)
+        # rank-1 layers' (a, b) grads, accumulated by one product per chunk: fc2's (dELU wide) and the skip's
+        dab2, dab_s = x.new_zeros(v, 2, h + 1), x.new_zeros(v, 2, d)
         aug, bufs = _augmented(params), _chunk_buffers(x, v, ctx.rows, h)
         dx = torch.empty_like(x) if need_x else None
         dweights = torch.empty_like(weights) if need_w else None
@@ -329,11 +331,7 @@ class _VariableGRNs(torch.autograd.Function):
             # LayerNorm backward with dLN = w gamma G: dz = rstd w (gamma G - mean_k(gamma G) - LN(z) mean_k(LN(z) gamma G))
             dz = torch.addcmul((gamma @ gc.t()).unsqueeze(-1).mul_(-1.0 / d), gamma_b, gc, out=u)
             dz.addcmul_(ln, s2, value=-1.0 / d).mul_(rs * wc.unsqueeze(-1))
-            sk = torch.bmm(x1c, dz)  # skip(embed(x)) = a_s x + b_s
-            da_s.add_(sk[:, 0])
-            db_s.add_(sk[:, 1])
-            if dx is not None:
-                dx[:, r0:r1] = torch.bmm(dz, a_s_col).squeeze(-1)
+            dab_s.baddbmm_(x1c, dz)  # skip(embed(x)) = a_s x + b_s
             # GLU z = A sigmoid(B), in place: A <- dz A sigmoid'(B) (d gate logit), sigmoid(B) <- dz sigmoid(B) (d A)
             glu_a.mul_(dz)
             torch.ops.aten.sigmoid_backward.grad_input(glu_a, gate, grad_input=glu_a)
@@ -345,11 +343,11 @@ class _VariableGRNs(torch.autograd.Function):
             dw1_aug.baddbmm_(e.transpose(1, 2), deta)  # e's constant column gives db1's row
             df2 = torch.bmm(deta, w1_aug_t)
             torch.ops.aten.elu_backward.grad_input(df2, 1.0, 1, 1, True, e, grad_input=df2)
-            ab2 = torch.bmm(x1c, df2)
-            da2.add_(ab2[:, 0, :h])
-            db2.add_(ab2[:, 1, :h])
-            if dx is not None:
-                dx[:, r0:r1] += torch.bmm(df2, a2_col).squeeze(-1)
+            dab2.baddbmm_(x1c, df2)
+            if dx is not None:  # dz (the u buffer) is intact: the GLU's backward only read it
+                dx[:, r0:r1] = torch.bmm(dz, a_s_col).baddbmm_(df2, a2_col).squeeze(-1)
+        grads[0], grads[1] = dab2[:, 0, :h], dab2[:, 1, :h]
+        grads[6], grads[7], grads[8], grads[9] = dab_s[:, 0], dab_s[:, 1], dgamma, dbeta
         grads[2], grads[3] = dw1_aug[:, :h], dw1_aug[:, h]
         grads[4] = torch.cat([dwg_sw[:, :h, d:], dwg_sw[:, :h, :d]], dim=-1)
         grads[5] = torch.cat([dwg_sw[:, h, d:], dwg_sw[:, h, :d]], dim=-1)
