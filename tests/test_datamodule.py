@@ -164,3 +164,23 @@ def test_synthetic_default_market_without_path() -> None:
     dm.setup()
     assert dm.market is not None and len(dm.bars) == 3_000
     assert dm.train_split.symbols == ["SYN0"]
+
+
+def test_feature_device_is_checked_and_auto_without_gpu_is_the_cpu_path(bars_file: Path) -> None:
+    with pytest.raises(ValueError, match="feature_device"):
+        _dm(bars_file, feature_device="tpu")
+    a, b = _dm(bars_file), _dm(bars_file, feature_device="auto")
+    a.setup()
+    b.setup()
+    torch.testing.assert_close(a.train_split.features, b.train_split.features, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_features_on_the_gpu_match_the_cpu_path(bars_file: Path) -> None:
+    cpu, gpu = _dm(bars_file), _dm(bars_file, feature_device="cuda")
+    cpu.setup()
+    gpu.setup()
+    for s in ("train_split", "val_split", "test_split"):
+        x, y = getattr(cpu, s).features, getattr(gpu, s).features
+        assert y.device.type == "cpu"
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)

@@ -112,6 +112,7 @@ class BarDataModule(pl.LightningDataModule):
         feature_families: list[str] | None = None,
         known_future: list[str] | None = None,
         feature_clip: float = 10.0,
+        feature_device: str = "cpu",
         target_scale: Literal["none", "fitted", "rolling"] = "fitted",
         target_zscore_window: int | None = None,
         target_clip_sigma: float | None = 6.0,
@@ -146,6 +147,9 @@ class BarDataModule(pl.LightningDataModule):
         self.lookback = lookback
         self.horizon = horizon
         self.feature_set = FeatureSet(features, feature_families)
+        if feature_device not in ("cpu", "auto") and not feature_device.startswith("cuda"):
+            raise ValueError(f"BarDataModule: feature_device must be 'cpu', 'cuda[:N]' or 'auto', got {feature_device!r}")
+        self.feature_device = feature_device
         self.known_future = list(KNOWN_FUTURE if known_future is None else known_future)
         missing = [k for k in self.known_future if k not in self.feature_set.names]
         if missing:
@@ -237,12 +241,23 @@ class BarDataModule(pl.LightningDataModule):
                 cached = load_file(str(key))
                 log.info("feature cache hit: %s", key)
                 return cached["values"], cached["ready"].bool()
-        out = self.feature_set.compute(ohlcv, ts, sym)
+        out = self._compute_features(ohlcv, ts, sym)
         if key is not None:
             key.parent.mkdir(parents=True, exist_ok=True)
             save_file({"values": out.values.contiguous(), "ready": out.ready.to(torch.uint8)}, str(key))
             log.info("feature cache miss: computed %d features, saved %s", len(out.names), key)
         return out.values, out.ready
+
+    def _compute_features(self, ohlcv: torch.Tensor, ts: torch.Tensor, sym: torch.Tensor):
+        """On the CPU (numpy backend) or, with ``feature_device`` cuda (or auto with a GPU), on the GPU (torch
+        backend, no host round trip until the finished float32 features come back)."""
+        device = self.feature_device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cpu":
+            return self.feature_set.compute(ohlcv, ts, sym)
+        out = self.feature_set.compute(ohlcv.to(device), ts.to(device), sym.to(device), backend="torch")
+        return type(out)(out.values.cpu(), out.names, out.ready.cpu())
 
     def _assign_splits(self, ts: np.ndarray, codes: np.ndarray) -> np.ndarray:
         """0/1/2 for train/val/test and -1 for purged bars, by shared cut times."""
