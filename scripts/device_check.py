@@ -1,7 +1,8 @@
 """The accelerator checks of issues 3, 4 and 6 in one short run, for a session that is lent a GPU.
 
 Prints one block per check and a final JSON line; exits non-zero if any training produced a non-finite loss or
-metric. Meant to run once on the device machine (about 5 minutes on one GPU), well inside its time limit:
+metric, or the features computed on the device differ from the CPU path's (NaN positions, or more than 1e-5
+relative). Meant to run once on the device machine (about 5 minutes on one GPU), well inside its time limit:
 
     python scripts/device_check.py                                      # CUDA: 16-mixed and bf16-mixed
     python scripts/device_check.py --accelerator cpu --precisions bf16-mixed --steps 20 --bars 100000   # dry run
@@ -124,6 +125,13 @@ def feature_check(device: str, bars: int) -> dict[str, Any]:
     n_feat = len(fs.names)
     result = {"device": device, "bars": bars, "features": n_feat, "seconds": round(best, 3),
               "ns_per_bar_feature": round(best / bars / n_feat * 1e9, 2), "output_device": str(out.values.device)}
+    if dev.type != "cpu":  # the device path against the CPU (numpy) path: same NaNs, worst relative difference
+        ref, got = fs.compute(ohlcv, ts, sym).values.double(), out.values.cpu().double()
+        both = ~torch.isnan(ref)
+        scale = torch.nan_to_num(ref, nan=0.0).abs().amax(dim=0)
+        err = ((got - ref).abs() / (ref.abs() + 1e-3 * scale))[both]
+        result.update({"nan_positions_equal": bool(torch.equal(torch.isnan(ref), torch.isnan(got))),
+                       "max_rel_diff_vs_cpu": float(err.max()) if err.numel() else 0.0})
     try:
         import talib  # noqa: F401
     except ImportError:
@@ -165,7 +173,9 @@ def main() -> None:
         if device == "cuda":
             subprocess.run([sys.executable, str(Path(__file__).with_name("bench_features.py")), "--device", "cuda", "--backend", "torch", "--bars", "1000000", "--repeat", "3", "--no-exactness"], check=False)
     print(json.dumps(results))
-    if any(r.get("non_finite") for r in results.values()):
+    feats = results.get("features", {})
+    if any(r.get("non_finite") for r in results.values()) or feats.get("nan_positions_equal") is False \
+            or feats.get("max_rel_diff_vs_cpu", 0.0) > 1e-5:
         sys.exit(1)
 
 
