@@ -61,18 +61,11 @@ def _slope(p: TorchPanel, ma: Tensor) -> Tensor:
 def functions() -> dict[str, Callable[[TorchPanel], Tensor]]:
     """Every trend feature of the numpy registry, by name, as a function of a TorchPanel."""
     fs: dict[str, Callable[[TorchPanel], Tensor]] = {}
-    for n in WINDOWS:
-        fs[f"dist_sma_{n}"] = lambda p, n=n: _dist(p, sma(p, n))
-    for n in WINDOWS:
-        fs[f"dist_ema_{n}"] = lambda p, n=n: _dist(p, ema(p, n))
-    for n in (10, 30):
-        fs[f"dist_kama_{n}"] = lambda p, n=n: _dist(p, kama(p, n))
-    for n in WINDOWS:
-        fs[f"slope_sma_{n}"] = lambda p, n=n: _slope(p, sma(p, n))
-    for n in WINDOWS:
-        fs[f"slope_ema_{n}"] = lambda p, n=n: _slope(p, ema(p, n))
-    for n in (10, 30):
-        fs[f"slope_kama_{n}"] = lambda p, n=n: _slope(p, kama(p, n))
+    averages = (("sma", sma, WINDOWS), ("ema", ema, WINDOWS), ("kama", kama, (10, 30)))
+    for kind, of in (("dist", _dist), ("slope", _slope)):
+        for name, ma, windows in averages:
+            for n in windows:
+                fs[f"{kind}_{name}_{n}"] = lambda p, of=of, ma=ma, n=n: of(p, ma(p, n))
     for a, b in ((5, 20), (20, 50), (50, 200)):
         fs[f"ema_cross_{a}_{b}"] = lambda p, a=a, b=b: ops.diff_times(ema(p, a), ema(p, b), p.inv_atr())
     return fs
