@@ -2,16 +2,17 @@
 
 Files written to the export directory:
 
-- ``ensemble.safetensors``: every tensor of the ensemble (members, TFT snapshot, stacking statistics) and of the
-  preprocessing (``data.feature_normalizer.*``, ``data.target_transform.*``);
-- ``tft.safetensors`` / ``dqn.safetensors``: each member's network alone, for use outside foxhunt;
-- ``metadata.json``: format version, package versions, the fit config, every hyperparameter needed to rebuild the
-  modules, the feature names in column order, the known-future inputs, window sizes, the data fingerprint and the
-  latest validation back-test.
+- ``ensemble.safetensors``: every tensor of the ensemble (members, combination weights, stacking snapshots and
+  statistics) and of the preprocessing (``data.feature_normalizer.*``, ``data.target_transform.*``);
+- ``<member>.safetensors``: each member's network alone, for use outside foxhunt;
+- ``metadata.json``: format version, package versions, the fit config, each member's class and hyperparameters, the
+  data spec the members were bound to (feature names in column order, known-future inputs, symbols, window sizes),
+  the data fingerprint and the latest validation back-test.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import platform
 from dataclasses import dataclass
@@ -23,7 +24,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import foxhunt
-from foxhunt.data.market import MarketSplit
+from foxhunt.data.datamodule import BarDataModule
+from foxhunt.data.market import MarketSpec, MarketSplit
+from foxhunt.lit.ensemble import EnsembleModule
+from foxhunt.lit.member import Member
 
 FORMAT = "foxhunt-export"
 FORMAT_VERSION = 1
@@ -54,12 +58,14 @@ def _tensors(prefix: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {f"{prefix}{k}": v.detach().cpu().contiguous().clone() for k, v in module.state_dict().items()}
 
 
-def export_ensemble(model: Any, dm: Any, out_dir: str | Path, config: Any = None) -> dict[str, Any]:
+def export_ensemble(model: EnsembleModule, dm: BarDataModule, out_dir: str | Path, config: Any = None) -> dict[str, Any]:
     """Write the export of a fitted EnsembleModule and its BarDataModule; returns the metadata."""
     import lightning
 
     from foxhunt.data.datamodule import fingerprint
 
+    if model.spec is None:
+        raise ExportError("the ensemble is not bound to data yet: fit it (or call model.bind(spec)) before exporting")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # the target transform is the data side's (saved once, under data.), whichever module also holds a reference
@@ -68,12 +74,16 @@ def export_ensemble(model: Any, dm: Any, out_dir: str | Path, config: Any = None
     tensors.update(_tensors("data.target_transform.", dm.target_transform))
     files = {"ensemble": "ensemble.safetensors"}
     save_file(tensors, str(out / files["ensemble"]), metadata={"format": FORMAT})
-    if model.tft is not None:
-        files["tft"] = "tft.safetensors"
-        save_file(_tensors("", model.tft.net), str(out / files["tft"]), metadata={"format": FORMAT})
-    if model.dqn is not None:
-        files["dqn"] = "dqn.safetensors"
-        save_file(_tensors("", model.dqn.q_net), str(out / files["dqn"]), metadata={"format": FORMAT})
+    members = {}
+    for name in model.member_names:
+        member = model.member(name)
+        files[name] = f"{name}.safetensors"
+        save_file(_tensors("", member.network), str(out / files[name]), metadata={"format": FORMAT})
+        members[name] = {
+            "class_path": f"{type(member).__module__}.{type(member).__qualname__}",
+            "init_args": _hparams(member),
+            "run": _jsonable(member.export_state()),
+        }
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -84,11 +94,9 @@ def export_ensemble(model: Any, dm: Any, out_dir: str | Path, config: Any = None
             "python": platform.python_version(),
         },
         "ensemble": _hparams(model),
-        "members": list(model.member_names),
-        "weights": list(model._weights),
-        "tft": _hparams(model.tft) if model.tft is not None else None,
-        "dqn": {**_hparams(model.dqn), "n_features": len(dm.feature_names)} if model.dqn is not None else None,
-        "dqn_reward_scale": getattr(model.dqn, "reward_scale_used", None) if model.dqn is not None else None,
+        "members": members,
+        "stack_ready": model.stack_ready,
+        "spec": _jsonable(model.spec.as_dict()),
         "data": {
             "feature_names": list(dm.feature_names),
             "known_future": list(dm.known_future),
@@ -103,7 +111,7 @@ def export_ensemble(model: Any, dm: Any, out_dir: str | Path, config: Any = None
             },
             "fingerprint": fingerprint(dm.bars) if dm.bars is not None else None,
         },
-        "metrics": _jsonable(getattr(model, "last_backtest", {})),
+        "metrics": _jsonable(model.last_evaluation.metrics if model.last_evaluation is not None else {}),
         "config": config if isinstance(config, str) else _jsonable(config),
         "files": files,
     }
@@ -115,7 +123,7 @@ def export_ensemble(model: Any, dm: Any, out_dir: str | Path, config: Any = None
 class LoadedEnsemble:
     """A ready ensemble rebuilt from an export: the model in eval mode and the data side it was trained with."""
 
-    model: Any  # EnsembleModule, used as a plain nn.Module
+    model: EnsembleModule  # used as a plain nn.Module (no Trainer)
     feature_set: Any
     feature_normalizer: torch.nn.Module
     target_transform: torch.nn.Module
@@ -125,8 +133,9 @@ class LoadedEnsemble:
     def feature_names(self) -> list[str]:
         return list(self.metadata["data"]["feature_names"])
 
-    def split(self, bars: pd.DataFrame, name: str = "data") -> MarketSplit:
-        """A MarketSplit of new bars: features recomputed, scaled with the exported statistics."""
+    def split(self, bars: pd.DataFrame, name: str = "data", oracle_mean: torch.Tensor | None = None) -> MarketSplit:
+        """A MarketSplit of new bars: features recomputed, scaled with the exported statistics (``oracle_mean``: the
+        known conditional means of simulated bars, row-aligned, for an oracle row in back-tests)."""
         from foxhunt.data.datamodule import assemble_split, bars_tensors
         from foxhunt.preprocessing import next_log_returns
 
@@ -136,7 +145,7 @@ class LoadedEnsemble:
         with torch.no_grad():
             features = self.feature_normalizer(out.values).clamp(-clip, clip)
         returns = next_log_returns(ohlcv[:, 3], segment=sym)
-        return assemble_split(name, symbols, ts, sym, ohlcv, features, out.ready, returns, self.feature_names, self.target_transform)
+        return assemble_split(name, symbols, ts, sym, ohlcv, features, out.ready, returns, self.feature_names, self.target_transform, oracle_mean)
 
     @torch.no_grad()
     def positions(self, bars: pd.DataFrame) -> dict[str, torch.Tensor]:
@@ -144,19 +153,15 @@ class LoadedEnsemble:
         return self.model.positions(self.split(bars))
 
     @torch.no_grad()
-    def backtest(self, bars: pd.DataFrame, oracle_mean: torch.Tensor | None = None) -> dict[str, dict[str, float]]:
+    def backtest(self, bars: pd.DataFrame) -> dict[str, dict[str, float]]:
         """After-cost back-test of every policy on new bars."""
-        return self.model.backtest(self.split(bars), oracle_mean=oracle_mean)
+        return self.model.evaluate(self.split(bars)).metrics
 
 
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> LoadedEnsemble:
     """Rebuild an exported ensemble (no Trainer, no pickle); refuses mismatched versions, features or shapes."""
     from foxhunt.features import FeatureSet
-    from foxhunt.lit.dqn import DQNModule
-    from foxhunt.lit.ensemble import EnsembleModule
-    from foxhunt.lit.tft import TFTModule
     from foxhunt.preprocessing import FeatureNormalizer, TargetTransform
-
     root = Path(path)
     if root.is_file():
         root = root.parent
@@ -181,26 +186,35 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> LoadedEn
             f"{meta_path}: feature order differs from this foxhunt's registry: exported {data['feature_names'][:5]}..., "
             f"computed {feature_set.names[:5]}..."
         )
-    tft = TFTModule(**meta["tft"]) if meta["tft"] is not None else None
-    dqn = DQNModule(**meta["dqn"]) if meta["dqn"] is not None else None
-    model = EnsembleModule(tft=tft, dqn=dqn, **meta["ensemble"])
+    members = {name: _member(entry, meta_path) for name, entry in meta["members"].items()}
+    model = EnsembleModule(members=members, **meta["ensemble"])
+    model.bind(MarketSpec(**meta["spec"]))
     tt = data["target_transform"]
     transform = TargetTransform(scale=tt["scale"], zscore_window=tt["zscore_window"], clip_sigma=tt["clip_sigma"])
     normalizer = FeatureNormalizer()
     state = load_file(str(root / meta["files"]["ensemble"]), device=str(map_location))
     _load_strict(model, {k[6:]: v for k, v in state.items() if k.startswith("model.")}, "model", root)
-    if tft is not None:
-        tft.target_transform = transform
     _load_strict(normalizer, {k[24:]: v for k, v in state.items() if k.startswith("data.feature_normalizer.")}, "feature normaliser", root, shapes=False)
     _load_strict(transform, {k[22:]: v for k, v in state.items() if k.startswith("data.target_transform.")}, "target transform", root, shapes=False)
-    if tft is not None:
-        tft.target_transform = transform
-    if dqn is not None:
-        dqn.reward_scale_used = meta.get("dqn_reward_scale")
-    model._weights = list(meta.get("weights", model._weights))
-    model._dqn_ready = True
+    for name, entry in meta["members"].items():
+        member = model.member(name)
+        member.load_export_state(entry.get("run") or {})
+        if name in model.forecaster_names:
+            member.target_transform = transform  # type: ignore[attr-defined]
+    model._snapshots_loaded = bool(meta.get("stack_ready"))
     model.eval()
     return LoadedEnsemble(model, feature_set, normalizer, transform, meta)
+
+
+def _member(entry: dict[str, Any], meta_path: Path) -> Member:
+    """A member rebuilt from its class path and hyperparameters (only foxhunt's own member classes are imported)."""
+    module_name, _, cls_name = str(entry["class_path"]).rpartition(".")
+    if not module_name.startswith("foxhunt."):
+        raise ExportError(f"{meta_path}: member class {entry['class_path']!r} is not one of foxhunt's")
+    cls = getattr(importlib.import_module(module_name), cls_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Member)):
+        raise ExportError(f"{meta_path}: {entry['class_path']!r} is not a foxhunt member class")
+    return cls(**entry["init_args"])
 
 
 def _load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], what: str, root: Path, shapes: bool = True) -> None:

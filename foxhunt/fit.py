@@ -1,10 +1,11 @@
 """`python -m foxhunt.fit --config lightning_configs/<name>.yaml`: train the ensemble with LightningCLI.
 
-Everything is a typed constructor argument of ``EnsembleModule`` (with its ``tft`` and ``dqn`` members),
-``BarDataModule`` or ``Trainer``, so the usual LightningCLI conventions hold: ``--print_config``, overrides such as
-``--trainer.max_epochs 3`` or ``--model.tft.hidden_size 64``, ``--ckpt_path last`` to resume. Sizes that follow from
-the data (feature counts, symbols) are linked from the DataModule and need not be written in configs. After
-training, the best or last weights are exported as safetensors with JSON metadata and back-tested on the test split.
+Everything is a typed constructor argument of ``EnsembleModule`` (with its named ``members``, each a
+``class_path``/``init_args`` entry), ``BarDataModule`` or ``Trainer``, so the usual LightningCLI conventions hold:
+``--print_config``, overrides such as ``--trainer.max_epochs 3`` or ``--model.members.tft.init_args.hidden_size 64``,
+``--ckpt_path last`` to resume. Sizes that follow from the data (feature counts, names, symbols, windows) reach the
+members when the coordinator binds them to the data, so configs never write them. After training, the best
+checkpoint is exported as safetensors with JSON metadata and back-tested on the test split.
 """
 
 from __future__ import annotations
@@ -14,29 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import (
-    LearningRateMonitor,
-    ModelCheckpoint,
-    RichProgressBar,
-)
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 
 from foxhunt.data.datamodule import BarDataModule
+from foxhunt.evaluation.figures import ValidationFigures
 from foxhunt.lit.ensemble import EnsembleModule
 
 log = logging.getLogger("foxhunt.fit")
-
-
-def _n_features(dm: BarDataModule) -> int:
-    return len(dm.feature_names)
-
-
-def _n_known(dm: BarDataModule) -> int:
-    return len(dm.known_future)
-
-
-def _n_symbols(dm: BarDataModule) -> int:
-    return dm.n_symbols
 
 
 class FoxhuntCLI(LightningCLI):
@@ -49,15 +36,7 @@ class FoxhuntCLI(LightningCLI):
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from ('last' for the latest)")
         parser.add_argument("--export_dir", type=str | None, default=None, help="where to write the safetensors export (default: <log_dir>/export)")
         parser.add_argument("--backtest", type=bool, default=True, help="back-test the exported model on the test split after fit")
-        parser.link_arguments("data", "model.tft.init_args.n_features", compute_fn=_n_features, apply_on="instantiate")
-        parser.link_arguments("data", "model.tft.init_args.n_known_future", compute_fn=_n_known, apply_on="instantiate")
-        parser.link_arguments("data", "model.tft.init_args.n_symbols", compute_fn=_n_symbols, apply_on="instantiate")
-        parser.link_arguments("data.lookback", "model.tft.init_args.lookback")
-        parser.link_arguments("data.horizon", "model.tft.init_args.horizon")
-        parser.link_arguments("data", "model.tft.init_args.feature_names", compute_fn=lambda dm: dm.feature_names, apply_on="instantiate")
-        parser.link_arguments("data", "model.tft.init_args.known_future_names", compute_fn=lambda dm: list(dm.known_future), apply_on="instantiate")
-        parser.link_arguments("data", "model.dqn.init_args.n_features", compute_fn=_n_features, apply_on="instantiate")
-        parser.link_arguments("model.cost_bps", "model.dqn.init_args.cost_bps")
+        parser.add_argument("--log_figures", type=bool, default=True, help="equity curves, fan charts and interpretation figures to TensorBoard")
         parser.set_defaults(
             {
                 "trainer.logger": {
@@ -67,32 +46,27 @@ class FoxhuntCLI(LightningCLI):
             }
         )
 
-    def _add_instantiators(self) -> None:
-        """Keep LightningCLI's hparams instantiator for the data only: for the model it writes links into members
-        configured as null (``--model.dqn null``) and fails; the ensemble saves its own hyperparameters and the
-        export records every member's, so nothing is lost."""
-        from lightning.pytorch.cli import _get_module_type, _InstantiatorFn
-
-        self.parser.add_instantiator(
-            _InstantiatorFn(cli=self, key="data"), _get_module_type(self._datamodule_class), subclasses=self.subclass_mode_data
-        )
-
-    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
-        """A rich progress bar unless progress bars are off or another one was configured."""
-        configured = list(config.get("callbacks") or []) + list(callbacks)
-        if config.get("enable_checkpointing", True) is not False:
-            # the best model by the configured metric (exported at the end), and the latest one to resume from
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The Trainer, with foxhunt's checkpoints in place of Lightning's default one (the best by
+        ``checkpoint_monitor``, exported at the end, and the latest to resume from), the ensemble's figures, and a rich
+        progress bar in place of the default one. Callbacks the config names are kept as they are."""
+        trainer = super().instantiate_trainer(**kwargs)
+        callbacks = list(trainer.callbacks)
+        checkpoints = [cb for cb in callbacks if isinstance(cb, ModelCheckpoint)]
+        if len(checkpoints) == 1 and _is_default_checkpoint(checkpoints[0]):
             monitor, mode = self.config.get("checkpoint_monitor", "val/sharpe"), self.config.get("checkpoint_mode", "max")
-            callbacks = [
+            callbacks.remove(checkpoints[0])
+            callbacks += [
                 ModelCheckpoint(monitor=monitor, mode=mode, save_top_k=1, filename="best-{epoch}-{step}"),
                 ModelCheckpoint(monitor=None, save_top_k=1, filename="last", enable_version_counter=False),
-                *callbacks,
             ]
-        if config.get("enable_progress_bar", True) is not False and not any(
-            type(cb).__name__.endswith("ProgressBar") for cb in configured
-        ):
-            callbacks = [*callbacks, RichProgressBar(leave=True)]
-        return super()._instantiate_trainer(config, callbacks)
+        bars = [cb for cb in callbacks if isinstance(cb, ProgressBar)]
+        if len(bars) == 1 and type(bars[0]) is TQDMProgressBar:
+            callbacks[callbacks.index(bars[0])] = RichProgressBar(leave=True)
+        if self.config.get("log_figures", True) and not any(isinstance(cb, ValidationFigures) for cb in callbacks):
+            callbacks.append(ValidationFigures())
+        trainer.callbacks = callbacks
+        return trainer
 
     def before_instantiate_classes(self) -> None:
         threads = self.config.get("torch_threads")
@@ -103,8 +77,6 @@ class FoxhuntCLI(LightningCLI):
         """Train, then export the best weights and back-test them on the test split."""
         cfg = self.config
         trainer, model, dm = self.trainer, self.model, self.datamodule
-        if trainer.loggers and not any(isinstance(cb, LearningRateMonitor) for cb in trainer.callbacks):
-            trainer.callbacks.append(LearningRateMonitor(logging_interval="step"))
         trainer.fit(model, datamodule=dm, ckpt_path=self._resolve_ckpt_path(cfg.get("ckpt_path")))
         return self.export_and_backtest()
 
@@ -122,7 +94,7 @@ class FoxhuntCLI(LightningCLI):
         return str(found[-1])
 
     def export_and_backtest(self) -> dict[str, Any]:
-        from foxhunt.backtest import backtest_table, format_table
+        from foxhunt.evaluation.backtest import format_table
         from foxhunt.export import export_ensemble
 
         cfg = self.config
@@ -132,17 +104,21 @@ class FoxhuntCLI(LightningCLI):
         ckpt = trainer.checkpoint_callback
         best = getattr(ckpt, "best_model_path", "") if ckpt is not None else ""
         if best:
-            state = torch.load(best, map_location="cpu", weights_only=True)["state_dict"]
-            model.load_state_dict(state)
+            model.load_weights(torch.load(best, map_location="cpu", weights_only=True))
             log.info("loaded the best checkpoint %s for export", best)
         out_dir = Path(cfg.get("export_dir") or Path(trainer.log_dir or "runs") / "export")
         meta = export_ensemble(model, dm, out_dir, config=self.parser.dump(cfg, skip_none=False))
         print(f"\nexported {', '.join(sorted(meta['files']))} to {out_dir}")
         if not cfg.get("backtest", True):
             return {"export": meta}
-        table = backtest_table(model, "test")
+        table = model.evaluate(model.split("test")).metrics
         print("\nBack-test on the test split, after costs:\n" + format_table(table))
         return {"export": meta, "backtest": table}
+
+
+def _is_default_checkpoint(cb: ModelCheckpoint) -> bool:
+    """Lightning's own ModelCheckpoint (added when checkpointing is on and the config names none)."""
+    return cb.monitor is None and cb.filename is None and cb.dirpath is None and not cb.save_last and cb.save_top_k == 1
 
 
 def default_trainer_kwargs() -> dict[str, Any]:

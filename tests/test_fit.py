@@ -45,14 +45,18 @@ def test_fit_logs_scalars_and_figures_to_tensorboard(tiny_run) -> None:
     acc = EventAccumulator(str(_event_file(tmp)), size_guidance={"images": 0, "scalars": 0})
     acc.Reload()
     scalars = set(acc.Tags()["scalars"])
-    for tag in ("train/tft_loss", "train/dqn_td_loss", "train/epsilon", "train/q_mean", "val/sharpe",
+    for tag in ("train/tft/loss", "train/dqn/td_loss", "train/dqn/epsilon", "train/dqn/q_mean", "val/sharpe",
                 "val/tft/quantile_loss", "val/tft/coverage", "val/dqn/sharpe", "val/tft/sharpe", "val/ensemble/sharpe",
-                "val/buy_and_hold/sharpe", "val/oracle/sharpe", "val/weight_tft", "grad_norm/tft/total",
-                "grad_norm/dqn/total"):
+                "val/buy_and_hold/sharpe", "val/oracle/sharpe", "val/tft/weight", "grad_norm/tft/total",
+                "grad_norm/dqn/total", "lr/tft", "lr/dqn"):
         assert tag in scalars, f"{tag} missing from {sorted(scalars)}"
-    assert any(t.startswith("lr-") for t in scalars), "LearningRateMonitor logged no learning rate"
+    # one naming scheme: every scalar is stage/member/key, grad_norm/member/block or lr/member
+    for tag in scalars - {"epoch", "val/sharpe"}:
+        head = tag.split("/")
+        assert head[0] in ("train", "val", "grad_norm", "lr") and len(head) == (2 if head[0] == "lr" else 3), tag
     images = set(acc.Tags()["images"])
-    for tag in ("backtest/equity_val", "forecast/fan_chart_val", "interpret/variable_importance", "interpret/attention"):
+    for tag in ("backtest/equity_val", "forecast/tft/fan_chart_val", "interpret/tft/variable_importance",
+                "interpret/tft/attention"):
         assert tag in images, f"figure {tag} missing from {sorted(images)}"
     hparams = list((tmp / "runs").rglob("hparams.yaml"))
     assert hparams and "tft" in hparams[0].read_text()
@@ -69,7 +73,7 @@ def test_export_loads_without_trainer_and_matches(tiny_run) -> None:
     assert "data" in meta["config"] and meta["data"]["fingerprint"]
     loaded = foxhunt.load(export)
     model = cli.model
-    split = model._splits["test"]
+    split = model.split("test")
     mine = model.positions(split)
     theirs = loaded.model.positions(split)
     for who in ("tft", "dqn", "ensemble"):
@@ -89,11 +93,16 @@ def test_load_refuses_mismatches(tiny_run, tmp_path: Path) -> None:
     bad = tmp_path / "bad"
     shutil.copytree(src / "export", bad)
     meta = json.loads((bad / "metadata.json").read_text())
-    meta["tft"]["hidden_size"] = 12
+    meta["members"]["tft"]["init_args"]["hidden_size"] = 12
     (bad / "metadata.json").write_text(json.dumps(meta))
-    with pytest.raises(ExportError, match=r"model tensor 'tft\.net\..*' has shape"):
+    with pytest.raises(ExportError, match=r"model tensor 'members\.tft\.net\..*' has shape"):
         foxhunt.load(bad)
-    meta["tft"]["hidden_size"] = 8
+    meta["members"]["tft"]["init_args"]["hidden_size"] = 8
+    meta["members"]["tft"]["class_path"] = "os.system"
+    (bad / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(ExportError, match="not one of foxhunt's"):
+        foxhunt.load(bad)
+    meta["members"]["tft"]["class_path"] = "foxhunt.lit.tft.TFTModule"
     meta["versions"]["foxhunt"] = "9.9.0"
     (bad / "metadata.json").write_text(json.dumps(meta))
     with pytest.raises(ExportError, match=r"exported by foxhunt 9\.9\.0"):
@@ -130,7 +139,7 @@ def test_cli_conventions(tmp_path: Path, capsys) -> None:
     printed = capsys.readouterr().out
     assert "hidden_size: 8" in printed and "synthetic_bars: 5000" in printed
     with pytest.raises(SystemExit) as exit_info:
-        main(["--config", TINY, "--model.tft.no_such_key", "3"])
+        main(["--config", TINY, "--model.members.tft.init_args.no_such_key", "3"])
     assert exit_info.value.code != 0
     assert "no_such_key" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -142,7 +151,7 @@ def test_bf16_mixed_on_cpu_runs_without_nan(tmp_path: Path) -> None:
     cli = _fit(tmp_path, "--trainer.precision", "bf16-mixed", "--trainer.max_epochs", "1", "--backtest", "false")
     for p in cli.model.parameters():
         assert torch.isfinite(p).all()
-    assert cli.model.tft_updates > 0 and cli.model.dqn_updates > 0
+    assert cli.model.updates["tft"] > 0 and cli.model.updates["dqn"] > 0
 
 
 def _fit_subprocess(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -178,13 +187,18 @@ def test_resume_after_kill_is_exact(tmp_path: Path) -> None:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=f"{key} differs after resume")
 
 
+TFT_ONLY = {"class_path": "foxhunt.lit.tft.TFTModule", "init_args": {"hidden_size": 8, "attention_heads": 2, "hidden_continuous_size": 4}}
+DQN_ONLY = {"class_path": "foxhunt.lit.dqn.DQNModule", "init_args": {"window": 4, "n_envs": 16, "episode_length": 64,
+            "hidden": [16], "batch_size": 32, "replay_capacity": 4096, "learning_starts": 256, "updates_per_step": 4}}
+
+
 @pytest.mark.parametrize(
     "extra, members",
     [
         (("--model.combine", "stack"), ("tft", "dqn")),
         (("--model.combine", "vote", "--trainer.max_epochs", "1"), ("tft", "dqn")),
-        (("--model.dqn", "null", "--trainer.max_epochs", "1"), ("tft",)),
-        (("--model.tft", "null", "--trainer.max_epochs", "1"), ("dqn",)),
+        (("--model.members", json.dumps({"tft": TFT_ONLY}), "--trainer.max_epochs", "1"), ("tft",)),
+        (("--model.members", json.dumps({"dqn": DQN_ONLY}), "--trainer.max_epochs", "1"), ("dqn",)),
     ],
     ids=["stack", "vote", "tft-only", "dqn-only"],
 )
@@ -196,16 +210,17 @@ def test_combinations_and_single_members(tmp_path: Path, extra: tuple[str, ...],
     assert {"ensemble", "buy_and_hold", *members} <= set(table)
     if model.hparams.combine == "stack":
         # the DQN saw the TFT snapshot's forecasts as extra inputs, and the TFT never trained on the DQN's bars
-        n_stack = model.tft.hparams.horizon * len(model.tft.quantiles)
-        assert model.dqn.train_split.n_features == len(cli.datamodule.feature_names) + n_stack
+        tft, dqn = model.member("tft"), model.member("dqn")
+        n_stack = tft.horizon * len(tft.quantiles)
+        assert dqn.train_split.n_features == len(cli.datamodule.feature_names) + n_stack
         dm = cli.datamodule
         tft_rows = dm.train_window_mask.nonzero().squeeze(1)
-        dqn_first = dm.train_split.timestamps[~model._stack_mask(dm.train_split)].min()
-        horizon = model.tft.hparams.horizon
+        dqn_first = dm.train_split.timestamps[~model._stack_cut(dm.train_split)].min()
+        horizon = tft.horizon
         # the last TFT window's targets (rows t..t+H-1, returns reaching row t+H) end before the DQN's first bar
         assert int(dm.train_split.timestamps[tft_rows.max() + horizon]) < int(dqn_first)
         assert int(dm.train_split.timestamps[tft_rows].max()) < int(dqn_first)
-        assert int(model.dqn.train_split.timestamps.min()) >= int(dqn_first)
+        assert int(dqn.train_split.timestamps.min()) >= int(dqn_first)
         assert table["ensemble"]["sharpe"] == table["dqn"]["sharpe"]
     loaded = foxhunt.load(tmp_path / "export")
     assert tuple(loaded.model.member_names) == members
@@ -223,12 +238,12 @@ def test_16_mixed_clips_and_logs_unscaled_gradients(tmp_path: Path) -> None:
     class Probe(Callback):
         def on_before_optimizer_step(self, trainer, module, optimizer) -> None:  # runs before the module's hook
             name = module._active
-            net = module._net(name)
+            net = module.member(name).network
             self.name, self.before = name, grad_norms(net)[next(iter(grad_norms(net)))]
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             if getattr(self, "name", None) is not None:
-                net = module._net(self.name)
+                net = module.member(self.name).network
                 after = torch.norm(torch.stack([p.grad.norm() for p in net.parameters() if p.grad is not None]))
                 seen.append((self.name, float(self.before), float(after)))
 
@@ -243,9 +258,9 @@ def test_16_mixed_clips_and_logs_unscaled_gradients(tmp_path: Path) -> None:
                        batch_size=16, cache_dir=None)
     # fp16 autocast on CPU has no LSTM kernel, so the DQN member carries this check (the coordinator's code path
     # for clipping and grad norms is the same for both members)
-    dqn = DQNModule(n_features=5, window=4, n_envs=16, episode_length=32, hidden=(16,), batch_size=32,
-                    replay_capacity=2048, learning_starts=64, log_grad_norm_every=1)
-    model = EnsembleModule(tft=None, dqn=dqn, gradient_clip_val=1e-3)
+    dqn = DQNModule(window=4, n_envs=16, episode_length=32, hidden=(16,), batch_size=32, replay_capacity=2048,
+                    learning_starts=64, log_grad_norm_every=1, updates_per_step=1, gradient_clip_val=None)
+    model = EnsembleModule(members={"dqn": dqn}, gradient_clip_val=1e-3)
     scale = 2.0**14
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=scale))
     trainer = pl.Trainer(accelerator="cpu", plugins=[plugin], max_steps=4, limit_val_batches=1, num_sanity_val_steps=0,
@@ -276,7 +291,7 @@ def test_ckpt_path_last_resumes_the_newest_run(tiny_run, caplog) -> None:
     with caplog.at_level("INFO", logger="foxhunt.fit"):
         cli = _fit(tmp, "--ckpt_path", "last", "--trainer.max_epochs", "3", "--backtest", "false")
     assert "resuming from" in caplog.text and "version_0/checkpoints/last.ckpt" in caplog.text
-    assert cli.trainer.current_epoch == 3 and cli.model.tft_updates > first.model.tft_updates
+    assert cli.trainer.current_epoch == 3 and cli.model.updates["tft"] > first.model.updates["tft"]
 
 
 def test_ensemble_dqn_steps_its_agents_every_env_step_every_updates(tmp_path: Path) -> None:
@@ -290,12 +305,12 @@ def test_ensemble_dqn_steps_its_agents_every_env_step_every_updates(tmp_path: Pa
     feats = ["logret_1", "logret_2", "rsi_14"]
     dm = BarDataModule(synthetic_bars=3000, features=feats, known_future=[], lookback=8, horizon=2, batch_size=16,
                        cache_dir=None)
-    dqn = DQNModule(n_features=3, window=4, n_envs=16, episode_length=32, hidden=(16,), batch_size=32,
-                    replay_capacity=2048, learning_starts=64, env_step_every=3)
-    model = EnsembleModule(tft=None, dqn=dqn)
+    dqn = DQNModule(window=4, n_envs=16, episode_length=32, hidden=(16,), batch_size=32, replay_capacity=2048,
+                    learning_starts=64, env_step_every=3, updates_per_step=1)
+    model = EnsembleModule(members={"dqn": dqn})
     trainer = pl.Trainer(accelerator="cpu", max_steps=7, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
     trainer.fit(model, datamodule=dm)
-    updates = model.dqn_updates
+    updates = model.updates["dqn"]
     assert updates >= 7
     assert dqn.env_steps == 64 + math.ceil(updates / 3) * 16  # warm-up, then one step of all agents per 3 updates

@@ -16,9 +16,8 @@ from foxhunt.models.tft import (
     InterpretableMultiHeadAttention,
     TemporalFusionTransformer,
     VariableSelectionNetwork,
-    _dropout_keep_mask,
-    _VariableGRNs,
 )
+from foxhunt.models.variable_selection_fused import ChunkedVariableGRNs, _dropout_keep_mask
 
 
 @pytest.fixture(autouse=True)
@@ -79,12 +78,13 @@ def test_grouped_grn_equals_independent_grns(sizes: tuple[int, int, int]) -> Non
     with torch.no_grad():
         grouped.norm_weight.uniform_(0.5, 1.5)
         grouped.norm_bias.normal_()
-    x = torch.randn(6, 11, d_in)
+    x = torch.randn(2, 11, 6, d_in)  # [..., G, in]
     out = grouped(x)
+    assert out.shape == (2, 11, 6, d_out)
     for g in range(6):
         grn = GatedResidualNetwork(d_in, d_h, d_out).eval()
         _copy_group_into(grouped, g, grn)
-        torch.testing.assert_close(out[g], grn(x[g]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[..., g, :], grn(x[..., g, :]), rtol=1e-5, atol=1e-5)
 
 
 def _loop_vsn_reference(vsn: VariableSelectionNetwork, x: torch.Tensor, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,9 +101,20 @@ def _loop_vsn_reference(vsn: VariableSelectionNetwork, x: torch.Tensor, ctx: tor
     return (weights.unsqueeze(-1) * stacked).sum(-2), weights
 
 
+def _reference_copy(vsn: VariableSelectionNetwork) -> VariableSelectionNetwork:
+    """The same network on the reference path (fused=False), loaded from ``vsn``'s state dict."""
+    context = vsn.flattened_grn.context
+    ref = VariableSelectionNetwork(
+        vsn.n_variables, vsn.input_size, vsn.hidden_size, None if context is None else context.in_features, fused=False
+    )
+    ref.load_state_dict(vsn.state_dict())
+    return ref.train(vsn.training)
+
+
 @pytest.mark.parametrize("n_vars,e,d,pairs", [(7, 5, 12, 8192), (7, 5, 12, 30), (3, 12, 12, 1), (1, 4, 8, 5)])
 def test_vsn_fused_equals_loop_reference(n_vars: int, e: int, d: int, pairs: int) -> None:
-    """Whole batch in one chunk, and row chunks of every size down to one row (ragged last chunk included)."""
+    """Whole batch in one chunk, and row chunks of every size down to one row (ragged last chunk included); the
+    reference path (fused=False) equals the per-variable loop too."""
     vsn = VariableSelectionNetwork(n_vars, e, d, context_size=d, pairs_per_chunk=pairs).eval()
     with torch.no_grad():
         vsn.variable_grns.norm_weight.uniform_(0.5, 1.5)
@@ -112,23 +123,24 @@ def test_vsn_fused_equals_loop_reference(n_vars: int, e: int, d: int, pairs: int
     ref_out, ref_w = _loop_vsn_reference(vsn, x, ctx.unsqueeze(1))
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
-    emb_out, _emb_w = vsn.forward_embedded(vsn.embed(x), ctx)
-    torch.testing.assert_close(out, emb_out, rtol=1e-4, atol=1e-5)
+    unfused_out, unfused_w = _reference_copy(vsn)(x, ctx)
+    torch.testing.assert_close(unfused_w, ref_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(unfused_out, ref_out, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(w.sum(-1), torch.ones(3, 4))
 
 
 @pytest.mark.parametrize("e,d,pairs", [(4, 8, 8192), (4, 8, 12), (8, 8, 7)])
 def test_vsn_fused_gradients_match_reference(e: int, d: int, pairs: int) -> None:
-    """Hand-written chunked backward == autograd through the unfused layers (parameters and inputs)."""
+    """Hand-written chunked backward == autograd through the reference path (parameters and inputs)."""
     vsn = VariableSelectionNetwork(5, e, d, context_size=d, pairs_per_chunk=pairs).eval()
     with torch.no_grad():
         vsn.variable_grns.norm_weight.uniform_(0.5, 1.5)
         vsn.variable_grns.norm_bias.normal_()
-    ref = copy.deepcopy(vsn)
+    ref = _reference_copy(vsn)
     x, ctx = torch.randn(2, 3, 5, requires_grad=True), torch.randn(2, d)
     x_ref = x.detach().clone().requires_grad_(True)
     vsn(x, ctx)[0].square().sum().backward()
-    ref.forward_embedded(ref.embed(x_ref), ctx)[0].square().sum().backward()
+    ref(x_ref, ctx)[0].square().sum().backward()
     for (name, p), q in zip(vsn.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)  # float32 rounding only
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
@@ -144,7 +156,7 @@ def test_chunked_variable_grns_gradcheck_with_dropout(rows: int) -> None:
 
     def fn(*args: torch.Tensor) -> torch.Tensor:
         torch.manual_seed(1)  # same dropout masks at every evaluation
-        return _VariableGRNs.apply(args[0], args[1], 0.3, rows, *args[2:])
+        return ChunkedVariableGRNs.apply(args[0], args[1], 0.3, rows, *args[2:])
 
     inputs = [t.requires_grad_(True) for t in (x, w, *params)]
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5)
@@ -226,11 +238,53 @@ def test_tft_shapes_and_weights() -> None:
     torch.testing.assert_close(out.attention.sum(-1), torch.ones(6, 4, 4))
 
 
-def test_tft_all_parameters_get_gradients() -> None:
-    model = _model(lstm_layers=2)
+@pytest.mark.parametrize("fused", [True, False])
+def test_tft_all_parameters_get_gradients(fused: bool) -> None:
+    model = _model(lstm_layers=2, fused=fused)
     model(*_inputs()).prediction.sum().backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
     assert missing == []
+
+
+def test_tft_fused_and_reference_share_state_dict() -> None:
+    """Same parameter names and shapes: a checkpoint of either path loads strictly into the other."""
+    fused, reference = _model(fused=True), _model(fused=False)
+    assert fused.fused and not reference.fused
+    shapes = {k: v.shape for k, v in fused.state_dict().items()}
+    assert shapes == {k: v.shape for k, v in reference.state_dict().items()}
+    reference.load_state_dict(fused.state_dict())
+    fused.load_state_dict(reference.state_dict())
+
+
+@pytest.mark.parametrize("pairs", [8192, 7])
+@pytest.mark.parametrize("mode", ["eval", "train_without_dropout"])
+def test_tft_fused_equals_reference(mode: str, pairs: int) -> None:
+    """With the same weights, the fused and the reference variable selection give the same outputs and the same
+    gradients for every parameter and input (one chunk, and chunks of one row of the encoder's 6 variables)."""
+    if mode == "eval":
+        fused = _model(fused=True).eval()  # dropout 0.1, off in eval mode
+    else:
+        fused = _model(fused=True, dropout=0.0).train()
+    fused.encoder_selection.pairs_per_chunk = fused.decoder_selection.pairs_per_chunk = pairs
+    with torch.no_grad():  # LayerNorm affines away from (1, 0), so their gradients are checked in general position
+        for vsn in (fused.encoder_selection, fused.decoder_selection):
+            vsn.variable_grns.norm_weight.uniform_(0.5, 1.5)
+            vsn.variable_grns.norm_bias.normal_()
+    reference = copy.deepcopy(fused)
+    reference.fused = False
+    assert not reference.encoder_selection.fused and not reference.decoder_selection.fused
+    x, xf, sym = _inputs()
+    inputs = [t.requires_grad_(True) for t in (x, xf)]
+    inputs_ref = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out, out_ref = fused(*inputs, sym), reference(*inputs_ref, sym)
+    for name, a, b in zip(out._fields, out, out_ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    (out.prediction.square().sum() + out.encoder_weights.square().sum()).backward()
+    (out_ref.prediction.square().sum() + out_ref.encoder_weights.square().sum()).backward()
+    for (name, p), q in zip(fused.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    for a, b in zip(inputs, inputs_ref):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_tft_decoder_is_causal_in_known_future_inputs() -> None:
@@ -276,9 +330,10 @@ def test_tft_rejects_bad_shapes() -> None:
         model(torch.randn(2, 12, 5), torch.randn(2, 3, 2))
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
-def test_tft_autocast_cpu_is_finite(dtype: torch.dtype) -> None:
-    model = _model()
+def test_tft_autocast_cpu_is_finite(dtype: torch.dtype, fused: bool) -> None:
+    model = _model(fused=fused)
     x, xf, sym = _inputs()
     with torch.autocast("cpu", dtype=dtype):
         out = model(x * 100, xf, sym)

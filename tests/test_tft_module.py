@@ -239,7 +239,8 @@ def test_predict_step_returns_original_scale(tmp_path: Path) -> None:
     torch.testing.assert_close(out["quantiles"], raw_pred * 2e-3)  # y_scale carried by the batch
     assert torch.equal(out["t"], batch["t"]) and torch.equal(out["symbol"], batch["symbol"])
     no_stats = {k: v for k, v in batch.items() if k not in ("y_loc", "y_scale")}
-    torch.testing.assert_close(m.predict_step(no_stats, 0)["quantiles"], raw_pred)  # identity without a transform
+    with pytest.raises(ValueError, match="no y_loc/y_scale and no target_transform"):
+        m.predict_step(no_stats, 0)  # predictions of the preprocessed target cannot pass for log returns
     per_row = {**no_stats, "y_scale": torch.full((16,), 3.0), "y_loc": torch.full((16,), 1.0)}
     torch.testing.assert_close(m.predict_step(per_row, 0)["quantiles"], raw_pred * 3 + 1)
     # a fitted target transform is applied when the batch has no per-row statistics

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from foxhunt.models.tft import TemporalFusionTransformer
 from foxhunt.training import (
     NonFiniteError,
     NonFiniteGuard,
@@ -77,6 +78,48 @@ def test_configure_adamw_excludes_biases_from_decay() -> None:
     (only,) = configure_adamw(m, lr=1e-3, weight_decay=0.0, scheduler="none").param_groups
     assert len(only["params"]) == 4 and only["weight_decay"] == 0.0
 
+
+class NormedMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 8), nn.RMSNorm(8))
+        self.head = nn.Linear(8, 1, bias=False)
+
+
+def _expected_no_decay(name: str) -> bool:
+    """Bias or normalisation parameter, from its name alone (written apart from the rule under test)."""
+    leaf = name.rsplit(".", 1)[-1]
+    in_norm = ".norm." in f".{name}" or name.startswith(("body.1.", "body.4."))  # GateAddNorm.norm; the MLP's norms
+    grouped_norm = leaf in ("norm_weight", "norm_bias")  # the TFT's grouped per-variable LayerNorms
+    return "bias" in leaf or in_norm or grouped_norm
+
+
+@pytest.mark.parametrize("which", ["tft", "mlp"])
+def test_weight_decay_by_role_not_by_shape(which: str) -> None:
+    """Every bias and norm parameter, including the TFT's [V, d] per-variable biases and LayerNorm gains, goes
+    undecayed; every weight matrix (and the embeddings) decays; each parameter is in exactly one group."""
+    m: nn.Module = (
+        TemporalFusionTransformer(n_features=3, n_known_future=2, n_symbols=2, lookback=6, horizon=2, hidden_size=8,
+                                  attention_heads=2, hidden_continuous_size=4)
+        if which == "tft"
+        else NormedMLP()
+    )
+    decay, no_decay = configure_adamw(m, lr=1e-3, weight_decay=0.1, scheduler="none").param_groups
+    decay_ids, no_decay_ids = {id(p) for p in decay["params"]}, {id(p) for p in no_decay["params"]}
+    assert not decay_ids & no_decay_ids
+    assert decay_ids | no_decay_ids == {id(p) for p in m.parameters()}
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(m.parameters()))
+    wrong = [n for n, p in m.named_parameters() if (id(p) in no_decay_ids) != _expected_no_decay(n)]
+    assert wrong == []
+    if isinstance(m, TemporalFusionTransformer):  # what the shape rule got wrong: [V, *] biases and norm gains
+        vsn = m.encoder_selection
+        grns = vsn.variable_grns
+        two_d = (grns.fc2_bias, grns.fc1_bias, grns.glu_bias, grns.norm_weight, grns.norm_bias, vsn.embed_bias)
+        assert all(p.ndim == 2 and id(p) in no_decay_ids for p in two_d)
+        weights = (grns.fc2_weight, grns.fc1_weight, grns.glu_weight, vsn.embed_weight, m.symbol_embedding.weight)
+        assert all(id(p) in decay_ids for p in weights)
+        lstm = dict(m.lstm_encoder.named_parameters())
+        assert id(lstm["bias_ih_l0"]) in no_decay_ids and id(lstm["weight_ih_l0"]) in decay_ids
 
 # ----------------------------------------------------------------------------------------------------------- schedules
 def test_cosine_with_warmup_curve() -> None:

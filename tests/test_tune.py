@@ -291,6 +291,33 @@ def test_set_dotted_follows_init_args_and_refuses_null_sections() -> None:
         set_dotted(config, "model.dqn.lr", 0.1)
 
 
+def test_set_dotted_steps_into_init_args_at_any_depth() -> None:
+    """Members as a dict of named class_path/init_args entries: ``model.members.tft.hidden_size`` lands in init_args."""
+    config = {"model": {"members": {
+        "tft": {"class_path": "foxhunt.lit.TFTModule", "init_args": {"lr": 0.1}},
+        "dqn": {"class_path": "foxhunt.lit.DQNModule"},  # no init_args yet: created
+    }}}
+    set_dotted(config, "model.members.tft.hidden_size", 16)
+    set_dotted(config, "model.members.tft.init_args.dropout", 0.2)  # the explicit path gives the same place
+    set_dotted(config, "model.members.dqn.hidden", [32, 32])
+    set_dotted(config, "model.members.tft.class_path", "foxhunt.lit.OtherTFT")  # the class itself stays beside
+    members = config["model"]["members"]
+    assert members["tft"] == {"class_path": "foxhunt.lit.OtherTFT",
+                              "init_args": {"lr": 0.1, "hidden_size": 16, "dropout": 0.2}}
+    assert members["dqn"] == {"class_path": "foxhunt.lit.DQNModule", "init_args": {"hidden": [32, 32]}}
+    # a class inside a class: the ensemble given by class_path, its members too
+    nested = {"model": {"class_path": "foxhunt.lit.EnsembleModule",
+                        "init_args": {"members": {"tft": {"class_path": "foxhunt.lit.TFTModule", "init_args": None}}}}}
+    set_dotted(nested, "model.members.tft.optim.lr", 0.01)
+    assert nested["model"]["init_args"]["members"]["tft"]["init_args"] == {"optim": {"lr": 0.01}}
+    assert set(nested["model"]) == {"class_path", "init_args"}
+    # a member the base config does not name is a plain section; a non-mapping init_args is refused by name
+    set_dotted(config, "model.members.extra.lr", 0.5)
+    assert members["extra"] == {"lr": 0.5}
+    with pytest.raises(TuneConfigError, match=r"model\.members\.bad\.init_args is 3"):
+        set_dotted({"model": {"members": {"bad": {"class_path": "X", "init_args": 3}}}}, "model.members.bad.lr", 0.1)
+
+
 def test_trial_seeded_sampler_is_reproducible_and_distinct_across_workers() -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     space = [SearchParam("a", "float", 1e-4, 1.0, log=True), SearchParam("b", "categorical", choices=([8], [16, 16]))]

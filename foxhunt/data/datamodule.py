@@ -13,10 +13,11 @@ import numpy as np
 import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
+from torch.utils.data import DataLoader, Dataset
 
 from foxhunt.data.bars import BadBarPolicy, symbol_codes, timestamps_ns
 from foxhunt.data.io import load_bars
-from foxhunt.data.market import MarketSplit
+from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.data.windows import WindowBatches
 from foxhunt.features import KNOWN_FUTURE, FeatureSet
 from foxhunt.preprocessing import FeatureNormalizer, TargetTransform, next_log_returns
@@ -36,6 +37,7 @@ def assemble_split(
     returns: torch.Tensor,
     feature_names: list[str],
     target_transform: TargetTransform,
+    oracle_mean: torch.Tensor | None = None,
 ) -> MarketSplit:
     """A MarketSplit from rows (ordered by symbol, time) of normalised features and raw next-bar returns.
 
@@ -61,6 +63,7 @@ def assemble_split(
         feature_names=list(feature_names),
         target_loc=scaled.loc.float(),
         target_scale=scaled.scale.float(),
+        oracle_mean=oracle_mean,
     )
 
 
@@ -168,6 +171,7 @@ class BarDataModule(pl.LightningDataModule):
         self.splits: dict[str, MarketSplit] = {}
         self.train_window_mask: torch.Tensor | None = None  # optional restriction of TFT training windows (stacking)
         self.split_rows: dict[str, np.ndarray] = {}
+        self._oracle_mean: torch.Tensor | None = None  # the synthetic market's conditional means, row-aligned with bars
 
     # --- loading -------------------------------------------------------------------------------------------------
 
@@ -184,9 +188,17 @@ class BarDataModule(pl.LightningDataModule):
             signal_strength=self.signal_strength,
         )
         bars = self.market.bars
+        self._oracle_mean = torch.from_numpy(self.market.oracle_mean.copy())
         if self.symbols is not None:
-            bars = bars[bars["symbol"].isin(self.symbols)].reset_index(drop=True)
+            keep = bars["symbol"].isin(self.symbols).to_numpy()
+            bars = bars[keep].reset_index(drop=True)
+            self._oracle_mean = self._oracle_mean[torch.from_numpy(keep)]
         return bars
+
+    @property
+    def oracle_mean(self) -> torch.Tensor | None:
+        """The synthetic market's conditional mean of each bar's next return, row-aligned with the bars (else None)."""
+        return self._oracle_mean
 
     @property
     def n_symbols(self) -> int:
@@ -222,6 +234,7 @@ class BarDataModule(pl.LightningDataModule):
             self.splits[name] = assemble_split(
                 name, list(names), ts[rows], sym[rows], ohlcv[rows], features[rows], ready[rows], returns[rows],
                 self.feature_names, self.target_transform,
+                None if self._oracle_mean is None else self._oracle_mean[rows],
             )
         log.info("%s", self.describe())
 
@@ -298,6 +311,11 @@ class BarDataModule(pl.LightningDataModule):
     def feature_names(self) -> list[str]:
         return list(self.feature_set.names)
 
+    @property
+    def spec(self) -> MarketSpec:
+        """Feature and window sizes the members build their networks for (call after setup)."""
+        return MarketSpec(self.feature_names, list(self.known_future), list(self.train_split.symbols), self.lookback, self.horizon)
+
     def windows(self, split: str, shuffle: bool = False, batch_size: int | None = None) -> WindowBatches:
         """TFT window batches of one split (training windows restricted by ``train_window_mask`` when set)."""
         market = self.splits[split]
@@ -344,3 +362,46 @@ class BarDataModule(pl.LightningDataModule):
                 f"{t1:%Y-%m-%d %H:%M} UTC, next-bar log return mean {r.mean():+.2e} std {r.std():.2e}"
             )
         return "\n".join(lines)
+
+
+class StepDataset(Dataset[int]):
+    """``n`` dummy items: one per training step, for members that make their own data by acting."""
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"need at least one step per epoch, got {n}")
+        self.n = int(n)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+class MarketDataModule(pl.LightningDataModule):
+    """Ready MarketSplits (e.g. a simulated market) for agent-only ensembles: training steps drive the loop only."""
+
+    def __init__(
+        self,
+        train: MarketSplit,
+        val: MarketSplit | None = None,
+        test: MarketSplit | None = None,
+        steps_per_epoch: int = 100,
+        known_future: list[str] | None = None,
+        lookback: int = 1,
+        horizon: int = 1,
+    ) -> None:
+        super().__init__()
+        self.splits = {k: v for k, v in (("train", train), ("val", val), ("test", test)) if v is not None}
+        self.steps_per_epoch = int(steps_per_epoch)
+        self.spec = MarketSpec.of(train, known_future, lookback, horizon)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(StepDataset(self.steps_per_epoch), batch_size=None, shuffle=False)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(StepDataset(1), batch_size=None, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(StepDataset(1), batch_size=None, shuffle=False)

@@ -1,4 +1,4 @@
-"""MarketSplit: the one tensor object that both ensemble members read."""
+"""MarketSplit: the one tensor object every ensemble member reads; MarketSpec: what members size themselves by."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ class MarketSplit:
     feature_names: list[str] = field(default_factory=list)
     target_loc: torch.Tensor | None = None  # float32 [T]: targets = (returns - target_loc) / target_scale (pre-clip)
     target_scale: torch.Tensor | None = None  # float32 [T]; with target_loc, maps predicted targets back to returns
+    oracle_mean: torch.Tensor | None = None  # float64 [T]: the known conditional mean of returns[t] (synthetic data only)
 
     def __post_init__(self) -> None:
         n = self.timestamps.shape[0]
@@ -34,8 +35,8 @@ class MarketSplit:
             self.target_loc = torch.zeros(n, dtype=torch.float32, device=self.targets.device)
         if self.target_scale is None:
             self.target_scale = torch.ones(n, dtype=torch.float32, device=self.targets.device)
-        for f in ("symbol_index", "ohlcv", "returns", "targets", "valid", "target_loc", "target_scale"):
-            if getattr(self, f).shape[0] != n:
+        for f in ("symbol_index", "ohlcv", "returns", "targets", "valid", "target_loc", "target_scale", "oracle_mean"):
+            if getattr(self, f) is not None and getattr(self, f).shape[0] != n:
                 raise ValueError(f"MarketSplit {self.name!r}: {f} has {getattr(self, f).shape[0]} rows, expected {n}")
         if self.features.numel() == 0 and self.features.shape[0] != n:
             self.features = torch.empty(n, 0, dtype=torch.float32)
@@ -57,6 +58,13 @@ class MarketSplit:
     def n_features(self) -> int:
         return int(self.features.shape[1])
 
+    @property
+    def first_bar(self) -> torch.Tensor:
+        """[T] True at the first bar of each symbol: no position is carried in from another symbol (or from before)."""
+        first = torch.ones_like(self.symbol_index, dtype=torch.bool)
+        first[1:] = self.symbol_index[1:] != self.symbol_index[:-1]
+        return first
+
     def segment_bounds(self) -> torch.Tensor:
         """[S, 2] start/end (exclusive) row of each symbol's contiguous block."""
         counts = torch.bincount(self.symbol_index, minlength=len(self.symbols))
@@ -73,3 +81,26 @@ class MarketSplit:
         """Move every tensor to ``device`` (ohlcv stays float64 except on devices without it)."""
         moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
         return replace(self, **moved)
+
+
+@dataclass(frozen=True)
+class MarketSpec:
+    """What members size their networks by, derived from the data (so never written into their hyperparameters)."""
+
+    feature_names: list[str]
+    known_future: list[str]
+    symbols: list[str]
+    lookback: int
+    horizon: int
+
+    @property
+    def n_features(self) -> int:
+        return len(self.feature_names)
+
+    @classmethod
+    def of(cls, split: MarketSplit, known_future: list[str] | None = None, lookback: int = 1, horizon: int = 1) -> MarketSpec:
+        """The spec of a split's columns (for markets built without a BarDataModule)."""
+        return cls(list(split.feature_names), list(known_future or []), list(split.symbols), int(lookback), int(horizon))
+
+    def as_dict(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

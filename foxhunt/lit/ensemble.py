@@ -1,24 +1,31 @@
-"""EnsembleModule: trains a TFTModule and a DQNModule together in one Trainer and combines their positions.
+"""EnsembleModule: the coordinator that trains any set of members in one Trainer and combines their positions.
 
-The coordinator owns the loop, the members own their maths: it uses manual optimisation with each member's own
-AdamW and schedule (from the member's ``configure_optimizers``), clips and logs *unscaled* gradients per member in
-``on_before_optimizer_step`` (Lightning's precision plugin unscales a GradScaler's gradients just before that hook,
-so clipping there is correct under ``16-mixed``), applies each member's non-finite guard, and schedules the members:
-TFT-only warm-up steps, then joint steps.
+Members (:mod:`foxhunt.lit.member`) are named: ``members={"tft": TFTModule(...), "dqn": DQNModule(...)}``, any number
+of forecasters and agents. The coordinator owns the loop, the members own their maths: under manual optimisation,
+each coordinator step gives every started member (``start_step`` passed) ``updates_per_step`` rounds of
+``training_loss`` -> one backward of the round's summed losses (the members' parameters are disjoint, so each gets its
+own gradient; one backward per round is also what DDP expects) -> per member: the non-finite guard, grad-norm logging
+and clipping of *unscaled* gradients (in ``on_before_optimizer_step``, which Lightning's precision plugin calls after
+unscaling a GradScaler's gradients, so ``16-mixed`` clips true gradients), the member's own AdamW step and schedule
+-> ``after_update`` (e.g. the DQN's target sync). ``global_step`` counts optimizer steps of all members (Lightning's
+convention for manual optimisation with several optimizers), so ``max_steps`` counts member updates.
 
-Combinations (``combine``):
+Combinations (``combine``), for any set of members:
 
 - ``vote``: the rounded mean of the member positions (one long and one flat stays flat).
 - ``sharpe_weighted``: member positions weighted by their positive validation Sharpe (FinRL's ensemble picks the
-  agent with the best validation Sharpe; this is its soft version). Weights come from the latest validation.
-- ``stack``: the DQN observes the TFT's quantile forecasts of the next H bars as extra features. Forecasts on the
-  TFT's own training bars would be in-sample, so the training split is cut in time: the TFT trains on the first
-  ``stack_fraction`` of it; at the end of the warm-up a frozen snapshot of the TFT forecasts the remaining training
-  bars (which it never saw), the validation and the test split; the DQN trains on those later training bars only.
-  The ensemble's position is the stacked DQN's.
+  agent with the best validation Sharpe; this is its soft version). The weights are a buffer set at each
+  validation, so a checkpoint (and the export of the best one) carries the weights that were chosen with it.
+- ``stack``: the agents observe the forecasters' standardised quantile forecasts as extra features. Forecasts on a
+  forecaster's own training bars would be in-sample, so the training split is cut in time: forecasters train on
+  windows whose targets end before the ``stack_fraction`` cut; when the first agent starts, a frozen snapshot of every
+  forecaster forecasts the later training bars (which it never saw), the validation and the test split; the agents
+  train on those later bars only. The ensemble's position is the agents' vote.
 
-The TFT's own policy is long (short) when the lower (upper) edge of its forecast interval for the next bar clears
-the cost, and holds while its median keeps the sign; see :func:`foxhunt.evaluation.policies.forecast_policy`.
+Logged names: ``train/<member>/<key>``, ``lr/<member>`` (every ``log_every_n_steps`` coordinator steps),
+``grad_norm/<member>/<block>`` (every member's ``log_grad_norm_every`` updates), ``val/<member>/<metric>`` (forecast
+metrics and back-tests), ``val/<policy>/<metric>`` for ``ensemble``, ``buy_and_hold`` and ``oracle``,
+``val/<member>/weight``, and ``val/sharpe`` (the ensemble's, the default checkpoint monitor).
 """
 
 from __future__ import annotations
@@ -27,494 +34,442 @@ import copy
 from dataclasses import replace
 from typing import Any
 
-import lightning.pytorch as L
+import lightning.pytorch as pl
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from foxhunt.data.market import MarketSplit
-from foxhunt.data.windows import WindowBatches
-from foxhunt.evaluation.policies import (
-    Combine,
-    forecast_policy,
-    sharpe_weights,
-    vote,
-    weighted,
-)
-from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
-from foxhunt.evaluation.trading import strategy_log_returns, trading_metrics
-from foxhunt.lit.dqn import DQNModule
-from foxhunt.lit.tft import TFTModule
+from foxhunt.data.market import MarketSpec, MarketSplit
+from foxhunt.evaluation.backtest import BACKTEST_KEYS, PolicyEvaluation, oracle_split_positions, policy_metrics
+from foxhunt.evaluation.policies import Combine, forecast_policy, sharpe_weights, vote, weighted
+from foxhunt.lit.member import Agent, Forecaster, Member
 from foxhunt.training.gradnorm import grad_norms
 
-BACKTEST_KEYS = ("sharpe", "total_log_return", "reward_per_bar", "max_drawdown", "turnover", "hit_rate", "n_trades")
+_BACKWARD_HOOKS = ("on_before_backward", "on_after_backward")
 
 
-class EnsembleModule(L.LightningModule):
-    """The coordinator: one Trainer, two members, one trading policy."""
+class EnsembleModule(pl.LightningModule):
+    """The coordinator: one Trainer, any named members, one trading policy (see the module docstring)."""
 
     def __init__(
         self,
-        tft: TFTModule | None = None,
-        dqn: DQNModule | None = None,
+        members: dict[str, Member],
         combine: Combine = "sharpe_weighted",
-        tft_warmup_steps: int = 200,
-        tft_steps_per_joint_step: int = 1,
-        dqn_updates_per_joint_step: int = 1,
         gradient_clip_val: float = 1.0,
         cost_bps: float = 1.0,
-        tft_interval: tuple[float, float] = (0.1, 0.9),
         stack_fraction: float = 0.5,
         bars_per_year: float | None = None,
-        log_figures: bool = True,
-        seed: int = 0,
+        direct_backward: bool = True,
     ) -> None:
         """
         Args:
-            tft: the forecasting member (None for a DQN-only run).
-            dqn: the trading member (None for a TFT-only run).
+            members: the named members (forecasters and agents), e.g. ``{"tft": TFTModule(), "dqn": DQNModule()}``.
             combine: how member positions become the ensemble's ("stack", "vote", "sharpe_weighted").
-            tft_warmup_steps: training steps in which only the TFT learns.
-            tft_steps_per_joint_step: TFT updates per training step after the warm-up (0: the TFT stops).
-            dqn_updates_per_joint_step: DQN updates per training step after the warm-up.
-            gradient_clip_val: max gradient norm per member (0: no clipping), applied to unscaled gradients.
-            cost_bps: transaction cost per unit of position traded, in basis points, for every back-test.
-            tft_interval: the forecast quantiles whose interval must clear the cost for the TFT to take a position.
-            stack_fraction: with combine="stack", the share of the training split (in time) the TFT trains on.
+            gradient_clip_val: max gradient 2-norm of a member without its own ``gradient_clip_val`` (0: none).
+            cost_bps: transaction cost per unit of position traded, in basis points, for every policy and back-test
+                (and for the agents' rewards unless they set their own).
+            stack_fraction: with combine="stack", the share of the training split (in time) the forecasters train on.
             bars_per_year: Sharpe annualisation; None infers it from the bar spacing.
-            log_figures: draw equity curves, the fan chart and the TFT's interpretation figures at validation end.
-            seed: seeds the members' RNG-dependent parts not seeded by themselves.
+            direct_backward: call ``loss.backward()`` directly when nothing listens to Lightning's backward dispatch
+                (one device, no GradScaler, no callback hooking backward), which costs a small network's update
+                about a tenth; False always goes through ``manual_backward`` (the reference path; same gradients).
         """
         super().__init__()
-        if tft is None and dqn is None:
-            raise ValueError("EnsembleModule needs at least one member: give tft, dqn or both")
-        if combine == "stack" and (tft is None or dqn is None):
-            raise ValueError("combine='stack' needs both a tft and a dqn member")
+        if not members:
+            raise ValueError("EnsembleModule needs at least one member")
+        for name, member in members.items():
+            if not isinstance(member, (Forecaster, Agent)):
+                raise TypeError(f"member {name!r} is a {type(member).__name__}, not a Forecaster or an Agent")
+            if not name.isidentifier():
+                raise ValueError(f"member name {name!r} must be an identifier (it names logs and exported tensors)")
         if combine not in ("stack", "vote", "sharpe_weighted"):
             raise ValueError(f"combine must be 'stack', 'vote' or 'sharpe_weighted', got {combine!r}")
+        self.forecaster_names = [n for n, m in members.items() if isinstance(m, Forecaster)]
+        self.agent_names = [n for n, m in members.items() if isinstance(m, Agent)]
+        if combine == "stack" and (not self.forecaster_names or not self.agent_names):
+            raise ValueError("combine='stack' needs at least one forecaster and one agent")
         if not 0.0 < stack_fraction < 1.0:
             raise ValueError(f"stack_fraction must be in (0, 1), got {stack_fraction}")
-        if tft is not None:
-            qs = list(tft.quantiles)
-            for q in tft_interval:
-                if not any(abs(q - x) < 1e-9 for x in qs):
-                    raise ValueError(f"tft_interval quantile {q} is not one of the TFT's quantiles {qs}")
-        self.save_hyperparameters(ignore=["tft", "dqn"])
+        self.save_hyperparameters(ignore=["members"])
         self.automatic_optimization = False
-        self.tft = tft
-        self.dqn = dqn
-        if combine == "stack":
-            assert tft is not None and dqn is not None
-            n_stack = tft.hparams.horizon * len(tft.quantiles)
-            # a frozen copy of the TFT taken at the end of its warm-up produces the DQN's extra inputs
-            self.tft_snapshot = copy.deepcopy(tft.net).requires_grad_(False)
-            self.register_buffer("stack_mean", torch.zeros(n_stack))
-            self.register_buffer("stack_std", torch.ones(n_stack))
-            dqn.build_networks(dqn.hparams.n_features + n_stack)
-        self.member_names = [n for n, m in (("tft", tft), ("dqn", dqn)) if m is not None]
-        self.dqn_updates = 0
-        self.tft_updates = 0
-        self._weights = [1.0 / len(self.member_names)] * len(self.member_names)
+        self.members = nn.ModuleDict(members)
+        self.member_names = list(members)
+        self.register_buffer("weights", torch.full((len(members),), 1.0 / len(members)))
+        self.snapshots = nn.ModuleDict()  # frozen forecasters whose forecasts the agents observe (stack)
+        self.spec: MarketSpec | None = None
+        self.updates = dict.fromkeys(members, 0)  # optimizer updates per member
+        self.steps = 0  # coordinator (training) steps
+        self.started: set[str] = set()  # agents whose environments are running
+        self.last_evaluation: PolicyEvaluation | None = None
         self._splits: dict[str, MarketSplit] = {}
         self._stacked: dict[str, MarketSplit] = {}
-        self._dqn_ready = False
+        self._schedulers: dict[str, Any] = {}
         self._active: str | None = None
-        self._oracle: dict[str, Tensor] = {}
-        self.last_backtest: dict[str, dict[str, float]] = {}
+        self._resume_rng: Tensor | None = None
+        self._snapshots_loaded = False  # set when a checkpoint or an export brings taken snapshots back
+
+    def member(self, name: str) -> Member:
+        member = self.members[name]
+        assert isinstance(member, Member)
+        return member
 
     # ------------------------------------------------------------------------------------------------ wiring
+    def bind(self, spec: MarketSpec, seed_offset: int = 0) -> None:
+        """Build every member's networks for the data (and the stacking snapshots and statistics)."""
+        self.spec = spec
+        for name in self.forecaster_names:
+            self.member(name).bind(spec)
+        n_stack = sum(self.member(n).horizon * len(self.member(n).quantiles) for n in self.forecaster_names)  # type: ignore[attr-defined]
+        stacked = self.hparams.combine == "stack"
+        for name in self.agent_names:
+            self.member(name).bind(spec, extra_inputs=n_stack if stacked else 0, seed_offset=seed_offset,
+                                   cost_bps=self.hparams.cost_bps)  # type: ignore[call-arg]
+        if stacked and not len(self.snapshots):
+            for name in self.forecaster_names:
+                self.snapshots[name] = copy.deepcopy(self.member(name).network).requires_grad_(False)
+            self.register_buffer("stack_mean", torch.zeros(n_stack, device=self.weights.device))
+            self.register_buffer("stack_std", torch.ones(n_stack, device=self.weights.device))
+
     def setup(self, stage: str) -> None:
-        dm = getattr(self.trainer, "datamodule", None)
+        dm = self.trainer.datamodule
         if dm is None or not hasattr(dm, "splits"):
-            raise RuntimeError("EnsembleModule needs a BarDataModule (it reads its MarketSplits)")
+            raise RuntimeError("EnsembleModule needs a DataModule with MarketSplits (BarDataModule or MarketDataModule)")
         dm.setup(stage)
         self._splits = dict(dm.splits)
-        if self.tft is not None:
-            self.tft.target_transform = dm.target_transform
-        if self.hparams.combine == "stack":
-            dm.train_window_mask = self._tft_window_mask(dm.train_split)
-        market = getattr(dm, "market", None)
-        if market is not None:  # the synthetic market knows the oracle's conditional means
-            from foxhunt.data.datamodule import SPLITS
+        for member in self.members.values():
+            member.trainer = self.trainer  # members sit in a ModuleDict, which Lightning's setter does not walk
+        # each DDP rank explores its own episodes: environment, replay and exploration seeds differ by rank
+        self.bind(dm.spec, seed_offset=1000 * self.global_rank)
+        transform = getattr(dm, "target_transform", None)
+        for name in self.forecaster_names:
+            member = self.member(name)
+            if transform is not None:
+                member.target_transform = transform  # type: ignore[attr-defined]
+            member.setup(stage)
+        if self.hparams.combine == "stack" and hasattr(dm, "train_window_mask"):
+            dm.train_window_mask = self._forecaster_window_mask(self._splits["train"])
+        if self.hparams.combine != "stack":
+            for name in self.agent_names:
+                self.member(name).attach_market(self._splits["train"], self._splits.get("val"))  # type: ignore[attr-defined]
 
-            for name in SPLITS:
-                rows = torch.from_numpy(dm.split_rows[name])
-                self._oracle[name] = torch.from_numpy(market.oracle_mean)[rows]
-        if self.dqn is not None and self.trainer.world_size > 1:
-            # each DDP rank explores its own episodes: environment, replay and exploration seeds differ by rank
-            self.dqn.hparams.seed = int(self.dqn.hparams.seed) + 1000 * self.global_rank
-        if self.dqn is not None and self.hparams.combine != "stack":
-            self.dqn.attach_market(dm.train_split, dm.val_split)
+    def _stack_cut(self, split: MarketSplit) -> Tensor:
+        """[T] rows of the training split before the stacking cut time (the forecasters' share)."""
+        cut_time = torch.quantile(split.timestamps.unique().double(), self.hparams.stack_fraction)
+        return split.timestamps.double() < cut_time
 
-    def _stack_mask(self, split: MarketSplit) -> Tensor:
-        """[T] rows of the training split before the stacking cut time (the TFT's share; the DQN gets the rest)."""
-        ts = split.timestamps
-        cut_time = torch.quantile(ts.unique().double(), self.hparams.stack_fraction)
-        return ts.double() < cut_time
-
-    def _tft_window_mask(self, split: MarketSplit) -> Tensor:
-        """Decision rows whose H targets all lie before the stacking cut, so the TFT never sees the DQN's labels."""
-        before = self._stack_mask(split)
-        h = self.tft.hparams.horizon if self.tft is not None else 1
+    def _forecaster_window_mask(self, split: MarketSplit) -> Tensor:
+        """Decision rows whose H targets all lie before the stacking cut, so no forecaster sees the agents' bars."""
+        before = self._stack_cut(split)
+        h = max(self.member(n).horizon for n in self.forecaster_names)  # type: ignore[attr-defined]
         ok = torch.zeros_like(before)
         if len(split) > h:
             ok[:-h] = before[h:] & (split.symbol_index[h:] == split.symbol_index[:-h])
         return ok
 
+    def agent_split(self, name: str) -> MarketSplit:
+        """The split an agent trains or is validated on: with stacking, the bars after the cut, with forecasts."""
+        split = self._splits[name]
+        if self.hparams.combine != "stack":
+            return split
+        if name == "train":
+            split = split.select(~self._stack_cut(split))
+        return self.stacked(split)
+
     # ------------------------------------------------------------------------------------------------ training
     def configure_optimizers(self) -> tuple[list[Any], list[Any]]:
         """Each member's own AdamW and schedule; Lightning saves and restores their states with the checkpoint."""
         optimizers, schedulers = [], []
-        self._scheduler_of: dict[str, Any] = {}
+        self._schedulers = {}
         for name in self.member_names:
-            config = getattr(self, name).configure_optimizers()
-            optimizer = config["optimizer"] if isinstance(config, dict) else config
-            optimizers.append(optimizer)
+            config = self.member(name).configure_optimizers()
+            optimizers.append(config["optimizer"] if isinstance(config, dict) else config)
             sched = config.get("lr_scheduler") if isinstance(config, dict) else None
             if sched is not None:
-                sched = dict(sched) if isinstance(sched, dict) else {"scheduler": sched}
-                sched["name"] = f"lr-{name}"
+                # manual optimisation: the coordinator steps every schedule itself (plateau ones at validation end)
+                sched = {k: v for k, v in (sched if isinstance(sched, dict) else {"scheduler": sched}).items()
+                         if k not in ("monitor", "strict")}
+                sched["name"] = f"lr/{name}"
                 schedulers.append(sched)
-                self._scheduler_of[name] = sched["scheduler"]
+                self._schedulers[name] = sched["scheduler"]
         return optimizers, schedulers
 
-    def _opt(self, name: str):
+    def _optimizer(self, name: str) -> Any:
         opts = self.optimizers()
         opts = opts if isinstance(opts, list) else [opts]
         return opts[self.member_names.index(name)]
 
-    def _sched_step(self, name: str) -> None:
-        sched = self._scheduler_of.get(name)
-        if sched is None or isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            return  # plateau schedules step at validation end
-        sched.step()
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        """Every started member's updates of this step, in rounds of one backward each."""
+        active = {n: self.member(n).updates_per_step for n in self.member_names if self.steps >= self.member(n).start_step}
+        for name in active:
+            if name in self.agent_names and name not in self.started:
+                self._start_agent(name)
+        for r in range(max(active.values(), default=0)):
+            losses = {n: self.member(n).training_loss(batch, self.updates[n]) for n, k in active.items() if r < k}
+            self._update(losses)
+        self.steps += 1
+        every = self.trainer.log_every_n_steps
+        if every and self.steps % every == 0:
+            self._log_training(active)
 
-    def in_warmup(self) -> bool:
-        return self.tft is not None and self.tft_updates < self.hparams.tft_warmup_steps
-
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        """One round per update: the participating members' losses, one backward of their sum, each optimizer steps.
-
-        The members' parameters are disjoint, so the gradient of the sum is each member's own gradient; one backward
-        per round is also what DDP expects of a forward.
-        """
-        hp = self.hparams
-        warm = self.in_warmup()
-        n_tft = 0 if self.tft is None else (1 if warm else hp.tft_steps_per_joint_step)
-        n_dqn = 0 if (self.dqn is None or warm) else hp.dqn_updates_per_joint_step
-        if n_dqn and not self._dqn_ready:
-            self._start_dqn()
-        for r in range(max(n_tft, n_dqn)):
-            losses = {}
-            if r < n_tft:
-                losses["tft"] = self._tft_loss(batch)
-            if r < n_dqn:
-                losses["dqn"] = self._dqn_loss()
-            self._joint_step(losses)
-
-    def _tft_loss(self, batch: dict[str, Tensor]) -> Tensor:
-        tft = self.tft
-        assert tft is not None
-        loss = tft.quantile_loss(tft(batch).prediction, batch["y"])
-        self.log("train/tft_loss", loss.detach(), on_step=True, prog_bar=True, batch_size=batch["y"].shape[0])
-        return loss
-
-    def _start_dqn(self) -> None:
-        """Build the DQN's environment (stacked with TFT forecasts when combining by stacking) and fill its replay."""
-        dqn = self.dqn
-        assert dqn is not None
-        if self.hparams.combine == "stack":
-            self._take_snapshot()
-            self._stacked = {k: self.stacked(self._slice_for(k)) for k in ("train", "val")}
-            dqn.attach_market(self._stacked["train"], self._stacked["val"])
-        dqn.on_train_start()
-        self._dqn_ready = True
-
-    def _dqn_loss(self) -> Tensor:
-        """The DQN's environment steps and TD loss, paced exactly as when it trains alone."""
-        dqn = self.dqn
-        assert dqn is not None and dqn.replay is not None
-        hp = dqn.hparams
-        loss, q, eps = dqn.act_and_td_loss(self.dqn_updates)
-        scale = dqn.reward_scale_used or 1.0
-        self.log_dict(
-            {"train/dqn_td_loss": loss.detach(), "train/q_mean": q.mean() / scale, "train/q_max": q.max() / scale,
-             "train/epsilon": float(eps), "train/env_steps": float(dqn.env_steps)},
-            on_step=True, batch_size=hp.batch_size,
-        )
-        return loss
-
-    def _net(self, name: str) -> torch.nn.Module:
-        member = getattr(self, name)
-        return member.net if name == "tft" else member.q_net
-
-    def _updates(self, name: str) -> int:
-        return self.tft_updates if name == "tft" else self.dqn_updates
-
-    def _joint_step(self, losses: dict[str, Tensor]) -> None:
-        """Guard each loss, backward their sum once, then guard, clip (in the hook) and step each member."""
+    def _update(self, losses: dict[str, Tensor]) -> None:
+        """Guard each loss, one backward of their sum, then per member: guard, clip (in the hook), step, after_update."""
         live = {}
         for name, loss in losses.items():
-            member = getattr(self, name)
-            if member.guard.check_loss(loss, self._updates(name)):
+            if self.member(name).guard.check_loss(loss, self.updates[name]):
                 live[name] = loss
-            else:
-                self.log(f"train/{name}_nonfinite_skipped", float(member.guard.skipped))
         if not live:
             return
         for name in live:
-            self._opt(name).zero_grad(set_to_none=True)
-        self.manual_backward(sum(live.values()))
+            for p in self.member(name).network.parameters():
+                p.grad = None
+        total = sum(live.values())
+        assert isinstance(total, Tensor)
+        if self._direct_backward:
+            total.backward()
+        else:
+            self.manual_backward(total)
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         for name in live:
-            member, opt = getattr(self, name), self._opt(name)
+            member, opt = self.member(name), self._optimizer(name)
             # Without a GradScaler the gradients are final here: a non-finite one raises or skips the member's step.
             # With one (16-mixed), the scaler itself skips overflowing steps and lowers its scale.
-            if scaler is None and not member.guard.check_gradients(self._net(name), self._updates(name)):
-                self.log(f"train/{name}_nonfinite_skipped", float(member.guard.skipped))
-                opt.zero_grad(set_to_none=True)
+            if scaler is None and not member.guard.check_gradients(member.network, self.updates[name]):
                 continue
             self._active = name
             opt.step()
             self._active = None
-            self._sched_step(name)
-            if name == "tft":
-                self.tft_updates += 1
-            else:
-                self.dqn_updates += 1
-                self.dqn.update_target(self.dqn_updates)
+            sched = self._schedulers.get(name)
+            if sched is not None and not isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                sched.step()
+            member.after_update(self.updates[name])
+            self.updates[name] += 1
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Gradients are unscaled here (by the precision plugin): log the active member's norms, then clip them."""
         name = self._active
         if name is None:
             return
-        member = getattr(self, name)
-        net = self._net(name)
-        step = self._updates(name)
-        every = member.hparams.log_grad_norm_every
-        if every and step % every == 0:
-            self.log_dict({f"grad_norm/{name}/{k.split('/')[-1]}": v for k, v in grad_norms(net).items()})
-        clip = self.hparams.gradient_clip_val
+        member = self.member(name)
+        every = member.log_grad_norm_every
+        if every and self.updates[name] % every == 0:
+            self.log_dict({f"grad_norm/{name}/{k.split('/', 1)[1]}": v for k, v in grad_norms(member.network).items()})
+        clip = member.gradient_clip_val if member.gradient_clip_val is not None else self.hparams.gradient_clip_val  # type: ignore[attr-defined]
         if clip and clip > 0:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+            torch.nn.utils.clip_grad_norm_(member.network.parameters(), clip)
+
+    def _log_training(self, active: dict[str, int]) -> None:
+        metrics: dict[str, float] = {}
+        for name in active:
+            member = self.member(name)
+            metrics.update({f"train/{name}/{k}": v for k, v in member.training_metrics().items()})
+            metrics[f"train/{name}/nonfinite_skipped"] = float(member.guard.skipped)
+            metrics[f"train/{name}/updates"] = float(self.updates[name])
+            metrics[f"lr/{name}"] = float(self._optimizer(name).param_groups[0]["lr"])
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    def _start_agent(self, name: str) -> None:
+        """Give the agent its market (stacked on frozen forecasts when combining by stacking) and warm it up."""
+        agent = self.member(name)
+        assert isinstance(agent, Agent)
+        if self.hparams.combine == "stack":
+            if not self._stacked:
+                if not self.stack_ready:
+                    self._take_snapshots()
+                self._stacked = {k: self.agent_split(k) for k in ("train", "val") if k in self._splits}
+            agent.attach_market(self._stacked["train"], self._stacked.get("val"))
+        agent.start()
+        self.started.add(name)
+
+    @property
+    def _direct_backward(self) -> bool:
+        trainer = self.trainer
+        return bool(
+            self.hparams.direct_backward
+            and getattr(trainer.precision_plugin, "scaler", None) is None
+            and isinstance(trainer.strategy, pl.strategies.SingleDeviceStrategy)
+            and not any(getattr(type(cb), h) is not getattr(pl.Callback, h) for cb in trainer.callbacks for h in _BACKWARD_HOOKS)
+            and not any(getattr(type(self), h) is not getattr(pl.LightningModule, h) for h in (*_BACKWARD_HOOKS, "backward"))
+        )
 
     # ------------------------------------------------------------------------------------------------ stacking
-    @torch.no_grad()
-    def forecasts(self, split: MarketSplit, net: torch.nn.Module | None = None) -> Tensor:
-        """[T, H, Q] quantile forecasts (original return scale) at every window-valid row of ``split``; NaN elsewhere."""
-        tft = self.tft
-        assert tft is not None
-        net = net if net is not None else tft.net
-        hp = tft.hparams
-        known = list(hp.known_future_names or [])
-        batches = WindowBatches(split, hp.lookback, hp.horizon, batch_size=2048, known_future=known, device=self.device)
-        out = torch.full((len(split), hp.horizon, len(tft.quantiles)), float("nan"), device=self.device)
-        was = net.training
-        net.eval()
-        loc_all, scale_all = split.target_loc.to(self.device), split.target_scale.to(self.device)
-        for batch in batches:
-            pred = net(batch["x_past"], batch["x_future"], batch["symbol"]).prediction.float()
-            batch["y_loc"], batch["y_scale"] = loc_all[batch["t"]], scale_all[batch["t"]]
-            out[batch["t"]] = tft.to_return_scale(pred, batch)
-        net.train(was)
-        return out
-
-    def _take_snapshot(self) -> None:
-        """Freeze the TFT as it is now and fit the standardisation of its forecasts on the DQN's training bars."""
-        assert self.tft is not None
-        self.tft_snapshot.load_state_dict(self.tft.net.state_dict())
-        fc = self.forecasts(self._slice_for("train"), self.tft_snapshot).flatten(1)
+    def _take_snapshots(self) -> None:
+        """Freeze every forecaster as it is now and fit the standardisation of their forecasts on the agents' bars."""
+        for name in self.forecaster_names:
+            self.snapshots[name].load_state_dict(self.member(name).network.state_dict())
+        train = self._splits["train"]
+        fc = self._raw_stack(train.select(~self._stack_cut(train)))
         ref = fc[torch.isfinite(fc).all(1)]
         self.stack_mean.copy_(ref.mean(0))
         self.stack_std.copy_(ref.std(0).clamp_min(1e-12))
 
-    def stacked(self, split: MarketSplit) -> MarketSplit:
-        """The split with the snapshot's standardised forecasts appended to its features (the DQN's inputs)."""
-        assert self.tft is not None
-        fc = self.forecasts(split, self.tft_snapshot).flatten(1)
-        z = torch.nan_to_num((fc - self.stack_mean) / self.stack_std, nan=0.0).clamp(-10, 10).float().to(split.features.device)
-        names = [f"tft_h{h}_q{q}" for h in range(self.tft.hparams.horizon) for q in self.tft.quantiles]
-        return replace(split, features=torch.cat([split.features, z], 1), feature_names=split.feature_names + names)
+    def _raw_stack(self, split: MarketSplit) -> Tensor:
+        """[T, sum H·Q] the snapshots' forecasts, forecaster by forecaster."""
+        parts = [self.member(n).forecast(split, net=self.snapshots[n]).flatten(1) for n in self.forecaster_names]  # type: ignore[attr-defined]
+        return torch.cat(parts, 1)
 
-    # ------------------------------------------------------------------------------------------------ evaluation
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        if self.tft is None:
-            return
-        if batch_idx == 0:
-            self._figure_batch = {k: v[:256].detach() for k, v in batch.items() if isinstance(v, Tensor)}
-        out = self.tft(batch)
-        loss = self.tft.quantile_loss(out.prediction, batch["y"])
-        self.log("val/tft_loss", loss, on_epoch=True, batch_size=batch["y"].shape[0])
-        self.tft.val_metrics.update(self.tft.to_return_scale(out.prediction, batch), batch["y_raw"].float())
+    def stacked(self, split: MarketSplit) -> MarketSplit:
+        """The split with the snapshots' standardised forecasts appended to its features (the agents' inputs)."""
+        fc = self._raw_stack(split)
+        z = torch.nan_to_num((fc - self.stack_mean) / self.stack_std, nan=0.0).clamp(-10, 10).float()
+        names = [
+            f"{n}_h{h}_q{q}" for n in self.forecaster_names
+            for h in range(self.member(n).horizon) for q in self.member(n).quantiles  # type: ignore[attr-defined]
+        ]
+        return replace(split, features=torch.cat([split.features, z.to(split.features.device)], 1),
+                       feature_names=split.feature_names + names)
+
+    @property
+    def stack_ready(self) -> bool:
+        """The snapshots have been taken (agents started, resumed, or loaded from an export)."""
+        return bool(self.started) or self._snapshots_loaded
+
+    # ------------------------------------------------------------------------------------------------ policies
+    @torch.no_grad()
+    def forecasts(self, split: MarketSplit) -> dict[str, Tensor]:
+        """[T, H, Q] forecasts of every forecaster on a split."""
+        return {n: self.member(n).forecast(split) for n in self.forecaster_names}  # type: ignore[attr-defined]
+
+    @torch.no_grad()
+    def positions(self, split: MarketSplit, forecasts: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """[T] positions of every member, the ensemble, buy-and-hold (and the oracle when the data knows it)."""
+        device = self.weights.device
+        decision, reset = split.valid.to(device), split.first_bar.to(device)
+        forecasts = self.forecasts(split) if forecasts is None else forecasts
+        pos: dict[str, Tensor] = {}
+        for name, fc in forecasts.items():
+            member = self.member(name)
+            qs = list(member.quantiles)  # type: ignore[attr-defined]
+            lo, hi = (qs.index(min(qs, key=lambda x, q=q: abs(x - q))) for q in member.policy_interval)  # type: ignore[attr-defined]
+            mid = qs.index(min(qs, key=lambda x: abs(x - 0.5)))
+            nxt = fc[:, 0, :].to(device)
+            ok = decision & torch.isfinite(nxt).all(1)
+            pos[name] = forecast_policy(nxt[:, lo], nxt[:, mid], nxt[:, hi], self.hparams.cost_bps, ok, reset)
+        stack = self.hparams.combine == "stack"
+        agents = [n for n in self.agent_names if not stack or self.stack_ready]
+        inputs = self.stacked(split) if stack and agents else split
+        for name in agents:
+            pos[name] = self.member(name).positions(inputs).to(device).float()  # type: ignore[attr-defined]
+        if stack:  # flat until the agents start
+            pos["ensemble"] = vote([pos[n] for n in agents]) if agents else torch.zeros_like(decision, dtype=torch.float32)
+        elif self.hparams.combine == "vote":
+            pos["ensemble"] = vote([pos[n] for n in self.member_names])
+        else:
+            pos["ensemble"] = weighted([pos[n] for n in self.member_names], self.weights.tolist())
+        pos["buy_and_hold"] = decision.float()
+        oracle = oracle_split_positions(split, self.hparams.cost_bps, device)
+        if oracle is not None:
+            pos["oracle"] = oracle
+        return pos
+
+    @torch.no_grad()
+    def evaluate(self, split: MarketSplit, choose_weights: bool = False) -> PolicyEvaluation:
+        """Positions and after-cost metrics of every policy on a split. ``choose_weights`` (validation only) sets the
+        Sharpe weights from this split first: what chooses is the validation split, never the one that reports."""
+        forecasts = self.forecasts(split)
+        pos = self.positions(split, forecasts)
+        metrics = policy_metrics(pos, split, self.hparams.cost_bps, self.hparams.bars_per_year)
+        if choose_weights and self.hparams.combine == "sharpe_weighted" and all(n in metrics for n in self.member_names):
+            w = sharpe_weights([metrics[n]["sharpe"] for n in self.member_names])
+            self.weights.copy_(torch.tensor(w, dtype=self.weights.dtype))
+            pos["ensemble"] = weighted([pos[n] for n in self.member_names], w)
+            metrics["ensemble"] = policy_metrics({"ensemble": pos["ensemble"]}, split, self.hparams.cost_bps,
+                                                 self.hparams.bars_per_year)["ensemble"]
+        return PolicyEvaluation(split, pos, metrics, self.hparams.cost_bps, forecasts)
+
+    # ------------------------------------------------------------------------------------------------ validation
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        for name in self.forecaster_names:
+            loss = self.member(name).validation_update(batch)  # type: ignore[attr-defined]
+            self.log(f"val/{name}/loss", loss, on_epoch=True, batch_size=batch["y"].shape[0])
 
     def on_validation_epoch_end(self) -> None:
-        values: dict[str, Tensor] = {}
-        if self.tft is not None:
-            values = self.tft.val_metrics.compute()
-            self.tft.val_metrics.reset()
-            self.log_dict({k.replace("val/", "val/tft/"): v for k, v in values.items()})
-        split = self._splits["val"]
-        fc = self.forecasts(split) if self.tft is not None else None
-        pos = self.positions(split, self._oracle.get("val"), forecasts=fc)
-        results = self.backtest(split, update_weights=True, positions=pos)
-        for who, metrics in results.items():
-            self.log_dict({f"val/{who}/{k}": float(v) for k, v in metrics.items() if k in BACKTEST_KEYS})
-        self.log("val/sharpe", float(results["ensemble"]["sharpe"]), prog_bar=True)
-        for name, sched in getattr(self, "_scheduler_of", {}).items():
-            if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau) and not self.trainer.sanity_checking:
-                # lower is better: the TFT's quantile loss, the DQN's negated reward per bar
-                sched.step(float(values["val/quantile_loss"]) if name == "tft" else -results["dqn"]["reward_per_bar"])
-        for i, name in enumerate(self.member_names):
-            self.log(f"val/weight_{name}", float(self._weights[i]))
-        self.last_backtest = results
-        if self.hparams.log_figures and not self.trainer.sanity_checking:
-            self._log_figures(split, pos, fc)
-
-    def _log_figures(self, split: MarketSplit, pos: dict[str, Tensor], fc: Tensor | None) -> None:
-        """Equity curves of every policy, the TFT's forecast fan chart and variable importances, to TensorBoard."""
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        loggers = [lg for lg in self.loggers if isinstance(lg, TensorBoardLogger)]
-        if not loggers:
+        forecast_values: dict[str, dict[str, Tensor]] = {}
+        for name in self.forecaster_names:
+            forecast_values[name] = self.member(name).validation_metrics()  # type: ignore[attr-defined]
+            self.log_dict({f"val/{name}/{k}": v for k, v in forecast_values[name].items()})
+        if "val" not in self._splits:
             return
-        from foxhunt.backtest import equity_figure, fan_chart
+        evaluation = self.evaluate(self._splits["val"], choose_weights=not self.trainer.sanity_checking)
+        for who, metrics in evaluation.metrics.items():
+            self.log_dict({f"val/{who}/{k}": float(v) for k, v in metrics.items() if k in BACKTEST_KEYS})
+        self.log("val/sharpe", float(evaluation.metrics["ensemble"]["sharpe"]), prog_bar=True)
+        for i, name in enumerate(self.member_names):
+            self.log(f"val/{name}/weight", float(self.weights[i]))
+        if not self.trainer.sanity_checking:
+            for name, sched in self._schedulers.items():
+                if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                    # lower is better: a forecaster's quantile loss, an agent's negated reward per bar
+                    value = (forecast_values[name]["quantile_loss"] if name in forecast_values
+                             else -evaluation.metrics[name]["reward_per_bar"])
+                    sched.step(float(value))
+        self.last_evaluation = evaluation
 
-        figures = {"backtest/equity_val": equity_figure(pos, split, self.hparams.cost_bps)}
-        if fc is not None:
-            figures["forecast/fan_chart_val"] = fan_chart(fc, split)
-            batch = getattr(self, "_figure_batch", None)
-            if batch is not None and self.tft.hparams.log_figures:
-                from foxhunt.lit.tft import attention_figure, importance_figure
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        for name in self.forecaster_names:
+            member = self.member(name)
+            out = member(batch)
+            member.test_metrics.update(member.to_return_scale(out.prediction, batch), batch["y_raw"].float())  # type: ignore[attr-defined]
 
-                interp = self.tft.interpret(batch)
-                figures["interpret/variable_importance"] = importance_figure(interp)
-                figures["interpret/attention"] = attention_figure(interp, self.tft.hparams.lookback)
-        for lg in loggers:
-            for tag, fig in figures.items():
-                lg.experiment.add_figure(tag, fig, self.global_step, close=False)
+    def on_test_epoch_end(self) -> None:
+        for name in self.forecaster_names:
+            metrics = self.member(name).test_metrics  # type: ignore[attr-defined]
+            self.log_dict({f"test/{name}/{k.removeprefix('test/')}": v for k, v in metrics.compute().items()})
+            metrics.reset()
+        if "test" in self._splits:
+            evaluation = self.evaluate(self._splits["test"])
+            for who, m in evaluation.metrics.items():
+                self.log_dict({f"test/{who}/{k}": float(v) for k, v in m.items() if k in BACKTEST_KEYS})
 
     def on_fit_start(self) -> None:
         """Record every member's hyperparameters in the logger's hparams tab."""
         params: dict[str, Any] = {f"ensemble/{k}": v for k, v in self.hparams.items()}
         for name in self.member_names:
-            params.update({f"{name}/{k}": v for k, v in getattr(self, name).hparams.items() if not isinstance(v, (list, tuple)) or len(v) <= 8})
+            hp = self.member(name).hparams
+            params.update({f"{name}/{k}": v for k, v in hp.items() if not isinstance(v, (list, tuple)) or len(v) <= 8})
         for lg in self.loggers:
             lg.log_hyperparams(params)
 
-    def positions(self, split: MarketSplit, oracle_mean: Tensor | None = None, forecasts: Tensor | None = None) -> dict[str, Tensor]:
-        """[T] positions of every member, the ensemble, buy-and-hold (and the oracle when its means are given)."""
-        decision = split.valid.to(self.device)
-        reset = _resets(split, self.device)
-        pos: dict[str, Tensor] = {}
-        if self.tft is not None:
-            fc = (self.forecasts(split) if forecasts is None else forecasts)[:, 0, :]  # next-bar quantiles
-            qs = list(self.tft.quantiles)
-            lo, hi = (qs.index(min(qs, key=lambda x: abs(x - q))) for q in self.hparams.tft_interval)
-            mid = qs.index(min(qs, key=lambda x: abs(x - 0.5)))
-            ok = decision & torch.isfinite(fc).all(1)
-            pos["tft"] = forecast_policy(fc[:, lo], fc[:, mid], fc[:, hi], self.hparams.cost_bps, ok, reset)
-        if self.dqn is not None and (self.hparams.combine != "stack" or self._dqn_ready):
-            p, _ = self.dqn.greedy_positions(self.stacked(split) if self.hparams.combine == "stack" else split)
-            pos["dqn"] = p.to(self.device).float()
-        names = [n for n in self.member_names if n in pos]
-        members = [pos[n] for n in names]
-        if self.hparams.combine == "stack":
-            pos["ensemble"] = pos.get("dqn", torch.zeros(len(split), device=self.device))
-        elif self.hparams.combine == "vote":
-            pos["ensemble"] = vote(members)
-        else:
-            pos["ensemble"] = weighted(members, [self._weights[self.member_names.index(n)] for n in names])
-        pos["buy_and_hold"] = decision.float()
-        if oracle_mean is not None:
-            from foxhunt.rl.oracle import oracle_positions
-
-            # the better of the two causal oracles on these bars (the Markov one approximates the GARCH-scaled signal)
-            actions = torch.tensor([-1.0, 0.0, 1.0], device=self.device)
-            m = oracle_mean.to(self.device)
-            best, best_reward = None, -float("inf")
-            for kind in ("markov", "myopic"):
-                p = oracle_positions(m, actions, self.hparams.cost_bps, decision, reset, kind=kind).float()
-                reward = float(strategy_log_returns(p.double(), torch.nan_to_num(split.returns.to(self.device).double()), self.hparams.cost_bps, reset)[decision].mean())
-                if reward > best_reward:
-                    best, best_reward = p, reward
-            pos["oracle"] = best
-        return pos
-
-    @torch.no_grad()
-    def backtest(
-        self,
-        split: MarketSplit | str,
-        update_weights: bool = False,
-        oracle_mean: Tensor | None = None,
-        positions: dict[str, Tensor] | None = None,
-    ) -> dict[str, dict[str, float]]:
-        """After-cost metrics of every policy on a split; with ``update_weights``, refresh the Sharpe weights (and
-        the ensemble's entry of ``positions``, when given) from this split."""
-        if isinstance(split, str):
-            oracle_mean = self._oracle.get(split) if oracle_mean is None else oracle_mean
-            split = self._splits[split]
-        returns = split.returns.to(self.device)
-        decision = split.valid.to(self.device)
-        reset = _resets(split, self.device)
-        bpy = self.hparams.bars_per_year or infer_bars_per_year(split.timestamps, split.symbol_index)
-
-        def metrics(p: Tensor) -> dict[str, float]:
-            m = trading_metrics(p, returns, self.hparams.cost_bps, bpy, mask=decision, reset=reset)
-            return {k: float(v) for k, v in m.as_dict().items()}
-
-        pos = self.positions(split, oracle_mean) if positions is None else positions
-        results = {who: metrics(p) for who, p in pos.items()}
-        if update_weights and self.hparams.combine == "sharpe_weighted":
-            self._weights = sharpe_weights([results[n]["sharpe"] if n in results else 0.0 for n in self.member_names])
-            names = [n for n in self.member_names if n in pos]
-            pos["ensemble"] = weighted([pos[n] for n in names], [self._weights[self.member_names.index(n)] for n in names])
-            results["ensemble"] = metrics(pos["ensemble"])
-        return results
-
     # ------------------------------------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Members' run state (replay, env, guards), counters, weights and RNG states, for an exact resume."""
-        for name in self.member_names:
-            getattr(self, name).on_save_checkpoint(checkpoint)
+        """Members' run state (replay, environments, guards), counters and the torch RNG, for an exact resume."""
         checkpoint["ensemble_state"] = {
-            "dqn_updates": self.dqn_updates,
-            "tft_updates": self.tft_updates,
-            "weights": list(self._weights),
-            "dqn_ready": self._dqn_ready,
+            "updates": dict(self.updates),
+            "steps": self.steps,
+            "started": sorted(self.started),
+            "members": {name: self.member(name).run_state() for name in self.member_names},
             "torch_rng": torch.get_rng_state(),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        for name in self.member_names:
-            getattr(self, name).on_load_checkpoint(checkpoint)
-        state = checkpoint.get("ensemble_state", {})
-        self.dqn_updates = int(state.get("dqn_updates", 0))
-        self.tft_updates = int(state.get("tft_updates", 0))
-        self._weights = list(state.get("weights", self._weights))
-        self._resume_rng = state.get("torch_rng")
-        self._resume_dqn = bool(state.get("dqn_ready", False))
+        state = checkpoint.get("ensemble_state")
+        if state is None:
+            raise ValueError("checkpoint has no 'ensemble_state': it was not written by this EnsembleModule")
+        self.updates.update({k: int(v) for k, v in state["updates"].items()})
+        self.steps = int(state["steps"])
+        for name, member_state in state["members"].items():
+            self.member(name).load_run_state(member_state)
+        self._resume_started = list(state["started"])
+        self._resume_rng = state["torch_rng"]
 
-    def on_train_start(self) -> None:
-        if getattr(self, "_resume_dqn", False) and self.dqn is not None and not self._dqn_ready:
-            if self.hparams.combine == "stack":  # the snapshot and its statistics came back with the state dict
-                self._stacked = {k: self.stacked(self._slice_for(k)) for k in ("train", "val")}
-                self.dqn.attach_market(self._stacked["train"], self._stacked["val"])
-            self.dqn.on_train_start()
-            self._dqn_ready = True
-        if getattr(self, "_resume_rng", None) is not None:
-            torch.set_rng_state(self._resume_rng)
-            self._resume_rng = None
+    def load_weights(self, checkpoint: dict[str, Any]) -> None:
+        """The parameters and buffers of a checkpoint of this module (weights, snapshots), for evaluation or export."""
+        self.load_state_dict(checkpoint["state_dict"])
+        started = checkpoint.get("ensemble_state", {}).get("started", [])
+        self.started, self._snapshots_loaded = set(started), bool(started)
 
-    def _slice_for(self, name: str) -> MarketSplit:
-        if name == "train":
-            train = self._splits["train"]
-            return train.select(~self._stack_mask(train))
+    def split(self, name: str) -> MarketSplit:
+        """The data's split ``name`` ("train", "val", "test"), as the coordinator read it at setup."""
+        if name not in self._splits:
+            raise KeyError(f"no split {name!r}: the coordinator has {sorted(self._splits)} (is it set up?)")
         return self._splits[name]
 
-
-def _resets(split: MarketSplit, device: torch.device) -> Tensor:
-    """[T] True at the first bar of each symbol (a position cannot be carried in from another symbol)."""
-    sym = split.symbol_index.to(device)
-    reset = torch.ones_like(sym, dtype=torch.bool)
-    reset[1:] = sym[1:] != sym[:-1]
-    return reset
+    def on_train_start(self) -> None:
+        resumed = getattr(self, "_resume_started", [])
+        self._snapshots_loaded = self._snapshots_loaded or bool(resumed)  # they came back with the state dict
+        for name in resumed:
+            if name not in self.started:
+                self._start_agent(name)
+        self._resume_started = []
+        if self._resume_rng is not None:
+            torch.set_rng_state(self._resume_rng)
+            self._resume_rng = None

@@ -1,4 +1,7 @@
-"""TFTModule: trains the Temporal Fusion Transformer on window batches with the pinball loss and shared machinery.
+"""TFTModule: the Temporal Fusion Transformer as a forecaster member, trained on window batches with the pinball loss.
+
+Inside the ensemble the coordinator drives it through the :class:`~foxhunt.lit.member.Forecaster` protocol; it also
+trains on its own with a plain ``Trainer`` (automatic optimisation), which the tests and notebooks use.
 
 Batches are dicts from :class:`foxhunt.data.windows.WindowBatches`: ``x_past`` [B, L, F], ``x_future`` [B, H, K],
 ``y`` [B, H] (preprocessed next-bar returns), ``y_raw`` [B, H] (raw log returns), ``symbol`` [B], ``t`` [B], and
@@ -7,49 +10,40 @@ optionally ``y_loc``/``y_scale`` ([B] or [B, H]) mapping a prediction of ``y`` b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
-import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor, nn
 from torchmetrics import MinMetric
 
+from foxhunt.data.market import MarketSpec, MarketSplit
+from foxhunt.data.windows import WindowBatches
+from foxhunt.evaluation.figures import Interpretation, attention_figure, importance_figure
 from foxhunt.evaluation.forecast_metrics import (
     forecast_metrics,
     pinball_loss,
     validate_quantiles,
 )
+from foxhunt.lit.member import Forecaster
 from foxhunt.models.tft import TemporalFusionTransformer, TFTOutput
 from foxhunt.training.gradnorm import grad_norms
 from foxhunt.training.guard import NonFiniteGuard
 from foxhunt.training.optim import SchedulerKind, configure_adamw, validate_lr
 
-
-@dataclass
-class TFTInterpretation:
-    """What the TFT attended to: per-sample variable importances and head-averaged attention."""
-
-    static_importance: Tensor  # [B, S]
-    encoder_importance: Tensor  # [B, V_enc], selection weights averaged over the lookback
-    decoder_importance: Tensor  # [B, V_dec], averaged over the horizon
-    attention: Tensor  # [B, H, L + H], decoder queries over all positions, averaged over heads
-    static_names: list[str]
-    encoder_names: list[str]
-    decoder_names: list[str]
+TFTInterpretation = Interpretation  # the name the notebooks use
 
 
-class TFTModule(pl.LightningModule):
+class TFTModule(Forecaster):
     """Quantile forecasts of the next ``horizon`` bar returns from ``lookback`` bars of features."""
 
     def __init__(
         self,
-        n_features: int,
-        n_known_future: int,
-        n_symbols: int = 1,
-        lookback: int = 64,
-        horizon: int = 6,
+        n_features: int | None = None,
+        n_known_future: int | None = None,
+        n_symbols: int | None = None,
+        lookback: int | None = None,
+        horizon: int | None = None,
         hidden_size: int = 32,
         attention_heads: int = 4,
         hidden_continuous_size: int = 16,
@@ -72,11 +66,19 @@ class TFTModule(pl.LightningModule):
         log_grad_norm_every: int = 50,
         log_figures: bool = True,
         compile_network: bool = False,
+        fused: bool = True,
+        policy_interval: tuple[float, float] = (0.1, 0.9),
+        updates_per_step: int = 1,
+        start_step: int = 0,
+        gradient_clip_val: float | None = None,
         feature_names: list[str] | None = None,
         known_future_names: list[str] | None = None,
         symbol_names: list[str] | None = None,
     ) -> None:
         """
+        Sizes that follow from the data (``n_features`` .. ``horizon`` and the names) may be left None: the coordinator
+        binds them from the data (:meth:`bind`). Given, they build the network at once (and must match the data).
+
         Args:
             n_features: observed past inputs per bar (F).
             n_known_future: known-future inputs per step (K, e.g. calendar); 0 for none.
@@ -106,6 +108,13 @@ class TFTModule(pl.LightningModule):
             log_grad_norm_every: log total and per-block gradient norms every N optimizer steps (0: never).
             log_figures: log variable-importance and attention figures to TensorBoard at validation end.
             compile_network: torch.compile the network in place at fit start.
+            fused: run the per-variable GRNs of variable selection as the chunked fused kernel (False: the plain
+                reference path; both compute the same function with the same parameters).
+            policy_interval: the forecast quantiles whose interval must clear the cost for the member's policy to take
+                a position (see :func:`foxhunt.evaluation.policies.forecast_policy`).
+            updates_per_step: optimizer updates per coordinator step (inside an ensemble).
+            start_step: coordinator steps before the member's first update (inside an ensemble).
+            gradient_clip_val: max gradient 2-norm inside an ensemble (None: the coordinator's; 0: none).
             feature_names: names of the F past inputs, for interpretation figures.
             known_future_names: names of the K known-future inputs.
             symbol_names: names of the symbols.
@@ -117,22 +126,28 @@ class TFTModule(pl.LightningModule):
         if log_grad_norm_every < 0:
             raise ValueError(f"log_grad_norm_every must be >= 0, got {log_grad_norm_every}")
         for name, names, n in (("feature_names", feature_names, n_features), ("known_future_names", known_future_names, n_known_future)):
-            if names is not None and len(names) != n:
+            if names is not None and n is not None and len(names) != n:
                 raise ValueError(f"{name} has {len(names)} entries, expected {n}")
-        self.net = TemporalFusionTransformer(
-            n_features=n_features,
-            n_known_future=n_known_future,
-            n_symbols=n_symbols,
-            lookback=lookback,
-            horizon=horizon,
-            hidden_size=hidden_size,
-            attention_heads=attention_heads,
-            hidden_continuous_size=hidden_continuous_size,
-            lstm_layers=lstm_layers,
-            dropout=dropout,
-            n_quantiles=len(self.quantiles),
-            add_relative_time=add_relative_time,
-        )
+        for q in policy_interval:
+            if not any(abs(q - x) < 1e-9 for x in self.quantiles):
+                raise ValueError(f"policy_interval quantile {q} is not one of the quantiles {list(self.quantiles)}")
+        if updates_per_step < 1 or start_step < 0:
+            raise ValueError(f"updates_per_step must be >= 1 and start_step >= 0, got {updates_per_step}, {start_step}")
+        self.policy_interval = (float(policy_interval[0]), float(policy_interval[1]))
+        self.updates_per_step = int(updates_per_step)
+        self.start_step = int(start_step)
+        self.log_grad_norm_every = int(log_grad_norm_every)
+        self.gradient_clip_val = gradient_clip_val
+        self.spec: MarketSpec | None = None  # what the network was built for (plain attribute, never a hyperparameter)
+        self.net: TemporalFusionTransformer | None = None
+        sizes = (n_features, n_known_future, lookback, horizon)
+        if all(v is not None for v in sizes):
+            feats = list(feature_names) if feature_names else [f"x{i}" for i in range(n_features)]  # type: ignore[arg-type]
+            known = list(known_future_names) if known_future_names else [f"k{i}" for i in range(n_known_future)]  # type: ignore[arg-type]
+            symbols = list(symbol_names) if symbol_names else [f"s{i}" for i in range(n_symbols or 1)]
+            self._build(MarketSpec(feats, known, symbols, int(lookback), int(horizon)))  # type: ignore[arg-type]
+        elif any(v is not None for v in sizes):
+            raise ValueError("give all of n_features, n_known_future, lookback and horizon, or none (bound from the data)")
         self.register_buffer("quantile_levels", torch.tensor(self.quantiles, dtype=torch.float32), persistent=False)
         self.guard = NonFiniteGuard(nonfinite)
         self.val_metrics = forecast_metrics(self.quantiles, prefix="val/")
@@ -140,6 +155,88 @@ class TFTModule(pl.LightningModule):
         self.val_quantile_loss_best = MinMetric()
         self._target_transform: nn.Module | None = None
         self._figure_batch: dict[str, Tensor] | None = None
+
+    # ------------------------------------------------------------------------------------------------ member protocol
+    def _build(self, spec: MarketSpec) -> None:
+        hp = self.hparams
+        self.net = TemporalFusionTransformer(
+            n_features=spec.n_features,
+            n_known_future=len(spec.known_future),
+            n_symbols=len(spec.symbols),
+            lookback=spec.lookback,
+            horizon=spec.horizon,
+            hidden_size=hp.hidden_size,
+            attention_heads=hp.attention_heads,
+            hidden_continuous_size=hp.hidden_continuous_size,
+            lstm_layers=hp.lstm_layers,
+            dropout=hp.dropout,
+            n_quantiles=len(self.quantiles),
+            add_relative_time=hp.add_relative_time,
+            fused=hp.fused,
+        )
+        self.spec = spec
+
+    def bind(self, spec: MarketSpec, extra_inputs: int = 0, seed_offset: int = 0, cost_bps: float | None = None) -> None:
+        """Build the network for the data's features, known-future inputs, symbols and windows (checked if given)."""
+        hp = self.hparams
+        given = {"n_features": spec.n_features, "n_known_future": len(spec.known_future), "n_symbols": len(spec.symbols),
+                 "lookback": spec.lookback, "horizon": spec.horizon}
+        for key, value in given.items():
+            if hp.get(key) is not None and int(hp[key]) != value:
+                raise ValueError(f"TFTModule was configured with {key}={hp[key]}, the data has {value}")
+        if self.spec is None or self.spec != spec:
+            self._build(spec)
+
+    @property
+    def network(self) -> nn.Module:
+        if self.net is None:
+            raise RuntimeError("TFTModule has no network yet: bind it to the data (or give its sizes)")
+        return self.net
+
+    @property
+    def horizon(self) -> int:
+        assert self.spec is not None
+        return self.spec.horizon
+
+    def training_loss(self, batch: Any, update: int) -> Tensor:
+        self._last_loss = self.quantile_loss(self(batch).prediction, batch["y"])
+        return self._last_loss
+
+    def training_metrics(self) -> dict[str, float]:
+        loss = getattr(self, "_last_loss", None)
+        return {} if loss is None else {"loss": float(loss.detach())}
+
+    def validation_update(self, batch: dict[str, Tensor]) -> Tensor:
+        out = self(batch)
+        self.val_metrics.update(self.to_return_scale(out.prediction, batch), batch["y_raw"].float())
+        return self.quantile_loss(out.prediction, batch["y"])
+
+    def validation_metrics(self) -> dict[str, Tensor]:
+        values = self.val_metrics.compute()
+        self.val_metrics.reset()
+        return {k.removeprefix("val/"): v for k, v in values.items()}
+
+    @torch.no_grad()
+    def forecast(self, split: MarketSplit, batch_size: int = 2048, net: nn.Module | None = None) -> Tensor:
+        """[T, H, Q] quantile forecasts (log-return scale) at every window-valid row of ``split``; NaN elsewhere."""
+        assert self.spec is not None
+        net = self.network if net is None else net
+        spec = self.spec
+        batches = WindowBatches(split, spec.lookback, spec.horizon, batch_size=batch_size, known_future=list(spec.known_future),
+                                device=self.device)
+        out = torch.full((len(split), spec.horizon, len(self.quantiles)), float("nan"), device=self.device)
+        was = net.training
+        net.eval()
+        try:
+            for batch in batches:
+                pred = net(batch["x_past"], batch["x_future"], batch["symbol"]).prediction.float()
+                out[batch["t"]] = self.to_return_scale(pred, batch)
+        finally:
+            net.train(was)
+        return out
+
+    def run_state(self) -> dict[str, Any]:
+        return {"guard": self.guard.state_dict()}
 
     # ------------------------------------------------------------------------------------------------ inverse transform
     @property
@@ -169,6 +266,12 @@ class TFTModule(pl.LightningModule):
         if scale is not None:
             scale = _broadcast_rows(scale, pred)
         transform = self._target_transform
+        if transform is None and loc is None and scale is None:
+            raise ValueError(
+                "TFTModule: the batch has no y_loc/y_scale and no target_transform is set, so predictions of the "
+                "preprocessed target cannot be mapped back to log returns (set module.target_transform, or give batches "
+                "with y_loc/y_scale)"
+            )
         if transform is not None:
             transform.to(pred.device)
             inverse = getattr(transform, "inverse", None)
@@ -185,7 +288,7 @@ class TFTModule(pl.LightningModule):
 
     # ----------------------------------------------------------------------------------------------------------- steps
     def forward(self, batch: dict[str, Tensor]) -> TFTOutput:
-        return self.net(batch["x_past"], batch.get("x_future"), batch.get("symbol"))
+        return self.network(batch["x_past"], batch.get("x_future"), batch.get("symbol"))
 
     def quantile_loss(self, prediction: Tensor, target: Tensor) -> Tensor:
         """Mean pinball loss over finite targets, horizons and quantiles, in float32."""
@@ -256,7 +359,7 @@ class TFTModule(pl.LightningModule):
                 raise ValueError("cosine schedule needs total_steps, or a trainer with max_steps or max_epochs")
             total = int(estimated)
         return configure_adamw(
-            self.net,
+            self.network,
             lr=hp.lr,
             weight_decay=hp.weight_decay,
             scheduler=hp.scheduler,
@@ -276,15 +379,15 @@ class TFTModule(pl.LightningModule):
         """Log grad norms every N steps, then apply the non-finite guard (Lightning has already unscaled here)."""
         every = self.hparams.log_grad_norm_every
         if every and self.global_step % every == 0:
-            self.log_dict(grad_norms(self.net))
+            self.log_dict(grad_norms(self.network))
         if getattr(self.trainer.precision_plugin, "scaler", None) is None:
             # (under 16-mixed the GradScaler skips overflowing steps itself and lowers the scale)
-            self.guard.check_gradients(self.net, self.global_step)
+            self.guard.check_gradients(self.network, self.global_step)
         self.log("train/nonfinite_skipped", float(self.guard.skipped), on_step=True, on_epoch=False)
 
     def setup(self, stage: str) -> None:
         if stage == "fit" and self.hparams.compile_network:
-            self.net.compile()
+            self.network.compile()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["nonfinite_guard"] = self.guard.state_dict()
@@ -296,14 +399,12 @@ class TFTModule(pl.LightningModule):
     # ------------------------------------------------------------------------------------------------ interpretation
     def variable_names(self) -> tuple[list[str], list[str], list[str]]:
         """Names of the static, encoder and decoder selection variables, in network order."""
-        hp = self.hparams
-        time = ["relative_time"] if hp.add_relative_time else []
-        feats = list(hp.feature_names) if hp.feature_names else [f"x{i}" for i in range(hp.n_features)]
-        known = list(hp.known_future_names) if hp.known_future_names else [f"k{i}" for i in range(hp.n_known_future)]
-        return ["symbol"], feats + time, known + time
+        assert self.spec is not None
+        time = ["relative_time"] if self.hparams.add_relative_time else []
+        return ["symbol"], list(self.spec.feature_names) + time, list(self.spec.known_future) + time
 
     @torch.no_grad()
-    def interpret(self, batch: dict[str, Tensor]) -> TFTInterpretation:
+    def interpret(self, batch: dict[str, Tensor]) -> Interpretation:
         """Variable importances of the three selection networks and head-averaged attention, in eval mode."""
         was_training = self.training
         self.eval()
@@ -313,7 +414,7 @@ class TFTModule(pl.LightningModule):
         finally:
             self.train(was_training)
         static, encoder, decoder = self.variable_names()
-        return TFTInterpretation(
+        return Interpretation(
             static_importance=out.static_weights.float(),
             encoder_importance=out.encoder_weights.float().mean(dim=1),
             decoder_importance=out.decoder_weights.float().mean(dim=1),
@@ -328,7 +429,7 @@ class TFTModule(pl.LightningModule):
         if not loggers:
             return
         interp = self.interpret(batch)
-        importance, attention = importance_figure(interp), attention_figure(interp, self.hparams.lookback)
+        importance, attention = importance_figure(interp), attention_figure(interp, self.spec.lookback)
         for lg in loggers:
             lg.experiment.add_figure("interpret/variable_importance", importance, self.global_step, close=False)
             lg.experiment.add_figure("interpret/attention", attention, self.global_step, close=False)
@@ -342,43 +443,3 @@ def _broadcast_rows(stat: Tensor, pred: Tensor) -> Tensor:
     if stat.dim() == 2:
         return stat.unsqueeze(-1)
     raise ValueError(f"y_loc/y_scale must be [B] or [B, H], got {list(stat.shape)}")
-
-
-def importance_figure(interp: TFTInterpretation, top: int = 20) -> Any:
-    """Bar charts of the mean selection weights: the top encoder variables, decoder variables and static inputs."""
-    from matplotlib.figure import (
-        Figure,  # the OO API renders with Agg and touches no global pyplot state
-    )
-
-    fig = Figure(figsize=(10, 6), layout="constrained")
-    axes = fig.subplots(1, 3, width_ratios=[3, 1.2, 0.8])
-    panels = (
-        ("encoder (past)", interp.encoder_importance, interp.encoder_names, top),
-        ("decoder (known future)", interp.decoder_importance, interp.decoder_names, top),
-        ("static", interp.static_importance, interp.static_names, top),
-    )
-    for ax, (title, weights, names, k) in zip(axes, panels):
-        mean = weights.mean(dim=0).cpu()
-        order = torch.argsort(mean, descending=True)[:k].flip(0)
-        ax.barh([names[i] for i in order.tolist()], mean[order].numpy())
-        ax.set_title(title)
-        ax.set_xlabel("mean selection weight")
-    return fig
-
-
-def attention_figure(interp: TFTInterpretation, lookback: int) -> Any:
-    """Heat map of head-averaged attention: decoder step (rows) over position relative to the forecast origin."""
-    from matplotlib.figure import Figure
-
-    att = interp.attention.mean(dim=0).cpu().numpy()  # [H, L+H]
-    horizon, positions = att.shape
-    fig = Figure(figsize=(10, 3), layout="constrained")
-    ax = fig.subplots()
-    image = ax.imshow(
-        att, aspect="auto", cmap="viridis", extent=(-lookback + 0.5, positions - lookback + 0.5, horizon + 0.5, 0.5)
-    )
-    ax.set_xlabel("position relative to forecast origin t")
-    ax.set_ylabel("horizon step")
-    ax.set_title("interpretable attention (mean over heads and batch)")
-    fig.colorbar(image, ax=ax)
-    return fig

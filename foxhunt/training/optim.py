@@ -40,17 +40,52 @@ def make_adamw(
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
 
 
+# Modules whose every parameter is a normalisation gain or shift (nn.RMSNorm exists from torch 2.4).
+NORM_MODULES: tuple[type[nn.Module], ...] = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    nn.modules.batchnorm._NormBase,  # BatchNorm*, InstanceNorm* and their lazy and sync variants
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
+
+
+def is_no_decay(module: nn.Module, name: str, param: nn.Parameter) -> bool:
+    """Whether ``param``, registered as ``name`` on ``module`` (its owner, not an ancestor), is a bias or a
+    normalisation parameter, which weight decay must not pull toward zero.
+
+    By role, in this order: the owner lists ``name`` in its class attribute ``no_decay_params`` (custom layers whose
+    biases and gains are [G, d] matrices, e.g. the TFT's grouped per-variable GRNs); the owner is a normalisation
+    module (``NORM_MODULES``: gain and shift); the name says bias (``bias``, ``b``, ``*_bias``, ``bias_*`` as in
+    nn.LSTM's ``bias_ih_l0``). Any other parameter is a weight (matrices, convolution kernels, embeddings) and
+    decays, whatever its shape, except vectors and scalars of no recognised role (ndim < 2), left undecayed.
+    """
+    if name in getattr(module, "no_decay_params", ()):
+        return True
+    if isinstance(module, NORM_MODULES):
+        return True
+    if name in ("bias", "b") or name.endswith("_bias") or name.startswith("bias_"):
+        return True
+    return param.ndim < 2
+
+
 def decay_param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices and embeddings only: biases and norm gains (ndim < 2) are not regularised toward zero.
+    """Decay weights (matrices, kernels, embeddings) only: biases and normalisation parameters, found by their role
+    (``is_no_decay``), are not regularised toward zero, whatever their shape.
 
     Without weight decay there is one group (each group costs a kernel launch per optimizer step).
     """
+    trainable = [p for p in module.parameters() if p.requires_grad]
     if weight_decay == 0.0:
-        return [{"params": [p for p in module.parameters() if p.requires_grad], "weight_decay": 0.0}]
-    decay, no_decay = [], []
-    for p in module.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+        return [{"params": trainable, "weight_decay": 0.0}]
+    no_decay_ids = {
+        id(p)
+        for owner in module.modules()
+        for name, p in owner.named_parameters(recurse=False)
+        if is_no_decay(owner, name, p)
+    }  # a parameter shared by several owners is not decayed if any of them says so
+    decay = [p for p in trainable if id(p) not in no_decay_ids]
+    no_decay = [p for p in trainable if id(p) in no_decay_ids]
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
@@ -174,7 +209,7 @@ def configure_adamw(
 ) -> torch.optim.AdamW | dict[str, Any]:
     """What ``LightningModule.configure_optimizers`` returns: AdamW alone, or with its scheduler config.
 
-    Given a module, matrices decay and biases/norm gains do not (``exclude_bias_and_norm``).
+    Given a module, weights decay and biases/norm parameters do not (``exclude_bias_and_norm``, see ``is_no_decay``).
     """
     if isinstance(module_or_params, nn.Module):
         params: Any = (

@@ -1,0 +1,141 @@
+"""Figures of a validation (equity curves, forecast fan chart, TFT interpretation) and the callback that logs them.
+
+Every figure is a matplotlib ``Figure`` built with the object-oriented API (rendered by Agg, no global pyplot
+state). :class:`ValidationFigures` draws them from what the coordinator's validation left in
+``pl_module.last_evaluation`` (a :class:`foxhunt.evaluation.backtest.PolicyEvaluation`) and writes them to every
+TensorBoard logger of the Trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from matplotlib.figure import Figure
+from torch import Tensor
+
+from foxhunt.data.market import MarketSplit
+from foxhunt.evaluation.backtest import PolicyEvaluation, equity_curves
+
+
+@dataclass
+class Interpretation:
+    """What a forecaster attended to: per-sample variable importances and head-averaged attention."""
+
+    static_importance: Tensor  # [B, S]
+    encoder_importance: Tensor  # [B, V_enc], selection weights averaged over the lookback
+    decoder_importance: Tensor  # [B, V_dec], averaged over the horizon
+    attention: Tensor  # [B, H, L + H], decoder queries over all positions, averaged over heads
+    static_names: list[str]
+    encoder_names: list[str]
+    decoder_names: list[str]
+
+
+def equity_figure(positions: dict[str, Tensor], split: MarketSplit, cost_bps: float) -> Figure:
+    """The equity curves (cumulative log return after costs) of every policy on a split."""
+    curves = equity_curves(positions, split, cost_bps)
+    fig = Figure(figsize=(10, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for who, curve in curves.items():
+        ax.plot(curve.numpy(), label=who, lw=1.8 if who == "ensemble" else 1.0)
+    ax.set_xlabel(f"bar of split {split.name!r} (symbols in turn)")
+    ax.set_ylabel("cumulative log return after costs")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def fan_chart(forecasts: Tensor, split: MarketSplit, start: int | None = None, length: int = 300) -> Figure:
+    """Next-bar forecast quantiles (outer band and median) against the realised log returns over a stretch."""
+    ok = torch.isfinite(forecasts[:, 0, :]).all(1).nonzero().squeeze(1).cpu()
+    fig = Figure(figsize=(10, 3.5), layout="constrained")
+    ax = fig.subplots()
+    if ok.numel() == 0:
+        ax.set_title("no forecasts")
+        return fig
+    a = int(ok[0]) if start is None else start
+    rows = torch.arange(a, min(a + length, forecasts.shape[0]))
+    fc = forecasts[rows, 0, :].cpu().float()
+    q = fc.shape[1]
+    x = rows.numpy()
+    ax.fill_between(x, fc[:, 0].numpy(), fc[:, q - 1].numpy(), alpha=0.3, label="outer quantile band")
+    ax.plot(x, fc[:, q // 2].numpy(), lw=1.0, label="median forecast")
+    ax.plot(x, split.returns[rows].cpu().numpy(), ".", ms=2, color="k", label="realised next-bar log return")
+    ax.set_xlabel(f"bar of split {split.name!r}")
+    ax.legend(loc="upper right")
+    return fig
+
+
+def importance_figure(interp: Interpretation, top: int = 20) -> Figure:
+    """Bar charts of the mean selection weights: the top encoder variables, decoder variables and static inputs."""
+    fig = Figure(figsize=(10, 6), layout="constrained")
+    axes = fig.subplots(1, 3, width_ratios=[3, 1.2, 0.8])
+    panels = (
+        ("encoder (past)", interp.encoder_importance, interp.encoder_names, top),
+        ("decoder (known future)", interp.decoder_importance, interp.decoder_names, top),
+        ("static", interp.static_importance, interp.static_names, top),
+    )
+    for ax, (title, weights, names, k) in zip(axes, panels):
+        mean = weights.mean(dim=0).cpu()
+        order = torch.argsort(mean, descending=True)[:k].flip(0)
+        ax.barh([names[i] for i in order.tolist()], mean[order].numpy())
+        ax.set_title(title)
+        ax.set_xlabel("mean selection weight")
+    return fig
+
+
+def attention_figure(interp: Interpretation, lookback: int) -> Figure:
+    """Heat map of head-averaged attention: decoder step (rows) over position relative to the forecast origin."""
+    att = interp.attention.mean(dim=0).cpu().numpy()  # [H, L+H]
+    horizon, positions = att.shape
+    fig = Figure(figsize=(10, 3), layout="constrained")
+    ax = fig.subplots()
+    image = ax.imshow(
+        att, aspect="auto", cmap="viridis", extent=(-lookback + 0.5, positions - lookback + 0.5, horizon + 0.5, 0.5)
+    )
+    ax.set_xlabel("position relative to forecast origin t")
+    ax.set_ylabel("horizon step")
+    ax.set_title("interpretable attention (mean over heads and batch)")
+    fig.colorbar(image, ax=ax)
+    return fig
+
+
+class ValidationFigures(pl.Callback):
+    """Logs, after each validation (not the sanity check), the equity curves of every policy, each forecaster's fan
+    chart and, for forecasters that can explain themselves (``interpret``), variable importance and attention."""
+
+    def __init__(self, interpret_rows: int = 256) -> None:
+        self.interpret_rows = int(interpret_rows)
+        self._batch: dict[str, Tensor] | None = None
+
+    def on_validation_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if batch_idx == 0 and isinstance(batch, dict):
+            self._batch = {k: v[: self.interpret_rows].detach() for k, v in batch.items() if isinstance(v, Tensor)}
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        evaluation = getattr(pl_module, "last_evaluation", None)
+        loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        if trainer.sanity_checking or not loggers or not isinstance(evaluation, PolicyEvaluation):
+            return
+        figures = {f"backtest/equity_{evaluation.split.name}": equity_figure(evaluation.positions, evaluation.split, evaluation.cost_bps)}
+        for name, fc in evaluation.forecasts.items():
+            figures[f"forecast/{name}/fan_chart_{evaluation.split.name}"] = fan_chart(fc, evaluation.split)
+        members = getattr(pl_module, "members", {})
+        for name in evaluation.forecasts:
+            member = members[name] if name in members else None
+            explain = getattr(member, "interpret", None)
+            if self._batch is not None and callable(explain) and getattr(member.hparams, "log_figures", True):
+                interp = explain(self._batch)
+                lookback = interp.attention.shape[-1] - interp.attention.shape[-2]
+                figures[f"interpret/{name}/variable_importance"] = importance_figure(interp)
+                figures[f"interpret/{name}/attention"] = attention_figure(interp, lookback)
+        for lg in loggers:
+            for tag, fig in figures.items():
+                lg.experiment.add_figure(tag, fig, trainer.global_step, close=False)
+        self._batch = None

@@ -1,0 +1,127 @@
+"""The member protocol: what the coordinator (``EnsembleModule``) asks of every member of the ensemble.
+
+There are two kinds of member:
+
+- **forecasters** (the TFT now, Mamba-2 next) learn from window batches and give quantile forecasts ``[T, H, Q]`` of
+  the next H log returns of a split; the shared :func:`foxhunt.evaluation.policies.forecast_policy` turns them into
+  positions, with the member's ``policy_interval`` and the coordinator's cost;
+- **agents** (the DQN now, PPO next) learn by acting in the vectorised market of the training split and give
+  positions ``[T]`` of a split themselves.
+
+A member owns its networks, loss, optimizer and schedule (``configure_optimizers``) and its own validation metrics;
+the coordinator owns the loop, the backward pass, clipping, grad-norm logging, the non-finite guard and the
+combination. Sizes that follow from the data (feature counts, names, symbols, window lengths) reach a member through
+:meth:`Member.bind` as a :class:`~foxhunt.data.market.MarketSpec`, never through its hyperparameters, so a member's
+``hparams`` are exactly what its config says.
+
+One coordinator step calls, for every member whose ``start_step`` has passed, ``updates_per_step`` rounds of
+``training_loss`` -> (backward, guard, clip, optimizer step by the coordinator) -> ``after_update``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+
+from foxhunt.data.market import MarketSpec, MarketSplit
+from foxhunt.training.guard import NonFiniteGuard
+
+MemberKind = Literal["forecaster", "agent"]
+
+
+class Member(pl.LightningModule):
+    """Base of every ensemble member: the coordinator drives these methods (see the module docstring)."""
+
+    kind: ClassVar[MemberKind]
+    guard: NonFiniteGuard
+    updates_per_step: int  # updates per coordinator step once started
+    start_step: int  # coordinator steps before the member's first update (its warm-up wait)
+    log_grad_norm_every: int  # updates between grad-norm logs (0: never)
+
+    def bind(self, spec: MarketSpec, extra_inputs: int = 0, seed_offset: int = 0) -> None:
+        """Build the networks for the data described by ``spec`` (``extra_inputs`` more feature columns when
+        stacked on forecasts; ``seed_offset`` varies exploration per DDP rank)."""
+        raise NotImplementedError
+
+    @property
+    def network(self) -> nn.Module:
+        """The trained parameters: what the coordinator clips, measures and guards."""
+        raise NotImplementedError
+
+    def training_loss(self, batch: Any, update: int) -> Tensor:
+        """The loss of update number ``update`` (0-based, this member's own count)."""
+        raise NotImplementedError
+
+    def after_update(self, update: int) -> None:
+        """Called after the optimizer step of update number ``update`` (e.g. a target-network sync)."""
+
+    def training_metrics(self) -> dict[str, float]:
+        """Snapshot of the member's training figures, logged by the coordinator as ``train/<member>/<key>``."""
+        return {}
+
+    def export_state(self) -> dict[str, float | int | str | None]:
+        """Values beyond parameters and hyperparameters that the member's policy needs after export (JSON)."""
+        return {}
+
+    def load_export_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`export_state` wrote."""
+
+    def run_state(self) -> dict[str, Any]:
+        """State beyond parameters that an exact resume needs (environment, replay, RNGs, guard)."""
+        return {"guard": self.guard.state_dict()}
+
+    def load_run_state(self, state: dict[str, Any]) -> None:
+        if "guard" in state:
+            self.guard.load_state_dict(state["guard"])
+
+
+class Forecaster(Member):
+    """A member that forecasts quantiles of the next ``horizon`` log returns from window batches."""
+
+    kind: ClassVar[MemberKind] = "forecaster"
+    quantiles: tuple[float, ...]
+    target_transform: nn.Module | None  # maps forecasts of the preprocessed target back to log returns (the data's)
+    test_metrics: Any  # a torchmetrics collection of the forecast metrics, prefixed "test/"
+    policy_interval: tuple[float, float]  # the quantiles whose interval must clear the cost to take a position
+
+    def forecast(self, split: MarketSplit, batch_size: int = 2048, net: nn.Module | None = None) -> Tensor:
+        """[T, H, Q] forecasts on the log-return scale at every window-valid row of ``split``; NaN elsewhere.
+        ``net`` is a frozen copy of the member's network to forecast with instead (a stacking snapshot)."""
+        raise NotImplementedError
+
+    @property
+    def horizon(self) -> int:
+        raise NotImplementedError
+
+    def validation_update(self, batch: dict[str, Tensor]) -> Tensor:
+        """Add a validation batch to the member's forecast metrics; returns its loss on the training scale."""
+        raise NotImplementedError
+
+    def validation_metrics(self) -> dict[str, Tensor]:
+        """The epoch's forecast metrics (keys without stage prefix), then reset them."""
+        raise NotImplementedError
+
+
+class Agent(Member):
+    """A member that learns positions by acting in the vectorised market of the training split."""
+
+    kind: ClassVar[MemberKind] = "agent"
+
+    def attach_market(self, train: MarketSplit, val: MarketSplit | None = None) -> None:
+        """The market the agent acts in (and the one it is validated on)."""
+        raise NotImplementedError
+
+    def start(self) -> None:
+        """Before the first update: build the environment on the member's device and warm up (e.g. fill replay)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def positions(self, split: MarketSplit) -> Tensor:
+        """[T] positions of the greedy policy over ``split`` (flat where no decision can be taken)."""
+        raise NotImplementedError
+
+    def validation_objective(self, reward_per_bar: float) -> None:
+        """The validation reward per bar after costs, for a plateau schedule (called once per validation)."""

@@ -1,0 +1,95 @@
+"""`python -m foxhunt.tune --config lightning_configs/tune.yaml`: Optuna studies over ``foxhunt.fit`` configs.
+
+A tune config (YAML) names a base fit config, a search space over any dotted fit key (``model.tft.hidden_size``,
+``data.lookback``, ``trainer.max_epochs``...), the objective(s), the sampler and the pruner. Each trial writes the
+fit config it runs (base + ``fixed`` + its parameters) to ``<runs_dir>/<study>/trial_<n>/fit_config.yaml``, trains it
+through :func:`foxhunt.fit.build_cli` with TensorBoard logging into the same folder, and reports the objective.
+
+Storage is an Optuna RDB (SQLite under ``runs/`` by default, any SQLAlchemy URL otherwise), so a study survives a
+crash, the same command resumes it, and several processes on one storage and study name share it. ``n_trials`` is
+the study's total, shared by all workers: a worker starts a trial only while finished-and-counted plus running
+trials stay below it (``MaxTrialsCallback`` checks only after a trial ends, so two workers overshoot; here a worker
+that loses the race for the last slot records a zero-cost "surplus" trial that does not count). Each trial's sampler
+randomness is seeded from (seed, trial number), so seeded studies are reproducible and parallel workers do not
+propose the same parameters.
+
+Failures: a non-finite loss or gradient (the guard's NonFiniteError) or a NaN objective prunes the trial (a bad
+region the sampler should learn to avoid); an out-of-memory error or any other exception fails it; in every case the
+reason is a user attribute (``fail_kind``/``fail_reason`` or ``pruned_reason``) and the study continues. Ctrl-C
+marks the running trial failed with ``fail_kind=interrupted`` (it does not count, so the next run replaces it) and
+leaves the storage consistent; a worker killed outright is found by Optuna's heartbeat and failed as stale.
+
+Modules: ``space`` (the tune config, its search space and the fit configs of dotted keys), ``study`` (storage,
+sampler, pruner, study creation, the trial budget), ``objective`` (a trial's fit, pruning, metric reduction, and
+``run_study``), ``report`` (best configs, importances, plots, the summary), ``__main__`` (the command line).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from foxhunt.tune.objective import FitObjective, MetricMissingError, StudyRun, TrialError, run_study
+from foxhunt.tune.report import format_summary, summarize
+from foxhunt.tune.space import (
+    FitConfigParser,
+    Objective,
+    SearchParam,
+    TuneConfig,
+    TuneConfigError,
+    compose_fit_config,
+    decoded_params,
+    load_tune_config,
+    set_dotted,
+    write_fit_config,
+)
+from foxhunt.tune.study import (
+    COUNTED_FAIL_KINDS,
+    HEARTBEAT_GRACE_S,
+    HEARTBEAT_INTERVAL_S,
+    SQLITE_TIMEOUT_S,
+    TrialSeededSampler,
+    counts_toward_budget,
+    default_storage_url,
+    make_pruner,
+    open_storage,
+    open_study,
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m foxhunt.tune`` in-process (the command line lives in ``foxhunt/tune/__main__.py``)."""
+    from foxhunt.tune.__main__ import main as cli_main
+
+    return cli_main(argv)
+
+
+__all__ = [
+    "COUNTED_FAIL_KINDS",
+    "HEARTBEAT_GRACE_S",
+    "HEARTBEAT_INTERVAL_S",
+    "SQLITE_TIMEOUT_S",
+    "FitConfigParser",
+    "FitObjective",
+    "MetricMissingError",
+    "Objective",
+    "SearchParam",
+    "StudyRun",
+    "TrialError",
+    "TrialSeededSampler",
+    "TuneConfig",
+    "TuneConfigError",
+    "compose_fit_config",
+    "counts_toward_budget",
+    "decoded_params",
+    "default_storage_url",
+    "format_summary",
+    "load_tune_config",
+    "main",
+    "make_pruner",
+    "open_storage",
+    "open_study",
+    "run_study",
+    "set_dotted",
+    "summarize",
+    "write_fit_config",
+]

@@ -1,0 +1,121 @@
+"""After the trials: best trial(s) as ready fit configs, importances, plots, summary.json, the printed summary."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from foxhunt.tune.space import TuneConfig, compose_fit_config, decoded_params, write_fit_config
+
+
+# ------------------------------------------------------------------------------------------------------- summary
+def _kind(t: FrozenTrial) -> str:
+    if t.state == TrialState.FAIL:
+        return str(t.user_attrs.get("fail_kind", "stale"))
+    return t.state.name.lower()
+
+
+def summarize(study: optuna.Study, cfg: TuneConfig, out_dir: Path | None = None, plots: bool = True) -> dict[str, Any]:
+    """Best trial(s), ready fit configs, importances and plots, written under ``out_dir`` (default runs/<study>/best)."""
+    out_dir = out_dir or cfg.runs_dir / study.study_name / "best"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trials = study.get_trials(deepcopy=False)
+    counts: dict[str, int] = {}
+    for t in trials:
+        counts[_kind(t)] = counts.get(_kind(t), 0) + 1
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    summary: dict[str, Any] = {
+        "study": study.study_name,
+        "objectives": [{"metric": o.metric, "direction": o.direction, "reduce": o.reduce} for o in cfg.objectives],
+        "n_trials": len(trials),
+        "counts": counts,
+        "pruned": [t.number for t in trials if t.state == TrialState.PRUNED],
+        "failed": {t.number: t.user_attrs.get("fail_reason", _kind(t)) for t in trials if t.state == TrialState.FAIL},
+        "best": [],
+        "importances": {},
+        "plots": [],
+    }
+    best_trials = study.best_trials if complete else []
+    for t in best_trials:
+        params = decoded_params(cfg, t)
+        name = "config.yaml" if not cfg.multi_objective else f"config_trial_{t.number}.yaml"
+        values = dict(zip([o.metric for o in cfg.objectives], t.values, strict=True))
+        path = write_fit_config(
+            compose_fit_config(cfg, params), out_dir / name,
+            f"best trial {t.number} of study {study.study_name}: {json.dumps(values)}\n"
+            f"written by foxhunt.tune; run: python -m foxhunt.fit --config {out_dir / name}",
+        )
+        summary["best"].append({"number": t.number, "values": values, "params": params, "config": str(path),
+                                "log_dir": t.user_attrs.get("log_dir"), "export_dir": t.user_attrs.get("export_dir")})
+    for i, o in enumerate(cfg.objectives):
+        target = (lambda t, i=i: t.values[i]) if cfg.multi_objective else None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                summary["importances"][o.metric] = {
+                    k: round(v, 4) for k, v in optuna.importance.get_param_importances(study, target=target).items()
+                }
+        except (RuntimeError, ValueError) as e:
+            summary["importances"][o.metric] = f"n/a: {e}"
+        if plots and complete:
+            summary["plots"] += _plots(study, target, o.metric, out_dir, i if cfg.multi_objective else None,
+                                       isinstance(summary["importances"][o.metric], dict))
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    summary["summary_path"] = str(out_dir / "summary.json")
+    return summary
+
+
+def _plots(study: optuna.Study, target: Callable[[FrozenTrial], float] | None, metric: str, out_dir: Path,
+           index: int | None, importances: bool) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from optuna.visualization import matplotlib as ovm
+
+    suffix = "" if index is None else f"_{index}"
+    written = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        makers = [("optimization_history", ovm.plot_optimization_history)]
+        if importances:
+            makers.append(("param_importances", ovm.plot_param_importances))
+        for name, fn in makers:
+            ax = fn(study, target=target, target_name=metric)
+            fig = ax.figure if hasattr(ax, "figure") else ax.flat[0].figure
+            path = out_dir / f"{name}{suffix}.png"
+            fig.savefig(path, dpi=110, bbox_inches="tight")
+            plt.close(fig)
+            written.append(str(path))
+    return written
+
+
+def format_summary(summary: Mapping[str, Any], storage: str) -> str:
+    counts = ", ".join(f"{v} {k}" for k, v in sorted(summary["counts"].items()))
+    lines = [f"\nstudy {summary['study']!r}: {summary['n_trials']} trials ({counts})"]
+    if summary["pruned"]:
+        lines.append(f"  pruned: {summary['pruned']}")
+    for number, reason in summary["failed"].items():
+        lines.append(f"  failed trial {number}: {reason}")
+    if not summary["best"]:
+        lines.append("  no complete trial yet")
+    for b in summary["best"]:
+        vals = ", ".join(f"{k}={v:.6g}" for k, v in b["values"].items())
+        lines.append(f"  best trial {b['number']}: {vals}")
+        lines += [f"    {k}: {v}" for k, v in b["params"].items()]
+        lines.append(f"    fit config: {b['config']}")
+        lines.append(f"    weights:    {b['export_dir']}")
+    for metric, imp in summary["importances"].items():
+        text = ", ".join(f"{k} {v:.2f}" for k, v in imp.items()) if isinstance(imp, dict) else imp
+        lines.append(f"  importances ({metric}): {text}")
+    for p in summary["plots"]:
+        lines.append(f"  plot: {p}")
+    lines.append(f"  summary: {summary['summary_path']}")
+    lines.append(f"  dashboard: optuna-dashboard {storage}")
+    return "\n".join(lines)
