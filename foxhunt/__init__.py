@@ -1,6 +1,8 @@
-"""foxhunt: a Lightning ensemble of a Temporal Fusion Transformer and a Double DQN that trades OHLCV bars."""
+"""foxhunt: a Lightning ensemble of forecasters (TFT) and agents (Double DQN) that trades OHLCV bars."""
 
-__version__ = "0.1.0"
+from foxhunt.version import __version__
+
+__all__ = ["__version__", "load"]
 
 
 def load(path: str, map_location: str = "cpu"):

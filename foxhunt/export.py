@@ -23,11 +23,11 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
-import foxhunt
 from foxhunt.data.datamodule import BarDataModule
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.lit.member import Member
+from foxhunt.version import __version__
 
 FORMAT = "foxhunt-export"
 FORMAT_VERSION = 1
@@ -88,7 +88,7 @@ def export_ensemble(model: EnsembleModule, dm: BarDataModule, out_dir: str | Pat
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "versions": {
-            "foxhunt": foxhunt.__version__,
+            "foxhunt": __version__,
             "torch": torch.__version__,
             "lightning": lightning.__version__,
             "python": platform.python_version(),
@@ -174,9 +174,9 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> LoadedEn
     if int(meta.get("format_version", -1)) != FORMAT_VERSION:
         raise ExportError(f"{meta_path}: export format version {meta.get('format_version')} is not {FORMAT_VERSION}, which this foxhunt reads")
     exported = meta["versions"]["foxhunt"].split(".")[:2]
-    if exported != foxhunt.__version__.split(".")[:2]:
+    if exported != __version__.split(".")[:2]:
         raise ExportError(
-            f"{meta_path}: exported by foxhunt {meta['versions']['foxhunt']}, this is {foxhunt.__version__} "
+            f"{meta_path}: exported by foxhunt {meta['versions']['foxhunt']}, this is {__version__} "
             "(major.minor must match)"
         )
     data = meta["data"]

@@ -69,14 +69,14 @@ def test_study_prunes_the_bad_region_logs_each_trial_and_summarises(tiny_study) 
     assert TrialState.PRUNED in states and TrialState.COMPLETE in states, states
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     for t in trials:
-        if t.params["model.tft.lr"] > 0.7:  # the deliberately bad region is pruned after its first validation
+        if t.params["model.members.tft.lr"] > 0.7:  # the deliberately bad region is pruned after its first validation
             assert t.state == TrialState.PRUNED, (t.number, t.params)
         if t.state == TrialState.PRUNED:
             assert "pruned" in t.user_attrs["pruned_reason"]
             first = t.intermediate_values[0]
             assert first > min(c.intermediate_values[0] for c in complete if c.number < t.number)
             assert len(t.intermediate_values) == 1
-    assert any(t.params["model.tft.lr"] > 0.7 for t in trials), "the seeded start-up no longer samples the bad region"
+    assert any(t.params["model.members.tft.lr"] > 0.7 for t in trials), "the seeded start-up no longer samples the bad region"
     for t in complete:  # the objective is the best validation quantile loss, reported every epoch
         assert t.value == pytest.approx(min(t.intermediate_values.values()), rel=1e-6)
         assert len(t.intermediate_values) == 2
@@ -86,14 +86,14 @@ def test_study_prunes_the_bad_region_logs_each_trial_and_summarises(tiny_study) 
         trial_dir = runs / f"trial_{t.number}"
         assert t.user_attrs["log_dir"] == str(trial_dir)
         fit_config = yaml.safe_load((trial_dir / "fit_config.yaml").read_text())
-        assert fit_config["model"]["tft"]["lr"] == t.params["model.tft.lr"]
-        assert fit_config["model"]["dqn"]["hidden"] == json.loads(t.params["model.dqn.hidden"])
+        assert fit_config["model"]["members"]["tft"]["init_args"]["lr"] == t.params["model.members.tft.lr"]
+        assert fit_config["model"]["members"]["dqn"]["init_args"]["hidden"] == json.loads(t.params["model.members.dqn.hidden"])
         events = list(trial_dir.glob("events.out.tfevents*"))
         assert events, f"trial {t.number} wrote no TensorBoard events"
         acc = EventAccumulator(str(events[0]))
         acc.Reload()
         hparams = acc.PluginTagToContent("hparams")
-        assert any(b"model.tft.lr" in content for content in hparams.values()), "parameters missing from the hparams tab"
+        assert any(b"model.members.tft.lr" in content for content in hparams.values()), "parameters missing from the hparams tab"
         assert "hp/val/tft/quantile_loss" in acc.Tags()["scalars"]
     # the feature cache is shared: every trial read the same features
     assert len(list((tmp / "cache").glob("features-*.safetensors"))) == 1
@@ -108,7 +108,7 @@ def test_study_prunes_the_bad_region_logs_each_trial_and_summarises(tiny_study) 
     if len(complete) >= 2:
         assert set(summary["importances"]["val/tft/quantile_loss"]) == set(best_trial.params)
     config = yaml.safe_load((best / "config.yaml").read_text())
-    assert config["model"]["tft"]["lr"] == best_trial.params["model.tft.lr"]
+    assert config["model"]["members"]["tft"]["init_args"]["lr"] == best_trial.params["model.members.tft.lr"]
     assert config["trainer"]["max_epochs"] == 2  # the fixed keys are part of the ready config
 
 
@@ -136,8 +136,8 @@ def test_best_config_runs_in_fit_unchanged(tiny_study, tmp_path: Path, monkeypat
     monkeypatch.chdir(tmp_path)  # the config's own logger writes runs/ here
     cli = fit_main(["--config", str(best)])
     study = _study(tmp)
-    assert cli.model.tft.hparams.lr == pytest.approx(study.best_params["model.tft.lr"])
-    assert list(cli.model.dqn.hparams.hidden) == json.loads(study.best_params["model.dqn.hidden"])
+    assert cli.model.member("tft").hparams.lr == pytest.approx(study.best_params["model.members.tft.lr"])
+    assert list(cli.model.member("dqn").hparams.hidden) == json.loads(study.best_params["model.members.dqn.hidden"])
     assert "ensemble" in cli.results["backtest"]
     assert list((tmp_path / "runs").rglob("ensemble.safetensors"))
 
@@ -188,7 +188,7 @@ class _Inject(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.how == "nan":  # the non-finite guard must catch it
             with torch.no_grad():
-                next(pl_module.tft.net.parameters()).fill_(float("nan"))
+                next(pl_module.member("tft").network.parameters()).fill_(float("nan"))
         elif self.how == "raise":
             raise RuntimeError("boom in trial")
         elif self.how == "oom":
@@ -246,16 +246,17 @@ def test_config_errors_name_file_and_field(tmp_path: Path, capsys) -> None:
             load_tune_config(path)
         assert str(path) in str(info.value)
 
-    space = "search_space: {model.tft.lr: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}}\n"
-    bad("search_space: {model.tft.lr: {type: float, low: 0, high: 1, log: true}}\n", r"search_space\.model\.tft\.lr.*low > 0")
-    bad("search_space: {model.tft.lr: {type: gaussian}}\n", "float, int or categorical")
+    space = "search_space: {model.members.tft.lr: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}}\n"
+    bad("search_space: {model.members.tft.lr: {type: float, low: 0, high: 1, log: true}}\n",
+        r"search_space\.model\.members\.tft\.lr.*low > 0")
+    bad("search_space: {model.members.tft.lr: {type: gaussian}}\n", "float, int or categorical")
     bad("search_space: {data.lookback: {type: int, low: 8}}\n", "needs 'low' and 'high'")
     bad(space + "objective: {metric: val/sharpe, direction: up}\n", "direction")
     bad(space + "objective: [val/sharpe, val/ensemble/max_drawdown]\npruner: {name: median}\n", "single objective")
     bad(space + "pruner: {name: median, patience: 3}\n", "rejects its arguments")
     bad(space + "sampler: {name: annealing}\n", "sampler.name")
     bad(space + "searchspace: {}\n", "unknown key")
-    bad(space + "fixed: {model.tft.lr: 0.1}\n", "both fixed and searched")
+    bad(space + "fixed: {model.members.tft.lr: 0.1}\n", "both fixed and searched")
     path = tmp_path / "nobase.yaml"
     path.write_text("base_config: nowhere.yaml\n" + space)
     assert main(["--config", str(path)]) == 2
@@ -267,7 +268,7 @@ def test_config_errors_name_file_and_field(tmp_path: Path, capsys) -> None:
 
 
 def test_search_space_keys_are_checked_by_the_fit_parser(tmp_path: Path) -> None:
-    path = _config(tmp_path, search_space={"model.tft.hidden_sise": {"type": "int", "low": 4, "high": 8}})
+    path = _config(tmp_path, search_space={"model.members.tft.hidden_sise": {"type": "int", "low": 4, "high": 8}})
     with pytest.raises(TuneConfigError, match="hidden_sise"):
         run_study(load_tune_config(path), n_trials=1)
     assert not (tmp_path / "runs" / "optuna.db").exists() or not _study(tmp_path).trials
@@ -281,14 +282,17 @@ def test_a_trial_config_rejected_by_fit_fails_with_the_parser_message(tmp_path: 
     assert "max_epochs" in trial.user_attrs["fail_reason"] and "three" in trial.user_attrs["fail_reason"]
 
 
-def test_set_dotted_follows_init_args_and_refuses_null_sections() -> None:
-    config = {"model": {"tft": {"class_path": "foxhunt.lit.TFTModule", "init_args": {"lr": 0.1}}, "dqn": None}}
-    set_dotted(config, "model.tft.hidden_size", 16)
+def test_set_dotted_creates_missing_sections_and_refuses_null_entries() -> None:
+    config = {"model": {"members": {"tft": {"class_path": "foxhunt.lit.TFTModule", "init_args": {"lr": 0.1}},
+                                    "dqn": None}}}
+    set_dotted(config, "model.members.tft.hidden_size", 16)
     set_dotted(config, "data.lookback", 8)
-    assert config["model"]["tft"]["init_args"] == {"lr": 0.1, "hidden_size": 16}
+    assert config["model"]["members"]["tft"]["init_args"] == {"lr": 0.1, "hidden_size": 16}
     assert config["data"] == {"lookback": 8}
-    with pytest.raises(TuneConfigError, match="model.dqn is null"):
-        set_dotted(config, "model.dqn.lr", 0.1)
+    # a member the base config nulls out is not silently brought back as a class-less section
+    with pytest.raises(TuneConfigError, match=r"model\.members\.dqn is null"):
+        set_dotted(config, "model.members.dqn.lr", 0.1)
+    assert config["model"]["members"]["dqn"] is None
 
 
 def test_set_dotted_steps_into_init_args_at_any_depth() -> None:

@@ -15,15 +15,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from foxhunt.features import calendar, momentum, shape, trend, volatility, volume
+from foxhunt.features import calendar
+from foxhunt.features.catalog import KNOWN_FUTURE, REGISTRY
 from foxhunt.features.panel import Panel
-from foxhunt.features.registry import Feature, build_registry, select
+from foxhunt.features.registry import Feature, select
 
 BACKENDS: tuple[str, ...] = ("auto", "numpy", "torch")
-REGISTRY: dict[str, Feature] = build_registry(
-    m.features() for m in (momentum, trend, volatility, volume, shape, calendar)
-)
-KNOWN_FUTURE: tuple[str, ...] = tuple(n for n, f in REGISTRY.items() if f.known_future)
+__all__ = ["BACKENDS", "KNOWN_FUTURE", "REGISTRY", "FeatureOutput", "FeatureSet", "compute_features"]
 
 @dataclass
 class FeatureOutput:

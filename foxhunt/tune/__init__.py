@@ -21,13 +21,12 @@ leaves the storage consistent; a worker killed outright is found by Optuna's hea
 
 Modules: ``space`` (the tune config, its search space and the fit configs of dotted keys), ``study`` (storage,
 sampler, pruner, study creation, the trial budget), ``objective`` (a trial's fit, pruning, metric reduction, and
-``run_study``), ``report`` (best configs, importances, plots, the summary), ``__main__`` (the command line).
+``run_study``), ``report`` (best configs, importances, plots, the summary), ``cli`` (the command line that ``python -m foxhunt.tune`` runs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
+from foxhunt.tune.cli import main
 from foxhunt.tune.objective import FitObjective, MetricMissingError, StudyRun, TrialError, run_study
 from foxhunt.tune.report import format_summary, summarize
 from foxhunt.tune.space import (
@@ -54,14 +53,6 @@ from foxhunt.tune.study import (
     open_storage,
     open_study,
 )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m foxhunt.tune`` in-process (the command line lives in ``foxhunt/tune/__main__.py``)."""
-    from foxhunt.tune.__main__ import main as cli_main
-
-    return cli_main(argv)
-
 
 __all__ = [
     "COUNTED_FAIL_KINDS",

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from foxhunt.features.compute import REGISTRY
+from foxhunt.features.catalog import REGISTRY
 from foxhunt.features.device import calendar, momentum, shape, trend, volatility, volume
 from foxhunt.features.device.panel import TorchPanel
 
