@@ -1,0 +1,166 @@
+"""The coordinator over any set of members: two forecasters and two agents train, validate, export, reload, back-test."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+import foxhunt
+from foxhunt.data.datamodule import BarDataModule
+from foxhunt.data.market import MarketSpec
+from foxhunt.export import export_ensemble
+from foxhunt.lit.dqn import DQNModule
+from foxhunt.lit.ensemble import EnsembleModule
+from foxhunt.lit.member import Agent, Forecaster
+from foxhunt.lit.tft import TFTModule
+
+FEATURES = ["logret_1", "logret_2", "logret_5", "rsi_14", "std_logret_20", "tod_sin", "tod_cos"]
+
+
+def datamodule() -> BarDataModule:
+    return BarDataModule(synthetic_bars=4000, signal_strength=0.3, features=FEATURES, known_future=["tod_sin", "tod_cos"],
+                         lookback=8, horizon=2, batch_size=32, eval_batch_size=256, cache_dir=None)
+
+
+def four_members() -> dict:
+    """Two TFTs of different sizes and two DQNs with different windows."""
+    tft = {"attention_heads": 2, "lr": 3e-3, "scheduler": "none", "policy_interval": (0.5, 0.5), "log_grad_norm_every": 2}
+    dqn = {"n_envs": 16, "episode_length": 32, "batch_size": 32, "replay_capacity": 2048, "learning_starts": 128,
+           "epsilon_steps": 20, "updates_per_step": 2, "start_step": 3, "log_grad_norm_every": 2}
+    return {
+        "tft_small": TFTModule(hidden_size=8, hidden_continuous_size=4, **tft),
+        "tft_large": TFTModule(hidden_size=16, hidden_continuous_size=8, **tft),
+        "dqn_short": DQNModule(window=4, hidden=(16,), seed=1, **dqn),
+        "dqn_long": DQNModule(window=8, hidden=(32, 16), seed=2, **dqn),
+    }
+
+
+def fit(model: EnsembleModule, dm: BarDataModule, tmp_path: Path, **kw) -> pl.Trainer:
+    args = {"accelerator": "cpu", "max_epochs": 2, "limit_train_batches": 6, "limit_val_batches": 2,
+            "num_sanity_val_steps": 0, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+            "enable_model_summary": False, "log_every_n_steps": 2, "default_root_dir": str(tmp_path)}
+    args.update(kw)
+    trainer = pl.Trainer(**args)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        trainer.fit(model, datamodule=dm)
+    return trainer
+
+
+@pytest.mark.parametrize("combine", ["sharpe_weighted", "vote", "stack"])
+def test_two_forecasters_two_agents_train_export_reload_and_backtest(tmp_path: Path, combine: str) -> None:
+    dm = datamodule()
+    model = EnsembleModule(members=four_members(), combine=combine, cost_bps=0.5)
+    fit(model, dm, tmp_path)
+    assert model.forecaster_names == ["tft_small", "tft_large"] and model.agent_names == ["dqn_short", "dqn_long"]
+    # every member trained at its own pace: forecasters from the first step, agents after their start step
+    steps = model.steps
+    assert steps == 12
+    assert model.updates["tft_small"] == model.updates["tft_large"] == steps
+    assert model.updates["dqn_short"] == model.updates["dqn_long"] == 2 * (steps - 3)
+    assert model.member("dqn_long").q_net.n_features == model.member("dqn_short").q_net.n_features
+    if combine == "stack":  # each agent observes both forecasters' standardised quantiles (2 x H x Q extra columns)
+        assert model.member("dqn_short").train_split.n_features == len(FEATURES) + 2 * 2 * 3
+    # hyperparameters are what the config said: data-derived sizes live in plain attributes
+    assert model.member("tft_small").hparams.n_features is None and model.member("dqn_short").hparams.n_features is None
+    evaluation = model.last_evaluation
+    assert evaluation is not None and {"ensemble", "buy_and_hold", "oracle", *model.member_names} <= set(evaluation.metrics)
+    # validation chose the weights (sharpe_weighted): positive validation Sharpe only, summing to 1 or all zero
+    w = model.weights.tolist()
+    assert all(x >= 0 for x in w) and (abs(sum(w) - 1) < 1e-6 or sum(w) == 0)
+
+    meta = export_ensemble(model, dm, tmp_path / "export")
+    assert set(meta["members"]) == set(model.member_names)
+    assert {f"{n}.safetensors" for n in model.member_names} <= {p.name for p in (tmp_path / "export").iterdir()}
+    loaded = foxhunt.load(tmp_path / "export")
+    test = model.split("test")
+    mine, theirs = model.positions(test), loaded.model.positions(test)
+    assert set(mine) == set(theirs)
+    for who in mine:
+        torch.testing.assert_close(theirs[who].cpu(), mine[who].cpu(), msg=f"{who} positions differ after reload")
+    table = loaded.backtest(dm.bars)
+    assert {"ensemble", "buy_and_hold", *model.member_names} <= set(table)
+    assert all(k in table["ensemble"] for k in ("sharpe", "sortino", "max_drawdown", "turnover", "n_trades"))
+
+
+def test_member_protocol_kinds_and_binding() -> None:
+    tft, dqn = TFTModule(hidden_size=8, attention_heads=2, hidden_continuous_size=4), DQNModule(window=3, hidden=(8,))
+    assert isinstance(tft, Forecaster) and tft.kind == "forecaster" and isinstance(dqn, Agent) and dqn.kind == "agent"
+    with pytest.raises(RuntimeError, match="bind it"):
+        _ = tft.network
+    spec = MarketSpec(["a", "b", "c"], ["c"], ["S0"], lookback=6, horizon=2)
+    before = dict(tft.hparams)
+    tft.bind(spec)
+    dqn.bind(spec, extra_inputs=4, cost_bps=2.0)
+    assert dict(tft.hparams) == before  # binding writes no hyperparameter
+    assert tft.horizon == 2 and dqn.n_inputs == 7 and dqn.cost_bps == 2.0
+    assert DQNModule(window=3, cost_bps=0.3).cost_bps == 0.3  # a member's own cost wins over the coordinator's
+    with pytest.raises(ValueError, match="configured with lookback=9"):
+        TFTModule(n_features=3, n_known_future=1, lookback=9, horizon=2, hidden_size=8, attention_heads=2).bind(spec)
+
+
+def test_coordinator_rejects_bad_member_sets() -> None:
+    with pytest.raises(ValueError, match="at least one member"):
+        EnsembleModule(members={})
+    with pytest.raises(TypeError, match="not a Forecaster or an Agent"):
+        EnsembleModule(members={"net": torch.nn.Linear(2, 2)})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="needs at least one forecaster and one agent"):
+        EnsembleModule(members={"dqn": DQNModule()}, combine="stack")
+    with pytest.raises(ValueError, match="identifier"):
+        EnsembleModule(members={"my dqn": DQNModule()})
+
+
+def test_nonfinite_member_loss_is_skipped_and_counted_without_touching_the_others(tmp_path: Path) -> None:
+    """One member's NaN loss (policy "skip") skips that member's update only; the other member still learns."""
+    members = four_members()
+    members = {"tft": members["tft_small"], "dqn": DQNModule(window=4, hidden=(16,), n_envs=16, episode_length=32,
+                                                              batch_size=32, replay_capacity=2048, learning_starts=128,
+                                                              updates_per_step=1, nonfinite="skip")}
+    model = EnsembleModule(members=members, combine="vote")
+    dqn = model.member("dqn")
+    real = dqn.training_loss
+
+    def poisoned(batch, update):  # every other DQN update is NaN
+        loss = real(batch, update)
+        return loss * float("nan") if update % 2 else loss
+
+    dqn.training_loss = poisoned  # type: ignore[method-assign]
+    dm = datamodule()
+    dm.setup()
+    model.bind(dm.spec)  # binding twice to the same data keeps the networks
+    before = {k: v.clone() for k, v in model.member("tft").network.state_dict().items()}
+    fit(model, dm, tmp_path, max_epochs=1)
+    assert dqn.guard.skipped > 0 and model.updates["dqn"] + dqn.guard.skipped == model.steps
+    assert model.updates["tft"] == model.steps
+    after = model.member("tft").network.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_direct_backward_matches_manual_backward(tmp_path: Path) -> None:
+    """The direct-backward switch trains the same weights as Lightning's manual_backward (the reference path)."""
+    weights = []
+    for direct in (True, False):
+        pl.seed_everything(0, verbose=False)
+        model = EnsembleModule(members=four_members(), combine="vote", direct_backward=direct)
+        fit(model, datamodule(), tmp_path, max_epochs=1, limit_val_batches=0)
+        weights.append(model.state_dict())
+    for k in weights[0]:
+        torch.testing.assert_close(weights[0][k], weights[1][k], rtol=0, atol=0, msg=k)
+
+
+def test_export_metadata_names_members_and_spec(tmp_path: Path) -> None:
+    dm = datamodule()
+    members = four_members()
+    model = EnsembleModule(members={"tft": members["tft_small"], "dqn": members["dqn_short"]}, combine="vote")
+    fit(model, dm, tmp_path, max_epochs=1)
+    meta = export_ensemble(model, dm, tmp_path / "x")
+    on_disk = json.loads((tmp_path / "x" / "metadata.json").read_text())
+    assert on_disk == json.loads(json.dumps(meta))
+    assert on_disk["members"]["tft"]["class_path"] == "foxhunt.lit.tft.TFTModule"
+    assert on_disk["spec"]["feature_names"] == FEATURES and on_disk["spec"]["lookback"] == 8
+    assert on_disk["members"]["dqn"]["run"]["cost_bps"] == 1.0
