@@ -37,10 +37,10 @@ def main() -> None:
             ])
             cli.fit()
             model = cli.model
-            val, test = model.backtest("val"), model.backtest("test")
+            val, test = model.evaluate(model.split("val")).metrics, model.evaluate(model.split("test")).metrics
             seconds = time.perf_counter() - t0
             for who in val:
-                key = f"ensemble ({combine})" if who == "ensemble" else f"{who} [{combine} run]" if who in ("tft", "dqn") else who
+                key = f"ensemble ({combine})" if who == "ensemble" else f"{who} [{combine} run]" if who in model.member_names else who
                 rows[key] = {"val_sharpe": val[who]["sharpe"], "test_sharpe": test[who]["sharpe"],
                              "test_total_log_return": test[who]["total_log_return"], "test_turnover": test[who]["turnover"]}
             print(f"{combine}: trained and back-tested in {seconds:.0f} s", flush=True)

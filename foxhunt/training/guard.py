@@ -37,8 +37,7 @@ def _max_abs(tensors: list[Tensor]) -> Tensor:
     """Max |x| over all tensors in one reduction (NaN and Inf propagate; no overflow, unlike a 2-norm)."""
     if not tensors:
         return torch.zeros(())
-    norms = torch._foreach_norm(tensors, float("inf"))
-    return torch.stack([n.float().to(norms[0].device) for n in norms]).max()
+    return torch.nn.utils.get_total_norm(tensors, float("inf"))
 
 
 class NonFiniteGuard:
@@ -98,7 +97,7 @@ class NonFiniteGuard:
         grads = [p.grad for p in (module.parameters() if params is None else params) if p.grad is not None]
         if not grads:
             return True
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).item()
+        norm = torch.nn.utils.get_total_norm(grads).item()
         if not math.isfinite(norm):
             # NaN/Inf gradients, or finite ones whose squares overflow: the max-abs check tells them apart.
             if not self.check_gradients(module, step):
@@ -107,7 +106,7 @@ class NonFiniteGuard:
                 torch.nn.utils.clip_grad_norm_(grads, max_norm)
             return True
         if max_norm and norm > max_norm:
-            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, torch.tensor(norm))
         return True
 
     def state_dict(self) -> dict[str, int | str]:
