@@ -8,7 +8,8 @@ Features are causal: the last return, the mean of the last 8 returns and the las
 z-scored with training-split statistics. ``--market synthetic`` uses foxhunt.data.synthetic's generator instead
 (GARCH volatility, fat tails, sessions; phi is its signal_strength) with its exact oracle mean.
 Chronological split train | val | test with purge gaps. The DQN trains on train, is selected on nothing (the last
-weights are tested), and is scored on test against the oracle, flat, a random policy and buy-and-hold.
+weights are tested), and is scored on test against the oracle, flat, a random policy and buy-and-hold. It trains as the
+only member of the coordinator (``EnsembleModule(members={"dqn": DQNModule(...)})`` on a ``MarketDataModule``).
 
     python scripts/dqn_quality.py --phi 0.1 --steps 10000          # weak signal
     python scripts/dqn_quality.py --phi 0.3 --steps 10000          # strong signal
@@ -152,26 +153,48 @@ def best_causal_oracle(base: dict[str, dict[str, float]]) -> float:
 
 
 def default_dqn_kwargs(steps: int) -> dict:
-    """The configuration the quality figures are measured with (kept in one place for the test and the bench)."""
+    """The configuration the quality figures are measured with (kept in one place for the test and the bench).
+
+    ``cost_bps`` is the coordinator's (the member takes it from there); ``updates_per_epoch`` sets the data module's
+    epoch length (validation every that many updates when validating); the rest are the DQN member's.
+    """
     return {
         "window": 4, "n_envs": 256, "episode_length": 256, "cost_bps": 1.0, "gamma": 0.9, "hidden": (128, 128), "batch_size": 256,
         "replay_capacity": 262_144, "learning_starts": 16_384, "target_update": "polyak", "tau": 0.005,
         "epsilon_start": 1.0, "epsilon_end": 0.05, "epsilon_steps": max(1, steps // 4), "exogenous": "all_actions",
-        "lr": 3e-4, "weight_decay": 1e-4, "scheduler": "cosine", "total_steps": steps, "steps_per_epoch": min(steps, 1000),
+        "lr": 3e-4, "weight_decay": 1e-4, "scheduler": "cosine", "total_steps": steps, "updates_per_epoch": min(steps, 1000),
         "log_grad_norm_every": 0,
     }
 
 
+def updates_per_step_for(steps: int, most: int = 16) -> int:
+    """The largest number of updates per coordinator step, at most ``most``, that divides ``steps``: the Trainer
+    stops at a step boundary, so this trains exactly ``steps`` updates."""
+    return max(k for k in range(1, most + 1) if steps % k == 0)
+
+
 def train_dqn(data: SyntheticMarket, steps: int, seed: int = 0, validate: bool = False, **overrides):
-    """Train a DQNModule for ``steps`` updates on ``data.train``; returns (module, seconds)."""
+    """Train a DQN member for ``steps`` updates on ``data.train`` through the coordinator (``EnsembleModule`` with the
+    DQN as its only member, fitted on a ``MarketDataModule``); returns (the trained DQNModule, seconds).
+
+    The member keeps the coordinator's cost (``module.cost_bps``); ``module.evaluate(split)`` back-tests its greedy
+    policy as before.
+    """
     import lightning as L
 
+    from foxhunt.data.datamodule import MarketDataModule
     from foxhunt.lit.dqn import DQNModule
+    from foxhunt.lit.ensemble import EnsembleModule
 
     kwargs = default_dqn_kwargs(steps)
     kwargs.update(overrides)
-    module = DQNModule(n_features=data.train.n_features, seed=seed, **kwargs)
-    module.attach_market(data.train, data.val if validate else None)
+    cost_bps = kwargs.pop("cost_bps")
+    updates_per_epoch = kwargs.pop("updates_per_epoch")
+    kwargs.setdefault("updates_per_step", updates_per_step_for(steps))
+    module = DQNModule(seed=seed, **kwargs)
+    ensemble = EnsembleModule(members={"dqn": module}, cost_bps=cost_bps)
+    dm = MarketDataModule(data.train, data.val if validate else None, data.test,
+                          steps_per_epoch=math.ceil(updates_per_epoch / module.updates_per_step))
     trainer = L.Trainer(
         max_steps=steps, max_epochs=-1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
@@ -180,7 +203,7 @@ def train_dqn(data: SyntheticMarket, steps: int, seed: int = 0, validate: bool =
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
-        trainer.fit(module)
+        trainer.fit(ensemble, datamodule=dm)
     return module, time.perf_counter() - t0
 
 
@@ -192,7 +215,7 @@ def run_quality(phi: float, steps: int, n_bars: int, seed: int = 0, market: str 
         data = generator_market(n_bars=n_bars, signal_strength=phi, seed=seed)
     module, seconds = train_dqn(data, steps, seed=seed, **overrides)
     dqn = module.evaluate(data.test)
-    test_market = MarketTensors(data.test, module.hparams.window, tuple(module.hparams.actions), module.hparams.cost_bps)
+    test_market = MarketTensors(data.test, module.hparams.window, tuple(module.hparams.actions), module.cost_bps)
     base = baseline_metrics(test_market, data.expected["test"], seed=seed)
     oracle = best_causal_oracle(base)
     return {

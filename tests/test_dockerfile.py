@@ -195,16 +195,17 @@ class _Parsed(Exception):
 
 
 def _check_backtest_args(args: list[str], monkeypatch) -> None:
+    import foxhunt.backtest
     import foxhunt.export
 
     def stop(*a, **k):
         raise _Parsed
 
+    # foxhunt.backtest imports `load` by name: patch it there too (imported first, so it keeps the real one after)
     monkeypatch.setattr(foxhunt.export, "load", stop)
-    from foxhunt.backtest import main
-
+    monkeypatch.setattr(foxhunt.backtest, "load", stop)
     with pytest.raises(_Parsed):
-        main(args)
+        foxhunt.backtest.main(args)
 
 
 def _help(module: str, monkeypatch, capsys) -> str:

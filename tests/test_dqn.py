@@ -1,7 +1,14 @@
-"""DQNModule: configuration checks, logging, target updates, non-finite guard, exact resume from a checkpoint."""
+"""DQNModule as an agent member of the coordinator: configuration checks, binding, targets, logging, target updates,
+the non-finite guard, exact resume from a checkpoint, schedules and the backward paths.
+
+The DQN trains only through ``EnsembleModule(members={"dqn": DQNModule(...)})`` fitted on a ``MarketDataModule``;
+with a single member ``trainer.global_step`` counts DQN updates, and the Trainer stops at a coordinator step boundary
+(after a multiple of ``updates_per_step`` updates).
+"""
 
 from __future__ import annotations
 
+import csv
 import warnings
 from pathlib import Path
 
@@ -10,7 +17,10 @@ import pytest
 import torch
 from conftest import load_script
 
+from foxhunt.data.datamodule import MarketDataModule
+from foxhunt.data.market import MarketSpec
 from foxhunt.lit.dqn import DQNModule, double_dqn_target
+from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.training.guard import NonFiniteError
 
 quality = load_script("dqn_quality")
@@ -21,10 +31,12 @@ def market():
     return quality.ar1_market(n_bars=12_000, phi=0.3, seed=1)
 
 
+# 4 updates per coordinator step, 5 steps per epoch: 20 updates per epoch
 SMALL = {
     "window": 4, "n_envs": 32, "episode_length": 64, "hidden": (32, 32), "batch_size": 32, "replay_capacity": 4096,
-    "learning_starts": 256, "epsilon_steps": 50, "steps_per_epoch": 20, "log_grad_norm_every": 5,
+    "learning_starts": 256, "epsilon_steps": 50, "log_grad_norm_every": 5, "updates_per_step": 4,
 }
+UPDATES_PER_EPOCH = 20
 
 
 def trainer(tmp_path: Path, **kw) -> L.Trainer:
@@ -37,47 +49,88 @@ def trainer(tmp_path: Path, **kw) -> L.Trainer:
     return L.Trainer(**args)
 
 
-def fit(module: DQNModule, t: L.Trainer, **kw) -> None:
+def datamodule(market, validate: bool = False, updates_per_step: int = SMALL["updates_per_step"]) -> MarketDataModule:
+    """The market's splits; an epoch is UPDATES_PER_EPOCH updates of a member running ``updates_per_step`` per step."""
+    assert UPDATES_PER_EPOCH % updates_per_step == 0
+    return MarketDataModule(market.train, market.val if validate else None, market.test,
+                            steps_per_epoch=UPDATES_PER_EPOCH // updates_per_step)
+
+
+def fit(member: DQNModule, market, t: L.Trainer, validate: bool = False, model: EnsembleModule | None = None,
+        **kw) -> EnsembleModule:
+    """Fit the coordinator with ``member`` as its only member (or the given coordinator); returns the coordinator."""
+    model = EnsembleModule(members={"dqn": member}) if model is None else model
+    if not validate:
+        t.limit_val_batches = 0
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
-        t.fit(module, **kw)
+        t.fit(model, datamodule=datamodule(market, validate, member.updates_per_step), **kw)
+    return model
+
+
+def same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
 
 
 def test_constructor_rejects_bad_configuration() -> None:
     with pytest.raises(ValueError, match="gamma"):
-        DQNModule(n_features=2, gamma=1.0)
+        DQNModule(gamma=1.0)
     with pytest.raises(ValueError, match="n_step=1"):
-        DQNModule(n_features=2, n_step=3, exogenous="all_actions")
+        DQNModule(n_step=3, exogenous="all_actions")
     with pytest.raises(ValueError, match="target_update"):
-        DQNModule(n_features=2, target_update="soft")  # type: ignore[arg-type]
+        DQNModule(target_update="soft")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="replay_capacity"):
-        DQNModule(n_features=2, n_envs=256, replay_capacity=100)
+        DQNModule(n_envs=256, replay_capacity=100)
+    with pytest.raises(ValueError, match="updates_per_step"):
+        DQNModule(updates_per_step=0)
+    with pytest.raises(ValueError, match="start_step"):
+        DQNModule(start_step=-1)
+    with pytest.raises(ValueError, match="cost_bps"):
+        DQNModule(cost_bps=-1.0)
+    with pytest.raises(ValueError, match="gradient_clip_val"):
+        DQNModule(gradient_clip_val=-1.0)
     m = DQNModule(n_features=2)
     with pytest.raises(RuntimeError, match="attach_market"):
         m._build_environment()
+    with pytest.raises(RuntimeError, match="bind it"):
+        _ = DQNModule().network  # no n_features, not bound: no networks yet
 
 
-def test_attach_market_checks_features(market) -> None:
+def test_attach_market_and_bind_check_features(tmp_path, market) -> None:
     assert market.train.n_features == 3
-    with pytest.raises(ValueError, match="n_features=5"):
+    with pytest.raises(ValueError, match="built for 5"):
         DQNModule(n_features=5).attach_market(market.train)
+    with pytest.raises(ValueError, match="n_features=5"):
+        DQNModule(n_features=5).bind(MarketSpec.of(market.train))
+    with pytest.raises(ValueError, match="n_features=5"):  # the coordinator binds the member to the data at setup
+        fit(DQNModule(n_features=5, **SMALL), market, trainer(tmp_path, max_steps=4))
+    # without n_features the sizes come from the data, never into the hyperparameters
+    bound = DQNModule(**SMALL)
+    bound.bind(MarketSpec.of(market.train), extra_inputs=2)
+    assert bound.n_inputs == 5 and bound.hparams.n_features is None
+    attached = DQNModule(**SMALL)
+    attached.attach_market(market.train)
+    assert attached.n_inputs == 3 and attached.q_net.n_features == 3
 
 
 def test_epsilon_schedules() -> None:
-    lin = DQNModule(n_features=2, epsilon_start=1.0, epsilon_end=0.1, epsilon_steps=100)
+    lin = DQNModule(epsilon_start=1.0, epsilon_end=0.1, epsilon_steps=100)
     assert lin.epsilon(0) == 1.0 and lin.epsilon(50) == pytest.approx(0.55) and lin.epsilon(500) == pytest.approx(0.1)
-    exp = DQNModule(n_features=2, epsilon_schedule="exponential", epsilon_start=1.0, epsilon_end=0.01, epsilon_steps=100)
+    exp = DQNModule(epsilon_schedule="exponential", epsilon_start=1.0, epsilon_end=0.01, epsilon_steps=100)
     assert exp.epsilon(50) == pytest.approx(0.1) and exp.epsilon(1000) == pytest.approx(0.01)
 
 
-def test_same_seed_same_initial_weights_and_no_global_rng_use() -> None:
+def test_same_seed_same_initial_weights_and_no_global_rng_use(market) -> None:
+    spec = MarketSpec.of(market.train)
     torch.manual_seed(123)
     before = torch.rand(1)
     torch.manual_seed(123)
     a, b = DQNModule(n_features=2, seed=7), DQNModule(n_features=2, seed=7)
-    assert torch.rand(1) == before  # building the networks did not consume the global RNG
-    for pa, pb in zip(a.parameters(), b.parameters()):
-        assert torch.equal(pa, pb)
+    c, d = DQNModule(seed=7), DQNModule(seed=7)
+    c.bind(spec)
+    d.bind(spec)
+    assert torch.rand(1) == before  # building the networks (at construction or binding) did not consume the global RNG
+    assert same_parameters(a, b) and same_parameters(c, d)
     assert not torch.equal(next(DQNModule(n_features=2, seed=8).parameters()), next(a.parameters()))
 
 
@@ -87,15 +140,17 @@ def test_double_dqn_target_uses_online_argmax_and_target_values() -> None:
     r, d = torch.tensor([1.0, -1.0]), torch.tensor([0.5, 0.0])
     assert double_dqn_target(q_online, q_target, r, d).tolist() == [1.0 + 0.5 * 20.0, -1.0]
     assert double_dqn_target(q_online, q_target, r, d, double=False).tolist() == [1.0 + 0.5 * 30.0, -1.0]
+    with pytest.raises(ValueError, match="online"):
+        double_dqn_target(None, q_target, r, d)
 
 
-def test_td_targets_of_all_actions_match_a_direct_computation(market) -> None:
-    """The exogenous mode regresses every action of (t, p) onto r(t, p, a) + γ·Q_target((t+1, a), argmax Q_online)."""
-    module = DQNModule(n_features=market.train.n_features, gamma=0.7, **SMALL)
-    module.attach_market(market.train)
-    module._build_environment()
-    for _ in range(10):
-        module._env_step(1.0)
+def test_td_targets_of_all_actions_match_a_direct_computation(tmp_path, market) -> None:
+    """The exogenous mode regresses every action of (t, p) onto r(t, p, a) + γ·Q_target((t+1, a), argmax Q_online).
+
+    Checked after a few coordinator updates, so the online and target networks differ (Polyak averaging)."""
+    module = DQNModule(gamma=0.7, tau=0.5, **SMALL)
+    fit(module, market, trainer(tmp_path, max_steps=8))
+    assert not same_parameters(module.q_net, module.target_net)
     sample = module.replay.sample(16)
     loss, q = module.td_loss(sample)
     mk = module.env.market
@@ -113,35 +168,42 @@ def test_td_targets_of_all_actions_match_a_direct_computation(market) -> None:
 
 @pytest.mark.parametrize("exogenous,n_step,dueling,encoder", [("all_actions", 1, False, "flat"), ("none", 3, True, "conv")])
 def test_fit_logs_training_and_validation_metrics(tmp_path, market, exogenous, n_step, dueling, encoder) -> None:
-    module = DQNModule(
-        n_features=market.train.n_features, exogenous=exogenous, n_step=n_step, dueling=dueling, encoder=encoder,
-        **SMALL,
-    )
-    module.attach_market(market.train, market.val)
+    module = DQNModule(exogenous=exogenous, n_step=n_step, dueling=dueling, encoder=encoder, **SMALL)
     t = trainer(tmp_path)
-    fit(module, t)
+    model = fit(module, market, t, validate=True, model=EnsembleModule(members={"dqn": module}, cost_bps=0.5))
+    assert module.cost_bps == 0.5  # the member has no cost of its own: the coordinator's
     logged = t.callback_metrics
-    for key in ("train/td_loss", "train/q_mean", "train/q_max", "train/epsilon", "train/reward_per_bar",
-                "train/env_steps_per_s", "train/grad_norm/total", "train/grad_norm/body",
-                "val/reward_per_bar", "val/sharpe", "val/total_log_return", "val/max_drawdown", "val/turnover",
-                "val/hit_rate"):
+    blocks = [f"grad_norm/dqn/{b}" for b in ("total", "body", *(("encoder",) if encoder == "conv" else ()))]
+    blocks += ["grad_norm/dqn/value_head", "grad_norm/dqn/advantage_head"] if dueling else ["grad_norm/dqn/head"]
+    keys = [f"train/dqn/{k}" for k in ("td_loss", "q_mean", "q_max", "epsilon", "reward_per_bar", "env_steps_per_s",
+                                       "nonfinite_skipped", "updates")]
+    keys += [f"val/dqn/{k}" for k in ("sharpe", "reward_per_bar", "total_log_return", "max_drawdown", "turnover",
+                                      "hit_rate", "n_trades")]
+    keys += ["lr/dqn", "val/ensemble/sharpe", "val/sharpe", *blocks]
+    for key in keys:
         assert key in logged, key
-        assert torch.isfinite(logged[key]) or key == "val/hit_rate", key
-    assert logged["train/env_steps_per_s"] > 0
-    assert module.env_steps == 256 + 20 * 32  # warm-up plus one step of all agents per update
-    assert t.global_step == 20
+        assert torch.isfinite(logged[key]) or key == "val/dqn/hit_rate", key
+    assert logged["train/dqn/env_steps_per_s"] > 0
+    assert logged["train/dqn/updates"] == UPDATES_PER_EPOCH and logged["train/dqn/nonfinite_skipped"] == 0
+    assert module.env_steps == 256 + UPDATES_PER_EPOCH * 32  # warm-up plus one step of all agents per update
+    assert t.global_step == model.updates["dqn"] == UPDATES_PER_EPOCH
+    assert model.steps == UPDATES_PER_EPOCH // SMALL["updates_per_step"]
+    # what was logged is the coordinator's evaluation of the member's greedy policy
+    evaluation = model.last_evaluation
+    assert evaluation is not None
+    assert float(logged["val/dqn/reward_per_bar"]) == pytest.approx(evaluation.metrics["dqn"]["reward_per_bar"], rel=1e-5)
+    torch.testing.assert_close(evaluation.positions["dqn"].cpu(), module.positions(market.val).cpu())
 
 
 def test_hard_target_sync(tmp_path, market) -> None:
-    module = DQNModule(n_features=3, target_update="hard", target_update_every=10, **SMALL)
-    module.attach_market(market.train)
-    fit(module, trainer(tmp_path, max_steps=10))
-    for po, pt in zip(module.q_net.parameters(), module.target_net.parameters()):
-        assert torch.equal(po, pt)
-    module2 = DQNModule(n_features=3, target_update="hard", target_update_every=10, **SMALL)
-    module2.attach_market(market.train)
-    fit(module2, trainer(tmp_path, max_steps=9))
-    assert any(not torch.equal(po, pt) for po, pt in zip(module2.q_net.parameters(), module2.target_net.parameters()))
+    kwargs = {**SMALL, "target_update": "hard", "target_update_every": 10, "updates_per_step": 5}
+    synced = DQNModule(**kwargs)
+    fit(synced, market, trainer(tmp_path, max_steps=10))
+    assert same_parameters(synced.q_net, synced.target_net)
+    later = DQNModule(**kwargs)
+    fit(later, market, trainer(tmp_path, max_steps=15))  # five updates after the sync at 10
+    assert not same_parameters(later.q_net, later.target_net)
+    assert same_parameters(synced.q_net, later.target_net)  # the target holds the online weights of update 10
 
 
 def test_nonfinite_loss_raises_or_skips(tmp_path, market, monkeypatch) -> None:
@@ -151,106 +213,158 @@ def test_nonfinite_loss_raises_or_skips(tmp_path, market, monkeypatch) -> None:
         return q.sum() * float("nan"), q.detach()
 
     monkeypatch.setattr(DQNModule, "_td_loss", nan_loss)
-    raising = DQNModule(n_features=3, nonfinite="raise", **SMALL)
-    raising.attach_market(market.train)
+    raising = DQNModule(nonfinite="raise", **SMALL)
     with pytest.raises(NonFiniteError, match="non-finite loss"):
-        fit(raising, trainer(tmp_path, max_steps=3))
-    skipping = DQNModule(n_features=3, nonfinite="skip", **{**SMALL, "updates_per_step": 2})
-    skipping.attach_market(market.train)
+        fit(raising, market, trainer(tmp_path, max_steps=3))
+    skipping = DQNModule(nonfinite="skip", **{**SMALL, "updates_per_step": 2})
+    skipping.attach_market(market.train)  # builds the networks now, to compare the weights after
     before = [p.detach().clone() for p in skipping.q_net.parameters()]
-    fit(skipping, trainer(tmp_path, max_steps=3, max_epochs=1, limit_train_batches=3))
-    assert skipping.guard.skipped == 6  # two attempted updates per batch, none stepped
-    assert skipping.global_step == 0
+    t = trainer(tmp_path, max_steps=3, limit_train_batches=3, log_every_n_steps=1)
+    model = fit(skipping, market, t)
+    assert skipping.guard.skipped == 6  # two attempted updates per coordinator step, none stepped
+    assert model.updates["dqn"] == 0 and t.global_step == 0
+    assert t.callback_metrics["train/dqn/nonfinite_skipped"] == 6
     assert all(torch.equal(a, b) for a, b in zip(before, skipping.q_net.parameters()))
+
+
+def test_nonfinite_gradients_raise_or_skip(tmp_path, market, monkeypatch) -> None:
+    """A finite loss with NaN gradients: the coordinator applies the member's guard to the gradients too."""
+
+    def nan_gradients(self, batch):
+        mk = self.env.market
+        q = self.q_net(mk.windows(batch.sample.bars), mk.position_features(batch.sample.positions))
+        return torch.sqrt(q.sum() * 0.0), q.detach()  # loss 0, gradient inf·0 = NaN
+
+    monkeypatch.setattr(DQNModule, "_td_loss", nan_gradients)
+    with pytest.raises(NonFiniteError, match="non-finite gradients"):
+        fit(DQNModule(nonfinite="raise", **SMALL), market, trainer(tmp_path, max_steps=3))
+    skipping = DQNModule(nonfinite="skip", **{**SMALL, "updates_per_step": 2})
+    model = fit(skipping, market, trainer(tmp_path, max_steps=3, limit_train_batches=3))
+    assert skipping.guard.skipped_gradients == 6 and skipping.guard.skipped_loss == 0
+    assert model.updates["dqn"] == 0
 
 
 @pytest.mark.parametrize("env_step_every", [1, 3])
 def test_resume_from_checkpoint_is_exact(tmp_path, market, env_step_every) -> None:
-    """Two epochs straight equal one epoch, a checkpoint, and a resumed second epoch: weights, replay, env, RNG.
+    """Two epochs straight equal one epoch, a checkpoint, and a resumed second epoch: weights, optimizer, replay,
+    environment, RNGs, counters.
 
     With env_step_every=3 the 20-update epoch ends two updates into a group of batches drawn ahead: the checkpoint
     carries the unused one.
     """
-    kwargs = dict(n_features=3, env_step_every=env_step_every, **SMALL)
+    kwargs = dict(env_step_every=env_step_every, **SMALL)
 
     straight = DQNModule(**kwargs)
-    straight.attach_market(market.train)
-    fit(straight, trainer(tmp_path / "a", max_epochs=2))
-    assert straight.global_step == 40
+    straight_model = fit(straight, market, trainer(tmp_path / "a", max_epochs=2))
+    assert straight_model.updates["dqn"] == 2 * UPDATES_PER_EPOCH
 
     first = DQNModule(**kwargs)
-    first.attach_market(market.train)
     t1 = trainer(tmp_path / "b", max_epochs=1)
-    fit(first, t1)
+    fit(first, market, t1)
     ckpt = tmp_path / "b" / "one.ckpt"
     t1.save_checkpoint(ckpt)
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)["ensemble_state"]
+    assert state["updates"] == {"dqn": UPDATES_PER_EPOCH} and state["started"] == ["dqn"]
+    assert {"env", "replay", "explore_rng", "presampled", "guard"} <= set(state["members"]["dqn"])
+    assert (state["members"]["dqn"]["presampled"] is None) == (UPDATES_PER_EPOCH % env_step_every == 0)
 
     resumed = DQNModule(**kwargs)
-    resumed.attach_market(market.train)
-    fit(resumed, trainer(tmp_path / "c", max_epochs=2), ckpt_path=str(ckpt))
+    t2 = trainer(tmp_path / "c", max_epochs=2)
+    resumed_model = fit(resumed, market, t2, ckpt_path=str(ckpt))
 
-    for pa, pb in zip(straight.parameters(), resumed.parameters()):
-        assert torch.equal(pa, pb)
+    assert resumed_model.updates == straight_model.updates and resumed_model.steps == straight_model.steps
+    assert t2.global_step == 2 * UPDATES_PER_EPOCH
+    for (ka, pa), (kb, pb) in zip(straight_model.state_dict().items(), resumed_model.state_dict().items(), strict=True):
+        assert ka == kb and torch.equal(pa, pb), ka
+    oa, ob = straight_model.optimizers().optimizer.state_dict(), resumed_model.optimizers().optimizer.state_dict()
+    for i, s in oa["state"].items():
+        for k, v in s.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(ob["state"][i][k])), (i, k)
     assert resumed.env_steps == straight.env_steps
     sa, sb = straight.replay.state_dict(), resumed.replay.state_dict()
-    for k in ("bars", "actions", "rewards", "last", "rng_state"):
+    for k in ("bars", "positions", "actions", "rewards", "last", "rng_state"):
         assert torch.equal(sa[k], sb[k]), k
-    assert torch.equal(straight.env.bars, resumed.env.bars)
+    assert (sa["head"], sa["size"]) == (sb["head"], sb["size"])
+    ea, eb = straight.env.state_dict(), resumed.env.state_dict()
+    assert ea.keys() == eb.keys()
+    for k in ea:
+        assert torch.equal(torch.as_tensor(ea[k]), torch.as_tensor(eb[k])), k
     assert torch.equal(straight.explore_rng.get_state(), resumed.explore_rng.get_state())
 
 
 def test_updates_per_step_does_not_change_the_updates(tmp_path, market) -> None:
-    """Batching updates into training steps is bookkeeping only: 1 or 7 per step train the same weights."""
-    nets = []
-    for u in (1, 7):
-        module = DQNModule(n_features=3, updates_per_step=u, env_step_every=2, **SMALL)
-        module.attach_market(market.train)
+    """Grouping updates into coordinator steps is bookkeeping only: 1 or 4 per step train bit-identical weights."""
+    models = []
+    for u in (1, 4):
+        module = DQNModule(**{**SMALL, "updates_per_step": u, "env_step_every": 2})
         t = trainer(tmp_path / str(u), max_epochs=2)
-        fit(module, t)
-        assert t.global_step == 40 and module.env_steps == 256 + 20 * 32
-        nets.append(module.q_net)
-    for pa, pb in zip(nets[0].parameters(), nets[1].parameters()):
-        assert torch.equal(pa, pb)
+        model = fit(module, market, t)
+        assert t.global_step == model.updates["dqn"] == 2 * UPDATES_PER_EPOCH
+        assert model.steps == 2 * UPDATES_PER_EPOCH // u
+        assert module.env_steps == 256 + UPDATES_PER_EPOCH * 32  # one step of all agents every second update
+        models.append(model)
+    a, b = (m.member("dqn") for m in models)
+    assert same_parameters(a.q_net, b.q_net) and same_parameters(a.target_net, b.target_net)
 
 
-def test_training_metrics_reach_the_logger_at_update_steps(tmp_path, market) -> None:
+def test_training_metrics_reach_the_logger_every_log_every_n_steps(tmp_path, market) -> None:
     from lightning.pytorch.loggers import CSVLogger
 
-    module = DQNModule(n_features=3, **SMALL)
-    module.attach_market(market.train)
-    fit(module, trainer(tmp_path, max_epochs=2, logger=CSVLogger(tmp_path, name="csv")))
-    import csv
-
+    module = DQNModule(**SMALL)
+    model = fit(module, market, trainer(tmp_path, max_epochs=2, log_every_n_steps=2,
+                                        logger=CSVLogger(tmp_path, name="csv")))
+    assert model.steps == 10
     with open(next(tmp_path.glob("csv/*/metrics.csv"))) as fh:
-        rows = list(csv.DictReader(fh))
-    steps = sorted({int(r["step"]) for r in rows if r.get("train/td_loss")})
-    assert steps == [5, 10, 15, 20, 25, 30, 35, 40]  # log_every_n_steps=5 counts updates, not training steps
+        rows = [r for r in csv.DictReader(fh) if r.get("train/dqn/td_loss")]
+    # every second coordinator step (of 4 updates each), at the logger's step count
+    assert [int(float(r["train/dqn/updates"])) for r in rows] == [8, 16, 24, 32, 40]
+    assert all(float(r["lr/dqn"]) == pytest.approx(SMALL.get("lr", 3e-4)) for r in rows)
 
 
 def test_plateau_schedule_steps_on_the_validation_reward(tmp_path, market) -> None:
-    module = DQNModule(n_features=3, scheduler="plateau", lr=1e-3, **SMALL)
-    module.attach_market(market.train, market.val)
-    seen = []
-    module.on_validation_epoch_end = lambda: (seen.append(module._val_objective), DQNModule.on_validation_epoch_end(module))
-    fit(module, trainer(tmp_path, max_epochs=3))
-    sched = module.lr_schedulers()
+    seen: list[float] = []
+
+    class Record(L.Callback):
+        def on_validation_end(self, trainer, pl_module) -> None:
+            seen.append(-pl_module.last_evaluation.metrics["dqn"]["reward_per_bar"])
+
+    module = DQNModule(scheduler="plateau", lr=1e-3, **SMALL)
+    model = fit(module, market, trainer(tmp_path, max_epochs=3, callbacks=[Record()]), validate=True)
+    sched = model.lr_schedulers()
     assert isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau)
-    assert len(seen) == 3 and all(v is not None for v in seen)
-    assert sched.best == pytest.approx(min(seen))  # the scheduler saw exactly the validation objectives
+    assert model._schedulers["dqn"] is sched
+    assert len(seen) == 3 and sched.last_epoch == 3
+    assert sched.best == pytest.approx(min(seen))  # the scheduler saw exactly the negated validation rewards
 
 
 def test_polyak_every_k_updates(tmp_path, market) -> None:
-    module = DQNModule(n_features=3, polyak_every=4, tau=0.5, **SMALL)
-    module.attach_market(market.train)
-    before = [p.detach().clone() for p in module.target_net.parameters()]
-    fit(module, trainer(tmp_path, max_steps=3))
-    assert all(torch.equal(a, b) for a, b in zip(before, module.target_net.parameters()))  # no averaging yet
-    fit(module, trainer(tmp_path / "more", max_steps=4))
-    assert any(not torch.equal(a, b) for a, b in zip(before, module.target_net.parameters()))
+    kwargs = {**SMALL, "polyak_every": 4, "tau": 0.5, "updates_per_step": 1}
+    three = DQNModule(**kwargs)
+    initial = [p.detach().clone() for p in DQNModule(**kwargs, n_features=3).target_net.parameters()]
+    fit(three, market, trainer(tmp_path, max_steps=3))
+    assert all(torch.equal(a, b) for a, b in zip(initial, three.target_net.parameters()))  # no averaging yet
+    four = DQNModule(**kwargs)
+    fit(four, market, trainer(tmp_path / "more", max_steps=4))
+    assert not same_parameters(four.target_net, three.target_net)
+    for init, online, target in zip(initial, four.q_net.parameters(), four.target_net.parameters(), strict=True):
+        assert torch.equal(target, init.lerp(online, 0.5))  # one average, after the fourth update
+
+
+@pytest.mark.parametrize("limit", [
+    {"max_epochs": 2},
+    {"max_steps": 40, "max_epochs": 10},  # max_steps counts updates: it caps the span as it is, not x updates_per_step
+    {"max_steps": 40, "max_epochs": -1},
+])
+def test_cosine_schedule_without_total_steps_spans_the_fit(tmp_path, market, limit) -> None:
+    """total_steps=None: the cosine decays to zero over the updates the fit actually takes (40 either way)."""
+    module = DQNModule(scheduler="cosine", **SMALL)
+    model = fit(module, market, trainer(tmp_path, **limit))
+    assert model.updates["dqn"] == 2 * UPDATES_PER_EPOCH
+    assert model.optimizers().param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
 
 
 class _StepCounter(L.Callback):
-    """Listens to the optimizer-step hook, so the module must route every update through Lightning."""
+    """Listens to the backward hook, so the coordinator must route every update through Lightning's dispatch."""
 
     def __init__(self) -> None:
         self.before_backward = self.before_step = 0
@@ -263,31 +377,32 @@ class _StepCounter(L.Callback):
 
 
 @pytest.mark.parametrize("exogenous,encoder", [("all_actions", "flat"), ("none", "conv")])
-def test_lean_update_equals_lightning_dispatch(tmp_path, market, exogenous, encoder) -> None:
-    """Without listeners an update calls backward and the optimizer directly; with one it goes through Lightning's
-    hooks. Both train bit-identical weights, and a listening callback sees every single update."""
-    kwargs = dict(n_features=market.train.n_features, exogenous=exogenous, encoder=encoder, **{**SMALL, "updates_per_step": 4})
-    lean = DQNModule(**kwargs)
-    lean.attach_market(market.train)
-    fit(lean, trainer(tmp_path, max_steps=30, max_epochs=2))
-    assert lean._lean_update
-
-    counter = _StepCounter()
-    dispatched = DQNModule(**kwargs)
-    dispatched.attach_market(market.train)
-    fit(dispatched, trainer(tmp_path, max_steps=30, max_epochs=2, callbacks=[counter]))
-    assert not dispatched._lean_update
-    assert counter.before_backward == counter.before_step == 30
-    assert lean.global_step == dispatched.global_step == 30
-    for a, b in zip(lean.q_net.parameters(), dispatched.q_net.parameters(), strict=True):
-        assert torch.equal(a, b)
+def test_direct_backward_equals_manual_backward(tmp_path, market, exogenous, encoder) -> None:
+    """The coordinator's direct_backward=True (loss.backward() when nothing listens) and False (manual_backward)
+    train bit-identical DQN weights; a callback listening to backward forces the manual path and sees every update."""
+    kwargs = dict(exogenous=exogenous, encoder=encoder, **SMALL)
+    models = {}
+    for label, direct, callbacks in (("direct", True, []), ("manual", False, []), ("listened", True, [_StepCounter()])):
+        member = DQNModule(**kwargs)
+        model = EnsembleModule(members={"dqn": member}, direct_backward=direct)
+        t = trainer(tmp_path / label, max_steps=32, max_epochs=2, callbacks=callbacks)
+        fit(member, market, t, model=model)
+        assert t.global_step == model.updates["dqn"] == 32
+        assert model._direct_backward == (label == "direct")
+        models[label] = model
+        if callbacks:
+            assert callbacks[0].before_backward == callbacks[0].before_step == 32
+    for label in ("manual", "listened"):
+        for (k, a), (_, b) in zip(models["direct"].state_dict().items(), models[label].state_dict().items(), strict=True):
+            assert torch.equal(a, b), (label, k)
 
 
 def test_checkpoint_can_monitor_a_training_metric(tmp_path, market) -> None:
     """Training metrics reach trainer.callback_metrics, so ModelCheckpoint/EarlyStopping can monitor them."""
-    module = DQNModule(n_features=market.train.n_features, **SMALL)
-    module.attach_market(market.train)
-    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ck", monitor="train/td_loss", mode="min",
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ck", monitor="train/dqn/td_loss", mode="min",
                                                every_n_train_steps=1)
-    fit(module, trainer(tmp_path, max_steps=40, enable_checkpointing=True, callbacks=[ckpt]))
+    fit(DQNModule(**SMALL), market, trainer(tmp_path, max_steps=40, max_epochs=2, enable_checkpointing=True,
+                                            callbacks=[ckpt]))
     assert ckpt.best_model_path and torch.isfinite(ckpt.best_model_score)
+    state = torch.load(ckpt.best_model_path, map_location="cpu", weights_only=False)
+    assert "ensemble_state" in state and state["ensemble_state"]["members"]["dqn"]["replay"]["size"] > 0

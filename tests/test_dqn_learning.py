@@ -21,22 +21,23 @@ def t_stat(positions: torch.Tensor, market: MarketTensors) -> float:
 
 
 def test_small_dqn_learns_out_of_sample() -> None:
-    """Strong planted signal, a few thousand updates: profitable on unseen bars, far above random and flat."""
+    """Strong planted signal, 1,500 updates through the coordinator: profitable on unseen bars, far above random and
+    flat."""
     torch.manual_seed(0)
     data = quality.ar1_market(n_bars=60_000, phi=0.3, seed=3)
     module, _ = quality.train_dqn(
         data, 1_500, seed=0, n_envs=128, batch_size=128, learning_starts=4096, hidden=(64, 64),
         replay_capacity=65_536, lr=1e-3,
     )
-    test = MarketTensors(data.test, module.hparams.window, tuple(module.hparams.actions), module.hparams.cost_bps)
+    test = MarketTensors(data.test, module.hparams.window, tuple(module.hparams.actions), module.cost_bps)
     base = quality.baseline_metrics(test, data.expected["test"])
     positions, _ = module.greedy_positions(test)
     dqn = module.evaluate(data.test)
     oracle = quality.best_causal_oracle(base)
     assert oracle > 0
-    assert t_stat(positions, test) > 8.0  # clearly beats flat after costs, out of sample (measured ~19)
+    assert t_stat(positions, test) > 8.0  # clearly beats flat after costs, out of sample (measured ~20)
     assert dqn["reward_per_bar"] > base["random"]["reward_per_bar"] + oracle  # random loses ~0.5 oracle
-    assert dqn["reward_per_bar"] >= 0.6 * oracle  # measured 0.94 (seed 3) and 0.91 (seed 4)
+    assert dqn["reward_per_bar"] >= 0.6 * oracle  # measured 0.92 (seed 3) and 0.95 (seed 4)
     assert dqn["turnover"] < 0.75  # it does not churn like the random policy (~0.89)
 
 

@@ -156,6 +156,9 @@ def test_02_interpret_tft_executes(tmp_path: Path) -> None:
         assert all(0.0 <= c <= 1.0 for c in row)
         assert row[-1] > row[0]
     assert coverage["importance_top"], "no variable importances"
+    # the TFT trained alone: the export holds that one member
+    meta = json.loads((out / "export" / "metadata.json").read_text())
+    assert list(meta["members"]) == ["tft"] and not (out / "export" / "dqn.safetensors").exists()
 
 
 @pytest.mark.slow

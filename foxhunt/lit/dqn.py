@@ -216,7 +216,6 @@ class DQNModule(Agent):
         self.explore_rng: torch.Generator | None = None
         self.batches = PresampledBatches(batch_size, n_step, gamma, exogenous == "all_actions")
         self._pending_state: dict[str, Any] | None = None
-        self._val_objective: float | None = None
         self.reward_scale_used: float | None = None
         self.counters = _Counters()  # a plain object: nn.Module attribute writes are slow in the hot loop
         if n_features is not None:
@@ -455,7 +454,7 @@ class DQNModule(Agent):
         hp = self.hparams
         total = hp.total_steps
         if hp.scheduler == "cosine" and total is None:
-            total = self._estimated_updates()
+            total = self.estimated_updates()
         config = configure_adamw(
             self.network, lr=hp.lr, weight_decay=hp.weight_decay, scheduler=hp.scheduler, total_steps=total,
             warmup_steps=hp.warmup_steps, monitor="val/reward_per_bar_neg",
@@ -464,13 +463,6 @@ class DQNModule(Agent):
         if hp.fused_adamw:
             _prefer_fused(config["optimizer"] if isinstance(config, dict) else config)
         return config
-
-    def _estimated_updates(self) -> int:
-        """Updates this fit will take: the Trainer's stepping batches times the updates each one runs."""
-        steps = self.trainer.estimated_stepping_batches
-        if not (isinstance(steps, (int, float)) and steps < float("inf")):
-            raise ValueError("cosine schedule needs total_steps, or a trainer with max_steps or max_epochs")
-        return max(1, (int(steps) - self.start_step) * self.updates_per_step)
 
     # ----------------------------------------------------------------------------------------------- evaluation
     @torch.no_grad()
@@ -499,9 +491,6 @@ class DQNModule(Agent):
         bpy = bars_per_year or infer_bars_per_year(split.timestamps, split.symbol_index)
         m = trading_metrics(positions, market.returns, market.cost_bps, bpy, mask=market.decision, reset=market.reset_mask)
         return {k: float(v) for k, v in m.as_dict().items()}
-
-    def validation_objective(self, reward_per_bar: float) -> None:
-        self._val_objective = -float(reward_per_bar)
 
     # ----------------------------------------------------------------------------------------------- checkpoints
     def export_state(self) -> dict[str, float | int | str | None]:

@@ -62,6 +62,22 @@ class Member(pl.LightningModule):
         """Snapshot of the member's training figures, logged by the coordinator as ``train/<member>/<key>``."""
         return {}
 
+    def estimated_updates(self) -> int:
+        """Updates this member will take in the attached Trainer's fit (for a cosine schedule without total_steps):
+        its coordinator steps after ``start_step`` times ``updates_per_step``, capped by ``max_steps`` (which counts
+        optimizer updates)."""
+        trainer = self.trainer
+        trainer.estimated_stepping_batches  # noqa: B018 - sets up the train loader, so num_training_batches is known
+        per_epoch, epochs, max_steps = trainer.num_training_batches, trainer.max_epochs, trainer.max_steps
+        limit: float = float("inf")
+        if epochs is not None and epochs > 0 and per_epoch != float("inf"):
+            limit = (per_epoch * epochs - self.start_step) * self.updates_per_step
+        if max_steps is not None and max_steps > 0:
+            limit = min(limit, max_steps)
+        if limit == float("inf"):
+            raise ValueError("a cosine schedule needs total_steps, or a trainer with max_steps or max_epochs")
+        return max(1, int(limit))
+
     def export_state(self) -> dict[str, float | int | str | None]:
         """Values beyond parameters and hyperparameters that the member's policy needs after export (JSON)."""
         return {}
@@ -122,6 +138,3 @@ class Agent(Member):
     def positions(self, split: MarketSplit) -> Tensor:
         """[T] positions of the greedy policy over ``split`` (flat where no decision can be taken)."""
         raise NotImplementedError
-
-    def validation_objective(self, reward_per_bar: float) -> None:
-        """The validation reward per bar after costs, for a plateau schedule (called once per validation)."""

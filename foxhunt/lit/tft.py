@@ -354,10 +354,7 @@ class TFTModule(Forecaster):
         hp = self.hparams
         total = hp.total_steps
         if hp.scheduler == "cosine" and total is None:
-            estimated = self.trainer.estimated_stepping_batches
-            if not (isinstance(estimated, (int, float)) and estimated < float("inf")):
-                raise ValueError("cosine schedule needs total_steps, or a trainer with max_steps or max_epochs")
-            total = int(estimated)
+            total = self.estimated_updates()
         return configure_adamw(
             self.network,
             lr=hp.lr,
