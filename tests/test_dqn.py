@@ -15,15 +15,13 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import load_script
 
 from foxhunt.data.datamodule import MarketDataModule
 from foxhunt.data.market import MarketSpec
+from foxhunt.lit import agent_quality as quality  # noqa: E402
 from foxhunt.lit.dqn import DQNModule, double_dqn_target
 from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.training.guard import NonFiniteError
-
-quality = load_script("dqn_quality")
 
 
 @pytest.fixture(scope="module")

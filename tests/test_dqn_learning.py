@@ -6,12 +6,10 @@ import math
 
 import pytest
 import torch
-from conftest import load_script
 
 from foxhunt.evaluation.trading import strategy_log_returns
+from foxhunt.lit import agent_quality as quality  # noqa: E402
 from foxhunt.rl.env import MarketTensors
-
-quality = load_script("dqn_quality")
 
 
 def t_stat(positions: torch.Tensor, market: MarketTensors) -> float:
