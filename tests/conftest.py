@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import numpy as np
 import pandas as pd
 import pytest
@@ -39,13 +34,3 @@ def make_bars(n: int = 50, symbol: str = "ES", start: str = "2024-01-02 14:30", 
 @pytest.fixture
 def bars() -> pd.DataFrame:
     return make_bars()
-
-
-def load_script(name: str) -> ModuleType:
-    """Import scripts/<name>.py as a module (tests reuse the quality scripts' generators and checks)."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, mod)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return sys.modules[name]

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tft_quality.py"
-
 
 def _quality_module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("tft_quality", _SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("tft_quality", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    from foxhunt.lit import forecaster_quality
+
+    return forecaster_quality
 
 
 def test_features_and_targets_are_causal() -> None:
