@@ -12,10 +12,11 @@ scale (1 / std of the training returns); episodes of the same length start flat 
 (bootstrapped by both). Same learner settings, SB3's own DQN configuration: a 128-128 ReLU MLP without LayerNorm,
 Adam at lr 1e-4 without decay or schedule, batch 64, γ, Huber loss (δ = 1), gradient clipping at 10, the same replay
 warm-up with uniform random actions, hard target syncs every ``--target-update-interval`` updates (SB3's default
-10,000; its counter runs over environment steps including the warm-up, so the warm-up is a multiple of it and the
-syncs fall on the same updates), the same linear ε schedule per update (SB3's ``exploration_fraction`` is set so that
-ε reaches its end at the same update, foxhunt's ε starts where SB3's stands after the warm-up), and the same number of
-gradient updates. SB3 steps one environment per update (``train_freq`` 1, ``gradient_steps`` 1).
+10,000; its counter runs over environment steps including the warm-up, so the warm-up defaults to the interval and
+the syncs fall on the same updates, SB3's one update earlier), the same linear ε schedule per update (SB3's
+``exploration_fraction`` is set so that ε reaches its end at the same update, foxhunt's ε starts where SB3's stands
+after the warm-up), and the same number of gradient updates. SB3 steps one environment per update (``train_freq`` 1,
+``gradient_steps`` 1).
 
 foxhunt rows (``--rows``; all plain DQN targets on the taken action, ``exogenous="none"``, ``double_dqn=False``,
 SB3's algorithm, unless the name says otherwise):
@@ -269,7 +270,7 @@ def main() -> None:
     p.add_argument("--target-update-interval", type=int, default=10_000,
                    help="updates between hard target syncs (SB3's default; the same for both)")
     p.add_argument("--learning-starts", type=int, default=None,
-                   help="replay warm-up transitions (default: the target interval, so both learners sync on the same updates)")
+                   help="replay warm-up transitions (default: the target interval, so both learners sync after the same updates)")
     p.add_argument("--updates-per-step", type=int, default=16, help="foxhunt's updates per Trainer step (its default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)

@@ -203,10 +203,14 @@ def test_failures_are_recorded_study_continues_and_ctrl_c_resumes(tmp_path: Path
     path = _config(tmp_path, fixed={"trainer.max_epochs": 1}, objective=objectives, pruner={"name": "none"})
     cfg = load_tune_config(path)
     plan = {0: "nan", 1: "raise", 2: "oom", 3: "sigint"}
-    handler = signal.getsignal(signal.SIGINT)
-    with pytest.raises(KeyboardInterrupt):
-        run_study(cfg, extra_callbacks=lambda trial: [_Inject(plan[trial.number])])
-    assert signal.getsignal(signal.SIGINT) is handler  # Lightning's SIG_IGN does not outlive the trial
+    # Ctrl-C as a terminal delivers it, whatever an earlier test of this session left installed
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_study(cfg, extra_callbacks=lambda trial: [_Inject(plan[trial.number])])
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Lightning's SIG_IGN does not outlive the trial
+    finally:
+        signal.signal(signal.SIGINT, before)
     trials = _study(tmp_path).get_trials()
     assert [t.number for t in trials] == [0, 1, 2, 3]
     assert trials[0].state == TrialState.PRUNED

@@ -31,7 +31,9 @@ metrics and back-tests), ``val/<policy>/<metric>`` for ``ensemble``, ``buy_and_h
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
+import functools
+import operator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -45,6 +47,18 @@ from foxhunt.lit.member import Agent, Forecaster, Member
 from foxhunt.training.gradnorm import grad_norms
 
 _BACKWARD_HOOKS = ("on_before_backward", "on_after_backward")
+
+
+@dataclass
+class _LoopPlan:
+    """The lookups of every update, done once per fit (an update of a small network costs about a millisecond)."""
+
+    members: dict[str, Member]
+    optimizers: dict[str, Any]  # LightningOptimizers: stepping them advances global_step
+    params: dict[str, list[nn.Parameter]]
+    clip: dict[str, float | None]
+    scaled: bool  # a GradScaler (16-mixed): gradients are unscaled only inside the optimizer step
+    direct_backward: bool
 
 
 class EnsembleModule(pl.LightningModule):
@@ -105,6 +119,7 @@ class EnsembleModule(pl.LightningModule):
         self._schedulers: dict[str, Any] = {}
         self._active: str | None = None
         self._resume_rng: Tensor | None = None
+        self._plan: _LoopPlan | None = None  # looked up at the first update of a fit
         self._snapshots_loaded = False  # set when a checkpoint or an export brings taken snapshots back
 
     def member(self, name: str) -> Member:
@@ -177,6 +192,7 @@ class EnsembleModule(pl.LightningModule):
     # ------------------------------------------------------------------------------------------------ training
     def configure_optimizers(self) -> tuple[list[Any], list[Any]]:
         """Each member's own AdamW and schedule; Lightning saves and restores their states with the checkpoint."""
+        self._plan = None
         optimizers, schedulers = [], []
         self._schedulers = {}
         for name in self.member_names:
@@ -193,9 +209,7 @@ class EnsembleModule(pl.LightningModule):
         return optimizers, schedulers
 
     def _optimizer(self, name: str) -> Any:
-        opts = self.optimizers()
-        opts = opts if isinstance(opts, list) else [opts]
-        return opts[self.member_names.index(name)]
+        return self._loop_plan().optimizers[name]
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         """Every started member's updates of this step, in rounds of one backward each."""
@@ -212,50 +226,77 @@ class EnsembleModule(pl.LightningModule):
             self._log_training(active)
 
     def _update(self, losses: dict[str, Tensor]) -> None:
-        """Guard each loss, one backward of their sum, then per member: guard, clip (in the hook), step, after_update."""
-        live = {}
-        for name, loss in losses.items():
-            if self.member(name).guard.check_loss(loss, self.updates[name]):
-                live[name] = loss
+        """Guard each loss, one backward of their sum, then per member: grad norms, guard and clip, step, after_update.
+
+        Without a GradScaler the gradients are final after backward: the guard and the clip share one norm here.
+        With one (16-mixed) they are scaled until the optimizer step unscales them, so the norms are logged and the
+        clip applied in ``on_before_optimizer_step``, and the scaler itself skips overflowing steps.
+        """
+        plan = self._loop_plan()
+        live = {n: loss for n, loss in losses.items() if plan.members[n].guard.check_loss(loss, self.updates[n])}
         if not live:
             return
         for name in live:
-            for p in self.member(name).network.parameters():
+            for p in plan.params[name]:
                 p.grad = None
-        total = sum(live.values())
-        assert isinstance(total, Tensor)
-        if self._direct_backward:
+        total = functools.reduce(operator.add, live.values())
+        if plan.direct_backward:
             total.backward()
         else:
             self.manual_backward(total)
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         for name in live:
-            member, opt = self.member(name), self._optimizer(name)
-            # Without a GradScaler the gradients are final here: a non-finite one raises or skips the member's step.
-            # With one (16-mixed), the scaler itself skips overflowing steps and lowers its scale.
-            if scaler is None and not member.guard.check_gradients(member.network, self.updates[name]):
-                continue
+            member, update = plan.members[name], self.updates[name]
+            if not plan.scaled:
+                if member.log_grad_norm_every and update % member.log_grad_norm_every == 0:
+                    self._log_grad_norms(name)
+                if not member.guard.clip_gradients(member.network, plan.clip[name], update, params=plan.params[name]):
+                    continue  # non-finite gradients, policy "skip": counted by the guard, weights untouched
             self._active = name
-            opt.step()
+            plan.optimizers[name].step()
             self._active = None
             sched = self._schedulers.get(name)
             if sched is not None and not isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
                 sched.step()
-            member.after_update(self.updates[name])
-            self.updates[name] += 1
+            member.after_update(update)
+            self.updates[name] = update + 1
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Gradients are unscaled here (by the precision plugin): log the active member's norms, then clip them."""
+        """Under a GradScaler the gradients are unscaled only here: log the active member's norms, then clip them."""
         name = self._active
-        if name is None:
+        if name is None or not self._loop_plan().scaled:
             return
         member = self.member(name)
         every = member.log_grad_norm_every
         if every and self.updates[name] % every == 0:
-            self.log_dict({f"grad_norm/{name}/{k.split('/', 1)[1]}": v for k, v in grad_norms(member.network).items()})
-        clip = member.gradient_clip_val if member.gradient_clip_val is not None else self.hparams.gradient_clip_val  # type: ignore[attr-defined]
-        if clip and clip > 0:
+            self._log_grad_norms(name)
+        clip = self._loop_plan().clip[name]
+        if clip:
             torch.nn.utils.clip_grad_norm_(member.network.parameters(), clip)
+
+    def _log_grad_norms(self, name: str) -> None:
+        norms = grad_norms(self.member(name).network)
+        self.log_dict({f"grad_norm/{name}/{k.split('/', 1)[1]}": v for k, v in norms.items()})
+
+    def _loop_plan(self) -> _LoopPlan:
+        """What every update of this fit reads, looked up once (members, optimizers, parameter lists, switches)."""
+        plan = self._plan
+        if plan is None:
+            opts = self.optimizers()
+            opts = opts if isinstance(opts, list) else [opts]
+            members = {n: self.member(n) for n in self.member_names}
+            clip: dict[str, float | None] = {}
+            for n, m in members.items():
+                value = m.gradient_clip_val if m.gradient_clip_val is not None else self.hparams.gradient_clip_val  # type: ignore[attr-defined]
+                clip[n] = float(value) if value and value > 0 else None
+            plan = self._plan = _LoopPlan(
+                members=members,
+                optimizers=dict(zip(self.member_names, opts, strict=True)),
+                params={n: list(m.network.parameters()) for n, m in members.items()},
+                clip=clip,
+                scaled=getattr(self.trainer.precision_plugin, "scaler", None) is not None,
+                direct_backward=self._direct_backward,
+            )
+        return plan
 
     def _log_training(self, active: dict[str, int]) -> None:
         metrics: dict[str, float] = {}
