@@ -237,7 +237,7 @@ def test_16_mixed_clips_and_logs_unscaled_gradients(tmp_path: Path) -> None:
 
     class Probe(Callback):
         def on_before_optimizer_step(self, trainer, module, optimizer) -> None:  # runs before the module's hook
-            name = module._active
+            name = module.stepping_member
             net = module.member(name).network
             self.name, self.before = name, grad_norms(net)[next(iter(grad_norms(net)))]
 

@@ -59,6 +59,7 @@ class _LoopPlan:
     clip: dict[str, float | None]
     scaled: bool  # a GradScaler (16-mixed): gradients are unscaled only inside the optimizer step
     direct_backward: bool
+    active: str | None = None  # the member whose optimizer is stepping (read by on_before_optimizer_step)
 
 
 class EnsembleModule(pl.LightningModule):
@@ -117,7 +118,6 @@ class EnsembleModule(pl.LightningModule):
         self._splits: dict[str, MarketSplit] = {}
         self._stacked: dict[str, MarketSplit] = {}
         self._schedulers: dict[str, Any] = {}
-        self._active: str | None = None
         self._resume_rng: Tensor | None = None
         self._plan: _LoopPlan | None = None  # looked up at the first update of a fit
         self._snapshots_loaded = False  # set when a checkpoint or an export brings taken snapshots back
@@ -251,9 +251,9 @@ class EnsembleModule(pl.LightningModule):
                     self._log_grad_norms(name)
                 if not member.guard.clip_gradients(member.network, plan.clip[name], update, params=plan.params[name]):
                     continue  # non-finite gradients, policy "skip": counted by the guard, weights untouched
-            self._active = name
+            plan.active = name
             plan.optimizers[name].step()
-            self._active = None
+            plan.active = None
             sched = self._schedulers.get(name)
             if sched is not None and not isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
                 sched.step()
@@ -262,16 +262,22 @@ class EnsembleModule(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Under a GradScaler the gradients are unscaled only here: log the active member's norms, then clip them."""
-        name = self._active
-        if name is None or not self._loop_plan().scaled:
+        plan = self._loop_plan()
+        name = plan.active
+        if name is None or not plan.scaled:
             return
         member = self.member(name)
         every = member.log_grad_norm_every
         if every and self.updates[name] % every == 0:
             self._log_grad_norms(name)
-        clip = self._loop_plan().clip[name]
+        clip = plan.clip[name]
         if clip:
             torch.nn.utils.clip_grad_norm_(member.network.parameters(), clip)
+
+    @property
+    def stepping_member(self) -> str | None:
+        """The member whose optimizer is stepping now (None outside an optimizer step), for callbacks' hooks."""
+        return None if self._plan is None else self._plan.active
 
     def _log_grad_norms(self, name: str) -> None:
         norms = grad_norms(self.member(name).network)
