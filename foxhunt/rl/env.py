@@ -21,12 +21,10 @@ from foxhunt.data.market import MarketSplit
 RewardSource = Literal["returns", "targets"]
 
 
-def segment_starts(symbol_index: Tensor) -> Tensor:
-    """[T] first row of each row's symbol block (rows are ordered by symbol, then time)."""
-    t = torch.arange(symbol_index.shape[0], device=symbol_index.device)
-    new = torch.ones_like(symbol_index, dtype=torch.bool)
-    new[1:] = symbol_index[1:] != symbol_index[:-1]
-    return torch.cummax(torch.where(new, t, torch.zeros_like(t)), 0).values
+def segment_starts(first_bar: Tensor) -> Tensor:
+    """[T] first row of each row's symbol block, from the split's ``first_bar`` mask (rows ordered by symbol, time)."""
+    t = torch.arange(first_bar.shape[0], device=first_bar.device)
+    return torch.cummax(torch.where(first_bar, t, torch.zeros_like(t)), 0).values
 
 
 class MarketTensors:
@@ -66,9 +64,7 @@ class MarketTensors:
         finite = torch.isfinite(raw)
         self.returns = torch.where(finite, raw, torch.zeros_like(raw))  # raw log returns, 0 where undefined
         self.symbol_index = split.symbol_index.to(device)
-        self.reset_mask = torch.zeros_like(self.symbol_index, dtype=torch.bool)
-        self.reset_mask[0] = True
-        self.reset_mask[1:] = self.symbol_index[1:] != self.symbol_index[:-1]
+        self.reset_mask = split.first_bar.to(device)
         t = torch.arange(len(split), device=device)
         # Every row of the window must hold finite features (a NaN a few bars back would poison the Q-network).
         bad = (~torch.isfinite(self.features).all(1)).to(torch.int64)
@@ -76,7 +72,7 @@ class MarketTensors:
         first = (t - self.window + 1).clamp_min(0)
         window_ok = (bad_csum[t + 1] - bad_csum[first]) == 0
         self.decision = (
-            split.valid.to(device) & finite & window_ok & (t - self.window + 1 >= segment_starts(self.symbol_index))
+            split.valid.to(device) & finite & window_ok & (t - self.window + 1 >= segment_starts(self.reset_mask))
         )
         if not bool(self.decision.any()):
             raise ValueError(
