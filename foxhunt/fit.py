@@ -106,6 +106,8 @@ class FoxhuntCLI(LightningCLI):
         if best:
             model.load_weights(torch.load(best, map_location="cpu", weights_only=True))
             log.info("loaded the best checkpoint %s for export", best)
+            if "val" in model.splits:  # the validation figures of the weights exported, not of the last epoch
+                model.last_evaluation = model.evaluate(model.split("val"))
         out_dir = Path(cfg.get("export_dir") or Path(trainer.log_dir or "runs") / "export")
         meta = export_ensemble(model, dm, out_dir, config=self.parser.dump(cfg, skip_none=False))
         print(f"\nexported {', '.join(sorted(meta['files']))} to {out_dir}")

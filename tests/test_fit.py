@@ -84,6 +84,29 @@ def test_export_loads_without_trainer_and_matches(tiny_run) -> None:
     torch.testing.assert_close(rebuilt.features[rows], split.features)
 
 
+def test_export_is_the_best_checkpoint_exactly(tiny_run) -> None:
+    """Every exported tensor (combination weights included) is the best checkpoint's, and the printed test table is
+    what the reloaded export computes."""
+    from safetensors.torch import load_file
+
+    tmp, cli = tiny_run
+    best = cli.trainer.checkpoint_callback.best_model_path
+    assert best and "best-" in best
+    state = torch.load(best, map_location="cpu", weights_only=True)["state_dict"]
+    exported = {k[len("model."):]: v for k, v in load_file(str(tmp / "export" / "ensemble.safetensors")).items()
+                if k.startswith("model.")}
+    assert set(exported) == {k for k in state if ".target_transform." not in k}
+    for key, value in exported.items():
+        assert torch.equal(value, state[key].cpu()), f"{key} differs from the best checkpoint"
+    loaded = foxhunt.load(tmp / "export")
+    table = loaded.model.evaluate(cli.model.split("test")).metrics
+    for who, row in cli.results["backtest"].items():
+        assert row["sharpe"] == pytest.approx(table[who]["sharpe"], abs=1e-9), who
+    meta = json.loads((tmp / "export" / "metadata.json").read_text())
+    assert meta["metrics"]["ensemble"]["sharpe"] == pytest.approx(
+        loaded.model.evaluate(cli.model.split("val")).metrics["ensemble"]["sharpe"], abs=1e-9)
+
+
 def test_load_refuses_mismatches(tiny_run, tmp_path: Path) -> None:
     import shutil
 

@@ -83,3 +83,34 @@ def test_bars_per_year() -> None:
         bars_per_year(ts[:1])
     with pytest.raises(ValueError, match="bars_per_year"):
         trading_metrics(torch.zeros(3), torch.zeros(3), 1.0, 0.0)
+
+
+def _ns(index) -> torch.Tensor:
+    import numpy as np
+
+    return torch.from_numpy(np.asarray(index.as_unit("ns").asi8, dtype=np.int64))
+
+
+def test_bars_per_year_follows_the_trading_calendar() -> None:
+    """Observed bar density, not 365.25 days over the median spacing (which inflates Sharpe by up to 1.2x)."""
+    import pandas as pd
+
+    from foxhunt.evaluation.trading import bars_per_year
+
+    # daily equities: business days less ~9 exchange holidays a year -> about 252
+    days = pd.bdate_range("2019-01-01", "2023-12-31", tz="UTC")
+    firsts = days.to_series().groupby([days.year, days.month]).first()
+    days = days.difference(pd.DatetimeIndex(firsts[firsts.index.get_level_values(1) <= 9]))  # 9 holidays a year
+    assert 248 <= bars_per_year(_ns(days)) <= 256
+    # 24x5 hourly FX (Sunday 22:00 to Friday 22:00 UTC): 120 bars a week -> about 6,260
+    hours = pd.date_range("2023-01-01 22:00", "2023-12-29 21:00", freq="h", tz="UTC")
+    since_sunday_22 = ((hours.day_of_week + 1) % 7 * 24 + hours.hour - 22) % 168
+    fx = hours[since_sunday_22 < 120]
+    assert abs(bars_per_year(_ns(fx)) - 52.18 * 120) / (52.18 * 120) < 0.01
+    # the synthetic market's 23x5 one-minute futures calendar, two symbols -> about 360,000
+    from foxhunt.data.synthetic import generate_market
+
+    bars = generate_market(n_bars=60_000, n_symbols=2, seed=0).bars
+    ts = _ns(pd.DatetimeIndex(bars["timestamp"]))
+    sym = torch.from_numpy(bars["symbol"].astype("category").cat.codes.to_numpy().astype("int64"))
+    assert abs(bars_per_year(ts, sym) - 52.18 * 5 * 23 * 60) / (52.18 * 5 * 23 * 60) < 0.03

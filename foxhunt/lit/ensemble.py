@@ -83,7 +83,7 @@ class EnsembleModule(pl.LightningModule):
             cost_bps: transaction cost per unit of position traded, in basis points, for every policy and back-test
                 (and for the agents' rewards unless they set their own).
             stack_fraction: with combine="stack", the share of the training split (in time) the forecasters train on.
-            bars_per_year: Sharpe annualisation; None infers it from the bar spacing.
+            bars_per_year: Sharpe annualisation; None infers it from each split's observed bar density.
             direct_backward: call ``loss.backward()`` directly when nothing listens to Lightning's backward dispatch
                 (one device, no GradScaler, no callback hooking backward), which costs a small network's update
                 about a tenth; False always goes through ``manual_backward`` (the reference path; same gradients).
@@ -503,6 +503,11 @@ class EnsembleModule(pl.LightningModule):
         self.load_state_dict(checkpoint["state_dict"])
         started = checkpoint.get("ensemble_state", {}).get("started", [])
         self.started, self._snapshots_loaded = set(started), bool(started)
+
+    @property
+    def splits(self) -> dict[str, MarketSplit]:
+        """The data's splits by name, as the coordinator read them at setup."""
+        return dict(self._splits)
 
     def split(self, name: str) -> MarketSplit:
         """The data's split ``name`` ("train", "val", "test"), as the coordinator read it at setup."""
