@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     else:
         split = training_split(loaded, args.split)
     evaluation = loaded.model.evaluate(split)
-    print(format_table(evaluation.metrics))
+    print(format_table(evaluation.metrics, split=split.name if args.data is not None else f"{args.split} (training data)"))
     equity_figure(evaluation.positions, split, evaluation.cost_bps).savefig(out / "equity.png", dpi=110)
     (out / "backtest.json").write_text(json.dumps(evaluation.metrics, indent=2))
     print(f"\nwrote {out / 'backtest.json'} and {out / 'equity.png'}")

@@ -83,6 +83,7 @@ def export_ensemble(model: EnsembleModule, dm: BarDataModule, out_dir: str | Pat
             "class_path": f"{type(member).__module__}.{type(member).__qualname__}",
             "init_args": _hparams(member),
             "run": _jsonable(member.export_state()),
+            "updates": model.updates[name],
         }
     meta = {
         "format": FORMAT,
@@ -199,6 +200,7 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> LoadedEn
     for name, entry in meta["members"].items():
         member = model.member(name)
         member.load_export_state(entry.get("run") or {})
+        model.updates[name] = int(entry.get("updates", -1))  # -1: not recorded
         if name in model.forecaster_names:
             member.target_transform = transform  # type: ignore[attr-defined]
     model._snapshots_loaded = bool(meta.get("stack_ready"))

@@ -114,7 +114,8 @@ class FoxhuntCLI(LightningCLI):
         if not cfg.get("backtest", True):
             return {"export": meta}
         table = model.evaluate(model.split("test")).metrics
-        print("\nBack-test on the test split, after costs:\n" + format_table(table))
+        print("\nBack-test after costs, on the test split (untouched by training, weights and checkpoint choice):\n"
+              + format_table(table, split="test"))
         return {"export": meta, "backtest": table}
 
 

@@ -164,3 +164,35 @@ def test_export_metadata_names_members_and_spec(tmp_path: Path) -> None:
     assert on_disk["members"]["tft"]["class_path"] == "foxhunt.lit.tft.TFTModule"
     assert on_disk["spec"]["feature_names"] == FEATURES and on_disk["spec"]["lookback"] == 8
     assert on_disk["members"]["dqn"]["run"]["cost_bps"] == 1.0
+
+
+def test_a_member_that_would_never_train_is_refused_before_training(tmp_path: Path) -> None:
+    members = four_members()
+    late = DQNModule(window=4, hidden=(16,), n_envs=16, episode_length=32, batch_size=32, replay_capacity=2048,
+                     learning_starts=128, start_step=50)
+    model = EnsembleModule(members={"tft": members["tft_small"], "dqn": late}, combine="vote")
+    with pytest.raises(ValueError, match=r"member 'dqn' has start_step=50, but this fit runs 6 coordinator steps"):
+        fit(model, datamodule(), tmp_path, max_epochs=1)
+    assert model.updates == {"tft": 0, "dqn": 0}
+
+
+def test_settings_that_outlast_the_run_are_named_and_untrained_members_marked(tmp_path: Path) -> None:
+    from foxhunt.evaluation.backtest import format_table
+
+    dqn = DQNModule(window=4, hidden=(16,), n_envs=16, episode_length=32, batch_size=32, replay_capacity=2048,
+                    learning_starts=128, updates_per_step=1, epsilon_steps=10_000)
+    model = EnsembleModule(members={"tft": four_members()["tft_small"], "dqn": dqn}, combine="vote")
+    with pytest.warns(UserWarning, match=r"member 'dqn': epsilon_steps=10000 exceeds the 6 updates"):
+        fit(model, datamodule(), tmp_path, max_epochs=1)
+    metrics = model.evaluate(model.split("test")).metrics
+    assert metrics["dqn"]["updates"] == 6
+    metrics["dqn"]["updates"] = 0.0  # as a member that never stepped would be
+    table = format_table(metrics, split="test")
+    assert table.splitlines()[0] == "split: test" and "dqn (untrained)" in table and "tft (untrained)" not in table
+
+
+def test_an_empty_validation_split_is_refused_before_training() -> None:
+    dm = BarDataModule(synthetic_bars=600, features=FEATURES, known_future=["tod_sin", "tod_cos"], lookback=64, horizon=8,
+                       cache_dir=None, val_fraction=0.05)
+    with pytest.raises(ValueError, match=r"the val split has no complete window of lookback 64 \+ horizon 8 bars"):
+        dm.setup()

@@ -236,7 +236,22 @@ class BarDataModule(pl.LightningDataModule):
                 self.feature_names, self.target_transform,
                 None if self._oracle_mean is None else self._oracle_mean[rows],
             )
+        self._check_splits()
         log.info("%s", self.describe())
+
+    def _check_splits(self) -> None:
+        """Every split must hold at least one complete window: say so before training, with the sizes that decide it."""
+        from foxhunt.data.windows import valid_window_starts
+
+        for name, split in self.splits.items():
+            n_windows = int(valid_window_starts(split, self.lookback, self.horizon).numel()) if len(split) else 0
+            if n_windows == 0:
+                sizes = ", ".join(f"{k} {len(v):,} bars ({int(v.valid.sum()):,} decision bars)" for k, v in self.splits.items())
+                raise ValueError(
+                    f"BarDataModule: the {name} split has no complete window of lookback {self.lookback} + horizon "
+                    f"{self.horizon} bars after the purge of {self.purge} bars and the features' warm-up ({sizes}); use "
+                    f"more bars, larger split fractions, or a shorter lookback"
+                )
 
     def normalise(self, raw_features: torch.Tensor) -> torch.Tensor:
         """Features scaled by the train-fitted normaliser and clipped to ±feature_clip (NaN stays NaN)."""

@@ -102,14 +102,17 @@ def equity_curves(positions: dict[str, Tensor], split: MarketSplit, cost_bps: fl
     return curves
 
 
-def format_table(results: dict[str, dict[str, float]]) -> str:
-    """A plain-text table, one row per policy."""
-    head = f"{'policy':<14}" + "".join(f"{label:>15}" for _, label, _ in COLUMNS)
-    rows = [head, "-" * len(head)]
+def format_table(results: dict[str, dict[str, float]], split: str | None = None) -> str:
+    """A plain-text table, one row per policy (a member that never updated is marked "untrained"), headed by the
+    split it was computed on."""
+    head = f"{'policy':<22}" + "".join(f"{label:>15}" for _, label, _ in COLUMNS)
+    rows = [f"split: {split}"] if split else []
+    rows += [head, "-" * len(head)]
     for who, m in results.items():
+        label = f"{who} (untrained)" if m.get("updates") == 0 else who
         cells = []
         for key, _, fmt in COLUMNS:
             v = m.get(key, float("nan"))
             cells.append(f"{'n/a' if math.isnan(v) else fmt.format(v):>15}")
-        rows.append(f"{who:<14}" + "".join(cells))
+        rows.append(f"{label:<22}" + "".join(cells))
     return "\n".join(rows)

@@ -464,6 +464,17 @@ class DQNModule(Agent):
             _prefer_fused(config["optimizer"] if isinstance(config, dict) else config)
         return config
 
+    def check_run(self, planned_updates: int) -> list[str]:
+        hp = self.hparams
+        notes = []
+        if hp.epsilon_steps > planned_updates:
+            notes.append(f"epsilon_steps={hp.epsilon_steps} exceeds the {planned_updates} updates of this run: exploration "
+                         f"ends at epsilon {self.epsilon(planned_updates):.3f}, not epsilon_end={hp.epsilon_end}")
+        if hp.target_update == "hard" and hp.target_update_every > planned_updates:
+            notes.append(f"target_update_every={hp.target_update_every} exceeds the {planned_updates} updates of this run: "
+                         "the target network never leaves its initial weights")
+        return notes
+
     # ----------------------------------------------------------------------------------------------- evaluation
     @torch.no_grad()
     def greedy_positions(self, split: MarketSplit | MarketTensors, chunk: int = 65_536) -> tuple[Tensor, MarketTensors]:

@@ -38,6 +38,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from foxhunt.data.market import MarketSpec, MarketSplit
@@ -415,6 +416,9 @@ class EnsembleModule(pl.LightningModule):
         forecasts = self.forecasts(split)
         pos = self.positions(split, forecasts)
         metrics = policy_metrics(pos, split, self.hparams.cost_bps, self.hparams.bars_per_year)
+        for name in self.member_names:  # a member that never updated is marked in every table
+            if name in metrics:
+                metrics[name]["updates"] = float(self.updates[name])
         if choose_weights and self.hparams.combine == "sharpe_weighted" and all(n in metrics for n in self.member_names):
             w = sharpe_weights([metrics[n]["sharpe"] for n in self.member_names])
             self.weights.copy_(torch.tensor(w, dtype=self.weights.dtype))
@@ -515,7 +519,37 @@ class EnsembleModule(pl.LightningModule):
             raise KeyError(f"no split {name!r}: the coordinator has {sorted(self._splits)} (is it set up?)")
         return self._splits[name]
 
+    def planned_steps(self) -> int | None:
+        """Coordinator steps this fit will take by its epoch limit (None when only max_steps or time bounds it)."""
+        trainer = self.trainer
+        trainer.estimated_stepping_batches  # noqa: B018 - sets up the train loader, so num_training_batches is known
+        per_epoch, epochs = trainer.num_training_batches, trainer.max_epochs
+        if epochs is None or epochs < 0 or per_epoch == float("inf"):
+            return None
+        return int(per_epoch * epochs)
+
+    def _check_run(self) -> None:
+        """Before training: a member that would never start is an error; settings that outlast the run are warnings."""
+        planned = self.planned_steps()
+        if planned is None:
+            return
+        for name in self.member_names:
+            member = self.member(name)
+            if member.start_step >= planned:
+                raise ValueError(
+                    f"member {name!r} has start_step={member.start_step}, but this fit runs {planned} coordinator steps "
+                    f"(max_epochs x batches per epoch): it would never train. Lower its start_step or train longer"
+                )
+            updates = (planned - member.start_step) * member.updates_per_step
+            max_steps = self.trainer.max_steps
+            if max_steps is not None and max_steps > 0:
+                updates = min(updates, max_steps)
+            for note in member.check_run(updates):
+                rank_zero_warn(f"member {name!r}: {note}")
+
     def on_train_start(self) -> None:
+        if self.updates and not any(self.updates.values()):
+            self._check_run()
         resumed = getattr(self, "_resume_started", [])
         self._snapshots_loaded = self._snapshots_loaded or bool(resumed)  # they came back with the state dict
         for name in resumed:

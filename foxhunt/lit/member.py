@@ -78,6 +78,10 @@ class Member(pl.LightningModule):
             raise ValueError("a cosine schedule needs total_steps, or a trainer with max_steps or max_epochs")
         return max(1, int(limit))
 
+    def check_run(self, planned_updates: int) -> list[str]:
+        """Settings that do not fit a run of ``planned_updates`` updates (each a warning naming the setting)."""
+        return []
+
     def export_state(self) -> dict[str, float | int | str | None]:
         """Values beyond parameters and hyperparameters that the member's policy needs after export (JSON)."""
         return {}
