@@ -114,6 +114,9 @@ class FoxhuntCLI(LightningCLI):
         if not cfg.get("backtest", True):
             return {"export": meta}
         table = model.evaluate(model.split("test")).metrics
+        if model.last_evaluation is not None:  # the HPARAMS tab: the exported weights' validation and test Sharpe
+            for lg in trainer.loggers:
+                lg.log_metrics(model.hparam_metrics(model.last_evaluation.metrics, table), step=trainer.global_step)
         print("\nBack-test after costs, on the test split (untouched by training, weights and checkpoint choice):\n"
               + format_table(table, split="test"))
         return {"export": meta, "backtest": table}

@@ -42,7 +42,8 @@ def test_fit_logs_scalars_and_figures_to_tensorboard(tiny_run) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tmp, _ = tiny_run
-    acc = EventAccumulator(str(_event_file(tmp)), size_guidance={"images": 0, "scalars": 0})
+    # the run's directory: the HPARAMS tab's final values are written after fit, into a second event file
+    acc = EventAccumulator(str(_event_file(tmp).parent), size_guidance={"images": 0, "scalars": 0})
     acc.Reload()
     scalars = set(acc.Tags()["scalars"])
     for tag in ("train/tft/loss", "train/dqn/td_loss", "train/dqn/epsilon", "train/dqn/q_mean", "val/sharpe",
@@ -53,11 +54,19 @@ def test_fit_logs_scalars_and_figures_to_tensorboard(tiny_run) -> None:
     # one naming scheme: every scalar is stage/member/key, grad_norm/member/block or lr/member
     for tag in scalars - {"epoch", "val/sharpe"}:
         head = tag.split("/")
-        assert head[0] in ("train", "val", "grad_norm", "lr") and len(head) == (2 if head[0] == "lr" else 3), tag
+        assert head[0] in ("train", "val", "grad_norm", "lr", "hp") and len(head) == (2 if head[0] == "lr" else 3), tag
     images = set(acc.Tags()["images"])
     for tag in ("backtest/equity_val", "forecast/tft/fan_chart_val", "interpret/tft/variable_importance",
                 "interpret/tft/attention"):
         assert tag in images, f"figure {tag} missing from {sorted(images)}"
+    # the HPARAMS tab lists the policies' validation and test Sharpe, filled in with finite values at the end
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    content = acc.PluginTagToContent("hparams")
+    infos = [plugin_data_pb2.HParamsPluginData.FromString(c).experiment for t, c in content.items() if "experiment" in t]
+    named = {m.name.tag for e in infos for m in e.metric_infos}
+    assert {"hp/test_sharpe/ensemble", "hp/val_sharpe/tft", "hp/test_sharpe/buy_and_hold"} <= named, named
+    assert math.isfinite(acc.Scalars("hp/test_sharpe/ensemble")[-1].value)
     hparams = list((tmp / "runs").rglob("hparams.yaml"))
     assert hparams and "tft" in hparams[0].read_text()
 

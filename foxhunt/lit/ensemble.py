@@ -471,14 +471,28 @@ class EnsembleModule(pl.LightningModule):
             for who, m in evaluation.metrics.items():
                 self.log_dict({f"test/{who}/{k}": float(v) for k, v in m.items() if k in BACKTEST_KEYS})
 
+    def hparam_metric_names(self) -> list[str]:
+        """The HPARAMS tab's metrics: each policy's validation and test Sharpe (filled in when the fit is over)."""
+        policies = [*self.member_names, "ensemble", "buy_and_hold"]
+        return [f"hp/{stage}_sharpe/{who}" for stage in ("val", "test") for who in policies]
+
     def on_fit_start(self) -> None:
-        """Record every member's hyperparameters in the logger's hparams tab."""
+        """Record every member's hyperparameters in the logger's HPARAMS tab, with the metrics it will show."""
         params: dict[str, Any] = {f"ensemble/{k}": v for k, v in self.hparams.items()}
         for name in self.member_names:
             hp = self.member(name).hparams
             params.update({f"{name}/{k}": v for k, v in hp.items() if not isinstance(v, (list, tuple)) or len(v) <= 8})
         for lg in self.loggers:
-            lg.log_hyperparams(params)
+            lg.log_hyperparams(params, dict.fromkeys(self.hparam_metric_names(), float("nan")))
+
+    def hparam_metrics(self, val: dict[str, dict[str, float]], test: dict[str, dict[str, float]]) -> dict[str, float]:
+        """The values of :meth:`hparam_metric_names` from a validation and a test back-test."""
+        out = {}
+        for name in self.hparam_metric_names():
+            stage, who = name.removeprefix("hp/").split("_sharpe/")
+            table = val if stage == "val" else test
+            out[name] = float(table.get(who, {}).get("sharpe", float("nan")))
+        return out
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
