@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,7 +20,9 @@ import torch
 from foxhunt.data.market import MarketSplit
 from foxhunt.evaluation.backtest import format_table
 from foxhunt.evaluation.figures import equity_figure
-from foxhunt.export import LoadedEnsemble, load
+from foxhunt.export import LoadedEnsemble, load, overlap_with_training
+
+log = logging.getLogger("foxhunt.backtest")
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
@@ -27,6 +31,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--data", default=None, help="bars file, directory or glob to trade (default: the training data)")
     parser.add_argument("--split", default="test", choices=["train", "val", "test", "all"], help="split of the training data (without --data)")
     parser.add_argument("--on-bad-bar", default="raise", choices=["raise", "drop", "repair"])
+    parser.add_argument("--allow-overlap", action="store_true",
+                        help="back-test --data bars that overlap the training/validation span (a second table shows the unseen bars)")
     parser.add_argument("--out", default=None, help="output directory for backtest.json and equity.png (default: the export directory)")
     args = parser.parse_args(argv)
 
@@ -39,14 +45,48 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         from foxhunt.data import load_bars
 
         split = loaded.split(load_bars(args.data, on_bad_bar=args.on_bad_bar), name=Path(args.data).name)
+        unseen = _guard_overlap(loaded, split, args.allow_overlap)
     else:
-        split = training_split(loaded, args.split)
+        split, unseen = training_split(loaded, args.split), None
     evaluation = loaded.model.evaluate(split)
     print(format_table(evaluation.metrics, split=split.name if args.data is not None else f"{args.split} (training data)"))
+    if unseen is not None:
+        print(f"\nthe same positions on the {int(unseen.valid.sum()):,} bars after the training span only:")
+        print(format_table(loaded.model.evaluate(unseen).metrics, split=unseen.name))
     equity_figure(evaluation.positions, split, evaluation.cost_bps).savefig(out / "equity.png", dpi=110)
     (out / "backtest.json").write_text(json.dumps(evaluation.metrics, indent=2))
     print(f"\nwrote {out / 'backtest.json'} and {out / 'equity.png'}")
     return evaluation.metrics
+
+
+def _guard_overlap(loaded: LoadedEnsemble, split: MarketSplit, allow: bool) -> MarketSplit | None:
+    """Refuse bars the model trained or was selected on (unless allowed: then the unseen bars, for a second table);
+    warn about symbols it never saw."""
+    trained = set(loaded.metadata["data"].get("symbols", []))
+    for symbol in split.symbols:
+        if symbol not in trained:
+            log.warning("symbol %s was not among the symbols the model was trained on (%s)", symbol, sorted(trained))
+    seen = overlap_with_training(loaded.metadata, split)
+    if not bool(seen.any()):
+        return None
+    spans = loaded.metadata["data"].get("seen_span", {})
+    where = "; ".join(
+        f"{sym}: {int((seen & (split.symbol_index == i)).sum()):,} bars inside {_date(spans[sym][0])} .. {_date(spans[sym][1])}"
+        for i, sym in enumerate(split.symbols) if sym in spans and bool((seen & (split.symbol_index == i)).any())
+    )
+    if not allow:
+        raise SystemExit(
+            f"foxhunt.backtest: {split.name} overlaps the bars the model was trained or selected on ({where}); its "
+            "figures there would be in-sample. Back-test later bars, or pass --allow-overlap to see both"
+        )
+    log.warning("%s overlaps the training/validation span (%s): the first table includes those bars", split.name, where)
+    return replace(split.select(~seen), name=f"{split.name} (bars after the training span)")
+
+
+def _date(ns: int) -> str:
+    import pandas as pd
+
+    return f"{pd.Timestamp(ns, tz='UTC'):%Y-%m-%d %H:%M}"
 
 
 def training_split(loaded: LoadedEnsemble, name: str) -> MarketSplit:

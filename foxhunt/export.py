@@ -111,6 +111,7 @@ def export_ensemble(model: EnsembleModule, dm: BarDataModule, out_dir: str | Pat
                 "clip_sigma": dm.hparams.target_clip_sigma,
             },
             "fingerprint": fingerprint(dm.bars) if dm.bars is not None else None,
+            "seen_span": seen_span(dm),
         },
         "metrics": _jsonable(model.last_evaluation.metrics if model.last_evaluation is not None else {}),
         "config": config if isinstance(config, str) else _jsonable(config),
@@ -118,6 +119,33 @@ def export_ensemble(model: EnsembleModule, dm: BarDataModule, out_dir: str | Pat
     }
     (out / "metadata.json").write_text(json.dumps(meta, indent=2))
     return meta
+
+
+def seen_span(dm: BarDataModule) -> dict[str, list[int]]:
+    """Per symbol, the first and last timestamp (ns) of the bars training or selection used (train and validation)."""
+    out: dict[str, list[int]] = {}
+    for split in (dm.splits.get("train"), dm.splits.get("val")):
+        if split is None or len(split) == 0:
+            continue
+        for code, symbol in enumerate(split.symbols):
+            ts = split.timestamps[split.symbol_index == code]
+            if ts.numel():
+                lo, hi = int(ts.min()), int(ts.max())
+                old = out.get(symbol, [lo, hi])
+                out[symbol] = [min(old[0], lo), max(old[1], hi)]
+    return out
+
+
+def overlap_with_training(meta: dict[str, Any], split: MarketSplit) -> torch.Tensor:
+    """[T] True at the split's bars that fall inside the span of the export's training and validation bars."""
+    span = meta["data"].get("seen_span") or {}
+    out = torch.zeros(len(split), dtype=torch.bool)
+    for code, symbol in enumerate(split.symbols):
+        if symbol in span:
+            lo, hi = span[symbol]
+            rows = split.symbol_index == code
+            out |= rows & (split.timestamps >= lo) & (split.timestamps <= hi)
+    return out
 
 
 @dataclass

@@ -19,6 +19,24 @@ TINY = str(Path(__file__).parent / "configs" / "tiny.yaml")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+class _capture_log:
+    """Collect the messages of one logger inside a with block."""
+
+    def __init__(self, name: str) -> None:
+        import logging
+
+        self.logger, self.records = logging.getLogger(name), []
+        self.handler = logging.Handler()
+        self.handler.emit = lambda record: self.records.append(record.getMessage())  # type: ignore[method-assign]
+
+    def __enter__(self) -> list[str]:
+        self.logger.addHandler(self.handler)
+        return self.records
+
+    def __exit__(self, *exc: object) -> None:
+        self.logger.removeHandler(self.handler)
+
+
 def _fit(tmp_path: Path, *extra: str):
     args = ["--config", TINY, "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
             "--trainer.default_root_dir", str(tmp_path), "--export_dir", str(tmp_path / "export"), *extra]
@@ -152,7 +170,7 @@ def test_backtest_cli_on_unseen_data(tiny_run, tmp_path: Path, capsys) -> None:
     from foxhunt.data.synthetic import generate_market
 
     src, _ = tiny_run
-    path = generate_market(n_bars=3000, seed=11, signal_strength=0.3).write(tmp_path / "unseen.parquet")
+    path = generate_market(n_bars=3000, seed=11, signal_strength=0.3, start="2024-03-04").write(tmp_path / "unseen.parquet")
     results = backtest_main(["--checkpoint", str(src / "export"), "--data", str(path), "--out", str(tmp_path)])
     out = capsys.readouterr().out
     for who in ("tft", "dqn", "ensemble", "buy_and_hold"):
@@ -162,6 +180,25 @@ def test_backtest_cli_on_unseen_data(tiny_run, tmp_path: Path, capsys) -> None:
     assert (tmp_path / "backtest.json").exists() and (tmp_path / "equity.png").stat().st_size > 1000
     results = backtest_main(["--checkpoint", str(src / "export"), "--split", "test", "--out", str(tmp_path)])
     assert "oracle" in results  # the synthetic training data knows its oracle
+
+
+def test_backtest_refuses_bars_the_model_trained_on(tiny_run, tmp_path: Path, capsys) -> None:
+    """A file whose dates overlap the training/validation span is refused; with --allow-overlap a second table is
+    computed on the bars after that span only. Another symbol is named in a warning."""
+    from foxhunt.backtest import main as backtest_main
+    from foxhunt.data.synthetic import generate_market
+
+    src, _ = tiny_run
+    overlapping = generate_market(n_bars=8000, seed=11, signal_strength=0.3).write(tmp_path / "overlap.parquet")
+    with pytest.raises(SystemExit, match=r"overlaps the bars the model was trained or selected on \(SYN0: [0-9,]+ bars inside"):
+        backtest_main(["--checkpoint", str(src / "export"), "--data", str(overlapping), "--out", str(tmp_path)])
+    backtest_main(["--checkpoint", str(src / "export"), "--data", str(overlapping), "--out", str(tmp_path), "--allow-overlap"])
+    out = capsys.readouterr().out
+    assert "split: overlap.parquet" in out and "split: overlap.parquet (bars after the training span)" in out
+    other = generate_market(n_bars=3000, seed=12, start="2024-03-04", symbols=["OTHER"]).write(tmp_path / "other.parquet")
+    with _capture_log("foxhunt.backtest") as records:
+        backtest_main(["--checkpoint", str(src / "export"), "--data", str(other), "--out", str(tmp_path)])
+    assert any("symbol OTHER was not among the symbols the model was trained on" in r for r in records)
 
 
 def test_cli_conventions(tmp_path: Path, capsys) -> None:
