@@ -28,6 +28,7 @@ COLUMNS = (
     ("turnover", "turnover", "{:.4f}"),
     ("hit_rate", "hit rate", "{:.3f}"),
     ("n_trades", "trades", "{:.0f}"),
+    ("weight", "ens. weight", "{:.3f}"),
 )
 
 

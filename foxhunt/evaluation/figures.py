@@ -34,18 +34,46 @@ class Interpretation:
     decoder_names: list[str]
 
 
+_STYLES = ("-", "--", "-.", ":")
+
+
 def equity_figure(positions: dict[str, Tensor], split: MarketSplit, cost_bps: float) -> Figure:
-    """The equity curves (cumulative log return after costs) of every policy on a split."""
+    """Equity (cumulative log return after costs), drawdown and position of every policy on a split, against dates.
+
+    Bars of several symbols are drawn one symbol after another (the x-axis shows each bar's own date); line styles
+    differ, so a member whose curve coincides with another's stays visible.
+    """
     curves = equity_curves(positions, split, cost_bps)
-    fig = Figure(figsize=(10, 4.5), layout="constrained")
-    ax = fig.subplots()
-    for who, curve in curves.items():
-        ax.plot(curve.numpy(), label=who, lw=1.8 if who == "ensemble" else 1.0)
-    ax.set_xlabel(f"bar of split {split.name!r} (symbols in turn)")
-    ax.set_ylabel("cumulative log return after costs")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    fig = Figure(figsize=(11, 7.5), layout="constrained")
+    ax_eq, ax_dd, ax_pos = fig.subplots(3, 1, sharex=True, height_ratios=[3, 1.3, 1.3])
+    x = torch.arange(len(split)).numpy()
+    for i, (who, curve) in enumerate(curves.items()):
+        style = dict(lw=1.8 if who == "ensemble" else 1.0, ls=_STYLES[i % len(_STYLES)], label=who)
+        ax_eq.plot(x, curve.numpy(), **style)
+        peak = torch.cummax(torch.cat([torch.zeros(1, dtype=curve.dtype), curve]), 0).values[1:]
+        ax_dd.plot(x, (1 - torch.exp(curve - peak)).neg().numpy(), **style)
+        ax_pos.step(x, positions[who].float().cpu().numpy(), where="post", **style)
+    ax_eq.set_ylabel("cumulative log return\nafter costs")
+    ax_eq.legend(ncol=3, fontsize=8)
+    ax_dd.set_ylabel("drawdown")
+    ax_pos.set_ylabel("position")
+    ax_pos.set_ylim(-1.1, 1.1)
+    for ax in (ax_eq, ax_dd, ax_pos):
+        ax.grid(alpha=0.3)
+    ticks = torch.linspace(0, max(len(split) - 1, 0), 6).round().long().unique()
+    ax_pos.set_xticks(ticks.numpy())
+    ax_pos.set_xticklabels([_date_label(split, int(t)) for t in ticks], fontsize=8)
+    names = f"symbols {', '.join(split.symbols)} in turn" if len(split.symbols) > 1 else split.symbols[0] if split.symbols else ""
+    ax_pos.set_xlabel(f"bar date (UTC), split {split.name!r}, {names}")
     return fig
+
+
+def _date_label(split: MarketSplit, row: int) -> str:
+    import pandas as pd
+
+    if len(split) == 0:
+        return ""
+    return f"{pd.Timestamp(int(split.timestamps[row]), tz='UTC'):%Y-%m-%d\n%H:%M}"
 
 
 def fan_chart(forecasts: Tensor, split: MarketSplit, start: int | None = None, length: int = 300) -> Figure:
@@ -96,7 +124,11 @@ def attention_figure(interp: Interpretation, lookback: int) -> Figure:
     image = ax.imshow(
         att, aspect="auto", cmap="viridis", extent=(-lookback + 0.5, positions - lookback + 0.5, horizon + 0.5, 0.5)
     )
-    ax.set_xlabel("position relative to forecast origin t")
+    lags = range(-lookback + 1, positions - lookback + 1)
+    step = max(1, len(lags) // 12)
+    ax.set_xticks([lag for lag in lags if lag % step == 0])  # whole lags: bar t+k is column k
+    ax.set_yticks(range(1, horizon + 1))
+    ax.set_xlabel("position relative to forecast origin t (bars)")
     ax.set_ylabel("horizon step")
     ax.set_title("interpretable attention (mean over heads and batch)")
     fig.colorbar(image, ax=ax)

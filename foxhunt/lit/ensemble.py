@@ -416,12 +416,16 @@ class EnsembleModule(pl.LightningModule):
         forecasts = self.forecasts(split)
         pos = self.positions(split, forecasts)
         metrics = policy_metrics(pos, split, self.hparams.cost_bps, self.hparams.bars_per_year)
-        for name in self.member_names:  # a member that never updated is marked in every table
+        for i, name in enumerate(self.member_names):  # a member that never updated is marked in every table
             if name in metrics:
                 metrics[name]["updates"] = float(self.updates[name])
+                if self.hparams.combine == "sharpe_weighted":  # the weight the ensemble row was computed with
+                    metrics[name]["weight"] = float(self.weights[i])
         if choose_weights and self.hparams.combine == "sharpe_weighted" and all(n in metrics for n in self.member_names):
             w = sharpe_weights([metrics[n]["sharpe"] for n in self.member_names])
             self.weights.copy_(torch.tensor(w, dtype=self.weights.dtype))
+            for name, weight in zip(self.member_names, w, strict=True):
+                metrics[name]["weight"] = float(weight)
             pos["ensemble"] = weighted([pos[n] for n in self.member_names], w)
             metrics["ensemble"] = policy_metrics({"ensemble": pos["ensemble"]}, split, self.hparams.cost_bps,
                                                  self.hparams.bars_per_year)["ensemble"]
