@@ -48,11 +48,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         unseen = _guard_overlap(loaded, split, args.allow_overlap)
     else:
         split, unseen = training_split(loaded, args.split), None
-    evaluation = loaded.model.evaluate(split)
+    evaluation = loaded.model.evaluate(split, significance=True)
     print(format_table(evaluation.metrics, split=split.name if args.data is not None else f"{args.split} (training data)"))
     if unseen is not None:
         print(f"\nthe same positions on the {int(unseen.valid.sum()):,} bars after the training span only:")
-        print(format_table(loaded.model.evaluate(unseen).metrics, split=unseen.name))
+        print(format_table(loaded.model.evaluate(unseen, significance=True).metrics, split=unseen.name))
     equity_figure(evaluation.positions, split, evaluation.cost_bps).savefig(out / "equity.png", dpi=110)
     (out / "backtest.json").write_text(json.dumps(evaluation.metrics, indent=2))
     print(f"\nwrote {out / 'backtest.json'} and {out / 'equity.png'}")

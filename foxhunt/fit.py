@@ -66,7 +66,25 @@ class FoxhuntCLI(LightningCLI):
         if self.config.get("log_figures", True) and not any(isinstance(cb, ValidationFigures) for cb in callbacks):
             callbacks.append(ValidationFigures())
         trainer.callbacks = callbacks
+        self._use_atomic_checkpoints(trainer)
         return trainer
+
+    def _use_atomic_checkpoints(self, trainer: Trainer) -> None:
+        """Checkpoints written atomically in their own directory and unreadable ones named in one line
+        (``AtomicCheckpointIO``), set through the strategy's public ``checkpoint_io`` setter after instantiation, unless
+        the config names a checkpoint-IO plugin or the strategy's is not Lightning's plain ``TorchCheckpointIO`` (XLA's,
+        an async wrapper)."""
+        from lightning.fabric.plugins import CheckpointIO
+        from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+        from foxhunt.training.checkpoint_io import AtomicCheckpointIO
+
+        plugins = (self.config_init.get("trainer") or {}).get("plugins") if self.config_init else None
+        plugins = plugins if isinstance(plugins, (list, tuple)) else [plugins]
+        if any(isinstance(p, CheckpointIO) for p in plugins):
+            return
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
     def before_instantiate_classes(self) -> None:
         threads = self.config.get("torch_threads")
@@ -82,16 +100,28 @@ class FoxhuntCLI(LightningCLI):
 
     def _resolve_ckpt_path(self, ckpt_path: str | None) -> str | None:
         """'last' means the newest last.ckpt of any earlier version of this logger's runs (a new run has its own
-        version directory, where Lightning alone would find nothing and silently start over)."""
+        version directory, where Lightning alone would find nothing and silently start over) that loads: an empty,
+        truncated or unreadable one (a crash while it was written by another writer) is skipped with a warning that
+        says why, in favour of the next newest."""
+        from foxhunt.training.checkpoint_io import checkpoint_problem
+
         if ckpt_path != "last":
             return ckpt_path
         logger = self.trainer.logger
         root = Path(logger.save_dir) / (logger.name or "") if logger is not None else Path(self.trainer.default_root_dir)
-        found = sorted(root.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        found = sorted(root.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
         if not found:
             raise FileNotFoundError(f"--ckpt_path last: no last.ckpt under {root}/version_*/checkpoints")
-        log.info("resuming from %s", found[-1])
-        return str(found[-1])
+        for path in found:
+            problem = checkpoint_problem(path)
+            if problem is None:
+                log.info("resuming from %s", path)
+                return str(path)
+            log.warning("--ckpt_path last: skipping %s: %s", path, problem)
+        raise FileNotFoundError(
+            f"--ckpt_path last: none of the {len(found)} last.ckpt under {root}/version_*/checkpoints loads "
+            "(each is named above with the reason)"
+        )
 
     def export_and_backtest(self) -> dict[str, Any]:
         from foxhunt.evaluation.backtest import format_table
@@ -113,7 +143,7 @@ class FoxhuntCLI(LightningCLI):
         print(f"\nexported {', '.join(sorted(meta['files']))} to {out_dir}")
         if not cfg.get("backtest", True):
             return {"export": meta}
-        table = model.evaluate(model.split("test")).metrics
+        table = model.evaluate(model.split("test"), significance=True).metrics
         if model.last_evaluation is not None:  # the HPARAMS tab: the exported weights' validation and test Sharpe
             for lg in trainer.loggers:
                 lg.log_metrics(model.hparam_metrics(model.last_evaluation.metrics, table), step=trainer.global_step)

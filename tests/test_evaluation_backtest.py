@@ -60,3 +60,36 @@ def test_equity_curves_and_table() -> None:
     torch.testing.assert_close(curves["long"], torch.cumsum(s.returns.double(), 0))
     table = format_table({"long": {"sharpe": 1.5, "total_log_return": 0.04}})
     assert "long" in table and "+1.50" in table and "n/a" in table  # missing metrics print as n/a
+
+
+def test_reported_tables_carry_significance() -> None:
+    """With significance on, every policy's row has its Sharpe SE, a bootstrap interval around its Sharpe and PSRs."""
+    from foxhunt.data.datamodule import BarDataModule
+    from foxhunt.evaluation.significance import sharpe_summary
+
+    dm = BarDataModule(synthetic_bars=4000, features=["logret_1", "rsi_14", "tod_sin"], known_future=["tod_sin"],
+                       lookback=8, horizon=2, cache_dir=None)
+    dm.setup()
+    s = dm.test_split
+    pos = {"long": s.valid.float(), "flat": torch.zeros(len(s))}
+    m = policy_metrics(pos, s, cost_bps=1.0, significance=True)
+    row = m["long"]
+    assert row["sharpe_se"] > 0 and row["sharpe_ci_low"] < row["sharpe"] < row["sharpe_ci_high"]
+    assert 0 < row["psr_vs_flat"] < 1 and math.isnan(m["flat"]["psr_vs_flat"])  # a flat series has no Sharpe
+    # being buy-and-hold itself: its PSR against buy-and-hold is exactly one half
+    assert math.isclose(row["psr_vs_benchmark"], 0.5, abs_tol=1e-9)
+    direct = sharpe_summary(strategy_pnl(s), _bpy(s))
+    assert math.isclose(direct["sharpe_se"], row["sharpe_se"], rel_tol=1e-9)
+    assert "95% CI" in format_table(m) and "PSR vs B&H" in format_table(m)
+
+
+def strategy_pnl(s: MarketSplit) -> torch.Tensor:
+    from foxhunt.evaluation.trading import strategy_log_returns
+
+    return strategy_log_returns(s.valid.double(), torch.nan_to_num(s.returns.double()), 1.0, s.first_bar)[s.valid]
+
+
+def _bpy(s: MarketSplit) -> float:
+    from foxhunt.evaluation.backtest import split_bars_per_year
+
+    return split_bars_per_year(s)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from foxhunt.data.market import MarketSplit
+from foxhunt.evaluation.significance import sharpe_summary
 from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
 from foxhunt.evaluation.trading import strategy_log_returns, trading_metrics
 from foxhunt.rl.oracle import oracle_positions
@@ -29,6 +30,10 @@ COLUMNS = (
     ("hit_rate", "hit rate", "{:.3f}"),
     ("n_trades", "trades", "{:.0f}"),
     ("weight", "ens. weight", "{:.3f}"),
+    ("sharpe_se", "Sharpe SE", "{:.2f}"),
+    ("sharpe_ci", "95% CI", "[{:+.2f}, {:+.2f}]"),
+    ("psr_vs_flat", "PSR vs flat", "{:.3f}"),
+    ("psr_vs_benchmark", "PSR vs B&H", "{:.3f}"),
 )
 
 
@@ -76,19 +81,35 @@ def sortino(pnl: Tensor, bars_per_year: float) -> float:
 
 @torch.no_grad()
 def policy_metrics(
-    positions: dict[str, Tensor], split: MarketSplit, cost_bps: float, bars_per_year: float | None = None
+    positions: dict[str, Tensor], split: MarketSplit, cost_bps: float, bars_per_year: float | None = None,
+    significance: bool = False, seed: int = 0,
 ) -> dict[str, dict[str, float]]:
-    """After-cost metrics (Sharpe, Sortino, drawdown, turnover, ...) of every policy's positions on a split."""
+    """After-cost metrics (Sharpe, Sortino, drawdown, turnover, ...) of every policy's positions on a split.
+
+    ``significance`` adds, per policy, the Sharpe's standard error (Mertens), a stationary block bootstrap 95%
+    interval and the probabilistic Sharpe ratio against flat and against buy-and-hold (docs/STATISTICS.md); the
+    reported tables use it, validation (which runs every epoch) does not.
+    """
     bpy = split_bars_per_year(split, bars_per_year)
     results: dict[str, dict[str, float]] = {}
+    pnls: dict[str, Tensor] = {}
     for who, p in positions.items():
         dev = p.device
         returns, decision, reset = split.returns.to(dev), split.valid.to(dev), split.first_bar.to(dev)
         m = trading_metrics(p, returns, cost_bps, bpy, mask=decision, reset=reset)
         results[who] = {k: float(v) for k, v in m.as_dict().items()}
         held = torch.where(decision, p.double(), torch.zeros_like(p, dtype=torch.float64))
-        pnl = strategy_log_returns(held, returns.double(), cost_bps, reset)[decision]
-        results[who]["sortino"] = sortino(pnl, bpy)
+        pnls[who] = strategy_log_returns(held, returns.double(), cost_bps, reset)[decision]
+        results[who]["sortino"] = sortino(pnls[who], bpy)
+    if significance:
+        decision = split.valid
+        benchmark = strategy_log_returns(
+            decision.double(), torch.nan_to_num(split.returns.double()), cost_bps, split.first_bar)[decision]
+        n_boot = max(200, min(1000, int(2e7 // max(int(decision.sum()), 1))))  # bounded work on long splits
+        for who, pnl in pnls.items():
+            stats = sharpe_summary(pnl, bpy, benchmark_pnl=benchmark.to(pnl.device), n_boot=n_boot, seed=seed)
+            results[who].update({k: stats[k] for k in ("sharpe_se", "sharpe_ci_low", "sharpe_ci_high", "psr_vs_flat",
+                                                       "psr_vs_benchmark")})
     return results
 
 
@@ -106,13 +127,17 @@ def equity_curves(positions: dict[str, Tensor], split: MarketSplit, cost_bps: fl
 def format_table(results: dict[str, dict[str, float]], split: str | None = None) -> str:
     """A plain-text table, one row per policy (a member that never updated is marked "untrained"), headed by the
     split it was computed on."""
-    head = f"{'policy':<22}" + "".join(f"{label:>15}" for _, label, _ in COLUMNS)
+    head = f"{'policy':<22}" + "".join(f"{label:>{18 if key == 'sharpe_ci' else 15}}" for key, label, _ in COLUMNS)
     rows = [f"split: {split}"] if split else []
     rows += [head, "-" * len(head)]
     for who, m in results.items():
         label = f"{who} (untrained)" if m.get("updates") == 0 else who
         cells = []
         for key, _, fmt in COLUMNS:
+            if key == "sharpe_ci":
+                lo, hi = m.get("sharpe_ci_low", float("nan")), m.get("sharpe_ci_high", float("nan"))
+                cells.append(f"{'n/a' if math.isnan(lo) or math.isnan(hi) else fmt.format(lo, hi):>18}")
+                continue
             v = m.get(key, float("nan"))
             cells.append(f"{'n/a' if math.isnan(v) else fmt.format(v):>15}")
         rows.append(f"{label:<22}" + "".join(cells))

@@ -410,12 +410,14 @@ class EnsembleModule(pl.LightningModule):
         return pos
 
     @torch.no_grad()
-    def evaluate(self, split: MarketSplit, choose_weights: bool = False) -> PolicyEvaluation:
+    def evaluate(self, split: MarketSplit, choose_weights: bool = False, significance: bool = False) -> PolicyEvaluation:
         """Positions and after-cost metrics of every policy on a split. ``choose_weights`` (validation only) sets the
-        Sharpe weights from this split first: what chooses is the validation split, never the one that reports."""
+        Sharpe weights from this split first: what chooses is the validation split, never the one that reports.
+        ``significance`` adds each policy's Sharpe standard error, bootstrap interval and probabilistic Sharpe ratios
+        (for the reported tables)."""
         forecasts = self.forecasts(split)
         pos = self.positions(split, forecasts)
-        metrics = policy_metrics(pos, split, self.hparams.cost_bps, self.hparams.bars_per_year)
+        metrics = policy_metrics(pos, split, self.hparams.cost_bps, self.hparams.bars_per_year, significance=significance)
         for i, name in enumerate(self.member_names):  # a member that never updated is marked in every table
             if name in metrics:
                 metrics[name]["updates"] = float(self.updates[name])
@@ -428,7 +430,7 @@ class EnsembleModule(pl.LightningModule):
                 metrics[name]["weight"] = float(weight)
             pos["ensemble"] = weighted([pos[n] for n in self.member_names], w)
             metrics["ensemble"] = policy_metrics({"ensemble": pos["ensemble"]}, split, self.hparams.cost_bps,
-                                                 self.hparams.bars_per_year)["ensemble"]
+                                                 self.hparams.bars_per_year, significance=significance)["ensemble"]
         return PolicyEvaluation(split, pos, metrics, self.hparams.cost_bps, forecasts)
 
     # ------------------------------------------------------------------------------------------------ validation
