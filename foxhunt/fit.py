@@ -36,6 +36,7 @@ class FoxhuntCLI(LightningCLI):
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from ('last' for the latest)")
         parser.add_argument("--export_dir", type=str | None, default=None, help="where to write the safetensors export (default: <log_dir>/export)")
         parser.add_argument("--backtest", type=bool, default=True, help="back-test the exported model on the test split after fit")
+        parser.add_argument("--hparams_tab", type=bool, default=True, help="fill TensorBoard's HPARAMS tab with every hyperparameter and the policies' final validation and test Sharpe (foxhunt.tune writes its own)")
         parser.add_argument("--log_figures", type=bool, default=True, help="equity curves, fan charts and interpretation figures to TensorBoard")
         parser.set_defaults(
             {
@@ -79,7 +80,8 @@ class FoxhuntCLI(LightningCLI):
 
         from foxhunt.training.checkpoint_io import AtomicCheckpointIO
 
-        plugins = (self.config_init.get("trainer") or {}).get("plugins") if self.config_init else None
+        config = self.config_init.get(self.subcommand) if self.subcommand else self.config_init
+        plugins = (config.get("trainer") or {}).get("plugins") if config else None
         plugins = plugins if isinstance(plugins, (list, tuple)) else [plugins]
         if any(isinstance(p, CheckpointIO) for p in plugins):
             return
@@ -95,6 +97,9 @@ class FoxhuntCLI(LightningCLI):
         """Train, then export the best weights and back-test them on the test split."""
         cfg = self.config
         trainer, model, dm = self.trainer, self.model, self.datamodule
+        if cfg.get("hparams_tab", True):  # every hyperparameter, against the metrics filled in when the fit is over
+            for lg in trainer.loggers:
+                lg.log_hyperparams(model.hparam_params(), dict.fromkeys(model.hparam_metric_names(), float("nan")))
         trainer.fit(model, datamodule=dm, ckpt_path=self._resolve_ckpt_path(cfg.get("ckpt_path")))
         return self.export_and_backtest()
 
@@ -144,7 +149,7 @@ class FoxhuntCLI(LightningCLI):
         if not cfg.get("backtest", True):
             return {"export": meta}
         table = model.evaluate(model.split("test"), significance=True).metrics
-        if model.last_evaluation is not None:  # the HPARAMS tab: the exported weights' validation and test Sharpe
+        if cfg.get("hparams_tab", True) and model.last_evaluation is not None:  # the exported weights' val and test Sharpe
             for lg in trainer.loggers:
                 lg.log_metrics(model.hparam_metrics(model.last_evaluation.metrics, table), step=trainer.global_step)
         print("\nBack-test after costs, on the test split (untouched by training, weights and checkpoint choice):\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -103,6 +104,15 @@ def test_study_prunes_the_bad_region_logs_each_trial_and_summarises(tiny_study) 
     assert summary["counts"]["pruned"] == len(summary["pruned"]) >= 1
     best_trial = study.best_trial
     assert summary["best"][0]["number"] == best_trial.number
+    # the best trial's validation Sharpe deflated by the number and spread of the complete trials' Sharpes
+    deflated = summary["best"][0]["deflated_sharpe"]
+    assert deflated["n_trials"] == len(complete)
+    mine = best_trial.user_attrs["validation_moments"]
+    if math.isnan(mine["sr_per_bar"]):  # an ensemble that never traded has no Sharpe to deflate
+        assert math.isnan(deflated["value"])
+    else:
+        assert 0.0 <= deflated["value"] <= 1.0
+    assert all("validation_moments" in t.user_attrs for t in complete)
     for name in ("optimization_history.png", "param_importances.png"):
         assert (best / name).stat().st_size > 5000
     if len(complete) >= 2:

@@ -71,6 +71,14 @@ def oracle_split_positions(split: MarketSplit, cost_bps: float, device: torch.de
     return best
 
 
+def policy_pnl(positions: Tensor, split: MarketSplit, cost_bps: float) -> Tensor:
+    """Per-bar log return after costs of a position series, at the split's decision bars (float64)."""
+    dev = positions.device
+    decision, reset = split.valid.to(dev), split.first_bar.to(dev)
+    held = torch.where(decision, positions.double(), torch.zeros_like(positions, dtype=torch.float64))
+    return strategy_log_returns(held, split.returns.to(dev).double(), cost_bps, reset)[decision]
+
+
 def sortino(pnl: Tensor, bars_per_year: float) -> float:
     """Annualised Sortino ratio of per-bar P&L: the mean over the root mean square of its negative part."""
     if pnl.numel() < 2:
@@ -98,13 +106,11 @@ def policy_metrics(
         returns, decision, reset = split.returns.to(dev), split.valid.to(dev), split.first_bar.to(dev)
         m = trading_metrics(p, returns, cost_bps, bpy, mask=decision, reset=reset)
         results[who] = {k: float(v) for k, v in m.as_dict().items()}
-        held = torch.where(decision, p.double(), torch.zeros_like(p, dtype=torch.float64))
-        pnls[who] = strategy_log_returns(held, returns.double(), cost_bps, reset)[decision]
+        pnls[who] = policy_pnl(p, split, cost_bps)
         results[who]["sortino"] = sortino(pnls[who], bpy)
     if significance:
         decision = split.valid
-        benchmark = strategy_log_returns(
-            decision.double(), torch.nan_to_num(split.returns.double()), cost_bps, split.first_bar)[decision]
+        benchmark = policy_pnl(decision.float(), split, cost_bps)  # buy-and-hold
         n_boot = max(200, min(1000, int(2e7 // max(int(decision.sum()), 1))))  # bounded work on long splits
         for who, pnl in pnls.items():
             stats = sharpe_summary(pnl, bpy, benchmark_pnl=benchmark.to(pnl.device), n_boot=n_boot, seed=seed)

@@ -482,14 +482,13 @@ class EnsembleModule(pl.LightningModule):
         policies = [*self.member_names, "ensemble", "buy_and_hold"]
         return [f"hp/{stage}_sharpe/{who}" for stage in ("val", "test") for who in policies]
 
-    def on_fit_start(self) -> None:
-        """Record every member's hyperparameters in the logger's HPARAMS tab, with the metrics it will show."""
+    def hparam_params(self) -> dict[str, Any]:
+        """The coordinator's and every member's hyperparameters, flat, for the logger's HPARAMS tab."""
         params: dict[str, Any] = {f"ensemble/{k}": v for k, v in self.hparams.items()}
         for name in self.member_names:
             hp = self.member(name).hparams
             params.update({f"{name}/{k}": v for k, v in hp.items() if not isinstance(v, (list, tuple)) or len(v) <= 8})
-        for lg in self.loggers:
-            lg.log_hyperparams(params, dict.fromkeys(self.hparam_metric_names(), float("nan")))
+        return params
 
     def hparam_metrics(self, val: dict[str, dict[str, float]], test: dict[str, dict[str, float]]) -> dict[str, float]:
         """The values of :meth:`hparam_metric_names` from a validation and a test back-test."""

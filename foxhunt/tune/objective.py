@@ -83,6 +83,20 @@ def _scalar_params(params: Mapping[str, Any]) -> dict[str, Any]:
     return {k: (v if isinstance(v, (int, float, str, bool)) else json.dumps(v)) for k, v in params.items()}
 
 
+def _record_validation_moments(trial: optuna.Trial, model: Any) -> None:
+    """The moments of the ensemble's validation P&L with the exported weights: what the study's deflated Sharpe
+    ratio needs of each trial (per-bar Sharpe, bars, skewness, kurtosis)."""
+    evaluation = getattr(model, "last_evaluation", None)
+    if evaluation is None or "ensemble" not in evaluation.positions:
+        return
+    from foxhunt.evaluation.backtest import policy_pnl
+    from foxhunt.evaluation.significance import sharpe_moments
+
+    m = sharpe_moments(policy_pnl(evaluation.positions["ensemble"], evaluation.split, evaluation.cost_bps))
+    trial.set_user_attr("validation_moments", {"sr_per_bar": m.sr_per_bar, "n_bars": m.n_bars, "skew": m.skew,
+                                               "kurtosis": m.kurtosis})
+
+
 def _classify(e: BaseException) -> tuple[str, str]:
     """(kind, reason) of a trial's exception."""
     from foxhunt.training.guard import NonFiniteError
@@ -157,7 +171,8 @@ class FitObjective:
                   "init_args": {"save_dir": str(self.cfg.runs_dir), "name": self.study_name,
                                 "version": f"trial_{trial.number}", "default_hp_metric": False}}
         args = ["--config", str(config_path), "--trainer.logger", json.dumps(logger),
-                "--trainer.default_root_dir", str(out), "--export_dir", str(out / "export"), "--backtest", "false"]
+                "--trainer.default_root_dir", str(out), "--export_dir", str(out / "export"), "--backtest", "false",
+                "--hparams_tab", "false"]  # the trial's hparams tab is the study's (its parameters against the objective)
         if not self.cfg.progress_bar:
             args += ["--trainer.enable_progress_bar", "false"]
         sigint = signal.getsignal(signal.SIGINT)
@@ -171,6 +186,7 @@ class FitObjective:
                 trial.set_user_attr("fail_reason", str(e)[:2000])
                 raise TrialError(str(e)) from None
             cli.fit()
+            _record_validation_moments(trial, cli.model)
         except optuna.TrialPruned as e:
             trial.set_user_attr("pruned_reason", str(e) or "pruned")
             self._record_history(trial, recorder)

@@ -52,7 +52,8 @@ def summarize(study: optuna.Study, cfg: TuneConfig, out_dir: Path | None = None,
             f"written by foxhunt.tune; run: python -m foxhunt.fit --config {out_dir / name}",
         )
         summary["best"].append({"number": t.number, "values": values, "params": params, "config": str(path),
-                                "log_dir": t.user_attrs.get("log_dir"), "export_dir": t.user_attrs.get("export_dir")})
+                                "log_dir": t.user_attrs.get("log_dir"), "export_dir": t.user_attrs.get("export_dir"),
+                                "deflated_sharpe": deflated_sharpe(study, t)})
     for i, o in enumerate(cfg.objectives):
         target = (lambda t, i=i: t.values[i]) if cfg.multi_objective else None
         try:
@@ -96,6 +97,21 @@ def _plots(study: optuna.Study, target: Callable[[FrozenTrial], float] | None, m
     return written
 
 
+def deflated_sharpe(study: optuna.Study, best: FrozenTrial) -> dict[str, float] | None:
+    """The deflated Sharpe ratio (Bailey and Lopez de Prado 2014) of the best trial's validation Sharpe, given every
+    complete trial's: the probability that it beats the best Sharpe expected from that many trials of no skill."""
+    from foxhunt.evaluation.significance import deflated_sharpe_ratio
+
+    mine = best.user_attrs.get("validation_moments")
+    trials = [t.user_attrs["validation_moments"] for t in study.get_trials(deepcopy=False)
+              if t.state == TrialState.COMPLETE and "validation_moments" in t.user_attrs]
+    if mine is None or not trials:
+        return None
+    value = deflated_sharpe_ratio(mine["sr_per_bar"], int(mine["n_bars"]), mine["skew"], mine["kurtosis"],
+                                  [t["sr_per_bar"] for t in trials])
+    return {"value": float(value), "n_trials": len(trials)}
+
+
 def format_summary(summary: Mapping[str, Any], storage: str) -> str:
     counts = ", ".join(f"{v} {k}" for k, v in sorted(summary["counts"].items()))
     lines = [f"\nstudy {summary['study']!r}: {summary['n_trials']} trials ({counts})"]
@@ -107,7 +123,11 @@ def format_summary(summary: Mapping[str, Any], storage: str) -> str:
         lines.append("  no complete trial yet")
     for b in summary["best"]:
         vals = ", ".join(f"{k}={v:.6g}" for k, v in b["values"].items())
-        lines.append(f"  best trial {b['number']}: {vals}")
+        lines.append(f"  best trial {b['number']} of {summary['n_trials']}: {vals}")
+        if b.get("deflated_sharpe"):
+            d = b["deflated_sharpe"]
+            lines.append(f"    deflated Sharpe ratio of its validation Sharpe: {d['value']:.3f} (given {d['n_trials']} "
+                         "complete trials; Bailey and Lopez de Prado 2014)")
         lines += [f"    {k}: {v}" for k, v in b["params"].items()]
         lines.append(f"    fit config: {b['config']}")
         lines.append(f"    weights:    {b['export_dir']}")
