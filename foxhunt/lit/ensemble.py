@@ -128,17 +128,27 @@ class EnsembleModule(pl.LightningModule):
         assert isinstance(member, Member)
         return member
 
+    def forecaster(self, name: str) -> Forecaster:
+        member = self.members[name]
+        assert isinstance(member, Forecaster), f"member {name!r} is not a forecaster"
+        return member
+
+    def agent(self, name: str) -> Agent:
+        member = self.members[name]
+        assert isinstance(member, Agent), f"member {name!r} is not an agent"
+        return member
+
     # ------------------------------------------------------------------------------------------------ wiring
     def bind(self, spec: MarketSpec, seed_offset: int = 0) -> None:
         """Build every member's networks for the data (and the stacking snapshots and statistics)."""
         self.spec = spec
         for name in self.forecaster_names:
             self.member(name).bind(spec)
-        n_stack = sum(self.member(n).horizon * len(self.member(n).quantiles) for n in self.forecaster_names)  # type: ignore[attr-defined]
+        n_stack = sum(self.forecaster(n).horizon * len(self.forecaster(n).quantiles) for n in self.forecaster_names)
         stacked = self.hparams.combine == "stack"
         for name in self.agent_names:
-            self.member(name).bind(spec, extra_inputs=n_stack if stacked else 0, seed_offset=seed_offset,
-                                   cost_bps=self.hparams.cost_bps)  # type: ignore[call-arg]
+            self.agent(name).bind(spec, extra_inputs=n_stack if stacked else 0, seed_offset=seed_offset,
+                                  cost_bps=self.hparams.cost_bps)
         if stacked and not len(self.snapshots):
             for name in self.forecaster_names:
                 self.snapshots[name] = copy.deepcopy(self.member(name).network).requires_grad_(False)
@@ -157,15 +167,15 @@ class EnsembleModule(pl.LightningModule):
         self.bind(dm.spec, seed_offset=1000 * self.global_rank)
         transform = getattr(dm, "target_transform", None)
         for name in self.forecaster_names:
-            member = self.member(name)
+            forecaster = self.forecaster(name)
             if transform is not None:
-                member.target_transform = transform  # type: ignore[attr-defined]
-            member.setup(stage)
+                forecaster.target_transform = transform
+            forecaster.setup(stage)
         if self.hparams.combine == "stack" and hasattr(dm, "train_window_mask"):
             dm.train_window_mask = self._forecaster_window_mask(self._splits["train"])
         if self.hparams.combine != "stack":
             for name in self.agent_names:
-                self.member(name).attach_market(self._splits["train"], self._splits.get("val"))  # type: ignore[attr-defined]
+                self.agent(name).attach_market(self._splits["train"], self._splits.get("val"))
 
     def _stack_cut(self, split: MarketSplit) -> Tensor:
         """[T] rows of the training split before the stacking cut time (the forecasters' share)."""
@@ -175,7 +185,7 @@ class EnsembleModule(pl.LightningModule):
     def _forecaster_window_mask(self, split: MarketSplit) -> Tensor:
         """Decision rows whose H targets all lie before the stacking cut, so no forecaster sees the agents' bars."""
         before = self._stack_cut(split)
-        h = max(self.member(n).horizon for n in self.forecaster_names)  # type: ignore[attr-defined]
+        h = max(self.forecaster(n).horizon for n in self.forecaster_names)
         ok = torch.zeros_like(before)
         if len(split) > h:
             ok[:-h] = before[h:] & (split.symbol_index[h:] == split.symbol_index[:-h])
@@ -293,7 +303,7 @@ class EnsembleModule(pl.LightningModule):
             members = {n: self.member(n) for n in self.member_names}
             clip: dict[str, float | None] = {}
             for n, m in members.items():
-                value = m.gradient_clip_val if m.gradient_clip_val is not None else self.hparams.gradient_clip_val  # type: ignore[attr-defined]
+                value = m.gradient_clip_val if m.gradient_clip_val is not None else self.hparams.gradient_clip_val
                 clip[n] = float(value) if value and value > 0 else None
             plan = self._plan = _LoopPlan(
                 members=members,
@@ -317,8 +327,7 @@ class EnsembleModule(pl.LightningModule):
 
     def _start_agent(self, name: str) -> None:
         """Give the agent its market (stacked on frozen forecasts when combining by stacking) and warm it up."""
-        agent = self.member(name)
-        assert isinstance(agent, Agent)
+        agent = self.agent(name)
         if self.hparams.combine == "stack":
             if not self._stacked:
                 if not self.stack_ready:
@@ -352,7 +361,7 @@ class EnsembleModule(pl.LightningModule):
 
     def _raw_stack(self, split: MarketSplit) -> Tensor:
         """[T, sum H·Q] the snapshots' forecasts, forecaster by forecaster."""
-        parts = [self.member(n).forecast(split, net=self.snapshots[n]).flatten(1) for n in self.forecaster_names]  # type: ignore[attr-defined]
+        parts = [self.forecaster(n).forecast(split, net=self.snapshots[n]).flatten(1) for n in self.forecaster_names]
         return torch.cat(parts, 1)
 
     def stacked(self, split: MarketSplit) -> MarketSplit:
@@ -361,7 +370,7 @@ class EnsembleModule(pl.LightningModule):
         z = torch.nan_to_num((fc - self.stack_mean) / self.stack_std, nan=0.0).clamp(-10, 10).float()
         names = [
             f"{n}_h{h}_q{q}" for n in self.forecaster_names
-            for h in range(self.member(n).horizon) for q in self.member(n).quantiles  # type: ignore[attr-defined]
+            for h in range(self.forecaster(n).horizon) for q in self.forecaster(n).quantiles
         ]
         return replace(split, features=torch.cat([split.features, z.to(split.features.device)], 1),
                        feature_names=split.feature_names + names)
@@ -375,7 +384,7 @@ class EnsembleModule(pl.LightningModule):
     @torch.no_grad()
     def forecasts(self, split: MarketSplit) -> dict[str, Tensor]:
         """[T, H, Q] forecasts of every forecaster on a split."""
-        return {n: self.member(n).forecast(split) for n in self.forecaster_names}  # type: ignore[attr-defined]
+        return {n: self.forecaster(n).forecast(split) for n in self.forecaster_names}
 
     @torch.no_grad()
     def positions(self, split: MarketSplit, forecasts: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
@@ -385,9 +394,9 @@ class EnsembleModule(pl.LightningModule):
         forecasts = self.forecasts(split) if forecasts is None else forecasts
         pos: dict[str, Tensor] = {}
         for name, fc in forecasts.items():
-            member = self.member(name)
-            qs = list(member.quantiles)  # type: ignore[attr-defined]
-            lo, hi = (qs.index(min(qs, key=lambda x, q=q: abs(x - q))) for q in member.policy_interval)  # type: ignore[attr-defined]
+            member = self.forecaster(name)
+            qs = list(member.quantiles)
+            lo, hi = (qs.index(min(qs, key=lambda x, q=q: abs(x - q))) for q in member.policy_interval)
             mid = qs.index(min(qs, key=lambda x: abs(x - 0.5)))
             nxt = fc[:, 0, :].to(device)
             ok = decision & torch.isfinite(nxt).all(1)
@@ -396,7 +405,7 @@ class EnsembleModule(pl.LightningModule):
         agents = [n for n in self.agent_names if not stack or self.stack_ready]
         inputs = self.stacked(split) if stack and agents else split
         for name in agents:
-            pos[name] = self.member(name).positions(inputs).to(device).float()  # type: ignore[attr-defined]
+            pos[name] = self.agent(name).positions(inputs).to(device).float()
         if stack:  # flat until the agents start
             pos["ensemble"] = vote([pos[n] for n in agents]) if agents else torch.zeros_like(decision, dtype=torch.float32)
         elif self.hparams.combine == "vote":
@@ -436,13 +445,13 @@ class EnsembleModule(pl.LightningModule):
     # ------------------------------------------------------------------------------------------------ validation
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         for name in self.forecaster_names:
-            loss = self.member(name).validation_update(batch)  # type: ignore[attr-defined]
+            loss = self.forecaster(name).validation_update(batch)
             self.log(f"val/{name}/loss", loss, on_epoch=True, batch_size=batch["y"].shape[0])
 
     def on_validation_epoch_end(self) -> None:
         forecast_values: dict[str, dict[str, Tensor]] = {}
         for name in self.forecaster_names:
-            forecast_values[name] = self.member(name).validation_metrics()  # type: ignore[attr-defined]
+            forecast_values[name] = self.forecaster(name).validation_metrics()
             self.log_dict({f"val/{name}/{k}": v for k, v in forecast_values[name].items()})
         if "val" not in self._splits:
             return
@@ -463,13 +472,12 @@ class EnsembleModule(pl.LightningModule):
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         for name in self.forecaster_names:
-            member = self.member(name)
-            out = member(batch)
-            member.test_metrics.update(member.to_return_scale(out.prediction, batch), batch["y_raw"].float())  # type: ignore[attr-defined]
+            member = self.forecaster(name)
+            member.test_update(batch)
 
     def on_test_epoch_end(self) -> None:
         for name in self.forecaster_names:
-            metrics = self.member(name).test_metrics  # type: ignore[attr-defined]
+            metrics = self.forecaster(name).test_metrics
             self.log_dict({f"test/{name}/{k.removeprefix('test/')}": v for k, v in metrics.compute().items()})
             metrics.reset()
         if "test" in self._splits:

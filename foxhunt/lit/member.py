@@ -40,10 +40,12 @@ class Member(pl.LightningModule):
     updates_per_step: int  # updates per coordinator step once started
     start_step: int  # coordinator steps before the member's first update (its warm-up wait)
     log_grad_norm_every: int  # updates between grad-norm logs (0: never)
+    gradient_clip_val: float | None  # max gradient 2-norm (None: the coordinator's; 0: no clipping)
 
-    def bind(self, spec: MarketSpec, extra_inputs: int = 0, seed_offset: int = 0) -> None:
+    def bind(self, spec: MarketSpec, extra_inputs: int = 0, seed_offset: int = 0, cost_bps: float | None = None) -> None:
         """Build the networks for the data described by ``spec`` (``extra_inputs`` more feature columns when
-        stacked on forecasts; ``seed_offset`` varies exploration per DDP rank)."""
+        stacked on forecasts; ``seed_offset`` varies exploration per DDP rank; ``cost_bps`` is the ensemble's cost,
+        which an agent without its own trades with)."""
         raise NotImplementedError
 
     @property
@@ -122,6 +124,10 @@ class Forecaster(Member):
 
     def validation_metrics(self) -> dict[str, Tensor]:
         """The epoch's forecast metrics (keys without stage prefix), then reset them."""
+        raise NotImplementedError
+
+    def test_update(self, batch: dict[str, Tensor]) -> None:
+        """Add a test batch to ``test_metrics``."""
         raise NotImplementedError
 
 

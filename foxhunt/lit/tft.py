@@ -211,6 +211,10 @@ class TFTModule(Forecaster):
         self.val_metrics.update(self.to_return_scale(out.prediction, batch), batch["y_raw"].float())
         return self.quantile_loss(out.prediction, batch["y"])
 
+    def test_update(self, batch: dict[str, Tensor]) -> None:
+        out = self(batch)
+        self.test_metrics.update(self.to_return_scale(out.prediction, batch), batch["y_raw"].float())
+
     def validation_metrics(self) -> dict[str, Tensor]:
         values = self.val_metrics.compute()
         self.val_metrics.reset()
