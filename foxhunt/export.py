@@ -7,21 +7,30 @@ Files written to the export directory:
 - ``<member>.safetensors``: each member's network alone, for use outside foxhunt;
 - ``metadata.json``: format version, package versions, the fit config, each member's class and hyperparameters, the
   data spec the members were bound to (feature names in column order, known-future inputs, symbols, window sizes),
-  the data fingerprint and the latest validation back-test.
+  the data fingerprint, the latest validation back-test, and the SHA-256 of every tensor file it lists (``sha256``).
+
+Every file is written atomically (a temporary file beside it, fsync, rename), metadata.json last. ``load`` verifies
+each listed file's SHA-256, validates every metadata field it reads (keys, types, the spec, the feature names against
+the registry, the spec and the normaliser) and refuses non-finite tensors: each refusal is one ``ExportError`` line
+naming the file and the field or tensor.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
+import math
 import platform
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save_file
 
 from foxhunt.data.datamodule import BarDataModule
 from foxhunt.data.market import MarketSpec, MarketSplit
@@ -30,7 +39,7 @@ from foxhunt.lit.member import Member
 from foxhunt.version import __version__
 
 FORMAT = "foxhunt-export"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: metadata.json records the SHA-256 of every tensor file
 
 
 class ExportError(ValueError):
@@ -73,12 +82,12 @@ def export_ensemble(model: EnsembleModule, dm: BarDataModule, out_dir: str | Pat
     tensors.update(_tensors("data.feature_normalizer.", dm.feature_normalizer))
     tensors.update(_tensors("data.target_transform.", dm.target_transform))
     files = {"ensemble": "ensemble.safetensors"}
-    save_file(tensors, str(out / files["ensemble"]), metadata={"format": FORMAT})
+    sha256 = {"ensemble": _save_tensors(tensors, out / files["ensemble"])}
     members = {}
     for name in model.member_names:
         member = model.member(name)
         files[name] = f"{name}.safetensors"
-        save_file(_tensors("", member.network), str(out / files[name]), metadata={"format": FORMAT})
+        sha256[name] = _save_tensors(_tensors("", member.network), out / files[name])
         members[name] = {
             "class_path": f"{type(member).__module__}.{type(member).__qualname__}",
             "init_args": _hparams(member),
@@ -116,9 +125,26 @@ def export_ensemble(model: EnsembleModule, dm: BarDataModule, out_dir: str | Pat
         "metrics": _jsonable(model.last_evaluation.metrics if model.last_evaluation is not None else {}),
         "config": config if isinstance(config, str) else _jsonable(config),
         "files": files,
+        "sha256": sha256,
     }
-    (out / "metadata.json").write_text(json.dumps(meta, indent=2))
+    from foxhunt.files import atomic_file
+
+    with atomic_file(out / "metadata.json") as tmp:  # last: it vouches for the files above
+        tmp.write_text(json.dumps(meta, indent=2))
     return meta
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> str:
+    """Write a safetensors file atomically; returns its SHA-256."""
+    from foxhunt.files import atomic_file
+
+    with atomic_file(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": FORMAT})
+    return _sha256(path.read_bytes())
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def seen_span(dm: BarDataModule) -> dict[str, list[int]]:
@@ -188,46 +214,60 @@ class LoadedEnsemble:
 
 
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> LoadedEnsemble:
-    """Rebuild an exported ensemble (no Trainer, no pickle); refuses mismatched versions, features or shapes."""
+    """Rebuild an exported ensemble (no Trainer, no pickle). Refuses, with one ExportError line naming the file and the
+    field or tensor: a tensor file whose SHA-256 differs from metadata.json's, a missing, unknown or mistyped metadata
+    field, mismatched versions, features or shapes, and non-finite tensors."""
     from foxhunt.features import FeatureSet
     from foxhunt.preprocessing import FeatureNormalizer, TargetTransform
+
     root = Path(path)
     if root.is_file():
         root = root.parent
     meta_path = root / "metadata.json"
     if not meta_path.exists():
         raise ExportError(f"{root}: no metadata.json: not a foxhunt export directory")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != FORMAT:
-        raise ExportError(f"{meta_path}: format {meta.get('format')!r} is not {FORMAT!r}")
-    if int(meta.get("format_version", -1)) != FORMAT_VERSION:
-        raise ExportError(f"{meta_path}: export format version {meta.get('format_version')} is not {FORMAT_VERSION}, which this foxhunt reads")
-    exported = meta["versions"]["foxhunt"].split(".")[:2]
-    if exported != __version__.split(".")[:2]:
-        raise ExportError(
-            f"{meta_path}: exported by foxhunt {meta['versions']['foxhunt']}, this is {__version__} "
-            "(major.minor must match)"
-        )
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ExportError(f"{meta_path}: not valid JSON ({e})") from None
+    _check_metadata(meta, meta_path)
     data = meta["data"]
     feature_set = FeatureSet(data["feature_names"])
-    if feature_set.names != data["feature_names"]:
-        raise ExportError(
-            f"{meta_path}: feature order differs from this foxhunt's registry: exported {data['feature_names'][:5]}..., "
-            f"computed {feature_set.names[:5]}..."
-        )
-    members = {name: _member(entry, meta_path) for name, entry in meta["members"].items()}
-    model = EnsembleModule(members=members, **meta["ensemble"])
-    model.bind(MarketSpec(**meta["spec"]))
+    state = _verified_tensors(root, meta, meta_path)
+    tensor_file = root / meta["files"]["ensemble"]
+    members = {name: _member(entry, meta_path, name) for name, entry in meta["members"].items()}
+    model = _build(meta_path, "ensemble", lambda: EnsembleModule(members=members, **meta["ensemble"]))
+    _build(meta_path, "spec", lambda: model.bind(MarketSpec(**meta["spec"])))
     tt = data["target_transform"]
-    transform = TargetTransform(scale=tt["scale"], zscore_window=tt["zscore_window"], clip_sigma=tt["clip_sigma"])
+    transform = _build(meta_path, "data.target_transform", lambda: TargetTransform(
+        scale=tt["scale"], zscore_window=tt["zscore_window"], clip_sigma=tt["clip_sigma"]))
     normalizer = FeatureNormalizer()
-    state = load_file(str(root / meta["files"]["ensemble"]), device=str(map_location))
-    _load_strict(model, {k[6:]: v for k, v in state.items() if k.startswith("model.")}, "model", root)
-    _load_strict(normalizer, {k[24:]: v for k, v in state.items() if k.startswith("data.feature_normalizer.")}, "feature normaliser", root, shapes=False)
-    _load_strict(transform, {k[22:]: v for k, v in state.items() if k.startswith("data.target_transform.")}, "target transform", root, shapes=False)
+    parts: dict[str, tuple[torch.nn.Module, str]] = {
+        "model.": (model, "model"),
+        "data.feature_normalizer.": (normalizer, "feature normaliser"),
+        "data.target_transform.": (transform, "target transform"),
+    }
+    stray = sorted(k for k in state if not k.startswith(tuple(parts)))
+    if stray:
+        raise ExportError(
+            f"{tensor_file}: unexpected tensors {stray[:5]} (not model., data.feature_normalizer. or "
+            "data.target_transform.)"
+        )
+    defaults = {prefix + k: v for prefix, (module, _) in parts.items() for k, v in module.state_dict().items()}
+    _check_finite(state, defaults, tensor_file)
+    n_features = len(data["feature_names"])
+    for key in ("data.feature_normalizer.mean", "data.feature_normalizer.std"):
+        if key in state and tuple(state[key].shape) != (n_features,):
+            raise ExportError(
+                f"{tensor_file}: tensor {key!r} has shape {tuple(state[key].shape)}, but {meta_path.name} "
+                f"data.feature_names lists {n_features} features"
+            )
+    for prefix, (module, what) in parts.items():
+        own = {k[len(prefix):]: v.to(map_location) for k, v in state.items() if k.startswith(prefix)}
+        _load_strict(module, own, what, tensor_file, shapes=module is not normalizer)
     for name, entry in meta["members"].items():
         member = model.member(name)
-        member.load_export_state(entry.get("run") or {})
+        _build(meta_path, f"members.{name}.run", lambda: member.load_export_state(entry.get("run") or {}))  # noqa: B023
         model.updates[name] = int(entry.get("updates", -1))  # -1: not recorded
         if name in model.forecaster_names:
             member.target_transform = transform  # type: ignore[attr-defined]
@@ -236,25 +276,263 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> LoadedEn
     return LoadedEnsemble(model, feature_set, normalizer, transform, meta)
 
 
-def _member(entry: dict[str, Any], meta_path: Path) -> Member:
+def _build(meta_path: Path, field: str, make: Any) -> Any:
+    """``make()``, with a constructor's refusal of what metadata.json says turned into one line naming the field."""
+    try:
+        return make()
+    except (TypeError, ValueError, KeyError, RuntimeError, AssertionError) as e:
+        raise ExportError(f"{meta_path}: {field}: {_one_line(e)}") from None
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _verified_tensors(root: Path, meta: dict[str, Any], meta_path: Path) -> dict[str, torch.Tensor]:
+    """Check every listed tensor file against its recorded SHA-256 (before anything in it is used); returns the
+    ensemble file's tensors, read from the very bytes that were hashed."""
+    state: dict[str, torch.Tensor] = {}
+    for key, name in meta["files"].items():
+        file = root / name
+        if not file.is_file():
+            raise ExportError(f"{file}: missing, but {meta_path.name} files.{key} lists it")
+        blob = file.read_bytes()
+        actual, expected = _sha256(blob), meta["sha256"][key]
+        if actual != expected:
+            raise ExportError(
+                f"{file}: SHA-256 {actual[:16]}... differs from {expected[:16]}... recorded in {meta_path.name} "
+                f"sha256.{key}: the file is corrupt or was changed after export"
+            )
+        try:
+            tensors = load_safetensors(blob)
+        except Exception as e:  # a re-hashed file that is not safetensors: say which, in one line
+            raise ExportError(f"{file}: not a readable safetensors file ({_one_line(e)})") from None
+        if key == "ensemble":
+            state = tensors
+    return state
+
+
+def _check_finite(state: dict[str, torch.Tensor], defaults: dict[str, torch.Tensor], file: Path) -> None:
+    """No NaN anywhere (combination weights, statistics, parameters); ±inf only where the module itself starts with
+    that value (an unfitted clip bound)."""
+    for key, value in state.items():
+        if not value.is_floating_point():
+            continue
+        bad = ~torch.isfinite(value)
+        if not bad.any():
+            continue
+        default = defaults.get(key)
+        if (default is not None and default.numel() == 1 and bool(torch.isinf(default).all())
+                and bool((value[bad] == default.reshape(()).to(value.dtype)).all())):
+            continue
+        n_nan = int(torch.isnan(value).sum())
+        raise ExportError(
+            f"{file}: tensor {key!r} holds non-finite values ({n_nan} NaN, {int(bad.sum()) - n_nan} inf of "
+            f"{value.numel()}): refusing to use it"
+        )
+
+
+_TOP_REQUIRED = (
+    "format", "format_version", "versions", "ensemble", "members", "stack_ready", "spec", "data", "files", "sha256",
+)
+_TOP_OPTIONAL = ("metrics", "config")
+_MEMBER_REQUIRED, _MEMBER_OPTIONAL = ("class_path", "init_args"), ("run", "updates")
+_SPEC_FIELDS = ("feature_names", "known_future", "symbols", "lookback", "horizon")
+_DATA_REQUIRED = (*_SPEC_FIELDS, "feature_clip", "target_transform")
+_DATA_OPTIONAL = ("fingerprint", "seen_span")
+_TARGET_FIELDS = ("scale", "zscore_window", "clip_sigma")
+_KINDS = {
+    "object": ("a JSON object", lambda v: isinstance(v, dict)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "count": ("a positive integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0),
+    "positive": ("a finite positive number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+                 and math.isfinite(v) and v > 0),
+    "names": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
+    "sha256": ("64 lowercase hex digits", lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v) is not None),
+}
+
+
+class _Fields:
+    """Typed reads of metadata.json: every problem is one ExportError naming the file and the dotted field."""
+
+    def __init__(self, meta_path: Path) -> None:
+        self.meta_path = meta_path
+
+    def error(self, field: str, problem: str) -> ExportError:
+        return ExportError(f"{self.meta_path}: {field}: {problem}")
+
+    def keys(self, obj: dict[str, Any], where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+        prefix = f"{where}." if where else ""
+        for key in required:
+            if key not in obj:
+                raise self.error(prefix + key, "is missing")
+        unknown = [k for k in obj if k not in required and k not in optional]
+        if unknown:
+            known = ", ".join((*required, *optional))
+            raise self.error(prefix + str(unknown[0]), f"is not a field this foxhunt reads (known: {known})")
+
+    def get(self, obj: dict[str, Any], key: str, where: str, kind: str, nullable: bool = False) -> Any:
+        field = f"{where}.{key}" if where else key
+        if key not in obj:
+            raise self.error(field, "is missing")
+        value = obj[key]
+        description, ok = _KINDS[kind]
+        if not (ok(value) or (nullable and value is None)):
+            raise self.error(field, f"must be {description}{' or null' if nullable else ''}, got {_show(value)}")
+        return value
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (dict, list, str, int, float, bool)) or value is None else repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def _check_metadata(meta: Any, meta_path: Path) -> None:
+    """Every field ``load`` reads, checked for presence, type and agreement before anything is built from it."""
+    from foxhunt.features import FeatureSet
+
+    f = _Fields(meta_path)
+    if not isinstance(meta, dict):
+        raise ExportError(f"{meta_path}: holds {_show(meta)}, not a JSON object: not a foxhunt export")
+    if meta.get("format") != FORMAT:
+        raise ExportError(f"{meta_path}: format {meta.get('format')!r} is not {FORMAT!r}")
+    if meta.get("format_version") != FORMAT_VERSION or isinstance(meta.get("format_version"), bool):
+        raise ExportError(
+            f"{meta_path}: export format version {meta.get('format_version')} is not {FORMAT_VERSION}, which this "
+            "foxhunt reads"
+        )
+    f.keys(meta, "", _TOP_REQUIRED, _TOP_OPTIONAL)
+    versions = f.get(meta, "versions", "", "object")
+    exported = f.get(versions, "foxhunt", "versions", "str")
+    if exported.split(".")[:2] != __version__.split(".")[:2]:
+        raise ExportError(
+            f"{meta_path}: exported by foxhunt {exported}, this is {__version__} (major.minor must match)"
+        )
+
+    members = f.get(meta, "members", "", "object")
+    if not members:
+        raise f.error("members", "lists no member")
+    for name, entry in members.items():
+        where = f"members.{name}"
+        if not isinstance(entry, dict):
+            raise f.error(where, f"must be a JSON object with class_path and init_args, got {_show(entry)}")
+        f.keys(entry, where, _MEMBER_REQUIRED, _MEMBER_OPTIONAL)
+        f.get(entry, "class_path", where, "str")
+        f.get(entry, "init_args", where, "object")
+        if "run" in entry:
+            f.get(entry, "run", where, "object", nullable=True)
+        if "updates" in entry:
+            f.get(entry, "updates", where, "int")
+    f.get(meta, "ensemble", "", "object")
+    f.get(meta, "stack_ready", "", "bool")
+    if "metrics" in meta:
+        f.get(meta, "metrics", "", "object")
+    if "config" in meta and not isinstance(meta["config"], (str, dict)) and meta["config"] is not None:
+        raise f.error("config", f"must be a string, a JSON object or null, got {_show(meta['config'])}")
+
+    spec = f.get(meta, "spec", "", "object")
+    data = f.get(meta, "data", "", "object")
+    f.keys(spec, "spec", _SPEC_FIELDS)
+    f.keys(data, "data", _DATA_REQUIRED, _DATA_OPTIONAL)
+    for where, obj in (("spec", spec), ("data", data)):
+        for key in ("feature_names", "known_future", "symbols"):
+            names = f.get(obj, key, where, "names")
+            if len(set(names)) != len(names):
+                raise f.error(f"{where}.{key}", "names a value twice")
+        for key in ("lookback", "horizon"):
+            f.get(obj, key, where, "count")
+        if not obj["feature_names"]:
+            raise f.error(f"{where}.feature_names", "is empty")
+    names = data["feature_names"]
+    try:
+        computed = FeatureSet(names).names
+    except (ValueError, TypeError) as e:
+        raise f.error("data.feature_names", _one_line(e)) from None
+    if computed != names:
+        raise f.error(
+            "data.feature_names",
+            f"feature order differs from this foxhunt's registry: exported {names[:5]}..., computed {computed[:5]}...",
+        )
+    if names != spec["feature_names"]:
+        missing = [n for n in spec["feature_names"] if n not in names]
+        extra = [n for n in names if n not in spec["feature_names"]]
+        raise f.error(
+            "data.feature_names",
+            f"lists {len(names)} features, spec.feature_names (what the members were built for) "
+            f"{len(spec['feature_names'])} (missing {missing[:5]}, extra {extra[:5]}"
+            f"{', order differs' if not (missing or extra) else ''})",
+        )
+    outside = [k for k in spec["known_future"] if k not in names]
+    if outside:
+        raise f.error("spec.known_future", f"{outside} are not among the feature names")
+    for key in ("known_future", "symbols", "lookback", "horizon"):
+        if data[key] != spec[key]:
+            raise f.error(f"data.{key}", f"{_show(data[key])} differs from spec.{key} {_show(spec[key])}")
+    f.get(data, "feature_clip", "data", "positive")
+    tt = f.get(data, "target_transform", "data", "object")
+    f.keys(tt, "data.target_transform", _TARGET_FIELDS)
+    if tt["scale"] not in ("none", "fitted", "rolling"):
+        raise f.error("data.target_transform.scale", f"must be 'none', 'fitted' or 'rolling', got {_show(tt['scale'])}")
+    f.get(tt, "zscore_window", "data.target_transform", "count", nullable=True)
+    f.get(tt, "clip_sigma", "data.target_transform", "positive", nullable=True)
+    if "fingerprint" in data:
+        f.get(data, "fingerprint", "data", "str", nullable=True)
+    if "seen_span" in data:
+        for symbol, span in f.get(data, "seen_span", "data", "object").items():
+            ok = isinstance(span, list) and len(span) == 2 and all(_KINDS["int"][1](t) for t in span)
+            if not (ok and span[0] <= span[1]):
+                raise f.error(f"data.seen_span.{symbol}", f"must be [first, last] integer times, got {_show(span)}")
+
+    files = f.get(meta, "files", "", "object")
+    expected = ["ensemble", *members]
+    if sorted(files) != sorted(expected):
+        raise f.error("files", f"lists {sorted(files)}, expected {sorted(expected)} (the ensemble and one per member)")
+    for key, name in files.items():
+        plain = isinstance(name, str) and name == Path(name).name and not name.startswith(".")
+        if not (plain and name.endswith(".safetensors")):
+            raise f.error(f"files.{key}", f"must be a .safetensors file name in the export folder, got {_show(name)}")
+    sha256 = f.get(meta, "sha256", "", "object")
+    if sorted(sha256) != sorted(files):
+        raise f.error("sha256", f"has entries {sorted(sha256)}, files lists {sorted(files)}: each file needs one")
+    for key in files:
+        f.get(sha256, key, "sha256", "sha256")
+
+
+def _member(entry: dict[str, Any], meta_path: Path, name: str) -> Member:
     """A member rebuilt from its class path and hyperparameters (only foxhunt's own member classes are imported)."""
     module_name, _, cls_name = str(entry["class_path"]).rpartition(".")
     if not module_name.startswith("foxhunt."):
-        raise ExportError(f"{meta_path}: member class {entry['class_path']!r} is not one of foxhunt's")
-    cls = getattr(importlib.import_module(module_name), cls_name, None)
+        raise ExportError(
+            f"{meta_path}: members.{name}.class_path: member class {entry['class_path']!r} is not one of foxhunt's"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ExportError(f"{meta_path}: members.{name}.class_path {entry['class_path']!r}: {_one_line(e)}") from None
+    cls = getattr(module, cls_name, None)
     if not (isinstance(cls, type) and issubclass(cls, Member)):
-        raise ExportError(f"{meta_path}: {entry['class_path']!r} is not a foxhunt member class")
-    return cls(**entry["init_args"])
+        raise ExportError(
+            f"{meta_path}: members.{name}.class_path: {entry['class_path']!r} is not a foxhunt member class"
+        )
+    return _build(meta_path, f"members.{name}.init_args", lambda: cls(**entry["init_args"]))
 
 
-def _load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], what: str, root: Path, shapes: bool = True) -> None:
+def _load_strict(
+    module: torch.nn.Module, state: dict[str, torch.Tensor], what: str, file: Path, shapes: bool = True
+) -> None:
     """Load a state dict, naming the missing, unexpected or mis-shaped tensors (fitted statistics are sized at load)."""
     own = {k: v for k, v in module.state_dict().items() if ".target_transform." not in k}
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     if missing or unexpected:
-        raise ExportError(f"{root}: {what} tensors do not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ExportError(f"{file}: {what} tensors do not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
     for k, v in state.items():
         if shapes and own[k].shape != v.shape:
-            raise ExportError(f"{root}: {what} tensor {k!r} has shape {tuple(v.shape)} in the export, the model expects {tuple(own[k].shape)}")
+            raise ExportError(
+                f"{file}: {what} tensor {k!r} has shape {tuple(v.shape)} in the export, the model expects "
+                f"{tuple(own[k].shape)}"
+            )
     module.load_state_dict(state, strict=False)

@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pandas as pd
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch.utils.data import DataLoader, Dataset
 
 from foxhunt.data.bars import BadBarPolicy, symbol_codes, timestamps_ns
@@ -91,7 +91,9 @@ class BarDataModule(pl.LightningDataModule):
 
     Splits are chronological with cut times shared by all symbols; ``purge`` bars at the start of the validation and
     test splits belong to no split, so no window or target crosses a boundary (default: lookback + horizon). Feature
-    normalisation and target statistics are fitted on the training split only.
+    normalisation and target statistics are fitted on the training split only. ``start``/``end`` (optional) limit the
+    bars that enter any split to [start, end); features are still computed on all bars (they are causal), so the first
+    training bar after ``start`` has warmed-up features (``foxhunt.walkforward`` cuts its folds this way).
     """
 
     def __init__(
@@ -108,6 +110,8 @@ class BarDataModule(pl.LightningDataModule):
         val_fraction: float = 0.15,
         val_start: str | None = None,
         test_start: str | None = None,
+        start: str | None = None,
+        end: str | None = None,
         purge: int | None = None,
         lookback: int = 64,
         horizon: int = 6,
@@ -146,6 +150,8 @@ class BarDataModule(pl.LightningDataModule):
         self.val_fraction = val_fraction
         self.val_start = val_start
         self.test_start = test_start
+        self.start = start  # bars before ``start`` or from ``end`` on belong to no split (None: no limit)
+        self.end = end
         self.purge = min_purge if purge is None else purge
         self.lookback = lookback
         self.horizon = horizon
@@ -258,23 +264,110 @@ class BarDataModule(pl.LightningDataModule):
         return self.feature_normalizer(raw_features).clamp(-self.feature_clip, self.feature_clip)
 
     def _features(self, bars: pd.DataFrame, ohlcv: torch.Tensor, ts: torch.Tensor, sym: torch.Tensor):
-        """Raw features, from the on-disk cache when the same bars and feature set were seen before."""
-        key = None
+        """Raw features, from the on-disk cache when the same bars and feature set were seen before by this foxhunt
+        version with these feature definitions. A cached file is used only when its stored key and content hash check
+        out; an unreadable, truncated or mismatching one is recomputed and rewritten, with a warning naming it."""
+        path = key = None
         if self.cache_dir is not None:
-            h = hashlib.blake2b(digest_size=16)
-            h.update(fingerprint(bars).encode())
-            h.update("\n".join(self.feature_set.names).encode())
-            key = self.cache_dir / f"features-{h.hexdigest()}.safetensors"
-            if key.exists():
-                cached = load_file(str(key))
-                log.info("feature cache hit: %s", key)
-                return cached["values"], cached["ready"].bool()
+            key = self._feature_cache_key(bars)
+            path = self.cache_dir / f"features-{key[:32]}.safetensors"
+            if path.exists():
+                cached = self._read_feature_cache(path, key, (len(bars), len(self.feature_set.names)))
+                if cached is not None:
+                    log.info("feature cache hit: %s", path)
+                    return cached
         out = self._compute_features(ohlcv, ts, sym)
-        if key is not None:
-            key.parent.mkdir(parents=True, exist_ok=True)
-            save_file({"values": out.values.contiguous(), "ready": out.ready.to(torch.uint8)}, str(key))
-            log.info("feature cache miss: computed %d features, saved %s", len(out.names), key)
+        if path is not None and key is not None:
+            self._write_feature_cache(path, key, out.values.contiguous(), out.ready.to(torch.uint8))
+            log.info("feature cache miss: computed %d features, saved %s", len(out.names), path)
         return out.values, out.ready
+
+    _FEATURE_CACHE_FORMAT = "foxhunt-feature-cache/1"
+    _feature_code_hash: str | None = None  # of this process's feature package, computed once
+
+    @staticmethod
+    def _feature_code() -> str:
+        """SHA-256 of the feature definitions: every registry entry (name, family, definition, warm-up, TA-Lib name,
+        known-future flag, parameters bound into its function) and the source of every module of foxhunt.features."""
+        if BarDataModule._feature_code_hash is None:
+            import foxhunt.features as package
+            from foxhunt.features import REGISTRY
+
+            h = hashlib.sha256()
+            for f in REGISTRY.values():
+                params = getattr(f.fn, "__defaults__", None)
+                h.update(repr((f.name, f.family, f.definition, f.warmup, f.talib, f.known_future, params)).encode())
+            root = Path(package.__file__).parent
+            for source in sorted(root.rglob("*.py")):
+                h.update(source.relative_to(root).as_posix().encode())
+                h.update(source.read_bytes())
+            BarDataModule._feature_code_hash = h.hexdigest()
+        return BarDataModule._feature_code_hash
+
+    def _feature_cache_key(self, bars: pd.DataFrame) -> str:
+        """SHA-256 of what the cached values depend on: the bars, the feature list, foxhunt's version and the feature
+        definitions (so a new release or an edited indicator misses instead of serving stale values)."""
+        from foxhunt.version import __version__
+
+        h = hashlib.sha256()
+        for part in (self._FEATURE_CACHE_FORMAT, __version__, self._feature_code(), fingerprint(bars),
+                     *self.feature_set.names):
+            h.update(part.encode())
+            h.update(b"\0")
+        return h.hexdigest()
+
+    @staticmethod
+    def _feature_content_hash(values: torch.Tensor, ready: torch.Tensor) -> str:
+        """SHA-256 of the cached tensors' dtypes, shapes and bytes (stored in the file, checked on every read)."""
+        h = hashlib.sha256()
+        for t in (values, ready):
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.contiguous().numpy().data)
+        return h.hexdigest()
+
+    def _read_feature_cache(
+        self, path: Path, key: str, shape: tuple[int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The cached (values [T, F] float32, ready [T] bool), or None with a warning naming the file and what is
+        wrong with it (unreadable or truncated, another key, another shape, content not matching its stored hash)."""
+        from safetensors import safe_open
+
+        from foxhunt.files import first_line
+
+        problem = None
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                values, ready = f.get_tensor("values"), f.get_tensor("ready")
+        except Exception as e:  # whatever is wrong with the file, it is recomputed, never used
+            problem = f"unreadable or truncated ({first_line(e)})"
+        else:
+            if meta.get("format") != self._FEATURE_CACHE_FORMAT or meta.get("key") != key:
+                problem = "written for other bars, features, feature code or foxhunt version (its stored key differs)"
+            elif (values.dtype, tuple(values.shape), ready.dtype, tuple(ready.shape)) != (
+                torch.float32, shape, torch.uint8, shape[:1]
+            ):
+                problem = (f"of the wrong shape: values {tuple(values.shape)} {values.dtype}, ready "
+                           f"{tuple(ready.shape)} {ready.dtype}, expected {shape} float32 and {shape[:1]} uint8")
+            elif meta.get("sha256") != self._feature_content_hash(values, ready):
+                problem = "corrupt: its content does not match the SHA-256 stored in it"
+        if problem is not None:
+            log.warning("feature cache %s is %s: recomputing the features", path, problem)
+            return None
+        return values, ready.bool()
+
+    def _write_feature_cache(self, path: Path, key: str, values: torch.Tensor, ready: torch.Tensor) -> None:
+        """Write atomically (a temporary file in the cache directory, fsync, rename) with the key and a content hash in
+        the metadata; a cache that cannot be written is warned about and skipped (the fit goes on)."""
+        from foxhunt.files import atomic_file
+
+        meta = {"format": self._FEATURE_CACHE_FORMAT, "key": key, "sha256": self._feature_content_hash(values, ready),
+                "features": ",".join(self.feature_set.names)}
+        try:
+            with atomic_file(path) as tmp:
+                save_file({"values": values, "ready": ready}, str(tmp), metadata=meta)
+        except OSError as e:
+            log.warning("feature cache %s could not be written (%s): continuing without it", path, e)
 
     def _compute_features(self, ohlcv: torch.Tensor, ts: torch.Tensor, sym: torch.Tensor):
         """On the CPU (numpy backend) or, with ``feature_device`` cuda (or auto with a GPU), on the GPU (torch
@@ -288,7 +381,14 @@ class BarDataModule(pl.LightningDataModule):
         return type(out)(out.values.cpu(), out.names, out.ready.cpu())
 
     def _assign_splits(self, ts: np.ndarray, codes: np.ndarray) -> np.ndarray:
-        """0/1/2 for train/val/test and -1 for purged bars, by shared cut times."""
+        """0/1/2 for train/val/test and -1 for purged bars and bars outside [start, end), by shared cut times."""
+        inside = np.ones(len(ts), dtype=bool)
+        if self.start is not None:
+            inside &= ts >= _utc_ns(self.start)
+        if self.end is not None:
+            inside &= ts < _utc_ns(self.end)
+        if not inside.any():
+            raise ValueError(f"BarDataModule: no bars between start {self.start} and end {self.end}")
         if self.val_start is not None or self.test_start is not None:
             if self.val_start is None or self.test_start is None:
                 raise ValueError("BarDataModule: give both val_start and test_start, or neither")
@@ -297,10 +397,11 @@ class BarDataModule(pl.LightningDataModule):
             if test_cut <= val_cut:
                 raise ValueError(f"BarDataModule: test_start {self.test_start} must be after val_start {self.val_start}")
         else:
-            uniq = np.unique(ts)
+            uniq = np.unique(ts[inside])
             val_cut = uniq[min(len(uniq) - 1, int(len(uniq) * self.train_fraction))]
             test_cut = uniq[min(len(uniq) - 1, int(len(uniq) * (self.train_fraction + self.val_fraction)))]
         assign = np.where(ts < val_cut, 0, np.where(ts < test_cut, 1, 2)).astype(np.int64)
+        assign[~inside] = -1
         # purge: the first `purge` bars of each symbol in val and test belong to no split
         block = np.r_[True, (assign[1:] != assign[:-1]) | (codes[1:] != codes[:-1])]
         block_id = np.cumsum(block) - 1
@@ -377,6 +478,12 @@ class BarDataModule(pl.LightningDataModule):
                 f"{t1:%Y-%m-%d %H:%M} UTC, next-bar log return mean {r.mean():+.2e} std {r.std():.2e}"
             )
         return "\n".join(lines)
+
+
+def _utc_ns(when: str) -> int:
+    """A date or timestamp string as UTC nanoseconds (naive strings are UTC)."""
+    t = pd.Timestamp(when)
+    return (t.tz_localize("UTC") if t.tz is None else t).value
 
 
 class StepDataset(Dataset[int]):
