@@ -233,6 +233,11 @@ def settle_layout(out: Path, layout: dict[str, Any]) -> dict[str, Any]:
     path = out / LAYOUT
     if path.exists():
         old = json.loads(path.read_text())
+        finished = [i for i in range(len(old.get("folds", []))) if is_done(out, i)]
+        if old != layout and not finished:  # nothing belongs to the old layout yet (e.g. its config was refused)
+            log.warning("%s: no fold of the earlier walk-forward finished; its layout is replaced", out)
+            _write_json(path, layout)
+            return layout
         if old != layout:
             diff = sorted(k for k in set(old) | set(layout) if old.get(k) != layout.get(k))
             raise WalkForwardError(

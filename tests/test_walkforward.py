@@ -220,3 +220,17 @@ def test_martingale_walkforward_sharpe_intervals_cover_zero(tmp_path: Path) -> N
         if row["n_trades"] == 0:  # flat (and any policy that never trades): no Sharpe
             continue
         assert row["sharpe_ci_low"] <= 0.0 <= row["sharpe_ci_high"], (who, row)
+
+
+def test_a_layout_without_finished_folds_is_replaced(tmp_path) -> None:
+    """A first run refused before any fold finished (a config error, say) does not block the corrected rerun."""
+    from foxhunt.walkforward import WalkForwardError, fold_dir, settle_layout
+
+    first = {"folds": [{"k": 0}, {"k": 1}], "fingerprint": "a"}
+    settle_layout(tmp_path, first)
+    fixed = {"folds": [{"k": 0}, {"k": 1}], "fingerprint": "b"}
+    assert settle_layout(tmp_path, fixed) == fixed
+    fold_dir(tmp_path, 0).mkdir(parents=True)
+    (fold_dir(tmp_path, 0) / "done.json").write_text("{}")
+    with pytest.raises(WalkForwardError, match="differs in"):
+        settle_layout(tmp_path, first)  # now a finished fold belongs to the layout on disk
