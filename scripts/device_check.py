@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--precisions", nargs="+", default=["16-mixed", "bf16-mixed"])
     ap.add_argument("--steps", type=int, default=150, help="training batches per fit")
     ap.add_argument("--bars", type=int, default=1_000_000, help="bars for the feature check")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["ensemble", "tft", "features"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["ensemble", "tft", "mamba2", "features"])
     args = ap.parse_args()
     print(f"torch {torch.__version__}, cuda available: {torch.cuda.is_available()}"
           + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""), flush=True)
@@ -165,6 +165,11 @@ def main() -> None:
                           ["--data.synthetic_bars", "100000"])
             results[f"tft/{precision}"] = r
             print(f"[issue 4] tft (~125 inputs) {precision}: {r}", flush=True)
+        if "mamba2" not in args.skip:
+            r = fit_check("lightning_configs/mamba2.yaml", args.accelerator, precision, args.steps,
+                          ["--data.synthetic_bars", "100000"])
+            results[f"mamba2/{precision}"] = r
+            print(f"[issue 17] mamba2 {precision}: {r}", flush=True)
     if "features" not in args.skip:
         device = "cuda" if args.accelerator == "gpu" and torch.cuda.is_available() else "cpu"
         r = feature_check(device, args.bars)
