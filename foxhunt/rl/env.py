@@ -147,6 +147,14 @@ class MarketTensors:
         new = self.actions[actions]
         return new * self.returns[bars] - self.cost * (new - self.actions[positions]).abs()
 
+    def position_rewards(self, bars: Tensor, held: Tensor, positions: Tensor) -> Tensor:
+        """Reward (reward units) of moving from position value ``held`` to ``positions`` (values, e.g. in [-1, 1])."""
+        return self.reward_scale * (positions * self.signal[bars] - self.signal_cost * (positions - held).abs())
+
+    def raw_position_rewards(self, bars: Tensor, held: Tensor, positions: Tensor) -> Tensor:
+        """Per-bar strategy log return after raw costs of moving from position value ``held`` to ``positions``."""
+        return positions * self.returns[bars] - self.cost * (positions - held).abs()
+
 
 def rollout_policy_table(table: Tensor, initial: int) -> Tensor:
     """Positions of a deterministic policy given as a table: p_t = table[t, p_{t-1}], p_{-1} = ``initial``.
@@ -191,6 +199,44 @@ def greedy_table(
 def greedy_positions(q_fn: Callable[[Tensor, Tensor], Tensor], market: MarketTensors, chunk: int = 65_536) -> Tensor:
     """[T] positions (values) of the greedy policy of ``q_fn`` over a whole split, without a loop over bars."""
     return market.actions[rollout_policy_table(greedy_table(q_fn, market, chunk), market.flat_index)]
+
+
+@torch.no_grad()
+def sequential_positions(
+    prepare: Callable[[Tensor], Tensor],
+    run: Callable[[Tensor, Tensor, Tensor], Tensor],
+    market: MarketTensors,
+    chunk: int = 4096,
+) -> Tensor:
+    """[T] positions (values) of a deterministic policy whose decision at bar t reads the position held coming in.
+
+    For a continuous position the chain p_t = f(s_t, p_{t-1}) cannot be tabulated like :func:`greedy_table`'s, so it
+    runs bar by bar, but vectorised over symbols (each symbol's rows are one lane, starting flat) and with the
+    position-free part of the policy computed in batches: ``prepare(bars [B]) -> [B, H]`` (e.g. the first layer on the
+    feature window) for ``chunk`` bars of every lane at once, then ``run(prepared [L, S, H], decide [L, S], held [L])
+    -> [L, S]`` steps the recurrence through those S bars from the held positions. Bars where no decision is possible
+    are flat (``decide`` False; the position carried out of them is flat too), like the rows :func:`greedy_table`
+    makes flat.
+    """
+    dev = market.device
+    starts = torch.nonzero(market.reset_mask).squeeze(1)
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), starts])
+    lengths = torch.diff(starts, append=torch.tensor([market.n_bars], device=dev))
+    out = torch.zeros(market.n_bars, dtype=torch.float32, device=dev)
+    held = torch.zeros(starts.numel(), dtype=torch.float32, device=dev)
+    longest = int(lengths.max())
+    for first in range(0, longest, chunk):
+        offsets = torch.arange(first, min(first + chunk, longest), device=dev)
+        inside = offsets.unsqueeze(0) < lengths.unsqueeze(1)  # [L, S]
+        rows = torch.where(inside, starts.unsqueeze(1) + offsets, torch.zeros_like(inside, dtype=torch.int64))
+        decide = inside & market.decision[rows]
+        safe = torch.where(decide, rows, torch.full_like(rows, market.window - 1))  # a gatherable bar, result unused
+        prepared = prepare(safe.reshape(-1)).view(*rows.shape, -1)
+        positions = run(prepared, decide, held).to(device=dev, dtype=torch.float32)
+        held = positions[:, -1]
+        out[rows[inside]] = positions[inside]
+    return out
 
 
 @dataclass
@@ -293,3 +339,36 @@ class MarketEnv:
         self.steps = state["steps"].to(dev)
         self.episode_returns = state["episode_returns"].to(dev)
         self.generator.set_state(state["rng_state"].cpu())
+
+
+class ContinuousMarketEnv(MarketEnv):
+    """:class:`MarketEnv` whose agents choose a position value (e.g. in [-1, 1]) instead of an action index.
+
+    Same episodes, starts and RNG draws as the discrete environment; the held position is a float (flat, 0.0, at every
+    episode start) and the reward is ``position_t * r_t - cost * |position_t - position_{t-1}|``. A step's
+    :class:`Transition` holds position values in ``positions`` (held) and ``actions`` (chosen).
+    """
+
+    def reset(self) -> None:
+        super().reset()
+        self.positions = torch.zeros(self.n_envs, dtype=torch.float32, device=self.bars.device)
+
+    def observe(self) -> tuple[Tensor, Tensor]:
+        """(window [N, W, F], held position [N, 1]) of every agent's current state."""
+        return self.market.windows(self.bars), self.positions.unsqueeze(1)
+
+    def step(self, actions: Tensor) -> Transition:
+        """Move every agent to the position ``actions[i]`` (values); episodes that reach their length restart flat."""
+        bars, held = self.bars, self.positions
+        actions = actions.to(torch.float32)
+        rewards = self.market.position_rewards(bars, held, actions)
+        raw = self.market.raw_position_rewards(bars, held, actions)
+        steps = self.steps + 1
+        last = steps >= self.episode_length
+        self.episode_returns += raw.to(torch.float64)
+        fresh = self._draw_starts()
+        self.bars = torch.where(last, fresh, bars + 1)
+        self.positions = torch.where(last, torch.zeros_like(actions), actions)
+        self.steps = torch.where(last, torch.zeros_like(steps), steps)
+        self.episode_returns = torch.where(last, torch.zeros_like(self.episode_returns), self.episode_returns)
+        return Transition(bars, held, actions, rewards, raw, last)

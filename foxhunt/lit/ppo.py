@@ -1,0 +1,581 @@
+"""PPOModule: a PPO agent member (Schulman et al. 2017, as CleanRL's ``ppo.py`` does it) trading a MarketSplit.
+
+The coordinator (:class:`foxhunt.lit.ensemble.EnsembleModule`) trains it, alone (``ppo.yaml``) or with other members.
+One coordinator update is one minibatch gradient step. :meth:`PPOModule.training_loss` reads top to bottom like
+CleanRL's update: when the current rollout is used up (``n_epochs`` x ``n_minibatches`` minibatches, or stopped early
+because the approximate KL passed ``target_kl`` at the end of an epoch) it collects a new one (N agents x T steps of
+the stochastic policy on the vectorised market, then the critic's values and GAE(λ), truncations bootstrapped from
+the final state's value; :mod:`foxhunt.rl.rollout`); then it takes the next shuffled minibatch: the new log-probabilities
+and values, the ratio, the approximate KL, advantages normalised per minibatch, the clipped surrogate, the (clipped)
+value loss and the entropy bonus. The coordinator runs backward, the non-finite guard, gradient clipping
+(``gradient_clip_val``, CleanRL's ``max_grad_norm``) and the AdamW step; the learning rate anneals linearly to 0 per
+update by default.
+
+Actions: ``action_space="discrete"`` picks a target position of ``actions`` from a categorical distribution;
+``"continuous"`` picks a position in [-1, 1] from a squashed Gaussian (tanh with the log-Jacobian correction, see
+:mod:`foxhunt.models.actor_critic` and ``docs/PPO.md`` for why not a Beta). Both observe the feature window and the
+held position. Back-tests use the deterministic policy (argmax / tanh of the mean) over a whole split: a policy table
+rolled out by parallel prefix composition (discrete), or bar by bar vectorised over symbols (continuous).
+
+Usage::
+
+    member = PPOModule(window=16)
+    model = EnsembleModule(members={"ppo": member})
+    Trainer(max_steps=20_000).fit(model, datamodule=MarketDataModule(train_split, val_split))
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from foxhunt.data.market import MarketSpec, MarketSplit
+from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
+from foxhunt.evaluation.trading import trading_metrics
+from foxhunt.lit.dqn import _prefer_fused
+from foxhunt.lit.member import Agent
+from foxhunt.models.actor_critic import (
+    ActionSpace,
+    ActorCritic,
+    squashed_normal_entropy,
+    squashed_normal_log_prob,
+)
+from foxhunt.rl.env import (
+    ContinuousMarketEnv,
+    MarketEnv,
+    MarketTensors,
+    RewardSource,
+    greedy_positions,
+    sequential_positions,
+)
+from foxhunt.rl.rollout import RolloutBatch, RolloutBuffer
+from foxhunt.training.guard import GuardPolicy, NonFiniteGuard
+from foxhunt.training.optim import configure_adamw
+
+PPOScheduler = Literal["none", "linear", "step", "cosine", "plateau"]
+
+
+def clipped_surrogate_loss(ratio: Tensor, advantages: Tensor, clip_coef: float) -> Tensor:
+    """PPO's policy loss: mean of max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε)) (the negated clipped surrogate objective)."""
+    negated = -advantages
+    return torch.max(negated * ratio, negated * torch.clamp(ratio, 1.0 - clip_coef, 1.0 + clip_coef)).mean()
+
+
+def approx_kl(logratio: Tensor) -> Tensor:
+    """The low-variance estimator of KL(π_old || π_new) from log(π_new / π_old) of the sampled actions:
+    mean((ρ − 1) − log ρ) (Schulman's k3; CleanRL's approx_kl)."""
+    return (logratio.exp() - 1.0 - logratio).mean()
+
+
+def value_loss(new_values: Tensor, old_values: Tensor, returns: Tensor, clip_coef: float | None) -> Tensor:
+    """½·mean of the squared error to the returns; with ``clip_coef``, the larger of it and the error of the old value
+    moved by at most ``clip_coef`` toward the new one (PPO2's value clipping)."""
+    unclipped = (new_values - returns) ** 2
+    if clip_coef is None:
+        return 0.5 * unclipped.mean()
+    clipped = old_values + torch.clamp(new_values - old_values, -clip_coef, clip_coef)
+    return 0.5 * torch.max(unclipped, (clipped - returns) ** 2).mean()
+
+
+class LinearDecay:
+    """LambdaLR factor: linear warm-up, then linear decay from 1 to 0 at ``total_steps`` (CleanRL's LR annealing,
+    per update). A class, not a lambda, so the scheduler pickles into checkpoints."""
+
+    def __init__(self, total_steps: int, warmup_steps: int = 0) -> None:
+        if total_steps <= 0 or not 0 <= warmup_steps < total_steps:
+            raise ValueError(f"linear schedule needs total_steps > warmup_steps >= 0, got {total_steps}, {warmup_steps}")
+        self.total_steps, self.warmup_steps = total_steps, warmup_steps
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        return max(0.0, 1.0 - (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
+
+
+@dataclass
+class _Counters:
+    """Running tallies (not parameters: they travel in the checkpoint's run state)."""
+
+    env_steps: int = 0
+    rollouts: int = 0
+    kl_stops: int = 0
+    rollout_seconds: float = 0.0  # time spent collecting rollouts (acting, values, GAE)
+    reward_sum: Tensor | None = None  # raw reward since the last log (a tensor: no sync per step)
+    reward_count: int = 0
+    clock: tuple[float, int, float] = field(default_factory=lambda: (time.perf_counter(), 0, 0.0))
+    explained_variance: float = float("nan")
+    last: dict[str, Tensor] = field(default_factory=dict)  # the last minibatch's losses and statistics
+
+
+class PPOModule(Agent):
+    """PPO agent over a vectorised market environment (see the module docstring)."""
+
+    def __init__(
+        self,
+        window: int = 16,
+        actions: tuple[float, ...] = (-1.0, 0.0, 1.0),
+        action_space: ActionSpace = "discrete",
+        n_envs: int = 128,
+        n_steps: int = 64,
+        episode_length: int = 16,
+        cost_bps: float | None = None,
+        reward_source: RewardSource = "returns",
+        reward_scale: float | None = None,
+        gamma: float = 0.7,
+        gae_lambda: float = 0.95,
+        n_epochs: int = 4,
+        n_minibatches: int = 4,
+        clip_coef: float = 0.2,
+        clip_vloss: bool = True,
+        vf_coef: float = 0.5,
+        ent_coef: float = 0.01,
+        norm_adv: bool = True,
+        target_kl: float | None = None,
+        hidden: tuple[int, ...] = (64, 64),
+        log_std_init: float = 0.0,
+        lr: float = 3e-4,
+        adam_eps: float = 1e-5,
+        weight_decay: float = 0.0,
+        fused_adamw: bool = True,
+        scheduler: PPOScheduler = "linear",
+        total_steps: int | None = None,
+        warmup_steps: int = 0,
+        gradient_clip_val: float | None = 0.5,
+        nonfinite: GuardPolicy = "raise",
+        log_grad_norm_every: int = 100,
+        updates_per_step: int = 16,
+        start_step: int = 0,
+        seed: int = 0,
+        n_features: int | None = None,
+    ) -> None:
+        """
+        Args:
+            window: bars of features in one observation (t-window+1..t).
+            actions: target positions of the discrete policy (short/flat/long by default).
+            action_space: "discrete" (categorical over ``actions``) or "continuous" (a position in [-1, 1] from a
+                squashed Gaussian).
+            n_envs: parallel agents stepped in one call (CleanRL's num_envs).
+            n_steps: steps of every agent per rollout (CleanRL's num_steps): a rollout holds n_envs x n_steps steps.
+            episode_length: decisions per episode. Episodes start flat at random bars and end by time limit, which is
+                bootstrapped from the final state's value, so the length only sets how often the agents learn from a
+                flat start: short episodes teach the policy to stay flat when nothing pays (see docs/PPO.md).
+            cost_bps: proportional cost per unit of position traded, in basis points; None: the coordinator's.
+            reward_source: "returns" (raw log returns) or "targets" (the split's preprocessed targets; costs scaled).
+            reward_scale: multiplies rewards; None scales by 1 / std of the training returns at decision bars.
+            gamma: discount factor (0.7: the market's rewards are noisy and a position's effect on later rewards is
+                only the cost of changing it, so a short horizon keeps advantages precise; see docs/PPO.md).
+            gae_lambda: GAE's λ.
+            n_epochs: passes over each rollout (CleanRL's update_epochs).
+            n_minibatches: shuffled minibatches per epoch; a gradient update takes n_envs x n_steps / n_minibatches
+                steps (must divide evenly).
+            clip_coef: the surrogate's clipping ε (and the value clipping's, with ``clip_vloss``).
+            clip_vloss: clip the value loss around the rollout's values.
+            vf_coef: weight of the value loss.
+            ent_coef: weight of the entropy bonus.
+            norm_adv: normalise advantages per minibatch.
+            target_kl: stop using a rollout at the end of an epoch whose last minibatch's approximate KL exceeds this
+                (None: never stop early).
+            hidden: widths of the actor's and the critic's hidden layers (tanh).
+            log_std_init: initial log standard deviation of the continuous policy's Gaussian (state-independent).
+            lr: AdamW learning rate (its start, with a schedule).
+            adam_eps: AdamW's epsilon (1e-5, as in CleanRL and the "37 implementation details").
+            weight_decay: AdamW decoupled weight decay (weight matrices only).
+            fused_adamw: use PyTorch's fused AdamW kernel where the parameters' device supports it.
+            scheduler: learning-rate schedule: "linear" (to 0 at ``total_steps``, CleanRL's annealing), "none",
+                "step", "cosine", or "plateau" (on the validation reward).
+            total_steps: updates the linear or cosine schedule spans (defaults to the Trainer's estimate).
+            warmup_steps: linear LR warm-up updates.
+            gradient_clip_val: the coordinator clips this member's gradients to this 2-norm (CleanRL's max_grad_norm;
+                None: the coordinator's ``gradient_clip_val``; 0: no clipping).
+            nonfinite: "raise" on a NaN/Inf loss or gradient, or "skip" the update and count it.
+            log_grad_norm_every: log gradient norms every this many updates (0: never).
+            updates_per_step: gradient updates per coordinator (Trainer) step.
+            start_step: coordinator steps before the first update (e.g. while forecasters warm up).
+            seed: seeds network initialisation, environment, action sampling and minibatch shuffling.
+            n_features: feature columns observed; None: taken from the data when the coordinator binds the member.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        if action_space not in ("discrete", "continuous"):
+            raise ValueError(f"action_space must be 'discrete' or 'continuous', got {action_space!r}")
+        if not 0.0 <= gamma < 1.0:
+            raise ValueError(f"gamma must be in [0, 1), got {gamma}")
+        if not 0.0 <= gae_lambda <= 1.0:
+            raise ValueError(f"gae_lambda must be in [0, 1], got {gae_lambda}")
+        counts = {"window": window, "n_envs": n_envs, "n_steps": n_steps, "episode_length": episode_length,
+                  "n_epochs": n_epochs, "n_minibatches": n_minibatches, "updates_per_step": updates_per_step}
+        for name, value in counts.items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if (n_envs * n_steps) % n_minibatches:
+            raise ValueError(f"n_minibatches={n_minibatches} must divide the rollout's n_envs x n_steps = {n_envs * n_steps} steps")
+        if not clip_coef > 0:
+            raise ValueError(f"clip_coef must be > 0, got {clip_coef}")
+        if vf_coef < 0 or ent_coef < 0:
+            raise ValueError(f"vf_coef and ent_coef must be >= 0, got {vf_coef}, {ent_coef}")
+        if target_kl is not None and not target_kl > 0:
+            raise ValueError(f"target_kl must be > 0 or None, got {target_kl}")
+        if scheduler not in ("none", "linear", "step", "cosine", "plateau"):
+            raise ValueError(f"scheduler must be one of none, linear, step, cosine, plateau; got {scheduler!r}")
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        if cost_bps is not None and cost_bps < 0:
+            raise ValueError(f"cost_bps must be >= 0, got {cost_bps}")
+        if gradient_clip_val is not None and not gradient_clip_val >= 0:
+            raise ValueError(f"gradient_clip_val must be >= 0 or None, got {gradient_clip_val}")
+        self.updates_per_step = int(updates_per_step)
+        self.start_step = int(start_step)
+        self.log_grad_norm_every = int(log_grad_norm_every)
+        self.gradient_clip_val = gradient_clip_val
+        self.guard = NonFiniteGuard(nonfinite)
+        self.continuous = action_space == "continuous"
+        # derived from the data and the coordinator at bind time (plain attributes, never hyperparameters)
+        self.n_inputs: int | None = None
+        self.cost_bps = 1.0 if cost_bps is None else float(cost_bps)
+        self.seed = int(seed)
+        self.net: ActorCritic | None = None
+        self.train_split: MarketSplit | None = None
+        self.val_split: MarketSplit | None = None
+        self.env: MarketEnv | None = None
+        self.rollout: RolloutBuffer | None = None
+        self.sample_rng: torch.Generator | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self.reward_scale_used: float | None = None
+        self.counters = _Counters()  # a plain object: nn.Module attribute writes are slow in the hot loop
+        if n_features is not None:
+            self.build_networks(n_features)
+
+    @property
+    def env_steps(self) -> int:
+        """Single-agent environment steps taken so far."""
+        return self.counters.env_steps
+
+    @property
+    def network(self) -> nn.Module:
+        if self.net is None:
+            raise RuntimeError("PPOModule has no networks yet: bind it to the data (or give n_features)")
+        return self.net
+
+    # ----------------------------------------------------------------------------------------------- wiring
+    def bind(self, spec: MarketSpec, extra_inputs: int = 0, seed_offset: int = 0, cost_bps: float | None = None) -> None:
+        """Networks for the spec's features plus ``extra_inputs`` stacked columns; the coordinator's cost unless the
+        member has its own; environment, sampling and shuffling seeded ``seed_offset`` further (one per DDP rank)."""
+        hp = self.hparams
+        n = spec.n_features + extra_inputs
+        if hp.n_features is not None and hp.n_features + extra_inputs != n:
+            raise ValueError(f"PPOModule was built for n_features={hp.n_features}, the data has {spec.n_features} features")
+        if hp.cost_bps is None and cost_bps is not None:
+            self.cost_bps = float(cost_bps)
+        self.seed = int(hp.seed) + int(seed_offset)
+        if self.n_inputs != n:
+            self.build_networks(n)
+
+    def build_networks(self, n_inputs: int) -> None:
+        """The actor-critic for ``n_inputs`` feature columns, orthogonally initialised from the seed."""
+        hp = self.hparams
+        n_act = len(hp.actions)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(hp.seed)
+            self.net = ActorCritic(
+                n_features=n_inputs, window=hp.window, n_position_features=1 if self.continuous else n_act,
+                n_actions=n_act, action_space=hp.action_space, hidden=tuple(hp.hidden), log_std_init=hp.log_std_init,
+            )
+        self.n_inputs = n_inputs
+
+    def attach_market(self, train: MarketSplit, val: MarketSplit | None = None) -> None:
+        """Give the agent its training market (the environment) and, optionally, the validation market."""
+        if self.n_inputs is None:
+            self.build_networks(train.n_features)
+        if train.n_features != self.n_inputs:
+            raise ValueError(
+                f"train split {train.name!r} has {train.n_features} features, the actor-critic was built for {self.n_inputs}"
+            )
+        if val is not None and val.n_features != train.n_features:
+            raise ValueError(f"validation split {val.name!r} has {val.n_features} features, train has {train.n_features}")
+        self.train_split, self.val_split = train, val
+        self.env, self.rollout = None, None
+
+    def market_tensors(self, split: MarketSplit) -> MarketTensors:
+        """The split as the agent's market: its window, actions, cost and reward scale, on the member's device."""
+        hp = self.hparams
+        return MarketTensors(
+            split, hp.window, tuple(hp.actions), self.cost_bps, hp.reward_source,
+            1.0 if self.reward_scale_used is None else self.reward_scale_used, device=self.device,
+        )
+
+    def _build_environment(self) -> None:
+        """Environment, rollout buffer and sampling RNG on the module's device (then a resumed state, if any)."""
+        if self.train_split is None:
+            raise RuntimeError("PPOModule has no market: call module.attach_market(train_split, val_split) before fit")
+        hp = self.hparams
+        market = self.market_tensors(self.train_split)
+        if self.reward_scale_used is None:
+            if hp.reward_scale is not None:
+                scale = float(hp.reward_scale)
+            else:
+                std = float(market.signal[market.decision].std())
+                if not math.isfinite(std) or std <= 0:
+                    raise ValueError(f"train split {self.train_split.name!r}: returns have no spread to scale rewards by")
+                scale = 1.0 / std
+            self.reward_scale_used = scale
+        market.reward_scale = self.reward_scale_used
+        env_cls = ContinuousMarketEnv if self.continuous else MarketEnv
+        self.env = env_cls(market, hp.n_envs, hp.episode_length, seed=self.seed)
+        self.rollout = RolloutBuffer(hp.n_steps, hp.n_envs, self.continuous, device=self.device, seed=self.seed + 1)
+        self.sample_rng = torch.Generator(device=self.device)
+        self.sample_rng.manual_seed(self.seed + 2)
+        if self._pending_state is not None:
+            self._apply_run_state(self._pending_state)
+            self._pending_state = None
+
+    def start(self) -> None:
+        """Build the environment (or restore it); the first update collects the first rollout."""
+        if self.env is None:
+            self._build_environment()
+        c = self.counters
+        c.clock = (time.perf_counter(), c.env_steps, c.rollout_seconds)
+
+    # ----------------------------------------------------------------------------------------------- acting
+    def position_features(self, market: MarketTensors, held: Tensor) -> Tensor:
+        """[B, P] the held position as the networks see it: one-hot of the action index, or the value itself."""
+        return held.unsqueeze(1) if self.continuous else market.position_features(held)
+
+    @torch.no_grad()
+    def collect_rollout(self) -> None:
+        """n_steps steps of all agents with the stochastic policy, then the critic's values and GAE(λ).
+
+        Only the actor runs per step. The critic then evaluates every visited state in one pass; the value of the
+        state after step t is the next step's (the same state: bar + 1, holding the action), except after an
+        episode's last step (a time limit: the final state, bar + 1 holding the action, is bootstrapped) and after the
+        rollout's last step, which get a second, small pass.
+        """
+        hp, env, buf, net = self.hparams, self.env, self.rollout, self.net
+        assert env is not None and buf is not None and net is not None and self.sample_rng is not None
+        t0 = time.perf_counter()
+        market, n = env.market, env.n_envs
+        reward_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for t in range(hp.n_steps):
+            held = env.positions
+            out = net.actor_out(net.inputs(market.windows(env.bars, flat=True), self.position_features(market, held)))
+            if self.continuous:
+                noise = torch.randn(n, generator=self.sample_rng, device=self.device)
+                u = out + net.actor_logstd.exp() * noise
+                log_prob = squashed_normal_log_prob(u, out, net.actor_logstd)
+                tr = env.step(torch.tanh(u))
+                buf.add(t, tr.bars, held, u, log_prob, tr.rewards, tr.last, noise)
+            else:
+                logp = torch.log_softmax(out.float(), 1)
+                draw = torch.rand(n, 1, generator=self.sample_rng, device=self.device)
+                action = (logp.exp().cumsum(1) < draw).sum(1).clamp_max(logp.shape[1] - 1)  # inverse-CDF sample
+                tr = env.step(action)
+                buf.add(t, tr.bars, held, action, logp.gather(1, action.unsqueeze(1)).squeeze(1), tr.rewards, tr.last)
+            reward_sum += tr.raw_rewards.sum(dtype=torch.float64)
+        values = self._values(market, buf.bars.view(-1), buf.held.view(-1)).view_as(buf.rewards)
+        ends = buf.last.clone()
+        ends[-1] = True  # the rollout's last step bootstraps from the state it stopped in
+        next_positions = torch.tanh(buf.actions[ends]) if self.continuous else buf.actions[ends]
+        next_values = torch.cat([values[1:], values[:1]], 0)  # V of the next step's state (the last row is an end)
+        next_values[ends] = self._values(market, buf.bars[ends] + 1, next_positions)
+        buf.finish(values, next_values, hp.gamma, hp.gae_lambda, hp.n_epochs, hp.n_minibatches)
+        c = self.counters
+        c.env_steps += n * hp.n_steps
+        c.rollouts += 1
+        c.reward_sum = reward_sum + (c.reward_sum if c.reward_sum is not None else 0.0)
+        c.reward_count += n * hp.n_steps
+        c.explained_variance = buf.explained_variance()
+        c.rollout_seconds += time.perf_counter() - t0
+
+    def _values(self, market: MarketTensors, bars: Tensor, held: Tensor, chunk: int = 16_384) -> Tensor:
+        """[B] the critic's values of states (bars, held positions), in chunks (a window gather is W·F per row)."""
+        assert self.net is not None
+        parts = [
+            self.net.value(self.net.inputs(market.windows(b, flat=True), self.position_features(market, h))).float()
+            for b, h in zip(bars.split(chunk), held.split(chunk), strict=True)
+        ]
+        return torch.cat(parts) if parts else torch.zeros(0, device=bars.device)
+
+    # ----------------------------------------------------------------------------------------------- learning
+    def training_loss(self, batch: Any, update: int) -> Tensor:
+        """Update number ``update`` up to its loss: a new rollout when the last one is used up, then the next
+        minibatch's clipped-surrogate, value and entropy terms.
+
+        The coordinator then runs backward, the non-finite guard, clipping and the optimizer step.
+        """
+        hp, buf, net = self.hparams, self.rollout, self.net
+        assert buf is not None and net is not None and self.env is not None
+        if buf.exhausted:
+            self.collect_rollout()
+        mb = buf.next_minibatch()
+        market = self.env.market
+        x = net.inputs(market.windows(mb.bars, flat=True), self.position_features(market, mb.held))
+        new_log_prob, entropy = self._log_prob_and_entropy(x, mb)
+        new_value = net.value(x).float()
+        logratio = new_log_prob - mb.log_probs
+        ratio = logratio.exp()
+        if hp.target_kl is not None and buf.at_epoch_end and float(approx_kl(logratio.detach())) > hp.target_kl:
+            buf.stop()  # this minibatch still steps; the next update collects a new rollout (CleanRL's epoch break)
+            self.counters.kl_stops += 1
+        advantages = mb.advantages
+        if hp.norm_adv:
+            std, mean = torch.std_mean(advantages)
+            advantages = (advantages - mean) / (std + 1e-8)
+        pg_loss = clipped_surrogate_loss(ratio, advantages, hp.clip_coef)
+        v_loss = value_loss(new_value, mb.values, mb.returns, hp.clip_coef if hp.clip_vloss else None)
+        entropy_loss = entropy.mean()
+        loss = pg_loss - hp.ent_coef * entropy_loss + hp.vf_coef * v_loss
+        # the debug figures (approximate KL, clip fraction) come from this log-ratio when they are logged
+        self.counters.last = {"policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(),
+                              "entropy": entropy_loss.detach(), "logratio": logratio.detach()}
+        return loss
+
+    def _log_prob_and_entropy(self, x: Tensor, mb: RolloutBatch) -> tuple[Tensor, Tensor]:
+        """log π_new(stored action | state) and the policy's entropy at each state of a minibatch."""
+        assert self.net is not None
+        out = self.net.actor_out(x).float()
+        if self.continuous:
+            log_std = self.net.actor_logstd
+            return (squashed_normal_log_prob(mb.actions, out, log_std),
+                    squashed_normal_entropy(out, log_std.expand_as(out), mb.noise))
+        logp = torch.log_softmax(out, 1)
+        return logp.gather(1, mb.actions.unsqueeze(1)).squeeze(1), -(logp.exp() * logp).sum(1)
+
+    def training_metrics(self) -> dict[str, float]:
+        """The last minibatch's losses, entropy, approximate KL and clip fraction; the last rollout's explained
+        variance; reward per bar of the acting agents since the last log; environment steps per second and the share
+        of time spent collecting rollouts."""
+        c = self.counters
+        now = time.perf_counter()
+        then, steps_then, rollout_then = c.clock
+        c.clock = (now, c.env_steps, c.rollout_seconds)
+        elapsed = max(now - then, 1e-9)
+        out = {k: float(v) for k, v in c.last.items() if k != "logratio"}
+        if "logratio" in c.last:
+            out.update(self.ratio_statistics(c.last["logratio"]))
+        out.update({
+            "explained_variance": c.explained_variance,
+            "reward_per_bar": float(c.reward_sum or 0.0) / max(c.reward_count, 1),
+            "env_steps": float(c.env_steps),
+            "env_steps_per_s": (c.env_steps - steps_then) / elapsed,
+            "rollout_time_fraction": (c.rollout_seconds - rollout_then) / elapsed,
+            "rollouts": float(c.rollouts),
+            "kl_stops": float(c.kl_stops),
+        })
+        if self.continuous and self.net is not None:
+            out["std"] = float(self.net.actor_logstd.detach().exp())
+        c.reward_sum, c.reward_count = None, 0
+        return out
+
+    def ratio_statistics(self, logratio: Tensor) -> dict[str, float]:
+        """CleanRL's debug figures of a minibatch: the approximate KL and the fraction of ratios outside the clip."""
+        clipfrac = ((logratio.exp() - 1.0).abs() > self.hparams.clip_coef).float().mean()
+        return {"approx_kl": float(approx_kl(logratio)), "clipfrac": float(clipfrac)}
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        total = hp.total_steps
+        if hp.scheduler in ("linear", "cosine") and total is None:
+            total = self.estimated_updates()
+        config = configure_adamw(
+            self.network, lr=hp.lr, weight_decay=hp.weight_decay, eps=hp.adam_eps,
+            scheduler="none" if hp.scheduler == "linear" else hp.scheduler, total_steps=total,
+            warmup_steps=hp.warmup_steps, monitor="val/reward_per_bar_neg",
+            interval="epoch" if hp.scheduler == "plateau" else "step",
+        )
+        if hp.scheduler == "linear":
+            sched = torch.optim.lr_scheduler.LambdaLR(config, LinearDecay(total, hp.warmup_steps))  # type: ignore[arg-type]
+            config = {"optimizer": config, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1,
+                                                            "name": "lr-linear"}}
+        if hp.fused_adamw:
+            _prefer_fused(config["optimizer"] if isinstance(config, dict) else config)
+        return config
+
+    def check_run(self, planned_updates: int) -> list[str]:
+        hp = self.hparams
+        per_rollout = hp.n_epochs * hp.n_minibatches
+        if per_rollout > planned_updates:
+            return [f"n_epochs x n_minibatches = {per_rollout} updates per rollout exceeds the {planned_updates} updates "
+                    "of this run: it ends inside its first rollout"]
+        return []
+
+    # ----------------------------------------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def deterministic_positions(self, split: MarketSplit | MarketTensors) -> tuple[Tensor, MarketTensors]:
+        """[T] positions of the deterministic policy over a whole split (flat where no decision can be taken).
+
+        Discrete: the argmax action for every bar and held position in batched passes, rolled out as a policy table
+        (:func:`~foxhunt.rl.env.greedy_positions`). Continuous: tanh of the mean, bar by bar, vectorised over symbols,
+        with the first layer's share of the window precomputed in chunks (:func:`~foxhunt.rl.env.sequential_positions`).
+        """
+        market = split if isinstance(split, MarketTensors) else self.market_tensors(split)
+        net = self.net
+        assert net is not None
+        was_training = net.training
+        net.eval()
+        try:
+            if not self.continuous:
+                return greedy_positions(net.deterministic, market), market
+            positions = sequential_positions(
+                lambda bars: net.actor_prepare(market.windows(bars, flat=True)), net.deterministic_path, market
+            )
+            return positions, market
+        finally:
+            net.train(was_training)
+
+    @torch.no_grad()
+    def positions(self, split: MarketSplit) -> Tensor:
+        return self.deterministic_positions(split)[0].float()
+
+    def evaluate(self, split: MarketSplit, bars_per_year: float | None = None) -> dict[str, float]:
+        """Back-test metrics of the deterministic policy on ``split`` (raw returns, raw costs)."""
+        positions, market = self.deterministic_positions(split)
+        bpy = bars_per_year or infer_bars_per_year(split.timestamps, split.symbol_index)
+        m = trading_metrics(positions, market.returns, market.cost_bps, bpy, mask=market.decision, reset=market.reset_mask)
+        return {k: float(v) for k, v in m.as_dict().items()}
+
+    # ----------------------------------------------------------------------------------------------- checkpoints
+    def export_state(self) -> dict[str, float | int | str | None]:
+        return {"cost_bps": self.cost_bps, "reward_scale": self.reward_scale_used}
+
+    def load_export_state(self, state: dict[str, Any]) -> None:
+        if state.get("cost_bps") is not None:
+            self.cost_bps = float(state["cost_bps"])
+        self.reward_scale_used = state.get("reward_scale")
+
+    def run_state(self) -> dict[str, Any]:
+        """Environment, rollout (contents, minibatch schedule, shuffling RNG), sampling RNG and counters."""
+        state: dict[str, Any] = {"guard": self.guard.state_dict()}
+        if self.env is None:
+            return state
+        assert self.rollout is not None and self.sample_rng is not None
+        c = self.counters
+        state.update({
+            "env": self.env.state_dict(),
+            "rollout": self.rollout.state_dict(),
+            "sample_rng": self.sample_rng.get_state(),
+            "reward_scale": self.reward_scale_used,
+            "counters": {"env_steps": c.env_steps, "rollouts": c.rollouts, "kl_stops": c.kl_stops,
+                         "explained_variance": c.explained_variance},
+        })
+        return state
+
+    def load_run_state(self, state: dict[str, Any]) -> None:
+        super().load_run_state(state)
+        if "env" in state:
+            self.reward_scale_used = state["reward_scale"]
+            self._pending_state = state
+            self.env = None  # rebuilt on the right device at start, then the state is applied
+
+    def _apply_run_state(self, state: dict[str, Any]) -> None:
+        assert self.env is not None and self.rollout is not None and self.sample_rng is not None
+        self.env.load_state_dict(state["env"])
+        self.rollout.load_state_dict(state["rollout"])
+        self.sample_rng.set_state(state["sample_rng"].cpu())
+        c = self.counters
+        saved = state["counters"]
+        c.env_steps, c.rollouts, c.kl_stops = int(saved["env_steps"]), int(saved["rollouts"]), int(saved["kl_stops"])
+        c.explained_variance = float(saved["explained_variance"])

@@ -1,0 +1,483 @@
+"""PPOModule as an agent member of the coordinator: GAE, the clipped losses, the squashed Gaussian, rollouts and their
+schedule, the continuous environment and deterministic positions, logging, exact resume, learning (planted AR(1)
+signal and a martingale), and fit/export/load through ``python -m foxhunt.fit``.
+
+PPO trains only through ``EnsembleModule(members={"ppo": PPOModule(...)})`` fitted on a ``MarketDataModule``; one
+coordinator update is one minibatch gradient step, so ``trainer.global_step`` counts minibatches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from foxhunt.data.datamodule import MarketDataModule
+from foxhunt.data.market import MarketSplit
+from foxhunt.evaluation.trading import strategy_log_returns
+from foxhunt.lit import agent_quality as quality
+from foxhunt.lit.ensemble import EnsembleModule
+from foxhunt.lit.ppo import LinearDecay, PPOModule, clipped_surrogate_loss, value_loss
+from foxhunt.models.actor_critic import (
+    ActorCritic,
+    squashed_normal_entropy,
+    squashed_normal_log_prob,
+    tanh_log_det,
+)
+from foxhunt.rl.env import ContinuousMarketEnv, MarketEnv, MarketTensors, sequential_positions
+from foxhunt.rl.rollout import RolloutBuffer, generalized_advantages
+
+
+@pytest.fixture(scope="module")
+def market():
+    return quality.ar1_market(n_bars=12_000, phi=0.3, seed=1)
+
+
+# a rollout is 16 agents x 8 steps = 128 steps in 8 minibatches of 16, used for 2 epochs: 16 updates per rollout;
+# 4 updates per coordinator step, 5 steps per epoch: 20 updates per epoch (the first epoch ends inside rollout 2)
+SMALL = {
+    "window": 4, "n_envs": 16, "n_steps": 8, "episode_length": 16, "n_minibatches": 8, "n_epochs": 2,
+    "hidden": (16, 16), "log_grad_norm_every": 5, "updates_per_step": 4,
+}
+UPDATES_PER_EPOCH = 20
+
+
+def trainer(tmp_path: Path, **kw) -> L.Trainer:
+    args = {
+        "max_epochs": 1, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+        "enable_model_summary": False, "accelerator": "cpu", "devices": 1, "num_sanity_val_steps": 0,
+        "log_every_n_steps": 5, "default_root_dir": str(tmp_path),
+    }
+    args.update(kw)
+    return L.Trainer(**args)
+
+
+def fit(member: PPOModule, market, t: L.Trainer, validate: bool = False, model: EnsembleModule | None = None,
+        steps_per_epoch: int | None = None, **kw) -> EnsembleModule:
+    """Fit the coordinator with ``member`` as its only member; an epoch is UPDATES_PER_EPOCH updates."""
+    model = EnsembleModule(members={"ppo": member}) if model is None else model
+    if not validate:
+        t.limit_val_batches = 0
+    steps = steps_per_epoch or UPDATES_PER_EPOCH // member.updates_per_step
+    dm = MarketDataModule(market.train, market.val if validate else None, market.test, steps_per_epoch=steps)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        t.fit(model, datamodule=dm, **kw)
+    return model
+
+
+def make_split(lengths: tuple[int, ...] = (300, 200), n_features: int = 3, seed: int = 0) -> MarketSplit:
+    """Several symbols back to back, random features and returns, an invalid bar inside the first symbol."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    sym = torch.cat([torch.full((k,), i) for i, k in enumerate(lengths)]).long()
+    rets = torch.randn(n, generator=g) * 1e-3
+    rets[torch.cumsum(torch.tensor(lengths), 0) - 1] = float("nan")
+    valid = torch.isfinite(rets)
+    valid[40] = False
+    return MarketSplit(
+        name="unit", symbols=[f"S{i}" for i in range(len(lengths))],
+        timestamps=torch.arange(n, dtype=torch.int64) * 60_000_000_000, symbol_index=sym,
+        ohlcv=torch.ones(n, 5, dtype=torch.float64), returns=rets, targets=rets.clone(), valid=valid,
+        features=torch.randn(n, n_features, generator=g), feature_names=[f"f{i}" for i in range(n_features)],
+    )
+
+
+# ------------------------------------------------------------------------------------------------ maths
+def test_gae_matches_a_hand_computation_with_a_truncation_bootstrap() -> None:
+    """T=3 steps of one agent whose episode hits its time limit after step 1: step 1 bootstraps from the final state's
+    value (0.9), the recursion stops there, and step 2 bootstraps from the state the rollout stopped in (0.2)."""
+    rewards = torch.tensor([[1.0], [2.0], [3.0]])
+    values = torch.tensor([[0.5], [0.4], [0.3]])
+    next_values = torch.tensor([[0.4], [0.9], [0.2]])
+    last = torch.tensor([[False], [True], [False]])
+    adv, ret = generalized_advantages(rewards, values, next_values, last, gamma=0.9, lam=0.8)
+    d0, d1, d2 = 1 + 0.9 * 0.4 - 0.5, 2 + 0.9 * 0.9 - 0.4, 3 + 0.9 * 0.2 - 0.3
+    want = torch.tensor([[d0 + 0.9 * 0.8 * d1], [d1], [d2]])
+    torch.testing.assert_close(adv, want)
+    torch.testing.assert_close(ret, want + values)
+    # a true terminal state (not in the market, but the function supports it) drops the bootstrap
+    adv_t, _ = generalized_advantages(rewards, values, next_values, last, 0.9, 0.8, terminated=torch.tensor([[False], [True], [False]]))
+    assert adv_t[1, 0].item() == pytest.approx(2 - 0.4)
+    # λ = 1, no truncation (each successor is the next state): discounted returns to go with the final bootstrap
+    successors = torch.tensor([[0.4], [0.3], [0.2]])
+    adv1, ret1 = generalized_advantages(rewards, values, successors, torch.zeros_like(last), 0.9, 1.0)
+    g2 = 3 + 0.9 * 0.2
+    g1 = 2 + 0.9 * g2
+    torch.testing.assert_close(ret1, torch.tensor([[1 + 0.9 * g1], [g1], [g2]]))
+
+
+def test_clipped_surrogate_and_value_clipping_match_hand_values() -> None:
+    ratio = torch.tensor([1.5, 0.5, 1.1, 0.7])
+    adv = torch.tensor([1.0, 1.0, -2.0, -1.0])
+    # per row: max(-A·ρ, -A·clip(ρ, 0.8, 1.2)) = max(-1.5, -1.2), max(-0.5, -0.8), max(2.2, 2.2), max(0.7, 0.8)
+    assert clipped_surrogate_loss(ratio, adv, 0.2).item() == pytest.approx((-1.2 - 0.5 + 2.2 + 0.8) / 4)
+    new, old, ret = torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.5, 0.5, 2.0]), torch.tensor([2.0, 1.0, 2.5])
+    # unclipped errors (1, 1, 0.25); clipped values (0.7, 0.3, 2.0): errors (1.69, 0.49, 0.25); max per row
+    assert value_loss(new, old, ret, 0.2).item() == pytest.approx(0.5 * (1.69 + 1.0 + 0.25) / 3)
+    assert value_loss(new, old, ret, None).item() == pytest.approx(0.5 * (1.0 + 1.0 + 0.25) / 3)
+
+
+def test_squashed_gaussian_log_prob_and_entropy() -> None:
+    """The closed form against torch's TransformedDistribution, a Monte-Carlo histogram of tanh(u), and the entropy
+    estimate against the Monte-Carlo mean of −log π."""
+    from torch.distributions import Normal, TanhTransform, TransformedDistribution
+
+    mean, log_std = torch.tensor([0.3, -1.0]), torch.tensor([-0.5, 0.2])
+    u = torch.linspace(-3, 3, 13).unsqueeze(1).expand(13, 2)
+    reference = TransformedDistribution(Normal(mean, log_std.exp()), [TanhTransform()])
+    torch.testing.assert_close(squashed_normal_log_prob(u, mean, log_std), reference.log_prob(torch.tanh(u)), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(tanh_log_det(torch.tensor([0.0, 20.0])), torch.tensor([0.0, math.log(4.0) - 40.0]))
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randn(400_000, generator=g)
+    m, s = 0.3, math.exp(-0.5)
+    y = torch.tanh(m + s * noise)
+    edges = torch.linspace(-0.9, 0.9, 19)
+    counts = torch.histc(y, bins=18, min=-0.9, max=0.9)
+    density = counts / (y.numel() * (edges[1] - edges[0]))
+    centres = (edges[:-1] + edges[1:]) / 2
+    closed = squashed_normal_log_prob(torch.atanh(centres), torch.tensor(m), torch.tensor(-0.5)).exp()
+    torch.testing.assert_close(density, closed, rtol=0.05, atol=0.01)
+    # the entropy estimate against H = E_u[−log π(tanh u)] by quadrature over u (to Monte-Carlo error)
+    grid = torch.linspace(m - 10 * s, m + 10 * s, 200_001, dtype=torch.float64)
+    weight = Normal(torch.tensor(m, dtype=torch.float64), s).log_prob(grid).exp() * (grid[1] - grid[0])
+    exact = -(weight * squashed_normal_log_prob(grid, torch.tensor(m, dtype=torch.float64),
+                                                torch.tensor(-0.5, dtype=torch.float64))).sum()
+    estimate = squashed_normal_entropy(torch.full((400_000,), m), torch.full((400_000,), -0.5), noise).mean()
+    assert estimate.item() == pytest.approx(exact.item(), abs=3e-3)
+    assert estimate.item() < Normal(m, s).entropy().item()  # squashing removes entropy
+
+
+def test_linear_decay_and_constructor_checks() -> None:
+    f = LinearDecay(100, warmup_steps=10)
+    assert f(0) == pytest.approx(0.1) and f(10) == 1.0 and f(55) == pytest.approx(0.5) and f(100) == 0.0 and f(200) == 0.0
+    with pytest.raises(ValueError, match="n_minibatches"):
+        PPOModule(n_envs=10, n_steps=3, n_minibatches=4)
+    with pytest.raises(ValueError, match="action_space"):
+        PPOModule(action_space="box")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="gamma"):
+        PPOModule(gamma=1.0)
+    with pytest.raises(ValueError, match="target_kl"):
+        PPOModule(target_kl=0.0)
+    with pytest.raises(ValueError, match="scheduler"):
+        PPOModule(scheduler="exp")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="bind it"):
+        _ = PPOModule().network
+
+
+def test_orthogonal_init_is_seeded_and_leaves_the_global_rng_alone() -> None:
+    torch.manual_seed(5)
+    before = torch.rand(1)
+    torch.manual_seed(5)
+    a, b = PPOModule(n_features=3, seed=7), PPOModule(n_features=3, seed=7)
+    assert torch.rand(1) == before
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+    net = ActorCritic(3, 4, 3, 3, hidden=(8, 8))
+    w = net.actor[0].weight  # orthogonal rows scaled by sqrt(2)
+    torch.testing.assert_close(w @ w.T, 2.0 * torch.eye(8), atol=1e-5, rtol=0)
+    assert net.actor[-1].weight.norm() < 0.05 and torch.all(net.critic[-1].bias == 0)  # near-uniform initial policy
+
+
+# ------------------------------------------------------------------------------------------------ environment
+def test_continuous_env_rewards_episodes_and_state() -> None:
+    split = make_split()
+    m = MarketTensors(split, window=4, cost_bps=2.0, reward_scale=3.0)
+    env = ContinuousMarketEnv(m, n_envs=5, episode_length=7, seed=1)
+    twin = MarketEnv(m, n_envs=5, episode_length=7, seed=1)  # same starts and draws as the discrete environment
+    assert torch.equal(env.bars, twin.bars) and env.positions.dtype == torch.float32 and not env.positions.any()
+    window, held = env.observe()
+    assert window.shape == (5, 4, 3) and held.shape == (5, 1)
+    state = env.state_dict()
+    moves = torch.tensor([0.5, -1.0, 0.0, 0.25, 1.0])
+    bars = env.bars.clone()
+    tr = env.step(moves)
+    want = 3.0 * (moves * m.signal[bars] - 2e-4 * moves.abs())
+    torch.testing.assert_close(tr.rewards, want)
+    torch.testing.assert_close(tr.raw_rewards, moves * m.returns[bars] - 2e-4 * moves.abs())
+    assert torch.equal(env.positions, torch.where(tr.last, torch.zeros(5), moves))
+    second = env.step(torch.zeros(5))  # closing pays the cost of the held position
+    torch.testing.assert_close(second.raw_rewards, -2e-4 * torch.where(tr.last, torch.zeros(5), moves).abs())
+    env.load_state_dict(state)
+    assert torch.equal(env.step(moves).rewards, tr.rewards)
+
+
+def test_deterministic_positions_equal_a_bar_by_bar_loop() -> None:
+    """Discrete (policy table) and continuous (lanes, numpy recurrence) positions equal the policy applied bar by bar,
+    symbol by symbol from flat, flat where no decision can be taken."""
+    split = make_split((300, 200, 150))
+    for space in ("discrete", "continuous"):
+        member = PPOModule(window=4, action_space=space, hidden=(16, 16), seed=3, log_std_init=0.0)
+        member.attach_market(split)
+        with torch.no_grad():  # a policy that depends visibly on the held position
+            member.net.actor[0].weight.mul_(30.0)
+        positions, m = member.deterministic_positions(split)
+        want = torch.zeros(m.n_bars)
+        held = 0.0
+        for t in range(m.n_bars):
+            if m.reset_mask[t]:
+                held = 0.0
+            if not m.decision[t]:
+                held = 0.0
+            else:
+                if space == "discrete":
+                    idx = int(torch.argmin((m.actions - held).abs()))
+                    logits = member.net.deterministic(m.windows(torch.tensor([t])), m.position_features(torch.tensor([idx])))
+                    held = float(m.actions[logits.argmax(1)])
+                else:
+                    with torch.no_grad():
+                        held = float(member.net.deterministic(m.windows(torch.tensor([t])), torch.tensor([[held]])))
+            want[t] = held
+        torch.testing.assert_close(positions, want, atol=1e-5, rtol=0)
+        assert (positions[~m.decision] == 0).all() and positions[m.decision].abs().sum() > 0
+        assert positions.unique().numel() > (3 if space == "continuous" else 1)
+    # the lane bookkeeping alone: a recurrence that counts decisions since the last flat bar
+    m = MarketTensors(split, window=4)
+    counts = sequential_positions(lambda b: torch.zeros(b.numel(), 1),
+                                  lambda pre, decide, held: _count_path(decide, held), m, chunk=64)
+    want = torch.zeros(m.n_bars)
+    for t in range(m.n_bars):
+        want[t] = 0.0 if not m.decision[t] else (1.0 if m.reset_mask[t] or t == 0 else want[t - 1] + 1.0)
+    torch.testing.assert_close(counts, want)
+
+
+def _count_path(decide: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(decide.shape)
+    p = held.clone()
+    for j in range(decide.shape[1]):
+        p = torch.where(decide[:, j], p + 1.0, torch.zeros_like(p))
+        out[:, j] = p
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ rollouts
+@pytest.mark.parametrize("space", ["discrete", "continuous"])
+def test_rollout_values_bootstrap_from_final_states(market, space) -> None:
+    """The buffer's advantages equal GAE computed from the critic's values of every state and of every successor
+    (bar + 1 holding the action: the final state after a time limit, the next state otherwise); the first minibatch
+    of a rollout has ratio 1 (the stored log-probabilities are the policy's)."""
+    member = PPOModule(**{**SMALL, "action_space": space, "gamma": 0.8, "gae_lambda": 0.9})
+    member.attach_market(market.train)
+    member.start()
+    member.collect_rollout()
+    buf, m, net = member.rollout, member.env.market, member.net
+    assert buf.last.any()  # episodes of 16 steps: time limits inside the rollout
+    nxt = torch.tanh(buf.actions) if space == "continuous" else buf.actions
+    inner = ~buf.last[:-1]
+    assert torch.equal(buf.bars[1:][inner], (buf.bars[:-1] + 1)[inner])
+    assert torch.allclose(buf.held[1:][inner].float(), nxt[:-1][inner].float())
+    with torch.no_grad():
+        def v(bars, held):
+            pos = held.float().unsqueeze(1) if space == "continuous" else m.position_features(held)
+            return net.value(net.inputs(m.windows(bars), pos))
+
+        values = v(buf.bars.reshape(-1), buf.held.reshape(-1)).view(buf.bars.shape)
+        successors = v(buf.bars.reshape(-1) + 1, nxt.reshape(-1)).view(buf.bars.shape)
+    adv, ret = generalized_advantages(buf.rewards, values, successors, buf.last, 0.8, 0.9)
+    torch.testing.assert_close(buf.advantages, adv, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(buf.returns, ret, atol=1e-5, rtol=1e-5)
+    loss = member.training_loss(None, 0)
+    assert torch.isfinite(loss)
+    stats = member.ratio_statistics(member.counters.last["logratio"])
+    assert abs(stats["approx_kl"]) < 1e-6 and stats["clipfrac"] == 0 and member.counters.last["logratio"].abs().max() < 1e-5
+
+
+def test_rollout_schedule_epochs_minibatches_and_kl_stop() -> None:
+    buf = RolloutBuffer(4, 3, seed=0)
+    buf.finish(torch.zeros(4, 3), torch.zeros(4, 3), 0.9, 0.95, n_epochs=2, n_minibatches=3)
+    seen = [buf.next_indices() for _ in range(6)]
+    assert buf.exhausted and all(len(i) == 4 for i in seen)
+    for epoch in (seen[:3], seen[3:]):
+        assert torch.equal(torch.sort(torch.cat(epoch)).values, torch.arange(12))  # each epoch covers every step once
+    assert not torch.equal(torch.cat(seen[:3]), torch.cat(seen[3:]))  # reshuffled
+    with pytest.raises(RuntimeError, match="used up"):
+        buf.next_indices()
+    buf.finish(torch.zeros(4, 3), torch.zeros(4, 3), 0.9, 0.95, n_epochs=2, n_minibatches=3)
+    buf.next_indices()
+    buf.stop()
+    assert buf.exhausted
+
+
+# ------------------------------------------------------------------------------------------------ through the coordinator
+@pytest.mark.parametrize("space", ["discrete", "continuous"])
+def test_fit_logs_training_and_validation_metrics(tmp_path, market, space) -> None:
+    module = PPOModule(action_space=space, **SMALL)
+    t = trainer(tmp_path)
+    model = fit(module, market, t, validate=True, model=EnsembleModule(members={"ppo": module}, cost_bps=0.5))
+    assert module.cost_bps == 0.5
+    logged = t.callback_metrics
+    keys = [f"train/ppo/{k}" for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac",
+                                       "explained_variance", "reward_per_bar", "env_steps", "env_steps_per_s",
+                                       "rollout_time_fraction", "rollouts", "kl_stops", "nonfinite_skipped", "updates")]
+    keys += [f"val/ppo/{k}" for k in ("sharpe", "reward_per_bar", "turnover", "max_drawdown")]
+    keys += ["lr/ppo", "val/sharpe", "grad_norm/ppo/total", "grad_norm/ppo/actor", "grad_norm/ppo/critic"]
+    keys += ["train/ppo/std", "grad_norm/ppo/actor_logstd"] if space == "continuous" else []
+    for key in keys:
+        assert key in logged, key
+        assert torch.isfinite(logged[key]), key
+    assert t.global_step == model.updates["ppo"] == UPDATES_PER_EPOCH
+    assert module.counters.rollouts == 2 and module.env_steps == 2 * 16 * 8  # 16 updates per rollout
+    assert logged["train/ppo/rollouts"] == 2 and 0 < logged["train/ppo/rollout_time_fraction"] < 1
+    evaluation = model.last_evaluation
+    torch.testing.assert_close(evaluation.positions["ppo"].cpu(), module.positions(market.val).cpu())
+
+
+def test_target_kl_stops_a_rollout_early_and_the_lr_anneals_to_zero(tmp_path, market) -> None:
+    kwargs = {**SMALL, "lr": 3e-2, "target_kl": 1e-6, "updates_per_step": 5}
+    module = PPOModule(**kwargs)
+    model = fit(module, market, trainer(tmp_path, max_epochs=2))
+    assert model.updates["ppo"] == 40
+    assert module.counters.kl_stops > 0
+    assert module.counters.rollouts > math.ceil(40 / 16)  # rollouts are cut short: more of them
+    assert model.optimizers().param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)  # linear to zero over the fit
+
+
+def test_nonfinite_loss_skips_and_the_minibatch_is_consumed(tmp_path, market, monkeypatch) -> None:
+    original = PPOModule._log_prob_and_entropy
+
+    def nan_once(self, x, mb):
+        lp, ent = original(self, x, mb)
+        return (lp * float("nan"), ent) if self.rollout.cursor == 1 and self.rollout.epoch == 1 else (lp, ent)
+
+    monkeypatch.setattr(PPOModule, "_log_prob_and_entropy", nan_once)
+    module = PPOModule(nonfinite="skip", **SMALL)
+    model = fit(module, market, trainer(tmp_path, max_steps=8))
+    # three coordinator steps of 4 attempts, one skipped: 11 updates, and the 12 minibatches were all taken
+    assert module.guard.skipped_loss == 1 and model.updates["ppo"] == 11
+    assert (module.rollout.epoch, module.rollout.cursor) == (2, 4)
+
+
+@pytest.mark.parametrize("space", ["discrete", "continuous"])
+def test_resume_from_checkpoint_is_exact(tmp_path, market, space) -> None:
+    """Two epochs straight equal one epoch, a checkpoint, and a resumed second epoch: weights, optimizer, schedule,
+    rollout (contents, minibatch schedule, shuffling RNG), environment, sampling RNG, counters. The first epoch ends
+    inside the second rollout's first epoch."""
+    # the linear LR schedule spans both epochs in both runs (the first leg's Trainer alone would plan one)
+    kwargs = {**SMALL, "action_space": space, "target_kl": 0.05, "total_steps": 2 * UPDATES_PER_EPOCH}
+
+    straight = PPOModule(**kwargs)
+    straight_model = fit(straight, market, trainer(tmp_path / "a", max_epochs=2))
+    assert straight_model.updates["ppo"] == 2 * UPDATES_PER_EPOCH
+
+    first = PPOModule(**kwargs)
+    t1 = trainer(tmp_path / "b", max_epochs=1)
+    fit(first, market, t1)
+    ckpt = tmp_path / "b" / "one.ckpt"
+    t1.save_checkpoint(ckpt)
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)["ensemble_state"]["members"]["ppo"]
+    assert {"env", "rollout", "sample_rng", "counters", "guard"} <= set(state)
+    assert state["rollout"]["epoch"] == 1 and state["rollout"]["cursor"] == 4  # mid-epoch of rollout 2
+
+    resumed = PPOModule(**kwargs)
+    resumed_model = fit(resumed, market, trainer(tmp_path / "c", max_epochs=2), ckpt_path=str(ckpt))
+    assert resumed_model.updates == straight_model.updates and resumed_model.steps == straight_model.steps
+    for (ka, pa), (kb, pb) in zip(straight_model.state_dict().items(), resumed_model.state_dict().items(), strict=True):
+        assert ka == kb and torch.equal(pa, pb), ka
+    oa, ob = straight_model.optimizers().optimizer.state_dict(), resumed_model.optimizers().optimizer.state_dict()
+    for i, s in oa["state"].items():
+        for k, v in s.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(ob["state"][i][k])), (i, k)
+    assert resumed.env_steps == straight.env_steps and resumed.counters.rollouts == straight.counters.rollouts
+    ra, rb = straight.rollout.state_dict(), resumed.rollout.state_dict()
+    for k, v in ra.items():
+        assert torch.equal(torch.as_tensor(v), torch.as_tensor(rb[k])) if v is not None else rb[k] is None, k
+    ea, eb = straight.env.state_dict(), resumed.env.state_dict()
+    for k in ea:
+        assert torch.equal(torch.as_tensor(ea[k]), torch.as_tensor(eb[k])), k
+    assert torch.equal(straight.sample_rng.get_state(), resumed.sample_rng.get_state())
+
+
+# ------------------------------------------------------------------------------------------------ learning
+LEARN = {"window": 4, "log_grad_norm_every": 0}  # otherwise PPOModule's defaults
+
+
+def train_ppo(data, updates: int, seed: int = 0, **overrides) -> PPOModule:
+    """Train PPO for ``updates`` minibatch updates on ``data.train`` through the coordinator (cost 1 bp)."""
+    member = PPOModule(seed=seed, **{**LEARN, **overrides})
+    model = EnsembleModule(members={"ppo": member}, cost_bps=1.0)
+    dm = MarketDataModule(data.train, None, data.test, steps_per_epoch=math.ceil(updates / member.updates_per_step))
+    t = L.Trainer(max_steps=updates, max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, accelerator="cpu", devices=1, limit_val_batches=0, num_sanity_val_steps=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        t.fit(model, datamodule=dm)
+    return member
+
+
+def t_stat(positions: torch.Tensor, market: MarketTensors) -> float:
+    pnl = strategy_log_returns(positions, market.returns, market.cost_bps, market.reset_mask)[market.decision].double()
+    return float(pnl.mean() / (pnl.std() / math.sqrt(pnl.numel())))
+
+
+def test_ppo_learns_a_planted_signal_out_of_sample() -> None:
+    """φ = 0.3, 320 updates (~160k environment steps): profitable after costs on unseen bars, near the oracle."""
+    data = quality.ar1_market(n_bars=60_000, phi=0.3, seed=3)
+    member = train_ppo(data, 320)
+    positions, test = member.deterministic_positions(data.test)
+    base = quality.baseline_metrics(test, data.expected["test"])
+    oracle = quality.best_causal_oracle(base)
+    ppo = member.evaluate(data.test)
+    assert t_stat(positions, test) > 8.0  # clearly beats flat after costs, out of sample
+    assert ppo["reward_per_bar"] >= 0.8 * oracle  # measured 0.97-0.99
+    assert ppo["reward_per_bar"] > base["random"]["reward_per_bar"] + oracle
+
+
+def test_ppo_stays_flat_on_a_martingale() -> None:
+    """φ = 0: nothing to earn, so the deterministic policy must not trade: small turnover, and no loss beyond one
+    round trip of costs over the whole test split (measured: flat on every bar for seeds 0-2)."""
+    data = quality.ar1_market(n_bars=60_000, phi=0.0, seed=4)
+    member = train_ppo(data, 960, seed=1)
+    ppo = member.evaluate(data.test)
+    assert ppo["turnover"] < 1e-3, ppo
+    assert ppo["total_log_return"] > -2 * 1e-4, ppo
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("space", ["discrete", "continuous"])
+def test_ppo_learning_over_seeds(space) -> None:
+    for seed in (0, 1, 2):
+        data = quality.ar1_market(n_bars=60_000, phi=0.3, seed=seed + 3)
+        member = train_ppo(data, 640, seed=seed, action_space=space)
+        test = MarketTensors(data.test, 4, (-1.0, 0.0, 1.0), 1.0)
+        oracle = quality.best_causal_oracle(quality.baseline_metrics(test, data.expected["test"]))
+        assert member.evaluate(data.test)["reward_per_bar"] >= 0.8 * oracle, (space, seed)
+        flat = train_ppo(quality.ar1_market(n_bars=60_000, phi=0.0, seed=seed + 3), 960, seed=seed, action_space=space)
+        res = flat.evaluate(data.test)
+        assert res["turnover"] < (1e-3 if space == "discrete" else 0.05), (space, seed, res)
+
+
+# ------------------------------------------------------------------------------------------------ fit, export, load
+PPO_ONLY = {"class_path": "foxhunt.lit.ppo.PPOModule", "init_args": {
+    "window": 4, "n_envs": 16, "n_steps": 16, "episode_length": 16, "n_minibatches": 4, "hidden": [16],
+    "updates_per_step": 4, "log_grad_norm_every": 2}}
+
+
+@pytest.mark.parametrize("space", ["discrete", "continuous"])
+def test_fit_export_load_through_the_cli(tmp_path, space) -> None:
+    import foxhunt
+    from foxhunt.fit import main
+
+    tiny = str(Path(__file__).parent / "configs" / "tiny.yaml")
+    member = {**PPO_ONLY, "init_args": {**PPO_ONLY["init_args"], "action_space": space}}
+    cli = main(["--config", tiny, "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
+                "--trainer.default_root_dir", str(tmp_path), "--export_dir", str(tmp_path / "export"),
+                "--model.members", json.dumps({"ppo": member}), "--trainer.max_epochs", "1", "--log_figures", "false"])
+    model = cli.model
+    assert tuple(model.member_names) == ("ppo",) and model.updates["ppo"] == 6 * 4
+    assert {"ppo", "ensemble", "buy_and_hold"} <= set(cli.results["backtest"])
+    export = tmp_path / "export"
+    assert {"ensemble.safetensors", "ppo.safetensors", "metadata.json"} <= {p.name for p in export.iterdir()}
+    meta = json.loads((export / "metadata.json").read_text())
+    assert meta["members"]["ppo"]["class_path"] == "foxhunt.lit.ppo.PPOModule"
+    assert meta["members"]["ppo"]["init_args"]["action_space"] == space
+    loaded = foxhunt.load(export)
+    split = model.split("test")
+    mine, theirs = model.positions(split), loaded.model.positions(split)
+    for who in ("ppo", "ensemble"):
+        torch.testing.assert_close(theirs[who].cpu(), mine[who].cpu())
+    table = loaded.model.evaluate(split).metrics
+    assert table["ppo"]["sharpe"] == pytest.approx(cli.results["backtest"]["ppo"]["sharpe"], abs=1e-9)
