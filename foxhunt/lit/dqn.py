@@ -31,10 +31,10 @@ from foxhunt.evaluation.trading import trading_metrics
 from foxhunt.lit.member import Agent
 from foxhunt.models.qnet import EncoderKind, QNetwork
 from foxhunt.rl.batches import PresampledBatches, TDBatch
-from foxhunt.rl.env import MarketEnv, MarketTensors, RewardSource, greedy_positions
+from foxhunt.rl.env import MarketEnv, MarketTensors, RewardSource, greedy_positions, reward_scale_for
 from foxhunt.rl.replay import ReplayBuffer, ReplaySample
 from foxhunt.training.guard import GuardPolicy, NonFiniteGuard
-from foxhunt.training.optim import SchedulerKind, configure_adamw
+from foxhunt.training.optim import SchedulerKind, configure_adamw, prefer_fused
 
 TargetUpdate = Literal["hard", "polyak"]
 EpsilonSchedule = Literal["linear", "exponential"]
@@ -290,14 +290,7 @@ class DQNModule(Agent):
         hp = self.hparams
         market = self.market_tensors(self.train_split)
         if self.reward_scale_used is None:
-            if hp.reward_scale is not None:
-                scale = float(hp.reward_scale)
-            else:
-                std = float(market.signal[market.decision].std())
-                if not math.isfinite(std) or std <= 0:
-                    raise ValueError(f"train split {self.train_split.name!r}: returns have no spread to scale rewards by")
-                scale = 1.0 / std
-            self.reward_scale_used = scale
+            self.reward_scale_used = reward_scale_for(market, hp.reward_scale)
         market.reward_scale = self.reward_scale_used
         self.env = MarketEnv(market, hp.n_envs, hp.episode_length, seed=self.seed)
         self.replay = ReplayBuffer(hp.replay_capacity, hp.n_envs, device=self.device, seed=self.seed + 1)
@@ -461,7 +454,7 @@ class DQNModule(Agent):
             interval="epoch" if hp.scheduler == "plateau" else "step",
         )
         if hp.fused_adamw:
-            _prefer_fused(config["optimizer"] if isinstance(config, dict) else config)
+            prefer_fused(config["optimizer"] if isinstance(config, dict) else config)
         return config
 
     def check_run(self, planned_updates: int) -> list[str]:
@@ -542,13 +535,3 @@ class DQNModule(Agent):
         self.explore_rng.set_state(state["explore_rng"].cpu())
         self.counters.env_steps = int(state["env_steps"])
         self.batches.load_state_dict(state.get("presampled"), self.env.market, self.q_net)
-
-
-def _prefer_fused(optimizer: torch.optim.Optimizer) -> None:
-    """Switch AdamW to its fused kernel before its first step, where every parameter's device and dtype allow it."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if optimizer.state or not params:
-        return
-    if all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params):
-        for group in optimizer.param_groups:
-            group["fused"], group["foreach"] = True, False

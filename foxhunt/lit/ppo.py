@@ -26,7 +26,6 @@ Usage::
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -37,7 +36,6 @@ from torch import Tensor, nn
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
 from foxhunt.evaluation.trading import trading_metrics
-from foxhunt.lit.dqn import _prefer_fused
 from foxhunt.lit.member import Agent
 from foxhunt.models.actor_critic import (
     ActionSpace,
@@ -51,11 +49,12 @@ from foxhunt.rl.env import (
     MarketTensors,
     RewardSource,
     greedy_positions,
+    reward_scale_for,
     sequential_positions,
 )
 from foxhunt.rl.rollout import RolloutBatch, RolloutBuffer
 from foxhunt.training.guard import GuardPolicy, NonFiniteGuard
-from foxhunt.training.optim import configure_adamw
+from foxhunt.training.optim import configure_adamw, prefer_fused
 
 PPOScheduler = Literal["none", "linear", "step", "cosine", "plateau"]
 
@@ -315,14 +314,7 @@ class PPOModule(Agent):
         hp = self.hparams
         market = self.market_tensors(self.train_split)
         if self.reward_scale_used is None:
-            if hp.reward_scale is not None:
-                scale = float(hp.reward_scale)
-            else:
-                std = float(market.signal[market.decision].std())
-                if not math.isfinite(std) or std <= 0:
-                    raise ValueError(f"train split {self.train_split.name!r}: returns have no spread to scale rewards by")
-                scale = 1.0 / std
-            self.reward_scale_used = scale
+            self.reward_scale_used = reward_scale_for(market, hp.reward_scale)
         market.reward_scale = self.reward_scale_used
         env_cls = ContinuousMarketEnv if self.continuous else MarketEnv
         self.env = env_cls(market, hp.n_envs, hp.episode_length, seed=self.seed)
@@ -491,7 +483,7 @@ class PPOModule(Agent):
             config = {"optimizer": config, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1,
                                                             "name": "lr-linear"}}
         if hp.fused_adamw:
-            _prefer_fused(config["optimizer"] if isinstance(config, dict) else config)
+            prefer_fused(config["optimizer"] if isinstance(config, dict) else config)
         return config
 
     def check_run(self, planned_updates: int) -> list[str]:

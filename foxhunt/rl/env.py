@@ -9,6 +9,7 @@ every action at every bar is known (:meth:`MarketTensors.rewards_all`), which th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -154,6 +155,16 @@ class MarketTensors:
     def raw_position_rewards(self, bars: Tensor, held: Tensor, positions: Tensor) -> Tensor:
         """Per-bar strategy log return after raw costs of moving from position value ``held`` to ``positions``."""
         return positions * self.returns[bars] - self.cost * (positions - held).abs()
+
+
+def reward_scale_for(market: MarketTensors, configured: float | None = None) -> float:
+    """The agents' reward scale: ``configured``, or 1 / std of the training signal at decision bars."""
+    if configured is not None:
+        return float(configured)
+    std = float(market.signal[market.decision].std())
+    if not math.isfinite(std) or std <= 0:
+        raise ValueError(f"train split {market.name!r}: returns have no spread to scale rewards by")
+    return 1.0 / std
 
 
 def rollout_policy_table(table: Tensor, initial: int) -> Tensor:

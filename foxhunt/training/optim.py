@@ -235,3 +235,13 @@ def configure_adamw(
     if sched is None:
         return optimizer
     return {"optimizer": optimizer, "lr_scheduler": sched}
+
+
+def prefer_fused(optimizer: torch.optim.Optimizer) -> None:
+    """Switch AdamW to its fused kernel before its first step, where every parameter's device and dtype allow it."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if optimizer.state or not params:
+        return
+    if all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params):
+        for group in optimizer.param_groups:
+            group["fused"], group["foreach"] = True, False
