@@ -35,7 +35,7 @@ from foxhunt.lit.tft import TFTModule
 from foxhunt.models.mamba2 import Mamba2Forecaster, Mamba2Output
 from foxhunt.training.gradnorm import grad_norms
 from foxhunt.training.guard import NonFiniteGuard
-from foxhunt.training.optim import SchedulerKind, configure_adamw, validate_lr
+from foxhunt.training.optim import SchedulerKind, validate_lr
 
 
 class Mamba2Module(Forecaster):
@@ -299,9 +299,6 @@ class Mamba2Module(Forecaster):
                 pred[key] = batch[key]
         return pred
 
-    def on_train_start(self) -> None:
-        self.val_quantile_loss_best.reset()  # forget the sanity check's value
-
     def on_validation_epoch_end(self) -> None:
         values = self.val_metrics.compute()
         self.val_metrics.reset()
@@ -310,33 +307,7 @@ class Mamba2Module(Forecaster):
             self.val_quantile_loss_best.update(values["val/quantile_loss"])
             self.log("val/quantile_loss_best", self.val_quantile_loss_best.compute())
 
-    def on_test_epoch_end(self) -> None:
-        self.log_dict(self.test_metrics.compute())
-        self.test_metrics.reset()
-
     # ------------------------------------------------------------------------------------------------------ optimiser
-    def configure_optimizers(self) -> Any:
-        hp = self.hparams
-        total = hp.total_steps
-        if hp.scheduler == "cosine" and total is None:
-            total = self.estimated_updates()
-        return configure_adamw(
-            self.network,
-            lr=hp.lr,
-            weight_decay=hp.weight_decay,
-            scheduler=hp.scheduler,
-            betas=tuple(hp.betas),
-            eps=hp.eps,
-            total_steps=total,
-            warmup_steps=hp.warmup_steps,
-            step_size=hp.step_size,
-            gamma=hp.gamma,
-            min_lr_ratio=hp.min_lr_ratio,
-            plateau_patience=hp.plateau_patience,
-            monitor="val/loss",
-            interval="epoch" if hp.scheduler == "plateau" else "step",
-        )
-
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Log grad norms every N steps, then apply the non-finite guard (Lightning has already unscaled here)."""
         every = self.hparams.log_grad_norm_every

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.training.guard import NonFiniteGuard
+from foxhunt.training.optim import configure_adamw
 
 MemberKind = Literal["forecaster", "agent"]
 
@@ -129,6 +130,40 @@ class Forecaster(Member):
     def test_update(self, batch: dict[str, Tensor]) -> None:
         """Add a test batch to ``test_metrics``."""
         raise NotImplementedError
+
+    # The standalone-training pieces both quantile forecasters share (hyperparameters lr, weight_decay, scheduler,
+    # betas, eps, total_steps, warmup_steps, step_size, gamma, min_lr_ratio, plateau_patience; metrics
+    # val_quantile_loss_best and test_metrics).
+    def on_train_start(self) -> None:
+        """Standalone training: forget the sanity check's best validation loss."""
+        self.val_quantile_loss_best.reset()  # forget the sanity check's value
+
+    def on_test_epoch_end(self) -> None:
+        self.log_dict(self.test_metrics.compute())
+        self.test_metrics.reset()
+
+    def configure_optimizers(self) -> Any:
+        """AdamW (decay on weights only, by role) and the shared schedules; cosine spans the member's own updates."""
+        hp = self.hparams
+        total = hp.total_steps
+        if hp.scheduler == "cosine" and total is None:
+            total = self.estimated_updates()
+        return configure_adamw(
+            self.network,
+            lr=hp.lr,
+            weight_decay=hp.weight_decay,
+            scheduler=hp.scheduler,
+            betas=tuple(hp.betas),
+            eps=hp.eps,
+            total_steps=total,
+            warmup_steps=hp.warmup_steps,
+            step_size=hp.step_size,
+            gamma=hp.gamma,
+            min_lr_ratio=hp.min_lr_ratio,
+            plateau_patience=hp.plateau_patience,
+            monitor="val/loss",
+            interval="epoch" if hp.scheduler == "plateau" else "step",
+        )
 
 
 class Agent(Member):

@@ -29,7 +29,7 @@ from foxhunt.lit.member import Forecaster
 from foxhunt.models.tft import TemporalFusionTransformer, TFTOutput
 from foxhunt.training.gradnorm import grad_norms
 from foxhunt.training.guard import NonFiniteGuard
-from foxhunt.training.optim import SchedulerKind, configure_adamw, validate_lr
+from foxhunt.training.optim import SchedulerKind, validate_lr
 
 TFTInterpretation = Interpretation  # the name the notebooks use
 
@@ -335,9 +335,6 @@ class TFTModule(Forecaster):
                 pred[key] = batch[key]
         return pred
 
-    def on_train_start(self) -> None:
-        self.val_quantile_loss_best.reset()  # forget the sanity check's value
-
     def on_validation_epoch_end(self) -> None:
         values = self.val_metrics.compute()
         self.val_metrics.reset()
@@ -349,33 +346,7 @@ class TFTModule(Forecaster):
             self._log_figures(self._figure_batch)
         self._figure_batch = None
 
-    def on_test_epoch_end(self) -> None:
-        self.log_dict(self.test_metrics.compute())
-        self.test_metrics.reset()
-
     # ------------------------------------------------------------------------------------------------------ optimiser
-    def configure_optimizers(self) -> Any:
-        hp = self.hparams
-        total = hp.total_steps
-        if hp.scheduler == "cosine" and total is None:
-            total = self.estimated_updates()
-        return configure_adamw(
-            self.network,
-            lr=hp.lr,
-            weight_decay=hp.weight_decay,
-            scheduler=hp.scheduler,
-            betas=tuple(hp.betas),
-            eps=hp.eps,
-            total_steps=total,
-            warmup_steps=hp.warmup_steps,
-            step_size=hp.step_size,
-            gamma=hp.gamma,
-            min_lr_ratio=hp.min_lr_ratio,
-            plateau_patience=hp.plateau_patience,
-            monitor="val/loss",
-            interval="epoch" if hp.scheduler == "plateau" else "step",
-        )
-
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Log grad norms every N steps, then apply the non-finite guard (Lightning has already unscaled here)."""
         every = self.hparams.log_grad_norm_every
