@@ -275,14 +275,6 @@ class DQNModule(Agent):
         self.train_split, self.val_split = train, val
         self.env, self.replay = None, None
 
-    def market_tensors(self, split: MarketSplit) -> MarketTensors:
-        """The split as the agent's market: its window, actions, cost and reward scale, on the member's device."""
-        hp = self.hparams
-        return MarketTensors(
-            split, hp.window, tuple(hp.actions), self.cost_bps, hp.reward_source,
-            1.0 if self.reward_scale_used is None else self.reward_scale_used, device=self.device,
-        )
-
     def _build_environment(self) -> None:
         """Environment, replay buffer and exploration RNG on the module's device (then a resumed state, if any)."""
         if self.train_split is None:
@@ -497,14 +489,6 @@ class DQNModule(Agent):
         return {k: float(v) for k, v in m.as_dict().items()}
 
     # ----------------------------------------------------------------------------------------------- checkpoints
-    def export_state(self) -> dict[str, float | int | str | None]:
-        return {"cost_bps": self.cost_bps, "reward_scale": self.reward_scale_used}
-
-    def load_export_state(self, state: dict[str, Any]) -> None:
-        if state.get("cost_bps") is not None:
-            self.cost_bps = float(state["cost_bps"])
-        self.reward_scale_used = state.get("reward_scale")
-
     def run_state(self) -> dict[str, Any]:
         """Environment, replay buffer, RNGs and unused presampled batches: a resumed run continues exactly."""
         state: dict[str, Any] = {"guard": self.guard.state_dict()}

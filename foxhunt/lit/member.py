@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from foxhunt.data.market import MarketSpec, MarketSplit
+from foxhunt.rl.env import MarketTensors
 from foxhunt.training.guard import NonFiniteGuard
 from foxhunt.training.optim import configure_adamw
 
@@ -170,6 +171,8 @@ class Agent(Member):
     """A member that learns positions by acting in the vectorised market of the training split."""
 
     kind: ClassVar[MemberKind] = "agent"
+    cost_bps: float  # the cost it trades with: its own, or the ensemble's from bind
+    reward_scale_used: float | None  # fitted on the training split when the environment is first built
 
     def attach_market(self, train: MarketSplit, val: MarketSplit | None = None) -> None:
         """The market the agent acts in (and the one it is validated on)."""
@@ -183,3 +186,21 @@ class Agent(Member):
     def positions(self, split: MarketSplit) -> Tensor:
         """[T] positions of the greedy policy over ``split`` (flat where no decision can be taken)."""
         raise NotImplementedError
+
+    # The market and exported values every agent keeps the same way (a window of features, its actions, the cost it
+    # was bound with, the reward scale fitted on its training split).
+    def market_tensors(self, split: MarketSplit) -> MarketTensors:
+        """The split as the agent's market: its window, actions, cost and reward scale, on the member's device."""
+        hp = self.hparams
+        return MarketTensors(
+            split, hp.window, tuple(hp.actions), self.cost_bps, hp.reward_source,
+            1.0 if self.reward_scale_used is None else self.reward_scale_used, device=self.device,
+        )
+
+    def export_state(self) -> dict[str, float | int | str | None]:
+        return {"cost_bps": self.cost_bps, "reward_scale": self.reward_scale_used}
+
+    def load_export_state(self, state: dict[str, Any]) -> None:
+        if state.get("cost_bps") is not None:
+            self.cost_bps = float(state["cost_bps"])
+        self.reward_scale_used = state.get("reward_scale")
