@@ -12,32 +12,20 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass
 
 import lightning as L
 import numpy as np
 import torch
 
 from foxhunt.data.datamodule import MarketDataModule
-from foxhunt.data.market import MarketSplit
 from foxhunt.evaluation.trading import trading_metrics
+from foxhunt.lit.agent_tasks import MINUTE_NS, SyntheticMarket, split_market
 from foxhunt.lit.dqn import DQNModule
 from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.rl.env import MarketTensors
 from foxhunt.rl.oracle import oracle_positions
 
-MINUTE_NS = 60 * 1_000_000_000
 BARS_PER_YEAR = 365.25 * 24 * 60
-
-
-@dataclass
-class SyntheticMarket:
-    """Train/val/test splits of one AR(1) market and the conditional mean return of each split's bars."""
-
-    train: MarketSplit
-    val: MarketSplit
-    test: MarketSplit
-    expected: dict[str, torch.Tensor]  # split name -> [T] float64 E[returns[t] | bars <= t]
 
 
 def ar1_market(
@@ -75,7 +63,6 @@ def splits_from_returns(
 ) -> SyntheticMarket:
     """Causal features of one symbol's returns, z-scored on train, cut into train | purge | val | purge | test."""
     n_bars = r.shape[0]
-    close = 100.0 * np.exp(np.concatenate([[0.0], np.cumsum(np.nan_to_num(r))])[:n_bars])
     last_ret = np.concatenate([[np.nan], r[:-1]])  # known at bar t: ln C[t] - ln C[t-1]
     mean8 = np.convolve(np.nan_to_num(last_ret), np.ones(8) / 8.0, mode="full")[:n_bars]
     mean8[:8] = np.nan
@@ -87,37 +74,9 @@ def splits_from_returns(
         acc = lam * acc + (1 - lam) * sq[t]
         ewm[t] = acc
     vol_scaled = last_ret / np.sqrt(np.concatenate([[np.nan], ewm[:-1]]))
-    n_train = int(n_bars * fractions[0])
-    n_val = int(n_bars * fractions[1])
-    bounds = {
-        "train": (0, n_train),
-        "val": (n_train + purge, n_train + n_val),
-        "test": (n_train + n_val + purge, n_bars),
-    }
     raw = np.stack([last_ret, mean8, vol_scaled], 1)
-    mu = np.nanmean(raw[:n_train], 0)
-    sd = np.nanstd(raw[:n_train], 0)
-    feats = (raw - mu) / sd
-    splits: dict[str, MarketSplit] = {}
-    exp_t: dict[str, torch.Tensor] = {}
-    for name, (a, b) in bounds.items():
-        n = b - a
-        rets = r[a:b].astype(np.float32).copy()
-        rets[-1] = np.nan  # the next close lies outside the split
-        f = feats[a:b].astype(np.float32)
-        valid = np.isfinite(f).all(1) & np.isfinite(rets)
-        c = close[a:b]
-        ohlcv = np.stack([c, c, c, c, np.ones(n)], 1)
-        splits[name] = MarketSplit(
-            name=name, symbols=["SYN"],
-            timestamps=torch.from_numpy(timestamps_ns[a:b].copy()),
-            symbol_index=torch.zeros(n, dtype=torch.int64),
-            ohlcv=torch.from_numpy(ohlcv), returns=torch.from_numpy(rets), targets=torch.from_numpy(rets.copy()),
-            valid=torch.from_numpy(valid), features=torch.from_numpy(f),
-            feature_names=["ret_1_z", "ret_mean_8_z", "ret_1_over_ewm_vol_z"],
-        )
-        exp_t[name] = torch.from_numpy(np.array(expected[a:b], dtype=np.float64))
-    return SyntheticMarket(splits["train"], splits["val"], splits["test"], exp_t)
+    names = ["ret_1_z", "ret_mean_8_z", "ret_1_over_ewm_vol_z"]
+    return split_market(r, expected, raw, names, timestamps_ns, fractions, purge)
 
 
 def baseline_metrics(
