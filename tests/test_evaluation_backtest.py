@@ -93,3 +93,20 @@ def _bpy(s: MarketSplit) -> float:
     from foxhunt.evaluation.backtest import split_bars_per_year
 
     return split_bars_per_year(s)
+
+
+def test_equity_figure_shows_every_policy_when_curves_coincide() -> None:
+    """Policies with identical positions share one line whose legend names each of them; distinct ones keep theirs."""
+    from foxhunt.evaluation.figures import coinciding_policies, equity_figure
+
+    s = split()
+    long, flat = torch.ones(8), torch.zeros(8)
+    pos = {"tft": long.clone(), "dqn": flat.clone(), "ensemble": long.clone(), "buy_and_hold": long.clone()}
+    assert coinciding_policies(pos) == [["tft", "ensemble", "buy_and_hold"], ["dqn"]]
+    fig = equity_figure(pos, s, cost_bps=1.0)
+    ax_eq = fig.axes[0]
+    labels = [t.get_text() for t in ax_eq.get_legend().get_texts()]
+    assert labels == ["tft = ensemble = buy_and_hold", "dqn"]
+    assert len(ax_eq.get_lines()) == 2 and len(fig.axes[2].get_lines()) == 2
+    pos["ensemble"][3] = 0.0  # one bar apart: no longer the same line
+    assert coinciding_policies(pos) == [["tft", "buy_and_hold"], ["dqn"], ["ensemble"]]

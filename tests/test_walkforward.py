@@ -222,6 +222,29 @@ def test_martingale_walkforward_sharpe_intervals_cover_zero(tmp_path: Path) -> N
         assert row["sharpe_ci_low"] <= 0.0 <= row["sharpe_ci_high"], (who, row)
 
 
+@pytest.mark.slow
+def test_martingale_walkforward_no_policy_loses_more_than_its_costs(tmp_path: Path) -> None:
+    """No signal, 1 bp costs: out of sample, every policy's gross P&L (before costs) is consistent with zero, so what it
+    lost is what it paid; a z-bound of 3 on the gross sum under the martingale null, whose variance is sum p_t^2 r_t^2."""
+    from foxhunt.evaluation.trading import position_changes
+
+    out = tmp_path / "wf"
+    main(["--config", TINY, "--folds", "3", "--out", str(out), "--no_figure", "--",
+          "--data.synthetic_bars", "20000", "--data.signal_strength", "0", "--model.cost_bps", "1.0",
+          "--log_figures", "false", "--trainer.enable_progress_bar", "false"])
+    oos = load_out_of_sample(out)
+    returns = torch.nan_to_num(oos.split.returns.double())
+    valid = oos.split.valid
+    reset = oos.split.first_bar
+    for who, p in oos.positions.items():
+        pos = torch.where(valid, p.double(), torch.zeros_like(p, dtype=torch.float64))
+        gross = pos * returns
+        costs = 1e-4 * float(position_changes(pos, reset).sum())
+        net = float(gross.sum()) - costs
+        se = math.sqrt(float((gross**2).sum()))
+        assert net >= -costs - 3.0 * se, (who, net, costs, se)  # never worse than flat by more than its costs
+
+
 def test_a_layout_without_finished_folds_is_replaced(tmp_path) -> None:
     """A first run refused before any fold finished (a config error, say) does not block the corrected rerun."""
     from foxhunt.walkforward import WalkForwardError, fold_dir, settle_layout

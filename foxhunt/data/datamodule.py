@@ -105,6 +105,7 @@ class BarDataModule(pl.LightningDataModule):
         synthetic_bars: int = 200_000,
         synthetic_symbols: int = 1,
         synthetic_seed: int = 0,
+        synthetic_bar_seconds: int = 60,
         signal_strength: float = 0.1,
         train_fraction: float = 0.7,
         val_fraction: float = 0.15,
@@ -145,6 +146,7 @@ class BarDataModule(pl.LightningDataModule):
         self.synthetic_bars = synthetic_bars
         self.synthetic_symbols = synthetic_symbols
         self.synthetic_seed = synthetic_seed
+        self.synthetic_bar_seconds = synthetic_bar_seconds
         self.signal_strength = signal_strength
         self.train_fraction = train_fraction
         self.val_fraction = val_fraction
@@ -192,6 +194,7 @@ class BarDataModule(pl.LightningDataModule):
             n_symbols=self.synthetic_symbols,
             seed=self.synthetic_seed,
             signal_strength=self.signal_strength,
+            bar_seconds=self.synthetic_bar_seconds,
         )
         bars = self.market.bars
         self._oracle_mean = torch.from_numpy(self.market.oracle_mean.copy())
@@ -463,7 +466,8 @@ class BarDataModule(pl.LightningDataModule):
     def describe(self) -> str:
         """A few lines on what was loaded and how it was split."""
         lines = []
-        src = self.path or f"synthetic market (seed {self.synthetic_seed}, signal strength {self.signal_strength})"
+        src = self.path or (f"synthetic market (seed {self.synthetic_seed}, signal strength {self.signal_strength}, "
+                                f"{self.synthetic_bar_seconds}-second bars)")
         lines.append(f"bars: {src}: {0 if self.bars is None else len(self.bars):,} bars, symbols {self.train_split.symbols}")
         lines.append(f"features: {len(self.feature_names)} ({len(self.known_future)} known-future), purge {self.purge} bars")
         for name, s in self.splits.items():

@@ -40,19 +40,23 @@ _STYLES = ("-", "--", "-.", ":")
 def equity_figure(positions: dict[str, Tensor], split: MarketSplit, cost_bps: float) -> Figure:
     """Equity (cumulative log return after costs), drawdown and position of every policy on a split, against dates.
 
-    Bars of several symbols are drawn one symbol after another (the x-axis shows each bar's own date); line styles
-    differ, so a member whose curve coincides with another's stays visible.
+    Bars of several symbols are drawn one symbol after another (the x-axis shows each bar's own date). Policies with
+    identical positions share one line whose legend names all of them ("tft = ensemble"), so no member hides behind
+    another; the other lines differ in style, so curves that only nearly coincide stay distinguishable.
     """
-    curves = equity_curves(positions, split, cost_bps)
+    groups = coinciding_policies(positions)
+    curves = equity_curves({names[0]: positions[names[0]] for names in groups}, split, cost_bps)
     fig = Figure(figsize=(11, 7.5), layout="constrained")
     ax_eq, ax_dd, ax_pos = fig.subplots(3, 1, sharex=True, height_ratios=[3, 1.3, 1.3])
     x = torch.arange(len(split)).numpy()
-    for i, (who, curve) in enumerate(curves.items()):
-        style = dict(lw=1.8 if who == "ensemble" else 1.0, ls=_STYLES[i % len(_STYLES)], label=who)
+    for i, names in enumerate(groups):
+        curve = curves[names[0]]
+        label = " = ".join(names)
+        style = dict(lw=1.8 if "ensemble" in names else 1.0, ls=_STYLES[i % len(_STYLES)], label=label)
         ax_eq.plot(x, curve.numpy(), **style)
         peak = torch.cummax(torch.cat([torch.zeros(1, dtype=curve.dtype), curve]), 0).values[1:]
         ax_dd.plot(x, (1 - torch.exp(curve - peak)).neg().numpy(), **style)
-        ax_pos.step(x, positions[who].float().cpu().numpy(), where="post", **style)
+        ax_pos.step(x, positions[names[0]].float().cpu().numpy(), where="post", **style)
     ax_eq.set_ylabel("cumulative log return\nafter costs")
     ax_eq.legend(ncol=3, fontsize=8)
     ax_dd.set_ylabel("drawdown")
@@ -66,6 +70,20 @@ def equity_figure(positions: dict[str, Tensor], split: MarketSplit, cost_bps: fl
     names = f"symbols {', '.join(split.symbols)} in turn" if len(split.symbols) > 1 else split.symbols[0] if split.symbols else ""
     ax_pos.set_xlabel(f"bar date (UTC), split {split.name!r}, {names}")
     return fig
+
+
+def coinciding_policies(positions: dict[str, Tensor]) -> list[list[str]]:
+    """Policies grouped by identical positions (hence identical equity), in first-seen order: one line per group."""
+    groups: list[list[str]] = []
+    for who, p in positions.items():
+        p = p.detach().float().cpu()
+        for names in groups:
+            if torch.equal(positions[names[0]].detach().float().cpu(), p):
+                names.append(who)
+                break
+        else:
+            groups.append([who])
+    return groups
 
 
 def _date_label(split: MarketSplit, row: int) -> str:
