@@ -110,3 +110,9 @@ def test_equity_figure_shows_every_policy_when_curves_coincide() -> None:
     assert len(ax_eq.get_lines()) == 2 and len(fig.axes[2].get_lines()) == 2
     pos["ensemble"][3] = 0.0  # one bar apart: no longer the same line
     assert coinciding_policies(pos) == [["tft", "buy_and_hold"], ["dqn"], ["ensemble"]]
+
+
+def test_table_says_what_the_oracle_is() -> None:
+    row = {"sharpe": 1.0}
+    assert "oracle: the best causal" in format_table({"oracle": row, "tft": row})
+    assert "oracle:" not in format_table({"tft": row})

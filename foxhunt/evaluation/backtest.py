@@ -130,6 +130,12 @@ def equity_curves(positions: dict[str, Tensor], split: MarketSplit, cost_bps: fl
     return curves
 
 
+ORACLE_NOTE = (
+    "oracle: the best causal cost-aware policy given the synthetic market's true conditional mean of the next return "
+    "(it knows the planted signal, never a future bar); a ceiling for the members, not a tradable strategy"
+)
+
+
 def format_table(results: dict[str, dict[str, float]], split: str | None = None) -> str:
     """A plain-text table, one row per policy (a member that never updated is marked "untrained"), headed by the
     split it was computed on."""
@@ -147,4 +153,6 @@ def format_table(results: dict[str, dict[str, float]], split: str | None = None)
             v = m.get(key, float("nan"))
             cells.append(f"{'n/a' if math.isnan(v) else fmt.format(v):>15}")
         rows.append(f"{label:<22}" + "".join(cells))
+    if "oracle" in results:
+        rows.append(ORACLE_NOTE)
     return "\n".join(rows)
