@@ -11,10 +11,11 @@ relative). Meant to run once on the device machine (about 5 minutes on one GPU),
   training steps/s, TFT samples/s, and whether every logged training and validation figure is finite.
 - issue 4: the TFT alone at the benchmark sizes with the full feature set (~125 inputs; ``tft.yaml``): samples/s
   per precision and finite losses.
-- issue 3: the feature set over ``--bars`` bars from tensors on the device, next to TA-Lib's equivalent calls on
-  the CPU (when installed): seconds and ns per bar per feature; then, on CUDA, ``bench_features.py --device cuda
-  --backend torch --bars 1000000 --repeat 3 --no-exactness`` (the device path per family, its peak GPU memory and
-  "foxhunt on cuda vs TA-Lib on CPU per feature").
+- issues 3 and 19: the feature set (one implementation: plain torch ops on CUDA, CPU kernels on the CPU) over
+  ``--bars`` bars from tensors on the device, next to TA-Lib's equivalent calls on the CPU (when installed): seconds
+  and ns per bar per feature, including the transfer of the result to the host; then, on CUDA, ``bench_features.py
+  --device cuda --bars 1000000 --repeat 3 --no-exactness`` (per family, peak GPU memory and "foxhunt on cuda vs
+  TA-Lib on CPU per feature").
 """
 
 from __future__ import annotations
@@ -118,14 +119,16 @@ def feature_check(device: str, bars: int) -> dict[str, Any]:
 
     def run() -> Any:
         out = fs.compute(*args)
+        host = type(out)(out.values.cpu(), out.names, out.ready.cpu())  # the result on the host, as the DataModule uses it
         _sync()
-        return out
+        return host
 
     best, _, out = timed(run, 3)
     n_feat = len(fs.names)
     result = {"device": device, "bars": bars, "features": n_feat, "seconds": round(best, 3),
-              "ns_per_bar_feature": round(best / bars / n_feat * 1e9, 2), "output_device": str(out.values.device)}
-    if dev.type != "cpu":  # the device path against the CPU (numpy) path: same NaNs, worst relative difference
+              "ns_per_bar_feature": round(best / bars / n_feat * 1e9, 2), "computed_on": str(args[0].device),
+              "includes_transfer_to_host": True}
+    if dev.type != "cpu":  # the device's torch path against the CPU kernels: same NaNs, worst relative difference
         ref, got = fs.compute(ohlcv, ts, sym).values.double(), out.values.cpu().double()
         both = ~torch.isnan(ref)
         scale = torch.nan_to_num(ref, nan=0.0).abs().amax(dim=0)
@@ -176,7 +179,7 @@ def main() -> None:
         results["features"] = r
         print(f"[issue 3] features: {r}", flush=True)
         if device == "cuda":
-            subprocess.run([sys.executable, str(Path(__file__).with_name("bench_features.py")), "--device", "cuda", "--backend", "torch", "--bars", "1000000", "--repeat", "3", "--no-exactness"], check=False)
+            subprocess.run([sys.executable, str(Path(__file__).with_name("bench_features.py")), "--device", "cuda", "--bars", "1000000", "--repeat", "3", "--no-exactness"], check=False)
     print(json.dumps(results))
     feats = results.get("features", {})
     if any(r.get("non_finite") for r in results.values()) or feats.get("nan_positions_equal") is False \

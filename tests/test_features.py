@@ -122,10 +122,10 @@ def test_warmups_are_tight(bars):
     one = bars[bars.symbol == "AAA"]
     ohlcv = one[["open", "high", "low", "close", "volume"]].to_numpy()
     ts = one["timestamp"].to_numpy(dtype="datetime64[ns]").astype(np.int64)
-    panel = Panel.from_flat(ohlcv, ts, np.zeros(len(one), dtype=np.int64))
-    with np.errstate(all="ignore"):
+    panel = Panel.from_flat(torch.tensor(ohlcv), torch.from_numpy(ts), torch.zeros(len(one), dtype=torch.int64))
+    with torch.no_grad():
         for name, f in REGISTRY.items():
-            raw = f.fn(panel)[0]
+            raw = f.fn(panel)[0].numpy()
             assert np.isfinite(raw[f.warmup :]).all(), f"{name}: undefined after its warm-up {f.warmup}"
             if f.warmup:
                 assert np.isnan(raw[f.warmup - 1]), f"{name}: already defined at bar {f.warmup - 1}, warm-up {f.warmup} too long"
@@ -189,7 +189,8 @@ def test_tensor_path_on_cuda(bars):
     cpu = fs.compute(ohlcv, ts, sym)
     gpu = fs.compute(ohlcv.cuda(), ts.cuda(), sym.cuda())
     assert gpu.values.is_cuda and gpu.ready.is_cuda
-    torch.testing.assert_close(gpu.values.cpu(), cpu.values, equal_nan=True)
+    assert torch.equal(gpu.ready.cpu(), cpu.ready)
+    torch.testing.assert_close(gpu.values.cpu(), cpu.values, equal_nan=True, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_input_is_named():
@@ -259,17 +260,77 @@ def test_no_lookahead_on_the_synthetic_market():
         np.testing.assert_array_equal(g[: t + 1], full[: t + 1])
 
 
-def test_released_buffers_are_reused_only_when_unshared():
-    """Panel.forget gives a dropped intermediate's buffer to later intermediates only when nothing else holds it."""
+def test_ready_mask_and_warmups_on_several_symbols():
+    """Every feature is NaN inside its warm-up and finite after it, per symbol; ready is past the longest warm-up."""
+    bars = make_bars(1200, ("AAA", "BBB", "CCC"))
+    fs = FeatureSet()
+    out = fs.compute(*tensors(bars))
+    assert out.values.dtype == torch.float32 and out.values.shape == (len(bars), len(ALL))
+    pos = bars.groupby("symbol", sort=False).cumcount().to_numpy()
+    np.testing.assert_array_equal(out.ready.numpy(), pos >= fs.max_warmup)
+    v = out.values.numpy()
+    for j, name in enumerate(ALL):
+        w = REGISTRY[name].warmup
+        assert np.isnan(v[pos < w, j]).all() and np.isfinite(v[pos >= w, j]).all(), name
+
+
+def test_selection_short_series_and_empty_input(bars):
+    fs = FeatureSet(names=["bb_pctb_50", "adosc_3_10", "tod_sin"], families=["shape"])
+    head = bars.groupby("symbol", sort=False).head(30).reset_index(drop=True)  # shorter than some warm-ups
+    full, short = fs.compute(*tensors(bars)), fs.compute(*tensors(head))
+    assert short.names == fs.names and not short.ready.any()
+    np.testing.assert_array_equal(short.values.numpy(), full.values.numpy()[head_rows(bars, 30)])
+    empty = fs.compute(*(t[:0] for t in tensors(bars)))
+    assert empty.values.shape == (0, len(fs.names)) and empty.ready.shape == (0,)
+
+
+def head_rows(bars: pd.DataFrame, m: int) -> np.ndarray:
+    """Row numbers of the first m bars of each symbol."""
+    return np.flatnonzero(bars.groupby("symbol", sort=False).cumcount().to_numpy() < m)
+
+
+def tensors(bars: pd.DataFrame, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ohlcv [N, 5] float64, timestamps [N] int64 ns and symbol_index [N] of a bar frame, on ``device``."""
+    ohlcv = torch.tensor(bars[["open", "high", "low", "close", "volume"]].to_numpy(), dtype=torch.float64)
+    ts = torch.from_numpy(bars["timestamp"].to_numpy(dtype="datetime64[ns]").astype(np.int64))
+    sym = torch.from_numpy(pd.factorize(bars["symbol"])[0].astype(np.int64))
+    return ohlcv.to(device), ts.to(device), sym.to(device)
+
+
+def test_intermediates_are_released():
+    """With the release plan the whole registry leaves no memoised intermediate behind, each released once."""
+    from foxhunt.features import compute as C
     from foxhunt.features.panel import Panel
 
-    n = 64
-    panel = Panel.from_flat(np.ones((n, 5)), np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
-    free = panel.memo("free", lambda: np.ones((1, n)))
-    free_id = id(free)
-    del free
-    held = panel.memo("held", lambda: (np.ones((1, n)), np.ones((1, n))))
-    panel.forget(["free", "held"])
-    got = [panel.empty() for _ in range(3)]
-    assert free_id in {id(g) for g in got}
-    assert not any(g is a for g in got for a in held), "a buffer still referenced elsewhere was handed out"
+    names = tuple(ALL)
+    plan = C._release_plan(names)
+    keys = [repr(k) for ks in plan for k in ks]
+    assert len(keys) == len(set(keys)), "a key released twice"
+    panel = Panel.from_flat(*tensors(make_bars(400, ("AAA", "BBB"))))
+    most = 0
+    with torch.no_grad():
+        for j, name in enumerate(names):
+            REGISTRY[name].fn(panel)
+            most = max(most, len(panel._memo))
+            panel.forget(plan[j])
+    assert not panel._memo, f"left over: {list(panel._memo)}"
+    assert 0 < most < 25, f"{most} intermediates held at once"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_few_host_synchronisations_on_cuda(bars):
+    import warnings
+
+    fs = FeatureSet()
+    args = tensors(bars, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")  # every host synchronisation raises a warning
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fs.compute(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    print(f"\nhost synchronisations for {len(ALL)} features on CUDA: {len(syncs)}")
+    assert len(syncs) < len(ALL) // 4, f"{len(syncs)} host synchronisations: not O(1) per run"

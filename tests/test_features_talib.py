@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 talib = pytest.importorskip("talib")
 
@@ -45,7 +46,7 @@ def bars(request) -> np.ndarray:
 
 def panel_of(ohlcv: np.ndarray) -> Panel:
     n = ohlcv.shape[0]
-    return Panel.from_flat(ohlcv, np.arange(n, dtype=np.int64) * 60_000_000_000, np.zeros(n, dtype=np.int64))
+    return Panel.from_flat(torch.tensor(ohlcv), torch.arange(n) * 60_000_000_000, torch.zeros(n, dtype=torch.int64))
 
 
 def assert_matches(ours: np.ndarray, ref: np.ndarray, what: str) -> None:
@@ -229,13 +230,13 @@ def test_matches_talib(tag, bars):
 @pytest.mark.parametrize("tag", TAGS)
 def test_registry_warmup_is_talibs(tag, bars):
     """Each TA-Lib-derived feature's warm-up is at least its TA-Lib quantity's look-back, and its value is defined right after."""
-    from foxhunt.features.compute import _compute_flat
+    from foxhunt.features.compute import _compute
 
     feats = [f for f in REGISTRY.values() if f.talib == tag]
     n = bars.shape[0]
-    vals, _ = _compute_flat(feats, bars, np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64), dtype=np.float64)
+    vals, _ = _compute(feats, torch.from_numpy(bars), torch.arange(n), torch.zeros(n, dtype=torch.int64), dtype=torch.float64)
     for j, f in enumerate(feats):
-        col = vals[j]
+        col = vals[j].numpy()
         assert np.isnan(col[: f.warmup]).all(), f"{f.name}: values inside its warm-up"
         assert np.isfinite(col[f.warmup :]).all(), f"{f.name}: non-finite after warm-up {f.warmup}"
 

@@ -373,14 +373,14 @@ class BarDataModule(pl.LightningDataModule):
             log.warning("feature cache %s could not be written (%s): continuing without it", path, e)
 
     def _compute_features(self, ohlcv: torch.Tensor, ts: torch.Tensor, sym: torch.Tensor):
-        """On the CPU (numpy backend) or, with ``feature_device`` cuda (or auto with a GPU), on the GPU (torch
-        backend, no host round trip until the finished float32 features come back)."""
+        """On the CPU or, with ``feature_device`` cuda (or auto with a GPU), on the GPU (the same feature code, no host
+        round trip until the finished float32 features come back)."""
         device = self.feature_device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cpu":
             return self.feature_set.compute(ohlcv, ts, sym)
-        out = self.feature_set.compute(ohlcv.to(device), ts.to(device), sym.to(device), backend="torch")
+        out = self.feature_set.compute(ohlcv.to(device), ts.to(device), sym.to(device))
         return type(out)(out.values.cpu(), out.names, out.ready.cpu())
 
     def _assign_splits(self, ts: np.ndarray, codes: np.ndarray) -> np.ndarray:

@@ -1,8 +1,8 @@
 """Compute a selection of registered features for bars of several symbols: the DataFrame and tensor paths.
 
-Two backends compute the same values: "numpy" (float64 numpy on the host, tuned for one CPU core) and "torch"
-(float64 torch ops on the input tensors' device, :mod:`foxhunt.features.device`, for CUDA); ``FeatureSet.compute``
-picks torch for CUDA input and numpy otherwise unless told.
+One implementation for every device: each feature is a function of a :class:`Panel` of float64 tensors on the
+bars' device; the primitives in :mod:`foxhunt.features.ops` take numpy/scipy fast paths on the CPU and pure torch
+ops elsewhere (CUDA), so the same code serves both.
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from foxhunt.features.catalog import KNOWN_FUTURE, REGISTRY
 from foxhunt.features.panel import Panel
 from foxhunt.features.registry import Feature, select
 
-BACKENDS: tuple[str, ...] = ("auto", "numpy", "torch")
-__all__ = ["BACKENDS", "KNOWN_FUTURE", "REGISTRY", "FeatureOutput", "FeatureSet", "compute_features"]
+__all__ = ["KNOWN_FUTURE", "REGISTRY", "FeatureOutput", "FeatureSet", "compute_features", "known_future_features"]
+
 
 @dataclass
 class FeatureOutput:
     """Feature values [T, F] float32 (NaN during warm-up), their names, and the rows where all are warmed up.
 
     ``values`` is a transposed view of a feature-major [F, T] buffer (each feature is written as one
-    contiguous row, which is what keeps the computation fast and within memory); call
-    ``values.contiguous()`` for row-major storage. Both backends give the same layout, on the input's device.
+    contiguous row, which is what keeps the computation fast and within memory), on the input's device;
+    call ``values.contiguous()`` for row-major storage.
     """
 
     values: torch.Tensor
@@ -44,10 +44,9 @@ def _release_plan(names: tuple[str, ...]) -> tuple[tuple[Hashable, ...], ...]:
     Found by a dry run on a short random panel that records which intermediates each feature touches,
     so a full run frees every intermediate right after its last use and peak memory stays bounded.
     """
-    ohlcv, ts, sym = _dry_run_bars()
-    panel = Panel.from_flat(ohlcv, ts, sym)
+    panel = Panel.from_flat(*(torch.from_numpy(a) for a in _dry_run_bars()))
     touched: list[set] = []
-    with np.errstate(all="ignore"):
+    with torch.no_grad():
         for name in names:
             panel.trace = set()
             REGISTRY[name].fn(panel)
@@ -76,141 +75,73 @@ def _plan_from_traces(touched: list[set]) -> tuple[tuple[Hashable, ...], ...]:
     return tuple(tuple(p) for p in plan)
 
 
-def _output_buffer(shape: tuple[int, int], dtype) -> np.ndarray:
-    """An uninitialised private array: numpy asks for transparent huge pages on large ones, which makes first
-    touching a ~500 MB output several times cheaper than 4 KiB page faults (a shared mmap would not get them)."""
-    return np.empty(shape, dtype=dtype)
-
-
-def _check_input(cols: np.ndarray, timestamps: np.ndarray, symbol_index: np.ndarray) -> None:
-    """Clear errors, naming the row, for input the features cannot be computed from; cols is ohlcv [5, N].
-
-    Whole-array extremes first (a NaN fails every comparison): per-row checks cost ~50 ms at a million bars.
-    """
-    prices, volume = cols[:4], cols[4]
-    if not (prices.min() > 0 and prices.max() < np.inf and volume.min() >= 0 and volume.max() < np.inf):
-        rows = np.isfinite(cols).all(axis=0) & (prices > 0).all(axis=0) & (volume >= 0)
-        bad = int(np.flatnonzero(~rows)[0])
-        raise ValueError(
-            f"features: row {bad} has a non-finite or non-positive price, or a negative or non-finite volume "
-            f"(open, high, low, close, volume = {cols[:, bad].tolist()})"
-        )
-    step = np.diff(symbol_index)
-    if (step < 0).any():
-        bad = int(np.flatnonzero(step < 0)[0]) + 1
-        raise ValueError(f"features: rows must be grouped by symbol, sorted by (symbol, time); row {bad} goes back to an earlier symbol")
-    back = (step == 0) & (np.diff(timestamps) <= 0)
-    if back.any():
-        bad = int(np.flatnonzero(back)[0]) + 1
-        raise ValueError(f"features: timestamps must increase within a symbol; row {bad} is not after row {bad - 1}")
-
-
-def _place(row: np.ndarray, dest: np.ndarray, panel: Panel, warmup: int) -> None:
-    """Move a feature's [S, T] values into its flat output row and blank each symbol's warm-up."""
-    if dest.shape[0] == 1:  # dest is the row itself
-        row[:warmup] = np.nan
-        return
-    for s, (a, m) in enumerate(zip(panel.starts, panel.lengths)):
-        row[a : a + m] = dest[s, :m]
-        row[a : a + min(m, warmup)] = np.nan
-
-
-def _compute_flat(
-    selected: list[Feature], ohlcv: np.ndarray, timestamps: np.ndarray, symbol_index: np.ndarray, dtype=np.float32
-) -> tuple[np.ndarray, np.ndarray]:
-    """Feature-major values [F, N] and ready [N] from rows sorted by (symbol, time)."""
-    n = ohlcv.shape[0]
-    out = _output_buffer((len(selected), n), dtype)
-    if n == 0:
-        return out, np.zeros(0, dtype=bool)
-    cols = np.ascontiguousarray(ohlcv.T, dtype=np.float64)
-    _check_input(cols, timestamps, symbol_index)
-    panel = Panel.from_columns(cols, timestamps, symbol_index)
-    S, T = panel.shape
-    plan = _release_plan(tuple(f.name for f in selected))
-    scratch = None if S == 1 else np.empty((S, T), dtype=dtype)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        for j, f in enumerate(selected):
-            dest = out[j].reshape(1, T) if S == 1 else scratch
-            v = f.fn(panel, dest)
-            if v.shape != (S, T):
-                raise RuntimeError(f"feature {f.name!r} returned shape {v.shape}, expected {(S, T)}")
-            if v is not dest:
-                np.copyto(dest, v, casting="same_kind")
-            del v
-            _place(out[j], dest, panel, f.warmup)
-            panel.forget(plan[j])
-    warm = max((f.warmup for f in selected), default=0)
-    pos = np.arange(n) - np.repeat(panel.starts, panel.lengths)
-    return out, pos >= warm
-
-
 def _first_true(mask: torch.Tensor) -> torch.Tensor:
     """Index of mask's first True as a 0-d tensor, len(mask) when there is none (no host synchronisation)."""
     return torch.cat((mask, mask.new_ones(1))).to(torch.uint8).argmax()
 
 
-def _check_input_device(ohlcv: torch.Tensor, timestamps: torch.Tensor, symbol_index: torch.Tensor) -> None:
-    """:func:`_check_input`'s checks and messages on the bars' device (ohlcv [N, 5] float64): one host sync."""
-    n = ohlcv.shape[0]
-    ok = torch.isfinite(ohlcv).all(dim=1) & (ohlcv[:, :4] > 0).all(dim=1) & (ohlcv[:, 4] >= 0)
+def _check_input(ohlcv: torch.Tensor, timestamps: torch.Tensor, symbol_index: torch.Tensor) -> None:
+    """Clear errors, naming the row, for input the features cannot be computed from (ohlcv [N, 5] float64).
+
+    Whole-array extremes first (a NaN fails every comparison; per-row checks cost ~50 ms at a million bars on one
+    core), then the rows only when something is wrong; one host synchronisation on a GPU.
+    """
+    lo, hi = torch.aminmax(ohlcv, dim=0)
     step = symbol_index[1:] - symbol_index[:-1]
     back_ts = (step == 0) & (timestamps[1:] <= timestamps[:-1])
-    bad, back, late = torch.stack((_first_true(~ok), _first_true(step < 0), _first_true(back_ts))).tolist()
-    if bad < n:
+    flags = torch.stack((lo[:4].min() > 0, hi.max() < float("inf"), lo[4] >= 0, (step < 0).any(), back_ts.any()))
+    prices_pos, finite, volume_ok, unsorted, late = flags.tolist()
+    if not (prices_pos and finite and volume_ok):
+        ok = torch.isfinite(ohlcv).all(dim=1) & (ohlcv[:, :4] > 0).all(dim=1) & (ohlcv[:, 4] >= 0)
+        bad = int(_first_true(~ok))
         raise ValueError(
             f"features: row {bad} has a non-finite or non-positive price, or a negative or non-finite volume "
             f"(open, high, low, close, volume = {ohlcv[bad].tolist()})"
         )
-    if back < n - 1:
-        raise ValueError(f"features: rows must be grouped by symbol, sorted by (symbol, time); row {back + 1} goes back to an earlier symbol")
-    if late < n - 1:
-        raise ValueError(f"features: timestamps must increase within a symbol; row {late + 1} is not after row {late}")
+    if unsorted:
+        raise ValueError(f"features: rows must be grouped by symbol, sorted by (symbol, time); row "
+                         f"{int(_first_true(step < 0)) + 1} goes back to an earlier symbol")
+    if late:
+        row = int(_first_true(back_ts)) + 1
+        raise ValueError(f"features: timestamps must increase within a symbol; row {row} is not after row {row - 1}")
 
 
-@functools.lru_cache(maxsize=64)
-def _device_release_plan(names: tuple[str, ...]) -> tuple[tuple[Hashable, ...], ...]:
-    """:func:`_release_plan` for the torch path: per feature, the TorchPanel memo keys no later feature touches
-    (a dry run on a short random CPU panel), so each intermediate is freed right after its last use."""
-    from foxhunt.features.device import DEVICE_FUNCTIONS, TorchPanel
-
-    panel = TorchPanel.from_flat(*(torch.from_numpy(a) for a in _dry_run_bars()))
-    touched: list[set] = []
-    with torch.no_grad():
-        for name in names:
-            panel.trace = set()
-            DEVICE_FUNCTIONS[name](panel)
-            touched.append(panel.trace)
-    return _plan_from_traces(touched)
+def _output_buffer(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised output; on the CPU a numpy array's memory, for which numpy asks for transparent huge pages
+    (first touching a ~500 MB output is then several times cheaper than 4 KiB page faults)."""
+    if device.type == "cpu":
+        return torch.from_numpy(np.empty(shape, dtype=torch.empty(0, dtype=dtype).numpy().dtype))
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _compute_device(
+def _compute(
     selected: list[Feature], ohlcv: torch.Tensor, timestamps: torch.Tensor, symbol_index: torch.Tensor,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Feature-major values [F, N] and ready [N] on ohlcv's device, by the torch backend, from rows sorted by
-    (symbol, time); the same checks, warm-up blanking and ready mask as :func:`_compute_flat`."""
-    from foxhunt.features.device import DEVICE_FUNCTIONS, TorchPanel
-
+    """Feature-major values [F, N] and ready [N] on ohlcv's device from rows sorted by (symbol, time): each
+    feature's [S, T] values go to its flat output row, each symbol's warm-up is blanked with NaN."""
     dev = ohlcv.device
     n = ohlcv.shape[0]
-    out = torch.empty((len(selected), n), dtype=dtype, device=dev)
+    out = _output_buffer((len(selected), n), dtype, dev)
     if n == 0:
         return out, torch.zeros(0, dtype=torch.bool, device=dev)
     x = ohlcv.detach().to(torch.float64)
     ts = timestamps.detach().to(dev, torch.int64)
     sym = symbol_index.detach().to(dev)
-    _check_input_device(x, ts, sym)
-    panel = TorchPanel.from_columns(x.T.contiguous(), ts, sym)
+    _check_input(x, ts, sym)
+    panel = Panel.from_columns(x.T.contiguous(), ts, sym)
     del x
     S, T = panel.shape
-    plan = _device_release_plan(tuple(f.name for f in selected))
-    moved = sym[1:] != sym[:-1]
-    group = torch.cat((moved.new_zeros(1, dtype=torch.int64), torch.cumsum(moved, 0)))  # symbol row of each row
-    pos = torch.arange(n, device=dev) - torch.as_tensor(panel.starts, device=dev)[group]  # bar within its symbol
-    flat = group * T + pos
+    plan = _release_plan(tuple(f.name for f in selected))
+    if S == 1:
+        pos = torch.arange(n, device=dev)
+    else:
+        moved = sym[1:] != sym[:-1]
+        group = torch.cat((moved.new_zeros(1, dtype=torch.int64), torch.cumsum(moved, 0)))  # symbol row of each row
+        pos = torch.arange(n, device=dev) - panel.starts[group]  # bar within its symbol
+        flat = group * T + pos
     for j, f in enumerate(selected):
-        v = DEVICE_FUNCTIONS[f.name](panel)
+        v = f.fn(panel)
         if tuple(v.shape) != (S, T):
             raise RuntimeError(f"feature {f.name!r} returned shape {tuple(v.shape)}, expected {(S, T)}")
         if S == 1:
@@ -244,16 +175,8 @@ class FeatureSet:
         """Bars each symbol needs before every selected feature is defined."""
         return max(self.warmup.values())
 
-    def compute(self, ohlcv: torch.Tensor, timestamps: torch.Tensor, symbol_index: torch.Tensor,
-                backend: str = "auto") -> FeatureOutput:
-        """Features of rows sorted by (symbol, time), returned on ohlcv's device.
-
-        ``backend``: "numpy" computes in float64 numpy on the host; "torch" in float64 torch ops on ohlcv's
-        device (no host round trip); "auto" (default) is torch for CUDA tensors and numpy otherwise. Both give
-        the same values (to float32 rounding), NaN warm-ups, ready mask and errors.
-        """
-        if backend not in BACKENDS:
-            raise ValueError(f"FeatureSet.compute: unknown backend {backend!r}; choose from {list(BACKENDS)}")
+    def compute(self, ohlcv: torch.Tensor, timestamps: torch.Tensor, symbol_index: torch.Tensor) -> FeatureOutput:
+        """Features of rows sorted by (symbol, time), computed and returned on ohlcv's device (float64 inside)."""
         if ohlcv.ndim != 2 or ohlcv.shape[1] != 5:
             raise ValueError(f"FeatureSet.compute: ohlcv must be [T, 5] (open, high, low, close, volume), got {tuple(ohlcv.shape)}")
         if timestamps.shape != ohlcv.shape[:1] or symbol_index.shape != ohlcv.shape[:1]:
@@ -261,18 +184,9 @@ class FeatureSet:
                 f"FeatureSet.compute: timestamps {tuple(timestamps.shape)} and symbol_index {tuple(symbol_index.shape)} "
                 f"must both be [{ohlcv.shape[0]}]"
             )
-        if backend == "torch" or (backend == "auto" and ohlcv.device.type == "cuda"):
-            with torch.no_grad():
-                values, ready = _compute_device(self.features, ohlcv, timestamps, symbol_index)
-            return FeatureOutput(values.T, list(self.names), ready)
-        device = ohlcv.device
-        values, ready = _compute_flat(
-            self.features,
-            ohlcv.detach().to("cpu", torch.float64).numpy(),
-            timestamps.detach().cpu().numpy().astype(np.int64, copy=False),
-            symbol_index.detach().cpu().numpy(),
-        )
-        return FeatureOutput(torch.from_numpy(values).to(device).T, list(self.names), torch.from_numpy(ready).to(device))
+        with torch.no_grad():
+            values, ready = _compute(self.features, ohlcv, timestamps, symbol_index)
+        return FeatureOutput(values.T, list(self.names), ready)
 
     def __repr__(self) -> str:
         return f"FeatureSet({len(self.names)} features, max warm-up {self.max_warmup})"
@@ -305,8 +219,10 @@ def compute_features(
         symbol_index = codes.astype(np.int64)
     else:
         symbol_index = np.zeros(len(bars), dtype=np.int64)
-    values, _ = _compute_flat(selected, ohlcv, ts_ns, symbol_index, dtype=dtype)
-    return pd.DataFrame(values.T, columns=[f.name for f in selected], index=bars.index, copy=False)
+    with torch.no_grad():
+        bars_t = (torch.from_numpy(np.require(a, requirements="W")) for a in (ohlcv, ts_ns, symbol_index))
+        values, _ = _compute(selected, *bars_t, dtype=torch.from_numpy(np.empty(0, dtype=dtype)).dtype)
+    return pd.DataFrame(values.numpy().T, columns=[f.name for f in selected], index=bars.index, copy=False)
 
 
 def known_future_features(timestamps, names: Sequence[str] | None = None):
@@ -320,11 +236,17 @@ def known_future_features(timestamps, names: Sequence[str] | None = None):
     if bad:
         raise ValueError(f"known_future_features: {bad} are not known-future features; choose from {list(KNOWN_FUTURE)}")
     if isinstance(timestamps, torch.Tensor):
-        arr = calendar.calendar_array(timestamps.detach().cpu().numpy(), chosen)
-        return torch.from_numpy(np.moveaxis(arr, 0, -1).astype(np.float32)).to(timestamps.device)
+        return _calendar_stack(timestamps.detach(), chosen)
     if isinstance(timestamps, (pd.DatetimeIndex, pd.Series)):
         t = pd.DatetimeIndex(timestamps)
         t = t.tz_convert("UTC").tz_localize(None) if t.tz is not None else t
         timestamps = t.to_numpy(dtype="datetime64[ns]").astype(np.int64)
-    arr = calendar.calendar_array(np.asarray(timestamps, dtype=np.int64), chosen)
-    return np.moveaxis(arr, 0, -1).astype(np.float32)
+    return _calendar_stack(torch.from_numpy(np.asarray(timestamps, dtype=np.int64)), chosen).numpy()
+
+
+def _calendar_stack(ts_ns: torch.Tensor, names: list[str]) -> torch.Tensor:
+    """[..., K] float32 calendar features of int64 ns UTC timestamps, on their device."""
+    ph = calendar.phases(ts_ns)
+    if not names:
+        return torch.empty(ts_ns.shape + (0,), dtype=torch.float32, device=ts_ns.device)
+    return torch.stack([calendar.calendar_values(n, ph) for n in names], dim=-1)

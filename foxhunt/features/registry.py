@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
+from torch import Tensor
 
 FAMILIES = ("momentum", "trend", "volatility", "volume", "shape", "calendar")
 
@@ -17,16 +17,15 @@ class Feature:
     ``warmup`` is the number of leading bars of each symbol on which the feature is not yet defined
     (TA-Lib's lookback for indicators TA-Lib also computes). ``talib`` names the TA-Lib function whose
     output this feature is, or is a transform of; ``known_future`` marks features computable from the
-    timestamp alone, usable as known-future inputs. ``fn(panel, out=None)`` returns the feature as
-    [S, T]; given ``out`` ([S, T], float32 or float64) it may write its last step straight there and
-    return ``out`` (one rounding from float64, no full-size temporary), or return its own array.
+    timestamp alone, usable as known-future inputs. ``fn(panel)`` returns the feature as a float64 [S, T]
+    tensor on the panel's device (the one implementation, for CPU and CUDA alike).
     """
 
     name: str
     family: str
     definition: str
     warmup: int
-    fn: Callable[..., np.ndarray]
+    fn: Callable[..., Tensor]
     talib: str | None = None
     known_future: bool = False
 
@@ -40,7 +39,7 @@ class FeatureList:
         self.family = family
         self.features: list[Feature] = []
 
-    def add(self, name: str, definition: str, warmup: int, fn, talib: str | None = None, known_future: bool = False) -> None:
+    def add(self, name: str, definition: str, warmup: int, fn: Callable[..., Tensor], talib: str | None = None, known_future: bool = False) -> None:
         self.features.append(Feature(name, self.family, definition, int(warmup), fn, talib, known_future))
 
 

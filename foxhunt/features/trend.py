@@ -1,90 +1,76 @@
-"""Trend: distance of close from SMA / EMA / KAMA and their slopes, in units of ATR(14)."""
+"""Trend: distance of the close from SMA / EMA / KAMA and their slopes, in ATR(14) units."""
 
 from __future__ import annotations
 
-import numpy as np
+import torch
+from torch import Tensor
 
-from foxhunt.features import filters as F
+from foxhunt.features import ops
 from foxhunt.features.panel import Panel
 from foxhunt.features.registry import FeatureList
 
 WINDOWS = (5, 10, 20, 50, 100, 200)
+_FASTEST, _SLOWEST = 2.0 / 3.0, 2.0 / 31.0
 
 
-def sma(p: Panel, n: int) -> np.ndarray:
-    """TA-Lib SMA of the close."""
+def sma(p: Panel, n: int) -> Tensor:
+    """TA-Lib SMA of the close (block-centred prefix sums: error relative to the local spread, not the level)."""
     return p.memo(("sma", n), lambda: p.close_prefix().mean(n))
 
 
-def ema(p: Panel, n: int) -> np.ndarray:
+def ema(p: Panel, n: int) -> Tensor:
     """TA-Lib EMA of the close, seeded with the SMA of the first n closes."""
-    return p.memo(("ema", n), lambda: F.ema(p.close, n, out=p.empty()))
+    return p.memo(("ema", n), lambda: ops.ema(p.close, n))
 
 
-def _abs_change_prefix(p: Panel) -> F.Prefix:
+def _abs_change_prefix(p: Panel) -> ops.Prefix:
     """Prefix sums of |C[t] - C[t-1]| from bar 1, shared by every KAMA window."""
-    return p.prefix("abs_close_change", lambda: np.abs(p.close_change()), 1)
+    return p.prefix("abs_close_change", lambda: torch.abs(p.close_change()), 1)
 
 
-def kama(p: Panel, n: int) -> np.ndarray:
+def kama(p: Panel, n: int) -> Tensor:
     """TA-Lib KAMA(n): Kaufman's adaptive average, smoothing (ER (2/3 - 2/31) + 2/31)^2, seeded at C[n-1]."""
 
     def f():
         c = p.close
-        S, T = c.shape
-        out = F.nan_empty((S, T), min(n, T), p.empty())
-        if T <= n:
+        out = ops.nans(c)
+        if c.shape[1] <= n:
             return out
-        a = np.empty((S, T - n))
-        y = F.blockwise(_kama_block, out[:, n:], c[:, n:], c[:, :-n], *_abs_change_prefix(p).parts(n, n), a)
-        F.linear_recurrence_inplace(a, y, c[:, n - 1], a_min=1.0 - _FASTEST**2)
+        now = c[:, n:]
+        hi, lo = _abs_change_prefix(p).parts(n, n)
+        # |change| <= noise, with equality exactly when TA-Lib sets ER = 1; a flat window (0 / 0) gives 1 too:
+        # fmin takes 1 over NaN
+        er = torch.fmin(torch.abs(now - c[:, :-n]) / (hi - lo), torch.ones_like(now))
+        sc = torch.square(er * (_FASTEST - _SLOWEST) + _SLOWEST)
+        out[:, n:] = ops.linear_recurrence(1.0 - sc, sc * now, c[:, n - 1], a_min=1.0 - _FASTEST**2)
         return out
 
     return p.memo(("kama", n), f)
 
 
-_FASTEST, _SLOWEST = 2.0 / 3.0, 2.0 / 31.0
+def _dist(p: Panel, ma: Tensor) -> Tensor:
+    return ops.diff_times(p.close, ma, p.inv_atr())
 
 
-def _kama_block(now: np.ndarray, then: np.ndarray, hi: np.ndarray, lo: np.ndarray, a: np.ndarray, out: np.ndarray) -> None:
-    """KAMA's recurrence y = a y[t-1] + b: a = 1 - sc into ``a``, b = sc C into out, from the closes n bars apart
-    and the prefix sums (hi - lo) of |C[t] - C[t-1]| over the window."""
-    er = np.subtract(now, then)
-    np.abs(er, out=er)
-    # |change| <= noise, with equality exactly when TA-Lib sets ER = 1; a flat window (0 / 0) gives 1 too:
-    # fmin takes 1 over NaN
-    er /= hi - lo
-    np.fmin(er, 1.0, out=er)
-    er *= _FASTEST - _SLOWEST
-    er += _SLOWEST
-    sc = np.square(er, out=er)
-    np.subtract(1.0, sc, out=a)
-    np.multiply(sc, now, out=out)
-
-
-def _dist(p: Panel, ma: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    return F.diff_times(p.close, ma, p.inv_atr(), out)
-
-
-def _slope(p: Panel, ma: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    return F.lag_diff_times(ma, 1, p.inv_atr(), out)
+def _slope(p: Panel, ma: Tensor) -> Tensor:
+    return ops.lag_diff_times(ma, 1, p.inv_atr())
 
 
 def features() -> FeatureList:
     fl = FeatureList("trend")
     for n in WINDOWS:
-        fl.add(f"dist_sma_{n}", f"(C - TA-Lib SMA({n})) / ATR(14)", max(n - 1, 14), lambda p, out=None, n=n: _dist(p, sma(p, n), out), talib="SMA")
+        fl.add(f"dist_sma_{n}", f"(C - TA-Lib SMA({n})) / ATR(14)", max(n - 1, 14), lambda p, n=n: _dist(p, sma(p, n)), talib="SMA")
     for n in WINDOWS:
-        fl.add(f"dist_ema_{n}", f"(C - TA-Lib EMA({n})) / ATR(14)", max(n - 1, 14), lambda p, out=None, n=n: _dist(p, ema(p, n), out), talib="EMA")
+        fl.add(f"dist_ema_{n}", f"(C - TA-Lib EMA({n})) / ATR(14)", max(n - 1, 14), lambda p, n=n: _dist(p, ema(p, n)), talib="EMA")
     for n in (10, 30):
-        fl.add(f"dist_kama_{n}", f"(C - TA-Lib KAMA({n})) / ATR(14)", max(n, 14), lambda p, out=None, n=n: _dist(p, kama(p, n), out), talib="KAMA")
+        fl.add(f"dist_kama_{n}", f"(C - TA-Lib KAMA({n})) / ATR(14)", max(n, 14), lambda p, n=n: _dist(p, kama(p, n)), talib="KAMA")
     for n in WINDOWS:
-        fl.add(f"slope_sma_{n}", f"(SMA({n})[t] - SMA({n})[t-1]) / ATR(14)", max(n, 14), lambda p, out=None, n=n: _slope(p, sma(p, n), out), talib="SMA")
+        fl.add(f"slope_sma_{n}", f"(SMA({n})[t] - SMA({n})[t-1]) / ATR(14)", max(n, 14), lambda p, n=n: _slope(p, sma(p, n)), talib="SMA")
     for n in WINDOWS:
-        fl.add(f"slope_ema_{n}", f"(EMA({n})[t] - EMA({n})[t-1]) / ATR(14)", max(n, 14), lambda p, out=None, n=n: _slope(p, ema(p, n), out), talib="EMA")
+        fl.add(f"slope_ema_{n}", f"(EMA({n})[t] - EMA({n})[t-1]) / ATR(14)", max(n, 14), lambda p, n=n: _slope(p, ema(p, n)), talib="EMA")
     for n in (10, 30):
-        fl.add(f"slope_kama_{n}", f"(KAMA({n})[t] - KAMA({n})[t-1]) / ATR(14)", max(n + 1, 14), lambda p, out=None, n=n: _slope(p, kama(p, n), out), talib="KAMA")
+        fl.add(f"slope_kama_{n}", f"(KAMA({n})[t] - KAMA({n})[t-1]) / ATR(14)", max(n + 1, 14), lambda p, n=n: _slope(p, kama(p, n)), talib="KAMA")
     for a, b in ((5, 20), (20, 50), (50, 200)):
         fl.add(f"ema_cross_{a}_{b}", f"(EMA({a}) - EMA({b})) / ATR(14)", max(b - 1, 14),
-               lambda p, out=None, a=a, b=b: F.diff_times(ema(p, a), ema(p, b), p.inv_atr(), out), talib="EMA")
+               lambda p, a=a, b=b: ops.diff_times(ema(p, a), ema(p, b), p.inv_atr()), talib="EMA")
     return fl

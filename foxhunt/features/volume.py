@@ -1,40 +1,51 @@
-"""Volume: volume z-score, relative volume, OBV change, MFI, distance from a rolling VWAP, Amihud illiquidity, ADOSC, CMF."""
+"""Volume: z-scores and relative volume, OBV, MFI, rolling VWAP distance, Amihud illiquidity, ADOSC and CMF.
+
+Window sums are differences of prefix sums shared by every window length (``Panel.prefix``).
+"""
 
 from __future__ import annotations
 
-import functools
+from typing import TYPE_CHECKING
 
-import numpy as np
+import torch
+from torch import Tensor
 
-from foxhunt.features import filters as F
-from foxhunt.features.panel import Panel
+from foxhunt.features import ops as O
 from foxhunt.features.registry import FeatureList
 
+if TYPE_CHECKING:
+    from foxhunt.features.panel import Panel
 
-def _log_volume(p: Panel) -> np.ndarray:
-    return p.memo("log1p_volume", lambda: np.log1p(p.volume))
+_NAN = float("nan")
 
 
-def volume_z(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
+def volume_prefix(p: Panel, start: int = 0) -> O.Prefix:
+    """Prefix sums of the volume from ``start``."""
+    return p.prefix("volume", lambda: p.volume, start)
+
+
+def _log_volume(p: Panel) -> Tensor:
+    return p.memo("log1p_volume", lambda: torch.log1p(p.volume))
+
+
+def volume_z(p: Panel, n: int) -> Tensor:
     """z-score of ln(1 + V) against its trailing n-bar mean and population std (0 when the std is 0)."""
     x = _log_volume(p)
     x0 = x[:, :1]  # a past value for every bar: centring keeps the prefix sums of squares small
     mean, var = p.prefix("log1p_volume_centred", lambda: x - x0, 0, True).mean_var(n)
-    dev = np.subtract(x, x0)
+    dev = x - x0
     dev -= mean
-    return F.safe_div(dev, np.sqrt(var, out=var), out=out)
+    return O.safe_div(dev, var.sqrt_())
 
 
-def rel_volume(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
+def rel_volume(p: Panel, n: int) -> Tensor:
     """ln(1 + V) - ln(1 + SMA(n) of V)."""
-    m = np.log1p(p.volume_mean(n))
-    return np.subtract(_log_volume(p), m, out=out)
+    return _log_volume(p) - torch.log1p(p.volume_mean(n))
 
 
-def _signed_volume(p: Panel) -> np.ndarray:
-    def f():
-        d = F.diff(p.close, 1)
-        sv = np.sign(d, out=d)
+def _signed_volume(p: Panel) -> Tensor:
+    def f() -> Tensor:
+        sv = torch.sign(O.diff(p.close, 1))
         sv *= p.volume
         sv[:, 0] = p.volume[:, 0]  # TA-Lib's OBV starts at the first bar's volume
         return sv
@@ -42,133 +53,124 @@ def _signed_volume(p: Panel) -> np.ndarray:
     return p.memo("signed_volume", f)
 
 
-def obv(p: Panel) -> np.ndarray:
+def obv(p: Panel) -> Tensor:
     """TA-Lib OBV: running sum of volume signed by the close's direction, starting at V[0]."""
-    return F.cumsum(_signed_volume(p))
+    return torch.cumsum(_signed_volume(p), dim=1)
 
 
-def obv_change(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
+def obv_change(p: Panel, n: int) -> Tensor:
     """(OBV[t] - OBV[t-n]) / sum of V over the last n bars: the net signed share of recent volume, in [-1, 1]."""
-    out = F.nan_empty(p.shape, min(n, p.shape[1]), out)
+    out = O.nans(p.close)
     if n < p.shape[1]:
-        signed = p.prefix("signed_volume", lambda: _signed_volume(p), 1).parts(n, n)
-        vol = p.prefix("volume", lambda: p.volume, 1).parts(n, n)
-        F.blockwise(_obv_block, out[:, n:], *signed, *vol)
+        s_hi, s_lo = p.prefix("signed_volume", lambda: _signed_volume(p), 1).parts(n, n)
+        v_hi, v_lo = volume_prefix(p, 1).parts(n, n)
+        out[:, n:] = O.safe_div(s_hi - s_lo, v_hi - v_lo)
     return out
 
 
-def _obv_block(s_hi: np.ndarray, s_lo: np.ndarray, v_hi: np.ndarray, v_lo: np.ndarray, out: np.ndarray) -> None:
-    F.safe_div(s_hi - s_lo, v_hi - v_lo, out=out)
+def _money_flows(p: Panel) -> tuple[Tensor, Tensor]:
+    """Money flow TP V on bars whose typical price rose, and on bars where it fell."""
 
-
-def mfi(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
-    """TA-Lib MFI: 100 * positive money flow / total money flow over n bars (0 when the total is below 1)."""
-    def flows():
+    def f() -> tuple[Tensor, Tensor]:
         tp = p.typical_price()
-        d = F.diff(tp, 1)
+        d = O.diff(tp, 1)
         mf = tp * p.volume
         return mf * (d > 0), mf * (d < 0)
 
-    up, down = p.memo("money_flows", flows)
-    out = F.nan_empty(p.shape, min(n, p.shape[1]), out)
+    return p.memo("money_flows", f)
+
+
+def mfi(p: Panel, n: int) -> Tensor:
+    """TA-Lib MFI: 100 * positive money flow / total money flow over n bars (0 when the total is below 1)."""
+    up, down = _money_flows(p)
+    out = O.nans(p.close)
     if n < p.shape[1]:
-        pos = p.prefix("money_flow_up", lambda: up, 1).parts(n, n)
-        neg = p.prefix("money_flow_down", lambda: down, 1).parts(n, n)
-        F.blockwise(_mfi_block, out[:, n:], *pos, *neg)
+        u_hi, u_lo = p.prefix("money_flow_up", lambda: up, 1).parts(n, n)
+        d_hi, d_lo = p.prefix("money_flow_down", lambda: down, 1).parts(n, n)
+        pos = u_hi - u_lo
+        tot = d_hi - d_lo
+        tot += pos
+        r = O.safe_div(pos, tot, scale=100.0)
+        out[:, n:] = r.masked_fill_(tot < 1.0, 0.0)
     return out
 
 
-def _mfi_block(u_hi: np.ndarray, u_lo: np.ndarray, d_hi: np.ndarray, d_lo: np.ndarray, out: np.ndarray) -> None:
-    pos = u_hi - u_lo
-    tot = d_hi - d_lo
-    tot += pos
-    F.safe_div(pos, tot, out=out, scale=100.0)
-    np.copyto(out, 0.0, where=tot < 1.0)
-
-
-def vwap_distance(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
+def vwap_distance(p: Panel, n: int) -> Tensor:
     """(C - VWAP over n bars) / ATR(14), VWAP = sum(TP V) / sum(V) (TP itself where the volume is 0)."""
     tp = p.typical_price()
     pv = p.prefix("tp_volume", lambda: tp * p.volume).sum(n)
-    vol = p.prefix("volume", lambda: p.volume).sum(n)
-    vwap = F.safe_div(pv, vol, out=pv)
-    flat = vol == 0
-    vwap[flat] = tp[flat]
-    np.subtract(p.close, vwap, out=vwap)
-    return p.per_atr(vwap, out)
+    vol = volume_prefix(p).sum(n)
+    vwap = torch.where(vol == 0, tp, O.safe_div(pv, vol))
+    return p.per_atr(p.close - vwap)
 
 
-def amihud(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
+def amihud(p: Panel, n: int) -> Tensor:
     """ln of Amihud's illiquidity: mean over n bars of |log return| / (C V), V floored at 1."""
-    illiq = p.memo("illiq", lambda: np.abs(p.log_return(1)) / (p.close * np.maximum(p.volume, 1.0)))
+    illiq = p.memo("illiq", lambda: p.log_return(1).abs() / (p.close * p.volume.clamp(min=1.0)))
     m = p.prefix("illiq", lambda: illiq, 1).sum(n)
     m /= n
     m += 1e-30
-    return np.log(m, out=out)
+    return m.log_()
 
 
-def _clv(p: Panel) -> np.ndarray:
+def _clv(p: Panel) -> Tensor:
     """Close location value ((C - L) - (H - C)) / (H - L), 0 on a flat bar."""
-    return p.memo("clv", lambda: F.blockwise(_clv_block, p.empty(), p.close, p.low, p.high, p.hl_range()))
+
+    def f() -> Tensor:
+        num = p.close - p.low
+        num -= p.high - p.close
+        return O.safe_div(num, p.hl_range())
+
+    return p.memo("clv", f)
 
 
-def _clv_block(c: np.ndarray, lo: np.ndarray, hi: np.ndarray, rng: np.ndarray, out: np.ndarray) -> None:
-    num = c - lo
-    num -= hi - c
-    F.safe_div(num, rng, out=out)
-
-
-def ad(p: Panel) -> np.ndarray:
+def ad(p: Panel) -> Tensor:
     """TA-Lib AD: Chaikin accumulation/distribution line, the running sum of CLV * V."""
-    x = _clv(p) * p.volume
-    return F.cumsum(x, out=x)
+    return torch.cumsum(_clv(p) * p.volume, dim=1)
 
 
-def adosc(p: Panel, fast: int = 3, slow: int = 10) -> np.ndarray:
+def adosc(p: Panel, fast: int = 3, slow: int = 10) -> Tensor:
     """TA-Lib ADOSC: EMA(fast) - EMA(slow) of the AD line, both seeded with AD[0]."""
     line = ad(p)
-    out = F.ema(line, fast, seed="first")
-    out -= F.ema(line, slow, seed="first")
-    out[:, : slow - 1] = np.nan
+    out = O.ema(line, fast, seed="first")
+    out -= O.ema(line, slow, seed="first")
+    out[:, : slow - 1] = _NAN
     return out
 
 
-def adosc_per_volume(p: Panel, fast: int, slow: int, out: np.ndarray | None = None) -> np.ndarray:
-    """ADOSC / SMA(slow) of V (0 where that mean is 0), blockwise from prefix-sum views of the volume."""
+def adosc_per_volume(p: Panel, fast: int, slow: int) -> Tensor:
+    """ADOSC / SMA(slow) of V (0 where that mean is 0)."""
     line = adosc(p, fast, slow)
     a = slow - 1
-    out = F.nan_empty(p.shape, min(a, p.shape[1]), out)
+    out = O.nans(line)
     if a < p.shape[1]:
-        F.blockwise(functools.partial(_per_volume_block, n=slow), out[:, a:], line[:, a:], *p.prefix("volume", lambda: p.volume).parts(slow, a))
+        hi, lo = volume_prefix(p).parts(slow, a)
+        mean = hi - lo
+        mean /= slow
+        out[:, a:] = O.safe_div(line[:, a:], mean)
     return out
 
 
-def _per_volume_block(x: np.ndarray, hi: np.ndarray, lo: np.ndarray, out: np.ndarray, n: int) -> None:
-    mean = hi - lo
-    mean /= n
-    F.safe_div(x, mean, out=out)
-
-
-def cmf(p: Panel, n: int, out: np.ndarray | None = None) -> np.ndarray:
+def cmf(p: Panel, n: int) -> Tensor:
     """Chaikin money flow: sum(CLV V) / sum(V) over n bars."""
     flow = p.prefix("clv_volume", lambda: _clv(p) * p.volume).sum(n)
-    return F.safe_div(flow, p.volume_mean(n) * n, out=out)
+    return O.safe_div(flow, p.volume_mean(n) * n)
 
 
 def features() -> FeatureList:
     fl = FeatureList("volume")
     for n in (20, 50, 100):
-        fl.add(f"volume_z_{n}", f"z-score of ln(1+V) over {n} bars", n - 1, lambda p, out=None, n=n: volume_z(p, n, out))
+        fl.add(f"volume_z_{n}", f"z-score of ln(1+V) over {n} bars", n - 1, lambda p, n=n: volume_z(p, n))
     for n in (5, 20):
-        fl.add(f"rel_volume_{n}", f"ln(1+V) - ln(1 + SMA({n}) of V)", n - 1, lambda p, out=None, n=n: rel_volume(p, n, out))
+        fl.add(f"rel_volume_{n}", f"ln(1+V) - ln(1 + SMA({n}) of V)", n - 1, lambda p, n=n: rel_volume(p, n))
     for n in (10, 20, 50):
-        fl.add(f"obv_change_{n}", f"(TA-Lib OBV[t] - OBV[t-{n}]) / sum of V over {n} bars", n, lambda p, out=None, n=n: obv_change(p, n, out), talib="OBV")
+        fl.add(f"obv_change_{n}", f"(TA-Lib OBV[t] - OBV[t-{n}]) / sum of V over {n} bars", n, lambda p, n=n: obv_change(p, n), talib="OBV")
     for n in (14, 28):
-        fl.add(f"mfi_{n}", f"TA-Lib MFI({n}), 0..100", n, lambda p, out=None, n=n: mfi(p, n, out), talib="MFI")
+        fl.add(f"mfi_{n}", f"TA-Lib MFI({n}), 0..100", n, lambda p, n=n: mfi(p, n), talib="MFI")
     for n in (20, 50, 100):
-        fl.add(f"vwap_dist_{n}", f"(C - rolling VWAP({n})) / ATR(14)", max(n - 1, 14), lambda p, out=None, n=n: vwap_distance(p, n, out))
+        fl.add(f"vwap_dist_{n}", f"(C - rolling VWAP({n})) / ATR(14)", max(n - 1, 14), lambda p, n=n: vwap_distance(p, n))
     for n in (20, 50):
-        fl.add(f"amihud_{n}", f"ln mean(|r| / (C V)) over {n} bars", n, lambda p, out=None, n=n: amihud(p, n, out))
-    fl.add("adosc_3_10", "TA-Lib ADOSC(3,10) / SMA(10) of V", 9, lambda p, out=None: adosc_per_volume(p, 3, 10, out), talib="ADOSC")
-    fl.add("cmf_20", "Chaikin money flow: sum(CLV V) / sum(V) over 20 bars", 19, lambda p, out=None: cmf(p, 20, out))
+        fl.add(f"amihud_{n}", f"ln mean(|r| / (C V)) over {n} bars", n, lambda p, n=n: amihud(p, n))
+    fl.add("adosc_3_10", "TA-Lib ADOSC(3,10) / SMA(10) of V", 9, lambda p: adosc_per_volume(p, 3, 10), talib="ADOSC")
+    fl.add("cmf_20", "Chaikin money flow: sum(CLV V) / sum(V) over 20 bars", 19, lambda p: cmf(p, 20))
     return fl

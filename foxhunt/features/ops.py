@@ -1,10 +1,15 @@
-"""Causal building blocks on [S, T] float64 torch tensors on any device: the device twin of ``filters.py``.
+"""Causal building blocks on [S, T] float64 tensors (one row per symbol, time on the last axis), on any device.
 
-Same semantics as the numpy path (NaN before an indicator is defined, TA-Lib seeding, the same ``start``),
-written for a GPU: only tensor ops, no loop over bars, no host synchronisation on data. Recursive filters
-are blocked scans (fixed block offsets from the first bar, so bar t never depends on later bars) whose
-block carries are solved by a doubling (Hillis-Steele) scan over the blocks; rolling sums are differences
-of prefix sums (centred inside blocks for price levels); rolling extrema and arg-extrema use doubling.
+Every feature is written once, against these primitives. Each primitive has one reference path in plain torch
+ops, written for a GPU (no loop over bars, no host synchronisation on data): recursive filters are blocked scans
+(fixed block offsets from the first bar, so bar t never depends on later bars) whose block carries are solved by
+a doubling (Hillis-Steele) scan over the blocks; rolling sums are differences of prefix sums (centred inside
+blocks for price levels); rolling extrema and arg-extrema use doubling. NaN marks bars before an indicator is
+defined; TA-Lib's seeding and look-backs are kept.
+
+The switch :func:`fast_path` sends CPU tensors to :mod:`foxhunt.features.cpu_kernels` instead: the same
+definitions on zero-copy numpy views, tuned for one core (cache-sized runs of bars, scipy's ``lfilter`` for
+the block carries, uint8 ages), returned as tensors sharing the numpy memory. Tests hold both paths equal.
 """
 
 from __future__ import annotations
@@ -14,12 +19,37 @@ import math
 import torch
 from torch import Tensor
 
+from foxhunt.features import cpu_kernels as K
+
 NAN = float("nan")
 
 
-def nans(x: Tensor) -> Tensor:
-    """A contiguous NaN tensor shaped like x (outputs start all undefined and get filled where defined)."""
-    return torch.full(x.shape, NAN, dtype=x.dtype, device=x.device)
+def fast_path(x: Tensor) -> bool:
+    """Whether x is served by the CPU kernels (a CPU tensor) rather than the reference torch path (CUDA)."""
+    return x.device.type == "cpu"
+
+
+def runs(x: Tensor, start: int = 0, per: int = 32768) -> list[slice]:
+    """Slices covering bars start.. of x: cache-sized runs of ``per`` bars on the CPU (so a multi-pass expression's
+    temporaries stay in cache), a single run on a GPU (where one launch over everything is fastest)."""
+    T = x.shape[-1]
+    step = per if fast_path(x) else max(1, T - start)
+    return [slice(a, min(T, a + step)) for a in range(start, T, step)]
+
+
+def _np(x: Tensor):
+    """The numpy view of a CPU tensor (no copy)."""
+    return x.numpy()
+
+
+def nans(x: Tensor, defined_from: int | None = None) -> Tensor:
+    """A contiguous tensor shaped like x, NaN on every bar, or only before bar ``defined_from`` when the caller writes
+    every later bar itself (no pass over memory it will overwrite)."""
+    if defined_from is None:
+        return torch.full(x.shape, NAN, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out[..., : max(0, defined_from)] = NAN
+    return out
 
 
 def rows(y0: Tensor | float, x: Tensor) -> Tensor:
@@ -73,7 +103,7 @@ def shift(x: Tensor, k: int, fill: float = NAN) -> Tensor:
 
 def diff(x: Tensor, k: int = 1) -> Tensor:
     """x[t] - x[t - k], NaN for the first k bars."""
-    out = nans(x)
+    out = nans(x, k)
     if k < x.shape[-1]:
         torch.sub(x[..., k:], x[..., :-k], out=out[..., k:])
     return out
@@ -81,12 +111,16 @@ def diff(x: Tensor, k: int = 1) -> Tensor:
 
 def diff_times(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     """(a - b) * c (distances in ATR units)."""
+    if fast_path(a):
+        return torch.from_numpy(K.diff_times(_np(a), _np(b), _np(c)))
     return (a - b) * c
 
 
 def lag_diff_times(x: Tensor, k: int, c: Tensor) -> Tensor:
     """(x[t] - x[t-k]) * c[t], NaN for the first k bars."""
-    out = nans(x)
+    if fast_path(x):
+        return torch.from_numpy(K.lag_diff_times(_np(x), k, _np(c)))
+    out = nans(x, k)
     if k < x.shape[-1]:
         out[..., k:] = (x[..., k:] - x[..., :-k]) * c[..., k:]
     return out
@@ -94,7 +128,9 @@ def lag_diff_times(x: Tensor, k: int, c: Tensor) -> Tensor:
 
 def pct_change(x: Tensor, k: int) -> Tensor:
     """100 (x[t] / x[t-k] - 1), NaN for the first k bars (TA-Lib ROC)."""
-    out = nans(x)
+    if fast_path(x):
+        return torch.from_numpy(K.pct_change(_np(x), k))
+    out = nans(x, k)
     if k < x.shape[-1]:
         out[..., k:] = (x[..., k:] / x[..., :-k] - 1.0) * 100.0
     return out
@@ -102,6 +138,8 @@ def pct_change(x: Tensor, k: int) -> Tensor:
 
 def safe_div(num: Tensor, den: Tensor, fill: float = 0.0, scale: float = 1.0) -> Tensor:
     """scale * num / den with ``fill`` where den is 0 (TA-Lib's convention for flat ranges)."""
+    if fast_path(num):
+        return torch.from_numpy(K.safe_div(_np(num), _np(den), fill, scale=scale))
     q = (num if scale == 1.0 else scale * num) / den
     return torch.where(den == 0, fill, q)
 
@@ -111,7 +149,7 @@ def rolling_sum(x: Tensor, n: int, start: int = 0) -> Tensor:
     if n < 1:
         raise ValueError(f"window must be >= 1, got {n}")
     T = x.shape[-1]
-    out = nans(x)
+    out = nans(x, start + n - 1)
     if T < start + n:
         return out
     cs = cumsum(x[..., start:])
@@ -122,11 +160,13 @@ def rolling_sum(x: Tensor, n: int, start: int = 0) -> Tensor:
 
 def rolling_mean(x: Tensor, n: int, start: int = 0) -> Tensor:
     """TA-Lib SMA of a series near zero or of a small window (up to 4 bars: shifted adds, exact as numpy's)."""
+    if fast_path(x):
+        return torch.from_numpy(K.rolling_mean(_np(x), n, start))
     if n > 4:
         return rolling_sum(x, n, start) / n
     T = x.shape[-1]
     a = start + n - 1
-    out = nans(x)
+    out = nans(x, a)
     if a < T:
         acc = x[..., a:].clone()
         for k in range(1, n):
@@ -137,12 +177,12 @@ def rolling_mean(x: Tensor, n: int, start: int = 0) -> Tensor:
 
 def rolling_std(x: Tensor, n: int, start: int = 0) -> Tensor:
     """Rolling population standard deviation over n bars (TA-Lib STDDEV(n, 1)), block-centred for price levels."""
-    return BlockPrefix(x, n, start, squares=True).mean_std(n)[1]
+    return block_prefix(x, n, start, squares=True).mean_std(n)[1]
 
 
 def rolling_mean_std(x: Tensor, n: int, start: int = 0, k: float = 1.0) -> tuple[Tensor, Tensor]:
     """Rolling mean and k population standard deviations over n bars (Bollinger's middle band and half-width)."""
-    return BlockPrefix(x, n, start, squares=True).mean_std(n, k)
+    return block_prefix(x, n, start, squares=True).mean_std(n, k)
 
 
 class Prefix:
@@ -153,6 +193,11 @@ class Prefix:
 
     def __init__(self, x: Tensor, start: int = 0, squares: bool = False) -> None:
         self.shape, self.start = tuple(x.shape), start
+        self._k = K.Prefix(_np(x), start, squares) if fast_path(x) else None  # the CPU kernels' twin, same sums
+        if self._k is not None:
+            self.cs = torch.from_numpy(self._k.cs)
+            self.cs2 = None if self._k.cs2 is None else torch.from_numpy(self._k.cs2)
+            return
         xs = x[..., start:]
         self.cs = _running_sum0(xs)  # cs[:, k] = sum of the first k values
         self.cs2 = _running_sum0(xs * xs) if squares else None
@@ -165,7 +210,8 @@ class Prefix:
 
     def _window(self, cs: Tensor, n: int) -> Tensor:
         a = self.start + n - 1
-        out = torch.full(self.shape, NAN, dtype=cs.dtype, device=cs.device)
+        out = torch.empty(self.shape, dtype=cs.dtype, device=cs.device)
+        out[..., :a] = NAN
         if a < self.shape[-1]:
             torch.sub(cs[..., n:], cs[..., :-n], out=out[..., a:])
         return out
@@ -178,12 +224,16 @@ class Prefix:
         """Rolling mean and population variance over n bars."""
         if self.cs2 is None:
             raise ValueError("Prefix built without squares")
+        if self._k is not None:
+            return tuple(torch.from_numpy(a) for a in self._k.mean_var(n))
         mean, var = self._window(self.cs, n) / n, self._window(self.cs2, n) / n
         var = torch.clamp_min(var - mean * mean, 0.0)
         return mean, var
 
     def std(self, n: int) -> Tensor:
         """Rolling population standard deviation over n bars (as :meth:`mean_var`)."""
+        if self._k is not None and self.cs2 is not None:
+            return torch.from_numpy(self._k.std(n))
         return torch.sqrt(self.mean_var(n)[1])
 
 
@@ -263,13 +313,44 @@ class BlockPrefix:
         return m, torch.sqrt(var) * k
 
 
+def block_prefix(x: Tensor, max_window: int, start: int = 0, squares: bool = False) -> BlockPrefix | HostBlockPrefix:
+    """Block-centred prefix sums of x for windows up to ``max_window`` bars: :class:`BlockPrefix`, or on the CPU
+    the same layout and arithmetic evaluated in cache-sized runs of blocks (:class:`HostBlockPrefix`)."""
+    if fast_path(x):
+        return HostBlockPrefix(x, max_window, start, squares)
+    return BlockPrefix(x, max_window, start, squares)
+
+
+class HostBlockPrefix:
+    """:class:`BlockPrefix` by ``cpu_kernels.BlockPrefix`` on a CPU tensor's numpy view; results are tensors."""
+
+    def __init__(self, x: Tensor, max_window: int, start: int = 0, squares: bool = False) -> None:
+        self._k = K.BlockPrefix(_np(x), max_window, start, squares)
+
+    def sum(self, n: int) -> Tensor:
+        return torch.from_numpy(self._k.sum(n))
+
+    def mean(self, n: int) -> Tensor:
+        return torch.from_numpy(self._k.mean(n))
+
+    def mean_var(self, n: int) -> tuple[Tensor, Tensor]:
+        return tuple(torch.from_numpy(a) for a in self._k.mean_var(n))
+
+    def mean_std(self, n: int, k: float = 1.0) -> tuple[Tensor, Tensor]:
+        return tuple(torch.from_numpy(a) for a in self._k.mean_std(n, k))
+
+
 def rolling_max(x: Tensor, n: int) -> Tensor:
     """Highest value of x[t-n+1..t] (doubling: ceil(log2 n) + 1 passes, exact)."""
+    if fast_path(x):
+        return torch.from_numpy(K.rolling_max(_np(x), n))
     return _rolling_extreme(x, n, torch.maximum)
 
 
 def rolling_min(x: Tensor, n: int) -> Tensor:
     """Lowest value of x[t-n+1..t]."""
+    if fast_path(x):
+        return torch.from_numpy(K.rolling_min(_np(x), n))
     return _rolling_extreme(x, n, torch.minimum)
 
 
@@ -277,7 +358,7 @@ def _rolling_extreme(x: Tensor, n: int, op) -> Tensor:
     if n < 1:
         raise ValueError(f"window must be >= 1, got {n}")
     T = x.shape[-1]
-    out = nans(x)
+    out = nans(x, n - 1)
     if n > T:
         return out
     m, k = x, 1  # m[t] = extreme of x[t-k+1..t] (for t >= k - 1)
@@ -297,9 +378,11 @@ def bars_since_extreme(x: Tensor, n: int, highest: bool) -> Tensor:
 
     Doubling on (extreme, age) pairs: when two halves tie the later one wins.
     """
+    if fast_path(x) and n < 128:
+        return torch.from_numpy(K.bars_since_extreme(_np(x), n, highest))
     T = x.shape[-1]
     w = n + 1
-    out = nans(x)
+    out = nans(x, w - 1)
     if w > T:
         return out
     op = torch.maximum if highest else torch.minimum
@@ -396,13 +479,15 @@ def ema(x: Tensor, n: int | None = None, start: int = 0, alpha: float | None = N
     x is valid from ``start``; seeded at ``start + n - 1`` with the mean of the first n valid values, then
     y[t] = y[t-1] + alpha (x[t] - y[t-1]), alpha = 2 / (n + 1) unless given; ``seed="first"`` seeds with x[start].
     """
+    if fast_path(x):
+        return torch.from_numpy(K.ema(_np(x), n, start, alpha, seed))
     if alpha is None:
         alpha = 2.0 / (n + 1)
     if seed not in ("sma", "first"):
         raise ValueError(f"unknown EMA seeding {seed!r}")
     T = x.shape[-1]
     s = start + n - 1 if seed == "sma" else start
-    out = nans(x)
+    out = nans(x, s)
     if s >= T:
         return out
     y0 = x[:, start : s + 1].mean(dim=1) if seed == "sma" else x[:, s].clone()
@@ -418,9 +503,11 @@ def wilder(x: Tensor, n: int, start: int = 0) -> Tensor:
 
 def wilder_sum(x: Tensor, n: int, start: int = 0) -> Tensor:
     """Wilder's running sum as TA-Lib's DM/DI: seeded with the sum of n-1 values, then y = y - y/n + x."""
+    if fast_path(x):
+        return torch.from_numpy(K.wilder_sum(_np(x), n, start))
     T = x.shape[-1]
     s = start + n - 2
-    out = nans(x)
+    out = nans(x, s if n >= 2 else None)
     if s >= T or n < 2:
         return out
     y0 = x[:, start : s + 1].sum(dim=1)
@@ -436,6 +523,8 @@ def linear_recurrence(a: Tensor, b: Tensor, y0: Tensor | float, a_min: float) ->
     caller's bound ``a_min`` (never from the data) and keeps A above float64 underflow. The block carries
     y_in[j+1] = A_end[j] (y_in[j] + P_end[j]) are solved by a doubling scan over the blocks, on the device.
     """
+    if fast_path(a):
+        return torch.from_numpy(K.linear_recurrence(_np(a), _np(b), _np(rows(y0, a)), a_min))
     S, T = a.shape
     if not 0.0 < a_min <= 1.0:
         raise ValueError(f"linear_recurrence: a_min must be in (0, 1], got {a_min}")
