@@ -12,11 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from foxhunt.cli_errors import run_command
+from foxhunt.data.bars import DEFAULT_JUMP_SIGMAS, DataError
 from foxhunt.data.market import MarketSplit
 from foxhunt.evaluation.backtest import format_table
 from foxhunt.evaluation.figures import equity_figure
@@ -31,6 +34,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--data", default=None, help="bars file, directory or glob to trade (default: the training data)")
     parser.add_argument("--split", default="test", choices=["train", "val", "test", "all"], help="split of the training data (without --data)")
     parser.add_argument("--on-bad-bar", default="raise", choices=["raise", "drop", "repair"])
+    parser.add_argument("--jump-sigmas", type=float, default=DEFAULT_JUMP_SIGMAS,
+                        help="flag a close of --data that moves more than this many robust std (0: off)")
+    parser.add_argument("--debug", action="store_true", help="a traceback for data and path errors too")
     parser.add_argument("--allow-overlap", action="store_true",
                         help="back-test --data bars that overlap the training/validation span (a second table shows the unseen bars)")
     parser.add_argument("--out", default=None, help="output directory for backtest.json and equity.png (default: the export directory)")
@@ -44,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     if args.data is not None:
         from foxhunt.data import load_bars
 
-        split = loaded.split(load_bars(args.data, on_bad_bar=args.on_bad_bar), name=Path(args.data).name)
+        split = loaded.split(load_bars(args.data, on_bad_bar=args.on_bad_bar, jump_sigmas=args.jump_sigmas or None), name=Path(args.data).name)
         unseen = _guard_overlap(loaded, split, args.allow_overlap)
     else:
         split, unseen = training_split(loaded, args.split), None
@@ -75,8 +81,8 @@ def _guard_overlap(loaded: LoadedEnsemble, split: MarketSplit, allow: bool) -> M
         for i, sym in enumerate(split.symbols) if sym in spans and bool((seen & (split.symbol_index == i)).any())
     )
     if not allow:
-        raise SystemExit(
-            f"foxhunt.backtest: {split.name} overlaps the bars the model was trained or selected on ({where}); its "
+        raise DataError(
+            f"{split.name}: it overlaps the bars the model was trained or selected on ({where}); its "
             "figures there would be in-sample. Back-test later bars, or pass --allow-overlap to see both"
         )
     log.warning("%s overlaps the training/validation span (%s): the first table includes those bars", split.name, where)
@@ -113,4 +119,4 @@ def training_split(loaded: LoadedEnsemble, name: str) -> MarketSplit:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main))

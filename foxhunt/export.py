@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 
+from foxhunt.cli_errors import UserError
 from foxhunt.data.datamodule import BarDataModule
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.lit.ensemble import EnsembleModule
@@ -42,7 +43,7 @@ FORMAT = "foxhunt-export"
 FORMAT_VERSION = 2  # 2: metadata.json records the SHA-256 of every tensor file
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """An export that cannot be loaded into this foxhunt: mismatched version, features or shapes."""
 
 

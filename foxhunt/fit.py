@@ -3,14 +3,21 @@
 Everything is a typed constructor argument of ``EnsembleModule`` (with its named ``members``, each a
 ``class_path``/``init_args`` entry), ``BarDataModule`` or ``Trainer``, so the usual LightningCLI conventions hold:
 ``--print_config``, overrides such as ``--trainer.max_epochs 3`` or ``--model.members.tft.init_args.hidden_size 64``,
-``--ckpt_path last`` to resume. Sizes that follow from the data (feature counts, names, symbols, windows) reach the
+``--ckpt_path last`` to resume (from the newest checkpoint that loads, ``--checkpoint_every_n_steps`` ones included). Sizes that follow from the data (feature counts, names, symbols, windows) reach the
 members when the coordinator binds them to the data, so configs never write them. After training, the best
 checkpoint is exported as safetensors with JSON metadata and back-tested on the test split.
+
+A mistake in the config, the data or a path is one line, ``error: <file/field>: <reason>``, and exit status 2
+(:mod:`foxhunt.cli_errors`; ``--debug`` for the traceback); every constructor argument is checked when the classes are
+built, before any data is loaded.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+import types
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +26,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 
+from foxhunt.cli_errors import ConfigError, UserError, run_command
 from foxhunt.data.datamodule import BarDataModule
 from foxhunt.evaluation.figures import ValidationFigures
 from foxhunt.lit.ensemble import EnsembleModule
@@ -33,7 +41,9 @@ class FoxhuntCLI(LightningCLI):
         parser.add_argument("--checkpoint_monitor", type=str, default="val/sharpe", help="metric the best checkpoint (and the export) is chosen by")
         parser.add_argument("--checkpoint_mode", type=str, default="max", help="'max' or 'min' for checkpoint_monitor")
         parser.add_argument("--torch_threads", type=int | None, default=None, help="intra-op CPU threads (small models on few cores train faster with 1)")
-        parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from ('last' for the latest)")
+        parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from ('last': the newest that loads)")
+        parser.add_argument("--checkpoint_every_n_steps", type=int | None, default=None,
+                            help="also checkpoint every N training steps inside an epoch (last-steps.ckpt), so a crash loses at most N steps")
         parser.add_argument("--export_dir", type=str | None, default=None, help="where to write the safetensors export (default: <log_dir>/export)")
         parser.add_argument("--backtest", type=bool, default=True, help="back-test the exported model on the test split after fit")
         parser.add_argument("--hparams_tab", type=bool, default=True, help="fill TensorBoard's HPARAMS tab with every hyperparameter and the policies' final validation and test Sharpe (foxhunt.tune writes its own)")
@@ -61,6 +71,11 @@ class FoxhuntCLI(LightningCLI):
                 ModelCheckpoint(monitor=monitor, mode=mode, save_top_k=1, filename="best-{epoch}-{step}"),
                 ModelCheckpoint(monitor=None, save_top_k=1, filename="last", enable_version_counter=False),
             ]
+        every = self.config.get("checkpoint_every_n_steps")
+        if every is not None:
+            from foxhunt.training.checkpoint_io import PeriodicCheckpoint
+
+            callbacks.append(PeriodicCheckpoint(every))
         bars = [cb for cb in callbacks if isinstance(cb, ProgressBar)]
         if len(bars) == 1 and type(bars[0]) is TQDMProgressBar:
             callbacks[callbacks.index(bars[0])] = RichProgressBar(leave=True)
@@ -92,6 +107,56 @@ class FoxhuntCLI(LightningCLI):
         threads = self.config.get("torch_threads")
         if threads:
             torch.set_num_threads(int(threads))
+        every = self.config.get("checkpoint_every_n_steps")
+        if every is not None and every < 1:
+            raise ConfigError(f"checkpoint_every_n_steps: must be a positive number of steps, got {every}")
+
+    def instantiate_classes(self) -> None:
+        """Build the data module, the model with its members and the Trainer (no data is loaded yet); a value a
+        constructor refuses becomes one ``ConfigError`` naming the config file and the key of the object."""
+        from foxhunt.training.optim import validate_lr
+
+        try:
+            super().instantiate_classes()
+        except UserError:
+            raise
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"{self._config_source()}{self._config_key(e)}: {e}") from e
+        for name, member in self.model.members.items():  # the agents check theirs only when their optimiser is built
+            try:
+                validate_lr(member.hparams.get("lr", 1e-3))
+            except ValueError as e:
+                raise ConfigError(f"{self._config_source()}model.members.{name} ({type(member).__name__}): {e}") from e
+
+    def _config_source(self) -> str:
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        files = [str(c) for c in (config.get("config") or [])] if config is not None else []
+        return f"{files[-1]}: " if files else ""
+
+    def _config_key(self, error: BaseException) -> str:
+        """The config key of the object whose constructor raised ``error`` (its innermost ``__init__`` frame)."""
+        owner = None
+        tb: types.TracebackType | None = error.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            candidate = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
+            if candidate is not None and type(candidate).__module__.startswith(("foxhunt.", "lightning.")):
+                owner = candidate
+            tb = tb.tb_next
+        if isinstance(owner, BarDataModule):
+            return "data"
+        if isinstance(owner, Trainer):
+            return "trainer"
+        from foxhunt.lit.member import Member
+
+        if isinstance(owner, Member):
+            config = self.config.get(self.subcommand) if self.subcommand else self.config
+            members = (config.get("model") or {}).get("members") or {}
+            names = [n for n, m in members.items()
+                     if str(getattr(m, "class_path", None) or (m.get("class_path") if hasattr(m, "get") else "")).rsplit(".", 1)[-1] == type(owner).__name__]
+            where = f"model.members.{names[0]}" if len(names) == 1 else f"model.members.{{{','.join(names)}}}"
+            return f"{where} ({type(owner).__name__})"
+        return "model"
 
     def fit(self) -> dict[str, Any]:
         """Train, then export the best weights and back-test them on the test split."""
@@ -104,17 +169,17 @@ class FoxhuntCLI(LightningCLI):
         return self.export_and_backtest()
 
     def _resolve_ckpt_path(self, ckpt_path: str | None) -> str | None:
-        """'last' means the newest last.ckpt of any earlier version of this logger's runs (a new run has its own
+        """'last' means the newest last.ckpt or last-steps.ckpt (``--checkpoint_every_n_steps``) of any earlier version of this logger's runs (a new run has its own
         version directory, where Lightning alone would find nothing and silently start over) that loads: an empty,
         truncated or unreadable one (a crash while it was written by another writer) is skipped with a warning that
         says why, in favour of the next newest."""
-        from foxhunt.training.checkpoint_io import checkpoint_problem
+        from foxhunt.training.checkpoint_io import CheckpointError, checkpoint_problem
 
         if ckpt_path != "last":
             return ckpt_path
         logger = self.trainer.logger
         root = Path(logger.save_dir) / (logger.name or "") if logger is not None else Path(self.trainer.default_root_dir)
-        found = sorted(root.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
+        found = sorted(root.glob("version_*/checkpoints/last*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
         if not found:
             raise FileNotFoundError(f"--ckpt_path last: no last.ckpt under {root}/version_*/checkpoints")
         for path in found:
@@ -123,8 +188,8 @@ class FoxhuntCLI(LightningCLI):
                 log.info("resuming from %s", path)
                 return str(path)
             log.warning("--ckpt_path last: skipping %s: %s", path, problem)
-        raise FileNotFoundError(
-            f"--ckpt_path last: none of the {len(found)} last.ckpt under {root}/version_*/checkpoints loads "
+        raise CheckpointError(
+            f"--ckpt_path last: none of the {len(found)} last*.ckpt under {root}/version_*/checkpoints loads "
             "(each is named above with the reason)"
         )
 
@@ -179,16 +244,19 @@ def build_cli(args: list[str] | None = None, callbacks: list[Any] | None = None)
     added to the Trainer's (e.g. an Optuna pruning callback)."""
     defaults = default_trainer_kwargs()
     defaults["callbacks"] = [*defaults["callbacks"], *(callbacks or [])]
-    return FoxhuntCLI(
-        EnsembleModule,
-        BarDataModule,
-        subclass_mode_model=False,
-        subclass_mode_data=False,
-        trainer_defaults=defaults,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-        run=False,
-    )
+    with warnings.catch_warnings():  # `python -m foxhunt.fit` passes its own argv (less --debug) on purpose
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        return FoxhuntCLI(
+            EnsembleModule,
+            BarDataModule,
+            subclass_mode_model=False,
+            subclass_mode_data=False,
+            trainer_defaults=defaults,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"exit_on_error": False},  # a parse error is raised: one line (foxhunt.cli_errors), not usage
+            args=args,
+            run=False,
+        )
 
 
 def main(args: list[str] | None = None) -> FoxhuntCLI:
@@ -200,4 +268,4 @@ def main(args: list[str] | None = None) -> FoxhuntCLI:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main))

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from foxhunt.cli_errors import UserError, one_line, run_command
+
 if TYPE_CHECKING:
     from foxhunt.data.market import MarketSplit
 
@@ -43,7 +45,7 @@ TABLE = "walkforward.json"
 FIGURE = "equity.png"
 
 
-class WalkForwardError(ValueError):
+class WalkForwardError(UserError, ValueError):
     """A walk-forward that cannot run or be gathered as asked (a layout that does not fit, mixed runs)."""
 
 
@@ -143,8 +145,12 @@ class _FitConfig:
         # each fold trades its own test stretch with its export, so the fit's own test back-test is off by default
         # (an override ``--backtest true`` turns it back on)
         self.args = ["--config", str(config), "--backtest", "false", *overrides]
-        cli = _ParseOnly(EnsembleModule, BarDataModule, subclass_mode_model=False, subclass_mode_data=False,
-                         trainer_defaults=default_trainer_kwargs(), args=self.args, run=False)
+        try:
+            cli = _ParseOnly(EnsembleModule, BarDataModule, subclass_mode_model=False, subclass_mode_data=False,
+                             trainer_defaults=default_trainer_kwargs(), args=self.args, run=False,
+                             parser_kwargs={"exit_on_error": False})
+        except argparse.ArgumentError as e:
+            raise WalkForwardError(f"{config}: foxhunt.fit rejects this config: {one_line(e)}") from e
         self.config = cli.config
         self.data = self.config.data.as_dict()
         self.model = self.config.model.as_dict()
@@ -591,4 +597,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    sys.exit(run_command(main))

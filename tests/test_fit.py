@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import foxhunt
+from foxhunt.data.bars import DataError
 from foxhunt.fit import main
 
 TINY = str(Path(__file__).parent / "configs" / "tiny.yaml")
@@ -190,7 +191,7 @@ def test_backtest_refuses_bars_the_model_trained_on(tiny_run, tmp_path: Path, ca
 
     src, _ = tiny_run
     overlapping = generate_market(n_bars=8000, seed=11, signal_strength=0.3).write(tmp_path / "overlap.parquet")
-    with pytest.raises(SystemExit, match=r"overlaps the bars the model was trained or selected on \(SYN0: [0-9,]+ bars inside"):
+    with pytest.raises(DataError, match=r"overlap.parquet: it overlaps the bars the model was trained or selected on \(SYN0: [0-9,]+ bars inside"):
         backtest_main(["--checkpoint", str(src / "export"), "--data", str(overlapping), "--out", str(tmp_path)])
     backtest_main(["--checkpoint", str(src / "export"), "--data", str(overlapping), "--out", str(tmp_path), "--allow-overlap"])
     out = capsys.readouterr().out

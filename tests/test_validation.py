@@ -134,3 +134,94 @@ def test_interleaved_symbols_are_checked_per_symbol(tmp_path: Path) -> None:
 def test_bad_policy_name() -> None:
     with pytest.raises(ValueError, match=r"on_bad_bar must be 'raise', 'drop' or 'repair', got 'fix'"):
         load_bars("whatever.csv", on_bad_bar="fix")  # type: ignore[arg-type]
+
+
+# --- checks that catch what breaks models: float32's range, jumps, mixed spacings, disjoint dates --------------------
+def _spike(n: int = 200, at: int = 120, factor: float = 1000.0) -> pd.DataFrame:
+    """Bars with one bar whose prices are ``factor`` times its neighbours' (a bad print)."""
+    bars = make_bars(n)
+    bars.loc[at, ["open", "high", "low", "close"]] *= factor
+    return bars
+
+
+def test_a_1000x_price_spike_is_reported_under_raise_naming_file_row_and_field(tmp_path: Path) -> None:
+    path = _write(tmp_path, _spike(), "spike.parquet")
+    ts = re.escape(make_bars(200)["timestamp"].iloc[120].isoformat())
+    with pytest.raises(BadBarError, match=rf"spike\.parquet: row 120 \(timestamp {ts}, symbol ES\): close jumped from "
+                                          r"[0-9.]+ to [0-9.]+ \(log return \+6\.91, [0-9]+ robust standard deviations; "
+                                          r"the limit is jump_sigmas=100\); 1 more row\(s\) with price jumps"):
+        load_bars(path)
+    assert len(load_bars(path, jump_sigmas=None)) == 200  # the check can be turned off
+
+
+def test_a_price_spike_is_counted_under_drop_and_repair_and_costs_one_bar(tmp_path: Path) -> None:
+    bars = make_bars(200)
+    path = _write(tmp_path, _spike(), "spike.parquet")
+    dropped = load_bars(path, on_bad_bar="drop")
+    assert _counts(dropped) == {"price jumps above 100 robust standard deviations": 1}
+    assert len(dropped) == 199 and bars["timestamp"].iloc[120] not in set(dropped["timestamp"])
+    np.testing.assert_allclose(dropped["close"].to_numpy(), np.delete(bars["close"].to_numpy(), 120))
+    repaired = load_bars(path, on_bad_bar="repair")
+    assert len(repaired) == 200 and _counts(repaired) == {"price jumps above 100 robust standard deviations": 1}
+    assert repaired.loc[120, ["open", "high", "low", "close"]].tolist() == [bars.loc[119, "close"]] * 4
+    assert repaired.loc[120, "volume"] == 0.0
+    np.testing.assert_allclose(repaired["close"].to_numpy()[121:], bars["close"].to_numpy()[121:])
+
+
+def test_jump_limit_is_configurable_and_ordinary_moves_pass(tmp_path: Path) -> None:
+    path = _write(tmp_path, _spike(factor=1.05), "small.parquet")  # 5%: ~50 robust std of 0.1% moves
+    assert len(load_bars(path)) == 200
+    with pytest.raises(BadBarError, match="the limit is jump_sigmas=10"):
+        load_bars(path, jump_sigmas=10)
+    with pytest.raises(ValueError, match="jump_sigmas must be a positive number"):
+        load_bars(path, jump_sigmas=-1)
+
+
+@pytest.mark.parametrize("column, value", [("close", 1e39), ("volume", 1e39), ("low", 1e-39)])
+def test_values_outside_float32_range_are_reported_under_raise_and_counted(tmp_path: Path, column: str, value: float) -> None:
+    bars = make_bars(30)
+    if column == "close":
+        bars.loc[11, "high"] = value
+    bars.loc[11, column] = value
+    path = _write(tmp_path, bars, "f32.parquet")
+    with pytest.raises(BadBarError, match=rf"f32\.parquet: row 11 .*: value outside float32's range \(.*{column}={re.escape(repr(value))}"):
+        load_bars(path)
+    dropped = load_bars(path, on_bad_bar="drop")
+    assert len(dropped) == 29 and _counts(dropped) == {"values outside float32's range": 1}
+    repaired = load_bars(path, on_bad_bar="repair")
+    assert _counts(repaired) == {"values outside float32's range": 1} and repaired.loc[11, "close"] == bars.loc[10, "close"]
+
+
+def test_symbols_with_different_bar_spacings_are_one_error(tmp_path: Path) -> None:
+    from foxhunt.data.bars import DataError
+
+    _write(tmp_path, make_bars(100, symbol="AAA"), "AAA.parquet")
+    _write(tmp_path, make_bars(100, symbol="BBB", freq="5min"), "BBB.parquet")
+    with pytest.raises(DataError, match=r"symbols have different bar spacings \(AAA 0 days 00:01:00, BBB 0 days 00:05:00\)"):
+        load_bars(tmp_path)
+    assert load_bars(tmp_path, symbols=["BBB"])["symbol"].unique().tolist() == ["BBB"]
+
+
+def test_gaps_do_not_change_a_symbol_bar_spacing(tmp_path: Path) -> None:
+    """Overnight gaps and missing bars leave the most common gap, the spacing, as it is."""
+    a = make_bars(300, symbol="AAA")
+    a = a.drop(index=list(range(50, 60)) + [200]).reset_index(drop=True)
+    b = make_bars(300, symbol="BBB", start="2024-01-02 14:31")
+    _write(tmp_path, a, "AAA.parquet")
+    _write(tmp_path, b, "BBB.parquet")
+    assert sorted(load_bars(tmp_path)["symbol"].unique()) == ["AAA", "BBB"]
+
+
+def test_symbols_whose_dates_do_not_overlap_are_one_error_naming_symbol_and_split(tmp_path: Path) -> None:
+    """Splits cut all symbols at shared times: symbols with disjoint dates would each land in one split only."""
+    from foxhunt.data.bars import DataError
+    from foxhunt.data.datamodule import BarDataModule
+
+    _write(tmp_path, make_bars(600, symbol="AAA", start="2024-01-02 14:30"), "AAA.parquet")
+    _write(tmp_path, make_bars(600, symbol="BBB", start="2024-03-02 14:30"), "BBB.parquet")
+    dm = BarDataModule(path=str(tmp_path), lookback=4, horizon=1, features=["logret_1"], known_future=[], cache_dir=None)
+    with pytest.raises(DataError, match=r"data: symbol AAA has no bars in the val split \(its bars: 2024-01-02 14:30 \.\. "
+                                        r"2024-01-03 00:29; the val split: 2024-03-02 "):
+        dm.setup()
+    BarDataModule(path=str(tmp_path), symbols=["BBB"], lookback=4, horizon=1, features=["logret_1"], known_future=[],
+                  cache_dir=None).setup()

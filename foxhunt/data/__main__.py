@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
+
+from foxhunt.cli_errors import run_command
+from foxhunt.data.bars import DEFAULT_JUMP_SIGMAS
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m foxhunt.data", description=__doc__.split(":", 1)[1].strip())
     parser.add_argument("--path", default=None, help="bars file, directory or glob (default: the embedded synthetic market)")
     parser.add_argument("--on-bad-bar", default="raise", choices=["raise", "drop", "repair"])
+    parser.add_argument("--jump-sigmas", type=float, default=DEFAULT_JUMP_SIGMAS,
+                        help="flag a close that moves more than this many robust std of its symbol's log returns (0: off)")
+    parser.add_argument("--debug", action="store_true", help="a traceback for data and path errors too")
     parser.add_argument("--bars", type=int, default=200_000, help="synthetic bars per symbol")
     parser.add_argument("--symbols", type=int, default=1, help="synthetic symbols")
     parser.add_argument("--seed", type=int, default=0)
@@ -20,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.perf_counter()
     dm = BarDataModule(
-        path=args.path, on_bad_bar=args.on_bad_bar, synthetic_bars=args.bars, synthetic_symbols=args.symbols,
+        path=args.path, on_bad_bar=args.on_bad_bar, jump_sigmas=args.jump_sigmas or None, synthetic_bars=args.bars, synthetic_symbols=args.symbols,
         synthetic_seed=args.seed,
     )
     dm.setup()
@@ -31,4 +38,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main))

@@ -26,6 +26,14 @@ Validation policies (``on_bad_bar``):
 
 ``drop`` and ``repair`` log one line per problem kind with its count, and record the counts in
 ``frame.attrs["foxhunt_validation"]``. Missing columns, empty files and unreadable or corrupt files always raise.
+
+Two checks catch what breaks models rather than the schema: values outside float32's range (the tensors' dtype: a
+price of 1e39 would become inf) are treated like non-finite ones, and a **jump check** flags a bar whose close moved
+from the previous bar's by more than ``jump_sigmas`` robust standard deviations of its symbol's log returns (1.4826 x
+the median absolute deviation of the non-zero ones; ``None`` turns the check off). Under ``drop`` the bar that starts
+a jump is removed and under ``repair`` it becomes a flat bar at the previous close with volume 0; the next bar is then
+compared with the bar before it, so a one-bar spike costs one bar (a lasting level shift, e.g. an unadjusted split, is
+left after a few rounds, with a warning).
 """
 
 from __future__ import annotations
@@ -39,16 +47,27 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from foxhunt.cli_errors import UserError
+
 log = logging.getLogger("foxhunt.data")
 
 BadBarPolicy = Literal["raise", "drop", "repair"]
 PRICE_COLUMNS: tuple[str, ...] = ("open", "high", "low", "close")
 BAR_COLUMNS: tuple[str, ...] = ("timestamp", *PRICE_COLUMNS, "volume", "symbol")
 ROW_COLUMN = "_row"  # position of the bar in its source file; dropped before the frame is returned
+DEFAULT_JUMP_SIGMAS = 100.0  # a 1000x spike is thousands of robust std on any bar spacing; real crashes stay below
+JUMP_MIN_RETURNS = 20  # a symbol with fewer non-zero returns has no robust scale to judge jumps by
+JUMP_ROUNDS = 5  # drop/repair rounds (each fixes the first bar of every jump left)
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)
 
 
-class BarLoadError(ValueError):
+class BarLoadError(UserError, ValueError):
     """A file could not be turned into bars at all (unreadable, empty, corrupt, wrong schema, missing columns)."""
+
+
+class DataError(UserError, ValueError):
+    """The bars and the data settings do not make one dataset (mixed bar spacings, disjoint dates, an empty split)."""
 
 
 class BadBarError(BarLoadError):
@@ -140,33 +159,55 @@ def _group_by_symbol(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.reset_index(drop=True)
 
 
-def validate_bars(frame: pd.DataFrame, source: str, on_bad_bar: BadBarPolicy = "raise") -> pd.DataFrame:
+def check_jump_sigmas(jump_sigmas: float | None) -> float | None:
+    if jump_sigmas is not None and (isinstance(jump_sigmas, bool) or not np.isfinite(jump_sigmas) or jump_sigmas <= 0):
+        raise ValueError(f"jump_sigmas must be a positive number of robust standard deviations or None, got {jump_sigmas!r}")
+    return None if jump_sigmas is None else float(jump_sigmas)
+
+
+def validate_bars(
+    frame: pd.DataFrame, source: str, on_bad_bar: BadBarPolicy = "raise", jump_sigmas: float | None = DEFAULT_JUMP_SIGMAS
+) -> pd.DataFrame:
     """Apply the bar checks to one file's rows (schema columns plus ``_row``) and return the cleaned frame."""
     policy = check_policy(on_bad_bar)
+    jump_sigmas = check_jump_sigmas(jump_sigmas)
     report = ValidationReport(source, policy)
     frame = _group_by_symbol(frame)
     categories = frame.attrs["symbols"]
     prices = frame[list(PRICE_COLUMNS)].to_numpy(dtype=np.float64)
     volume = frame["volume"].to_numpy(dtype=np.float64)
 
-    # 1. Non-finite values and non-positive prices.
+    # 1. Non-finite values, non-positive prices, values float32 cannot hold.
     nonfinite = ~np.isfinite(prices).all(axis=1) | ~np.isfinite(volume)
     nonpositive = ~nonfinite & (prices <= 0).any(axis=1)
-    for mask, kind in ((nonfinite, "non-finite values"), (nonpositive, "non-positive prices")):
+    with np.errstate(invalid="ignore"):
+        huge_value = (np.abs(prices) > _F32_MAX) | ((prices > 0) & (prices < _F32_TINY))
+        outside = ~nonfinite & ~nonpositive & (huge_value.any(axis=1) | (np.abs(volume) > _F32_MAX))
+    out_kind = "values outside float32's range"
+    for mask, kind in ((nonfinite, "non-finite values"), (nonpositive, "non-positive prices"), (outside, out_kind)):
         if not mask.any():
             continue
         if policy == "raise":
             cols = ["open", "high", "low", "close", "volume"]
             values = np.column_stack([prices, volume])
 
+            def bad_value(c: str, v: float, kind: str) -> bool:
+                if kind == "non-finite values":
+                    return not np.isfinite(v)
+                if kind == out_kind:
+                    return abs(v) > _F32_MAX or (c != "volume" and 0 < v < _F32_TINY)
+                return c != "volume" and v <= 0
+
             def reason(i: int, kind=kind, cols=cols, values=values) -> str:
-                bad = [c for c, v in zip(cols, values[i]) if (not np.isfinite(v)) or (kind != "non-finite values" and c != "volume" and v <= 0)]
+                bad = [c for c, v in zip(cols, values[i]) if bad_value(c, float(v), kind)]
                 shown = ", ".join(f"{c}={float(values[i][cols.index(c)])!r}" for c in bad)
-                return f"{kind.removesuffix('s')} ({shown})"
+                singular = {"non-finite values": "non-finite value", "non-positive prices": "non-positive price",
+                            out_kind: "value outside float32's range"}[kind]
+                return f"{singular} ({shown})"
 
             _fail(frame, mask, source, reason, kind)
         report.add(kind, int(mask.sum()))
-    bad_price = nonfinite | nonpositive
+    bad_price = nonfinite | nonpositive | outside
     if bad_price.any():
         if policy == "drop":
             keep = ~bad_price
@@ -207,6 +248,10 @@ def validate_bars(frame: pd.DataFrame, source: str, on_bad_bar: BadBarPolicy = "
 
     # 4. Time order and duplicates, per symbol, in file order.
     frame = _check_time(frame, source, policy, report)
+
+    # 5. Jumps of the close (on time-ordered bars).
+    if jump_sigmas is not None:
+        frame = _check_jumps(frame.reset_index(drop=True), source, policy, report, jump_sigmas)
 
     if policy != "raise":
         report.log()
@@ -275,6 +320,81 @@ def _check_time(frame: pd.DataFrame, source: str, policy: BadBarPolicy, report: 
     dup_sorted = np.r_[False, (ts[1:] == ts[:-1]) & (symbols[1:] == symbols[:-1])]
     report.add("duplicate timestamps (kept the first)", int(dup_sorted.sum()))
     return frame[~dup_sorted]
+
+
+def _robust_scale(r: np.ndarray, seg: np.ndarray) -> np.ndarray:
+    """Per row, 1.4826 x the median absolute deviation of its symbol's non-zero log returns (NaN: too few of them)."""
+    nz = np.isfinite(r) & (r != 0)
+    frame = pd.DataFrame({"seg": seg[nz], "r": r[nz]})
+    med = frame.groupby("seg")["r"].transform("median")
+    dev = (frame["r"] - med).abs().groupby(frame["seg"])
+    scale = 1.4826 * dev.median()
+    scale[dev.size() < JUMP_MIN_RETURNS] = np.nan
+    return scale.reindex(np.unique(seg)).to_numpy()[np.searchsorted(np.unique(seg), seg)]
+
+
+def _jumps(close: np.ndarray, seg: np.ndarray, keep: np.ndarray, scale: np.ndarray, k: float) -> tuple[np.ndarray, np.ndarray]:
+    """(rows whose close jumped from the previous kept bar of its symbol, |log return| in robust std) among kept rows."""
+    rows = np.flatnonzero(keep)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.diff(np.log(close[rows]))
+        z = np.abs(r) / scale[rows[1:]]
+    same = seg[rows[1:]] == seg[rows[:-1]]
+    jump = same & (z > k)
+    return rows[1:][jump], z[jump]
+
+
+def _check_jumps(frame: pd.DataFrame, source: str, policy: BadBarPolicy, report: ValidationReport, k: float) -> pd.DataFrame:
+    if len(frame) < 3:
+        return frame
+    close = frame["close"].to_numpy(dtype=np.float64).copy()
+    seg = _segment_first_row(frame[SYM_COLUMN].to_numpy())
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r_all = np.r_[np.nan, np.diff(np.log(close))]
+    r_all[np.r_[True, seg[1:] != seg[:-1]]] = np.nan
+    scale = _robust_scale(r_all, seg)
+    keep = np.ones(len(frame), dtype=bool)
+    rows, z = _jumps(close, seg, keep, scale, k)
+    if not len(rows):
+        return frame
+    if policy == "raise":
+        mask = np.zeros(len(frame), dtype=bool)
+        mask[rows] = True
+        zs = dict(zip(rows.tolist(), z.tolist()))
+
+        def reason(i: int) -> str:
+            prev = np.flatnonzero(seg[:i] == seg[i])[-1]
+            return (f"close jumped from {float(close[prev])!r} to {float(close[i])!r} (log return "
+                    f"{float(np.log(close[i] / close[prev])):+.3g}, "
+                    f"{zs[i]:.0f} robust standard deviations; the limit is jump_sigmas={k:g})")
+
+        _fail(frame, mask, source, reason, "price jumps")
+    flat = np.zeros(len(frame), dtype=bool)
+    fixed = 0
+    for _ in range(JUMP_ROUNDS):
+        if not len(rows):
+            break
+        kept = np.flatnonzero(keep)  # the first bar of each run of consecutive jumps is fixed
+        prev_is_jump = np.isin(kept[np.searchsorted(kept, rows) - 1], rows)
+        start = rows[~prev_is_jump] if (~prev_is_jump).any() else rows[:1]
+        if policy == "drop":
+            keep[start] = False
+        else:
+            close[start] = close[kept[np.searchsorted(kept, start) - 1]]
+            flat[start] = True
+        fixed += len(start)
+        rows, z = _jumps(close, seg, keep, scale, k)
+    report.add(f"price jumps above {k:g} robust standard deviations", fixed)
+    if len(rows):
+        log.warning("%s: %d jump(s) of the close are left after %d rounds of %s: a lasting level shift (an unadjusted "
+                    "split?), first at %s", source, len(rows), JUMP_ROUNDS, policy, _describe_row(frame, int(rows[0])))
+    if policy == "drop":
+        return frame[keep].reset_index(drop=True)
+    frame = frame.copy()
+    for col in PRICE_COLUMNS:
+        frame.loc[flat, col] = close[flat]
+    frame.loc[flat, "volume"] = 0.0
+    return frame
 
 
 def finalize_bars(frames: list[pd.DataFrame]) -> pd.DataFrame:

@@ -15,7 +15,15 @@ import torch
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, Dataset
 
-from foxhunt.data.bars import BadBarPolicy, symbol_codes, timestamps_ns
+from foxhunt.data.bars import (
+    DEFAULT_JUMP_SIGMAS,
+    BadBarPolicy,
+    DataError,
+    check_jump_sigmas,
+    check_policy,
+    symbol_codes,
+    timestamps_ns,
+)
 from foxhunt.data.io import load_bars
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.data.windows import WindowBatches
@@ -101,6 +109,7 @@ class BarDataModule(pl.LightningDataModule):
         path: str | None = None,
         symbols: list[str] | None = None,
         on_bad_bar: BadBarPolicy = "raise",
+        jump_sigmas: float | None = DEFAULT_JUMP_SIGMAS,
         tz: str | None = None,
         synthetic_bars: int = 200_000,
         synthetic_symbols: int = 1,
@@ -141,7 +150,10 @@ class BarDataModule(pl.LightningDataModule):
         self.save_hyperparameters(logger=False)
         self.path = path
         self.symbols = symbols
-        self.on_bad_bar = on_bad_bar
+        self.on_bad_bar = check_policy(on_bad_bar)
+        self.jump_sigmas = check_jump_sigmas(jump_sigmas)
+        if lookback < 1 or horizon < 1:
+            raise ValueError(f"BarDataModule: lookback and horizon must be >= 1 bar, got {lookback} and {horizon}")
         self.tz = tz
         self.synthetic_bars = synthetic_bars
         self.synthetic_symbols = synthetic_symbols
@@ -186,7 +198,8 @@ class BarDataModule(pl.LightningDataModule):
     def load(self) -> pd.DataFrame:
         """The validated bars this module trains on."""
         if self.path is not None:
-            return load_bars(self.path, on_bad_bar=self.on_bad_bar, tz=self.tz, symbols=self.symbols)
+            return load_bars(self.path, on_bad_bar=self.on_bad_bar, tz=self.tz, symbols=self.symbols,
+                             jump_sigmas=self.jump_sigmas)
         from foxhunt.data.synthetic import generate_market
 
         self.market = generate_market(
@@ -231,7 +244,7 @@ class BarDataModule(pl.LightningDataModule):
             self.split_rows[name] = np.flatnonzero(assign == SPLITS.index(name))
         train = torch.from_numpy(self.split_rows["train"])
         if train.numel() == 0:
-            raise ValueError("BarDataModule: the training split is empty; check the split fractions or dates")
+            raise DataError("data: the training split is empty; check data.train_fraction, data.val_start or data.start")
         train_ok = ready[train] & torch.isfinite(returns[train])
         self.feature_normalizer.fit(raw_features[train][train_ok], names=self.feature_set.names)
         features = self.normalise(raw_features)
@@ -256,10 +269,31 @@ class BarDataModule(pl.LightningDataModule):
             n_windows = int(valid_window_starts(split, self.lookback, self.horizon).numel()) if len(split) else 0
             if n_windows == 0:
                 sizes = ", ".join(f"{k} {len(v):,} bars ({int(v.valid.sum()):,} decision bars)" for k, v in self.splits.items())
-                raise ValueError(
-                    f"BarDataModule: the {name} split has no complete window of lookback {self.lookback} + horizon "
+                raise DataError(
+                    f"data: the {name} split has no complete window of lookback {self.lookback} + horizon "
                     f"{self.horizon} bars after the purge of {self.purge} bars and the features' warm-up ({sizes}); use "
                     f"more bars, larger split fractions, or a shorter lookback"
+                )
+        self._check_symbol_coverage()
+
+    def _check_symbol_coverage(self) -> None:
+        """Every symbol must have bars in every split: splits cut all symbols at shared times, so symbols whose dates
+        do not overlap would each land in one split only (one only trained on, another only tested on)."""
+        if self.bars is None or self.bars["symbol"].nunique() < 2:
+            return
+        codes, names = symbol_codes(self.bars)
+        ts = timestamps_ns(self.bars)
+        for name in SPLITS:
+            rows = self.split_rows[name]
+            missing = np.flatnonzero(np.bincount(codes[rows], minlength=len(names)) == 0)
+            if len(missing):
+                sym = int(missing[0])
+                own = ts[codes == sym]
+                span = f"{_date(int(ts[rows].min()))} .. {_date(int(ts[rows].max()))}" if len(rows) else "nothing"
+                raise DataError(
+                    f"data: symbol {names[sym]} has no bars in the {name} split (its bars: {_date(int(own.min()))} .. "
+                    f"{_date(int(own.max()))}; the {name} split: {span}): the symbols' date ranges do not overlap "
+                    "enough to share train/val/test cuts. Give data.symbols with overlapping dates, or data.start/end"
                 )
 
     def normalise(self, raw_features: torch.Tensor) -> torch.Tensor:
@@ -391,14 +425,14 @@ class BarDataModule(pl.LightningDataModule):
         if self.end is not None:
             inside &= ts < _utc_ns(self.end)
         if not inside.any():
-            raise ValueError(f"BarDataModule: no bars between start {self.start} and end {self.end}")
+            raise DataError(f"data.start/data.end: no bars between start {self.start} and end {self.end}")
         if self.val_start is not None or self.test_start is not None:
             if self.val_start is None or self.test_start is None:
-                raise ValueError("BarDataModule: give both val_start and test_start, or neither")
+                raise DataError("data.val_start/data.test_start: give both, or neither")
             val_cut = pd.Timestamp(self.val_start, tz="UTC").value if pd.Timestamp(self.val_start).tz is None else pd.Timestamp(self.val_start).value
             test_cut = pd.Timestamp(self.test_start, tz="UTC").value if pd.Timestamp(self.test_start).tz is None else pd.Timestamp(self.test_start).value
             if test_cut <= val_cut:
-                raise ValueError(f"BarDataModule: test_start {self.test_start} must be after val_start {self.val_start}")
+                raise DataError(f"data.test_start: {self.test_start} must be after data.val_start {self.val_start}")
         else:
             uniq = np.unique(ts[inside])
             val_cut = uniq[min(len(uniq) - 1, int(len(uniq) * self.train_fraction))]
@@ -482,6 +516,10 @@ class BarDataModule(pl.LightningDataModule):
                 f"{t1:%Y-%m-%d %H:%M} UTC, next-bar log return mean {r.mean():+.2e} std {r.std():.2e}"
             )
         return "\n".join(lines)
+
+
+def _date(ns: int) -> str:
+    return f"{pd.Timestamp(ns, tz='UTC'):%Y-%m-%d %H:%M}"
 
 
 def _utc_ns(when: str) -> int:

@@ -13,10 +13,13 @@ import pyarrow.parquet as pq
 
 from foxhunt.data.bars import (
     BAR_COLUMNS,
+    DEFAULT_JUMP_SIGMAS,
     PRICE_COLUMNS,
     ROW_COLUMN,
     BadBarPolicy,
     BarLoadError,
+    DataError,
+    check_jump_sigmas,
     check_policy,
     finalize_bars,
     log,
@@ -92,13 +95,17 @@ def load_bars(
     tz: str | None = None,
     symbol: str | None = None,
     symbols: Sequence[str] | None = None,
+    jump_sigmas: float | None = DEFAULT_JUMP_SIGMAS,
 ) -> pd.DataFrame:
     """Load, validate and concatenate bars from DBN, CSV or Parquet files into the bar schema.
 
     ``tz`` is the timezone of timezone-naive timestamps in CSV/Parquet files (default UTC); ``symbol`` names the
-    instrument of files without a symbol column (default: the file's stem); ``symbols`` keeps only those symbols.
+    instrument of files without a symbol column (default: the file's stem); ``symbols`` keeps only those symbols;
+    ``jump_sigmas`` is the jump check's limit (:mod:`foxhunt.data.bars`; None: off). Symbols of different bar
+    spacings cannot make one dataset: that raises :class:`DataError`.
     """
     policy = check_policy(on_bad_bar)
+    jump_sigmas = check_jump_sigmas(jump_sigmas)
     files = resolve_paths(path_or_glob)
     frames = []
     for path in files:
@@ -118,13 +125,40 @@ def load_bars(
             raw = raw[raw["symbol"].isin(list(symbols))]
             if len(raw) == 0:
                 continue
-        frames.append(validate_bars(raw, str(path), policy))
+        frames.append(validate_bars(raw, str(path), policy, jump_sigmas))
     if not frames:
         wanted = f" for symbols {list(symbols)}" if symbols is not None else ""
         raise BarLoadError(f"{path_or_glob}: no bars{wanted} in any file")
     bars = finalize_bars(frames)
     _check_cross_file(bars, files, policy)
+    check_bar_spacing(bars, ", ".join(map(str, files)) if len(files) < 4 else f"{path_or_glob} ({len(files)} files)")
     return bars
+
+
+def bar_spacings(bars: pd.DataFrame) -> dict[str, int]:
+    """Each symbol's bar spacing in nanoseconds: the most common gap between its consecutive bars (symbols with one
+    bar have none). The mode, not the mean: overnight and weekend gaps do not move it."""
+    ts = timestamps_ns(bars)
+    codes, categories = symbol_codes(bars)
+    same = codes[1:] == codes[:-1]
+    gaps = pd.DataFrame({"sym": codes[1:][same], "gap": np.diff(ts)[same]})
+    if gaps.empty:
+        return {}
+    counts = gaps.value_counts().reset_index(name="n").sort_values(["sym", "n", "gap"], ascending=[True, False, True])
+    first = counts.drop_duplicates("sym")
+    return {str(categories[int(s)]): int(g) for s, g in zip(first["sym"], first["gap"], strict=True)}
+
+
+def check_bar_spacing(bars: pd.DataFrame, source: str) -> None:
+    """Symbols of one dataset must share one bar spacing (a model's lookback and horizon count bars)."""
+    spacings = bar_spacings(bars)
+    if len(set(spacings.values())) <= 1:
+        return
+    shown = ", ".join(f"{sym} {pd.Timedelta(ns)}" for sym, ns in sorted(spacings.items()))
+    raise DataError(
+        f"{source}: symbols have different bar spacings ({shown}); one dataset needs one spacing: resample them to "
+        "one, or load one spacing at a time (data.symbols)"
+    )
 
 
 def _check_cross_file(bars: pd.DataFrame, files: list[Path], policy: BadBarPolicy) -> None:

@@ -7,10 +7,11 @@ corrupt checkpoint named in one line.
   the file in ``TMPDIR`` and moves it, which is a copy, not an atomic rename, when ``TMPDIR`` is on another file
   system);
 - ``load_checkpoint`` turns a file ``torch.load`` cannot read (empty, truncated, not a checkpoint) into one
-  ``RuntimeError`` that names the file, instead of a bare ``EOFError`` from deep inside the unpickler.
+  :class:`CheckpointError` that names the file, instead of a bare ``EOFError`` from deep inside the unpickler.
 
 Remote paths (``s3://`` and the like) go to ``TorchCheckpointIO`` unchanged. ``checkpoint_problem`` says why a file
-cannot be resumed from (``--ckpt_path last`` skips such files).
+cannot be resumed from (``--ckpt_path last`` skips such files). ``PeriodicCheckpoint`` writes ``last-steps.ckpt``
+every N training steps inside an epoch (``foxhunt.fit --checkpoint_every_n_steps N``), through the same IO.
 """
 
 from __future__ import annotations
@@ -20,9 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from foxhunt.cli_errors import UserError
 from foxhunt.files import atomic_file, first_line
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that cannot be resumed from (missing, empty, truncated, not a checkpoint), named in one line."""
 
 
 def _is_local(path: Any) -> bool:
@@ -74,11 +81,32 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         p = _local(path)
         if not p.exists():
-            raise FileNotFoundError(f"Checkpoint file not found: {p}")
+            raise FileNotFoundError(f"{p}: no such checkpoint file")
         try:
             return torch.load(p, map_location=map_location, weights_only=weights_only)
         except Exception as e:  # noqa: BLE001 - every unreadable file gets the same one-line error
             reason = "the file is empty (0 bytes)" if p.stat().st_size == 0 else first_line(e)
-            error = RuntimeError(f"{p}: not a readable checkpoint ({reason}); resume from an earlier one")
+            error = CheckpointError(f"{p}: not a readable checkpoint ({reason}); resume from an earlier one")
             # a weights_only refusal's advice spans many lines: keep it as the cause; corruption needs no frames
             raise error from (e if isinstance(e, pickle.UnpicklingError) else None)
+
+
+class PeriodicCheckpoint(Callback):
+    """Saves ``last-steps.ckpt`` beside the run's other checkpoints every ``every_n_steps`` training steps (batches of
+    the coordinator, counted within the epoch), so a crash inside a long epoch loses at most that many steps. It goes
+    through ``Trainer.save_checkpoint`` (on every rank, as that requires), hence through ``AtomicCheckpointIO``."""
+
+    FILENAME = "last-steps.ckpt"
+
+    def __init__(self, every_n_steps: int) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if (batch_idx + 1) % self.every_n_steps:
+            return
+        ckpt = trainer.checkpoint_callback
+        dirpath = getattr(ckpt, "dirpath", None) or Path(trainer.default_root_dir) / "checkpoints"
+        trainer.save_checkpoint(Path(dirpath) / self.FILENAME)

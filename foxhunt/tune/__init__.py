@@ -15,9 +15,12 @@ propose the same parameters.
 
 Failures: a non-finite loss or gradient (the guard's NonFiniteError) or a NaN objective prunes the trial (a bad
 region the sampler should learn to avoid); an out-of-memory error or any other exception fails it; in every case the
-reason is a user attribute (``fail_kind``/``fail_reason`` or ``pruned_reason``) and the study continues. Ctrl-C
-marks the running trial failed with ``fail_kind=interrupted`` (it does not count, so the next run replaces it) and
-leaves the storage consistent; a worker killed outright is found by Optuna's heartbeat and failed as stale.
+reason is a user attribute (``fail_kind``/``fail_reason`` or ``pruned_reason``) and the study continues. Ctrl-C and
+SIGTERM mark the running trial failed with ``fail_kind=interrupted`` and the signal named in ``fail_reason`` (it does
+not count, so the next run replaces it), leave the storage consistent and exit 130 or 143; a worker killed outright
+(SIGKILL, a lost machine) is found by Optuna's heartbeat, failed as stale and its parameters retried once by the next
+worker (``RetryStaleTrial``: the retry records ``retry_of`` and ``retry_reason``). A config mistake is one ``error:``
+line and exit status 2 (:mod:`foxhunt.cli_errors`).
 
 Modules: ``space`` (the tune config, its search space and the fit configs of dotted keys), ``study`` (storage,
 sampler, pruner, study creation, the trial budget), ``objective`` (a trial's fit, pruning, metric reduction, and
@@ -27,7 +30,7 @@ sampler, pruner, study creation, the trial budget), ``objective`` (a trial's fit
 from __future__ import annotations
 
 from foxhunt.tune.cli import main
-from foxhunt.tune.objective import FitObjective, MetricMissingError, StudyRun, TrialError, run_study
+from foxhunt.tune.objective import FitObjective, MetricMissingError, StudyRun, Terminated, TrialError, run_study
 from foxhunt.tune.report import format_summary, summarize
 from foxhunt.tune.space import (
     FitConfigParser,
@@ -46,6 +49,7 @@ from foxhunt.tune.study import (
     HEARTBEAT_GRACE_S,
     HEARTBEAT_INTERVAL_S,
     SQLITE_TIMEOUT_S,
+    RetryStaleTrial,
     TrialSeededSampler,
     counts_toward_budget,
     default_storage_url,
@@ -62,9 +66,11 @@ __all__ = [
     "FitConfigParser",
     "FitObjective",
     "MetricMissingError",
+    "RetryStaleTrial",
     "Objective",
     "SearchParam",
     "StudyRun",
+    "Terminated",
     "TrialError",
     "TrialSeededSampler",
     "TuneConfig",

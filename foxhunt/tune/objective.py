@@ -10,6 +10,7 @@ import math
 import os
 import signal
 import socket
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -43,6 +44,24 @@ class TrialError(RuntimeError):
 
 class MetricMissingError(TuneConfigError):
     """The objective metric is not logged: every trial would fail, so the study stops."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop, ``kill``) during a study: handled as Ctrl-C is, but recorded as SIGTERM."""
+
+
+INTERRUPT_REASONS = {
+    "SIGINT": "KeyboardInterrupt (Ctrl-C); the next run replaces this trial",
+    "SIGTERM": "SIGTERM (the worker was told to stop); the next run replaces this trial",
+}
+
+
+def _signal_name(e: BaseException) -> str:
+    return "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated(f"signal {signal.Signals(signum).name}")
 
 
 class _Recorder:
@@ -156,6 +175,7 @@ class FitObjective:
 
     def _fit(self, trial: optuna.Trial, params: dict[str, Any], config_path: Path, out: Path) -> float | list[float]:
         from lightning.pytorch.trainer.states import TrainerStatus
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
 
         from foxhunt.fit import build_cli
 
@@ -193,15 +213,18 @@ class FitObjective:
             raise
         except TrialError:
             raise
-        except SystemExit as e:  # Lightning turns Ctrl-C into sys.exit(1) after its graceful shutdown
+        except SystemExit as e:  # Lightning turns Ctrl-C (and SIGTERM: our Terminated) into sys.exit(1) after its shutdown
             if cli is not None and cli.trainer.state.status == TrainerStatus.INTERRUPTED:
-                self._interrupted(trial, recorder)
-                raise KeyboardInterrupt from e
+                cause = e.__context__ if isinstance(e.__context__, KeyboardInterrupt) else KeyboardInterrupt()
+                if isinstance(e, SIGTERMException):  # Lightning's own SIGTERM path (our handler not installed)
+                    cause = Terminated("signal SIGTERM")
+                self._interrupted(trial, recorder, _signal_name(cause))
+                raise cause from None
             trial.set_user_attr("fail_kind", "error")
             trial.set_user_attr("fail_reason", f"SystemExit({e.code}) during the trial")
             raise TrialError(f"the trial exited with {e.code}") from e
-        except KeyboardInterrupt:
-            self._interrupted(trial, recorder)
+        except KeyboardInterrupt as e:
+            self._interrupted(trial, recorder, _signal_name(e))
             raise
         except MetricMissingError:
             trial.set_user_attr("fail_kind", "config")
@@ -232,11 +255,11 @@ class FitObjective:
         trial.set_user_attr("history", {m: [round(v, 6) if math.isfinite(v) else str(v) for v in h]
                                         for m, h in recorder.history.items()})
 
-    def _interrupted(self, trial: optuna.Trial, recorder: Any) -> None:
+    def _interrupted(self, trial: optuna.Trial, recorder: Any, how: str) -> None:
         with contextlib.suppress(Exception):  # a second Ctrl-C must not leave the trial RUNNING
             self._record_history(trial, recorder)
             trial.set_user_attr("fail_kind", "interrupted")
-            trial.set_user_attr("fail_reason", "KeyboardInterrupt (Ctrl-C); the next run replaces this trial")
+            trial.set_user_attr("fail_reason", INTERRUPT_REASONS[how])
 
 
 # -------------------------------------------------------------------------------------------------------- a study
@@ -260,7 +283,9 @@ def run_study(
 ) -> StudyRun:
     """Run trials until the study holds ``n_trials`` counted trials (all workers together) or ``timeout`` passes.
 
-    KeyboardInterrupt propagates after the running trial is marked ``interrupted``.
+    KeyboardInterrupt (Ctrl-C) and ``Terminated`` (SIGTERM, while this runs in the main thread) propagate after the
+    running trial is marked ``interrupted`` with the signal's name. A trial waiting to be retried (a stale one's
+    parameters) is run before the study counts as done.
     """
     n_trials = cfg.n_trials if n_trials is None else n_trials
     timeout = cfg.timeout if timeout is None else timeout
@@ -274,6 +299,9 @@ def run_study(
     start = time.monotonic()
     log.info("study %r in %s: %s", name, storage, "until interrupted" if n_trials is None and timeout is None else
              f"n_trials={n_trials} (study total), timeout={timeout}")
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         while True:
             if timeout is not None and time.monotonic() - start >= timeout:
@@ -284,7 +312,8 @@ def run_study(
                     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                     optuna.storages.fail_stale_trials(study)  # a killed worker's trial must not hold a slot
                 used = _budget_used(study)
-                if used >= n_trials:
+                waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+                if used >= n_trials and not waiting:
                     log.info("study %r holds %d of %d trials (counted or running): done", name, used, n_trials)
                     break
             before = {t.number for t in study.get_trials(deepcopy=False)}
@@ -293,17 +322,21 @@ def run_study(
                 study.optimize(objective, n_trials=1, catch=(TrialError,), gc_after_trial=True)
             run.ran += sorted({t.number for t in study.get_trials(deepcopy=False)
                                if t.user_attrs.get("worker") == objective.worker} - before)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         run.interrupted = True
-        _release_own_trials(study, objective.worker)
+        _release_own_trials(study, objective.worker, _signal_name(e))
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return run
 
 
-def _release_own_trials(study: optuna.Study, worker: str) -> None:
+def _release_own_trials(study: optuna.Study, worker: str, how: str) -> None:
     """Fail this worker's trials that an interrupt left RUNNING (e.g. Ctrl-C during a storage write)."""
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if t.user_attrs.get("worker") == worker:
             with contextlib.suppress(Exception):
                 study._storage.set_trial_user_attr(t._trial_id, "fail_kind", "interrupted")
+                study._storage.set_trial_user_attr(t._trial_id, "fail_reason", INTERRUPT_REASONS[how])
                 study.tell(t.number, state=TrialState.FAIL)

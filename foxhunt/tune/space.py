@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -17,8 +18,13 @@ import yaml
 from optuna.samplers import BaseSampler
 from optuna.trial import FrozenTrial
 
+from foxhunt.cli_errors import ConfigError, UserError, one_line
 
-class TuneConfigError(ValueError):
+HEARTBEAT_INTERVAL_S = 30  # a running trial's heartbeat; one silent for the grace period is stale (killed worker)
+HEARTBEAT_GRACE_S = 120
+
+
+class TuneConfigError(UserError, ValueError):
     """A tune config or its base fit config is invalid (raised before any trial runs, naming the file and field)."""
 
 
@@ -98,6 +104,8 @@ class TuneConfig:
     n_trials: int | None = None
     timeout: float | None = None
     progress_bar: bool = False
+    heartbeat_interval: int = HEARTBEAT_INTERVAL_S
+    heartbeat_grace: int = HEARTBEAT_GRACE_S
 
     @property
     def multi_objective(self) -> bool:
@@ -112,7 +120,7 @@ class TuneConfig:
 
 
 _TOP_KEYS = {"base_config", "study_name", "search_space", "objective", "fixed", "sampler", "pruner", "storage",
-             "runs_dir", "n_trials", "timeout", "progress_bar"}
+             "runs_dir", "n_trials", "timeout", "progress_bar", "heartbeat_interval", "heartbeat_grace"}
 
 
 def load_tune_config(path: str | Path) -> TuneConfig:
@@ -155,6 +163,13 @@ def load_tune_config(path: str | Path) -> TuneConfig:
     timeout = raw.get("timeout")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise TuneConfigError(f"{where}: 'timeout' must be a positive number of seconds or null, got {timeout!r}")
+    beat = {k: raw.get(k, d) for k, d in (("heartbeat_interval", HEARTBEAT_INTERVAL_S), ("heartbeat_grace", HEARTBEAT_GRACE_S))}
+    for k, v in beat.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise TuneConfigError(f"{where}: '{k}' must be a positive whole number of seconds, got {v!r}")
+    if beat["heartbeat_grace"] <= beat["heartbeat_interval"]:
+        raise TuneConfigError(f"{where}: 'heartbeat_grace' ({beat['heartbeat_grace']} s) must exceed "
+                              f"'heartbeat_interval' ({beat['heartbeat_interval']} s), or live trials look stale")
     return TuneConfig(
         path=path.resolve(),
         base_config=base,
@@ -169,6 +184,8 @@ def load_tune_config(path: str | Path) -> TuneConfig:
         n_trials=n_trials,
         timeout=float(timeout) if timeout is not None else None,
         progress_bar=bool(raw.get("progress_bar", False)),
+        heartbeat_interval=beat["heartbeat_interval"],
+        heartbeat_grace=beat["heartbeat_grace"],
     )
 
 
@@ -367,6 +384,9 @@ class FitConfigParser:
         stderr, sys.stderr = sys.stderr, io.StringIO()
         try:
             yield
+        except (argparse.ArgumentError, ConfigError) as e:  # build_cli raises instead of exiting
+            sys.stderr = stderr
+            raise TuneConfigError(f"{path}: foxhunt.fit rejects this config: {one_line(e)}") from None
         except SystemExit:
             message = sys.stderr.getvalue().strip()
             if "error:" in message:  # jsonargparse prints its usage first; keep the error

@@ -1,7 +1,10 @@
-"""Optuna side of a study: RDB storage, per-trial seeded sampler, pruner, study creation, the trial budget."""
+"""Optuna side of a study: RDB storage, per-trial seeded sampler, pruner, study creation, the trial budget, and the
+one retry of a stale trial (a worker killed or hung: its heartbeat stopped)."""
 
 from __future__ import annotations
 
+import copy
+import inspect
 import logging
 import os
 import time
@@ -12,16 +15,15 @@ from typing import Any
 import optuna
 from optuna.distributions import BaseDistribution
 from optuna.samplers import BaseSampler
+from optuna.storages import RetryFailedTrialCallback
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
-from foxhunt.tune.space import _PRUNERS, _SAMPLERS, TuneConfig, TuneConfigError
+from foxhunt.tune.space import _PRUNERS, _SAMPLERS, HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S, TuneConfig, TuneConfigError
 
 log = logging.getLogger("foxhunt.tune")
 
 SQLITE_TIMEOUT_S = 60
-HEARTBEAT_INTERVAL_S = 30
-HEARTBEAT_GRACE_S = 120
 COUNTED_FAIL_KINDS = ("error", "oom")  # failures that used up a trial; interrupted, surplus and stale ones do not
 
 
@@ -66,12 +68,40 @@ class TrialSeededSampler(BaseSampler):
 
 
 # ---------------------------------------------------------------------------------------------------------- storage
+# trial attributes of a run that a retry must not inherit (the retry writes its own)
+_RUN_ATTRS = ("log_dir", "fit_config", "seconds", "history", "fail_kind", "fail_reason", "pruned_reason", "export_dir")
+
+
+class RetryStaleTrial(RetryFailedTrialCallback):
+    """Optuna's ``RetryFailedTrialCallback`` (once) for stale trials, recording on the retry which trial it repeats
+    (``retry_of``) and why (``retry_reason``); a retry that goes stale in turn is not retried again."""
+
+    def __init__(self, grace_period: int) -> None:
+        super().__init__(max_retry=1)
+        self.grace_period = grace_period
+
+    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        worker = trial.user_attrs.get("worker", "an unknown worker")
+        reason = (f"trial {trial.number} (worker {worker}) sent no heartbeat for {self.grace_period} s: the worker was "
+                  "killed or hung; retried once with the same parameters")
+        if RetryFailedTrialCallback.retry_history(trial):
+            log.warning("trial %d, itself a retry, went stale too (worker %s): not retried again", trial.number, worker)
+            return
+        log.warning("%s", reason)
+        retry = copy.deepcopy(trial)
+        retry.user_attrs = {**{k: v for k, v in trial.user_attrs.items() if k not in _RUN_ATTRS},
+                            "retry_of": trial.number, "retry_reason": reason}
+        super().__call__(study, retry)
+
+
 def default_storage_url(runs_dir: Path) -> str:
     return f"sqlite:///{(runs_dir / 'optuna.db').resolve()}"
 
 
-def open_storage(url: str) -> optuna.storages.RDBStorage:
-    """An RDB storage with a heartbeat (stale trials of killed workers are failed) and SQLite's busy timeout."""
+def open_storage(url: str, heartbeat_interval: int = HEARTBEAT_INTERVAL_S,
+                 grace_period: int = HEARTBEAT_GRACE_S) -> optuna.storages.RDBStorage:
+    """An RDB storage with a heartbeat (stale trials of killed workers are failed, and retried once) and SQLite's
+    busy timeout."""
     engine_kwargs: dict[str, Any] = {"pool_pre_ping": True}
     if url.startswith("sqlite"):
         db = url.split("///", 1)[-1]
@@ -80,11 +110,13 @@ def open_storage(url: str) -> optuna.storages.RDBStorage:
         engine_kwargs = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}}
     from sqlalchemy.exc import IntegrityError, OperationalError
 
+    params = inspect.signature(optuna.storages.RDBStorage).parameters  # Optuna 5 renamed the stale-trial callback
+    callback = "heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in params else "failed_trial_callback"
     for attempt in range(6):
         try:
             return optuna.storages.RDBStorage(
-                url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_INTERVAL_S,
-                grace_period=HEARTBEAT_GRACE_S,
+                url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
+                **{callback: RetryStaleTrial(grace_period)},
             )
         except (IntegrityError, OperationalError):
             # workers started together on a new database race to create its tables and version row: the loser
@@ -97,7 +129,7 @@ def open_storage(url: str) -> optuna.storages.RDBStorage:
 
 def open_study(cfg: TuneConfig, storage: str, study_name: str, create: bool = True) -> optuna.Study:
     """Create or resume the study; a resumed study must keep its objective directions."""
-    store = open_storage(storage)
+    store = open_storage(storage, cfg.heartbeat_interval, cfg.heartbeat_grace)
     sampler = TrialSeededSampler(cfg.sampler["name"], cfg.sampler.get("seed"),
                                  **{k: v for k, v in cfg.sampler.items() if k not in ("name", "seed")})
     pruner = make_pruner(cfg.pruner)
