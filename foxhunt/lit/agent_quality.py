@@ -170,3 +170,56 @@ def run_quality(phi: float, steps: int, n_bars: int, seed: int = 0, market: str 
         "fraction_of_oracle": dqn["reward_per_bar"] / oracle if oracle > 0 else float("nan"),
         "dqn": dqn, **base,
     }
+
+
+# ----------------------------------------------------------------------------------------------- generalisation tasks
+def task_dqn_kwargs(updates: int) -> dict:
+    """The DQN of the generalisation benchmark (foxhunt.lit.agent_tasks): the member's defaults (the measured ones),
+    a 32-bar window and batches of 64; ``updates`` sets the exploration and the cosine schedule's length."""
+    return {
+        "window": 32, "batch_size": 64, "epsilon_steps": max(1, updates // 10), "scheduler": "cosine",
+        "total_steps": updates, "log_grad_norm_every": 0,
+    }
+
+
+def train_on_task(
+    data: SyntheticMarket, updates: int, seed: int = 0, cost_bps: float = 1.0,
+    min_edge_confidence: float | None = 0.95, **overrides,
+) -> tuple[EnsembleModule, DQNModule, float]:
+    """Train a DQN member through the coordinator on ``data.train`` (choosing its weights on ``data.val``), then let
+    the coordinator decide on ``data.val`` whether it trades (``min_edge_confidence``); returns (the coordinator, the
+    member, seconds)."""
+    kwargs = task_dqn_kwargs(updates)
+    kwargs.update(overrides)
+    kwargs.setdefault("updates_per_step", updates_per_step_for(updates))
+    member = DQNModule(seed=seed, **kwargs)
+    ensemble = EnsembleModule(members={"dqn": member}, cost_bps=cost_bps, min_edge_confidence=min_edge_confidence)
+    dm = MarketDataModule(data.train, data.val, data.test, steps_per_epoch=math.ceil(updates / member.updates_per_step))
+    trainer = L.Trainer(
+        max_steps=updates, max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", devices=1, limit_val_batches=0, num_sanity_val_steps=0,
+    )
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        trainer.fit(ensemble, datamodule=dm)
+        ensemble.evaluate(data.val, choose_weights=True)  # the weight choice and the do-no-harm rule, on validation
+    return ensemble, member, time.perf_counter() - t0
+
+
+def task_scores(positions: torch.Tensor, data: SyntheticMarket, cost_bps: float = 1.0, window: int = 32) -> dict:
+    """Test-split figures of a policy's positions: fraction of the best causal oracle's reward per bar after costs
+    (NaN without an oracle), total log return, turnover, reward per bar; plus the oracle's and buy-and-hold's."""
+    market = MarketTensors(data.test, window, (-1.0, 0.0, 1.0), cost_bps)
+    m = trading_metrics(positions.float(), market.returns, cost_bps, BARS_PER_YEAR, mask=market.decision,
+                        reset=market.reset_mask)
+    out = {"reward_per_bar": float(m.reward_per_bar), "log_return": float(m.total_log_return),
+           "turnover": float(m.turnover), "fraction_of_oracle": float("nan"), "oracle_reward_per_bar": float("nan")}
+    bh = trading_metrics(market.decision.float(), market.returns, cost_bps, BARS_PER_YEAR, mask=market.decision,
+                         reset=market.reset_mask)
+    out["buy_and_hold_log_return"] = float(bh.total_log_return)
+    if data.has_oracle:
+        oracle = best_causal_oracle(baseline_metrics(market, data.expected["test"]))
+        out["oracle_reward_per_bar"] = oracle
+        out["fraction_of_oracle"] = out["reward_per_bar"] / oracle if oracle > 0 else float("nan")
+    return out

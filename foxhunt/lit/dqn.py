@@ -7,6 +7,13 @@ Double DQN target under ``no_grad`` from the target network; the Huber loss (:me
 coordinator's backward, guard, clip and optimizer step; the target sync (:meth:`DQNModule.after_update`).
 Validation runs the greedy policy over the whole validation split in one vectorised pass.
 
+Against memorising the training path (issue 16): every ``select_every`` updates the member scores its greedy policy on
+the validation split (reward per bar after costs) and keeps the best weights as its policy (``policy_net``; never
+chosen on training reward), stops learning after ``patience`` evaluations without a gain, and reports the train /
+validation gap (``train/dqn/greedy_reward_per_bar``, ``val/dqn/greedy_reward_per_bar``). Dropout, observation noise,
+weight decay, a training-only turnover penalty and the window length are hyperparameters; the coordinator's
+``min_edge_confidence`` keeps the member flat when its validation edge is not significant.
+
 Usage::
 
     member = DQNModule(window=16)
@@ -23,11 +30,13 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from foxhunt.data.market import MarketSpec, MarketSplit
+from foxhunt.evaluation.significance import sharpe_moments
 from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
-from foxhunt.evaluation.trading import trading_metrics
+from foxhunt.evaluation.trading import strategy_log_returns, trading_metrics
 from foxhunt.lit.member import Agent
 from foxhunt.models.qnet import EncoderKind, QNetwork
 from foxhunt.rl.batches import PresampledBatches, TDBatch
@@ -67,6 +76,17 @@ class _Counters:
     last_epsilon: float = 1.0
 
 
+@dataclass
+class _Selection:
+    """Model selection on held-out data: the best validation reward so far, the candidates' Sharpes, patience."""
+
+    best: float = -math.inf  # best validation reward per bar after costs (raw log return) of a candidate
+    best_update: int = -1  # update whose weights are the policy (-1: none chosen yet)
+    since_best: int = 0  # evaluations since the best
+    sharpes: list[float] = field(default_factory=list)  # per-bar validation Sharpe of every candidate scored
+    latest: dict[str, float] = field(default_factory=dict)  # the last evaluation's figures, until logged
+
+
 class DQNModule(Agent):
     """Double DQN agent over a vectorised market environment (see the module docstring)."""
 
@@ -101,6 +121,11 @@ class DQNModule(Agent):
         env_step_every: int = 1,
         exogenous: ExogenousMode = "all_actions",
         huber_delta: float = 1.0,
+        dropout: float = 0.0,
+        obs_noise: float = 0.0,
+        turnover_penalty_bps: float = 0.0,
+        select_every: int = 0,
+        patience: int = 0,
         lr: float = 3e-4,
         weight_decay: float = 0.0,
         fused_adamw: bool = True,
@@ -149,6 +174,14 @@ class DQNModule(Agent):
             exogenous: "all_actions" regresses Q(s, a) for every action of a sampled state onto its known reward
                 plus the bootstrapped value of (t+1, a); "none" is plain DQN on the taken action.
             huber_delta: Huber loss threshold (in reward units).
+            dropout: dropout rate after each hidden layer of the Q-networks while learning (0: none).
+            obs_noise: standard deviation of Gaussian noise added to the (z-scored) feature windows of the states
+                the online network learns from (0: none); the successors' targets see clean windows.
+            turnover_penalty_bps: extra cost per unit of position traded, in basis points, in the training reward
+                only (the agent learns to trade less than the real cost alone asks; metrics count the real cost).
+            select_every: updates between scores of the greedy policy on the validation split; the best-scoring
+                weights (reward per bar after costs) become the policy (``policy_net``). 0: the last weights trade.
+            patience: evaluations without a better validation score after which the member stops learning (0: never).
             lr: AdamW learning rate.
             weight_decay: AdamW decoupled weight decay (weight matrices only).
             fused_adamw: use PyTorch's fused AdamW kernel where the parameters' device supports it (the small
@@ -190,6 +223,10 @@ class DQNModule(Agent):
                 "batch_size, env_steps_per_update, env_step_every, updates_per_step, target_update_every, polyak_every"
                 " and epsilon_steps must be >= 1"
             )
+        if select_every < 0 or patience < 0:
+            raise ValueError(f"select_every and patience must be >= 0, got {select_every}, {patience}")
+        if obs_noise < 0 or turnover_penalty_bps < 0:
+            raise ValueError(f"obs_noise and turnover_penalty_bps must be >= 0, got {obs_noise}, {turnover_penalty_bps}")
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
         if cost_bps is not None and cost_bps < 0:
@@ -209,6 +246,12 @@ class DQNModule(Agent):
         self.seed = int(seed)
         self.q_net: QNetwork | None = None
         self.target_net: QNetwork | None = None
+        self.policy_net: QNetwork | None = None  # the weights chosen on validation (select_every > 0)
+        self.register_buffer("selected_update", torch.tensor(-1, dtype=torch.int64))  # -1: no choice yet
+        self.selection = _Selection()
+        self.finished = False
+        self.noise_rng: torch.Generator | None = None
+        self._held_out: tuple[MarketTensors, MarketTensors] | None = None  # (train tail, val) markets for selection
         self.train_split: MarketSplit | None = None
         self.val_split: MarketSplit | None = None
         self.env: MarketEnv | None = None
@@ -254,12 +297,17 @@ class DQNModule(Agent):
             net_args = {
                 "n_features": n_inputs, "window": hp.window, "n_actions": len(hp.actions),
                 "n_position_features": len(hp.actions), "hidden": tuple(hp.hidden), "layer_norm": hp.layer_norm,
-                "dueling": hp.dueling, "encoder": hp.encoder,
+                "dueling": hp.dueling, "encoder": hp.encoder, "dropout": hp.dropout,
             }
             self.q_net = QNetwork(**net_args)  # type: ignore[arg-type]
             self.target_net = QNetwork(**net_args)  # type: ignore[arg-type]
+            if hp.select_every:
+                self.policy_net = QNetwork(**net_args)  # type: ignore[arg-type]
         self.target_net.load_state_dict(self.q_net.state_dict())
         self.target_net.requires_grad_(False)
+        if self.policy_net is not None:
+            self.policy_net.load_state_dict(self.q_net.state_dict())
+            self.policy_net.requires_grad_(False)
         self.n_inputs = n_inputs
 
     def attach_market(self, train: MarketSplit, val: MarketSplit | None = None) -> None:
@@ -273,7 +321,7 @@ class DQNModule(Agent):
         if val is not None and val.n_features != train.n_features:
             raise ValueError(f"validation split {val.name!r} has {val.n_features} features, train has {train.n_features}")
         self.train_split, self.val_split = train, val
-        self.env, self.replay = None, None
+        self.env, self.replay, self._held_out = None, None, None
 
     def _build_environment(self) -> None:
         """Environment, replay buffer and exploration RNG on the module's device (then a resumed state, if any)."""
@@ -284,10 +332,18 @@ class DQNModule(Agent):
         if self.reward_scale_used is None:
             self.reward_scale_used = reward_scale_for(market, hp.reward_scale)
         market.reward_scale = self.reward_scale_used
+        if hp.turnover_penalty_bps:  # training reward only: raw rewards (and every metric) keep the real cost
+            extra = hp.turnover_penalty_bps * 1e-4 * market.signal_cost / max(market.cost, 1e-12) if market.cost else (
+                hp.turnover_penalty_bps * 1e-4)
+            market.switch_cost = market.switch_cost + extra * (market.actions.unsqueeze(0) - market.actions.unsqueeze(1)).abs()
         self.env = MarketEnv(market, hp.n_envs, hp.episode_length, seed=self.seed)
         self.replay = ReplayBuffer(hp.replay_capacity, hp.n_envs, device=self.device, seed=self.seed + 1)
         self.explore_rng = torch.Generator(device=self.device)
         self.explore_rng.manual_seed(self.seed + 2)
+        self.noise_rng = torch.Generator(device=self.device)
+        self.noise_rng.manual_seed(self.seed + 3)
+        if hp.select_every and self.val_split is None:
+            rank_zero_warn("DQNModule: select_every > 0 but the data has no validation split: the last weights trade")
         if self._pending_state is not None:
             self._apply_run_state(self._pending_state)
             self._pending_state = None
@@ -355,6 +411,75 @@ class DQNModule(Agent):
 
     def after_update(self, update: int) -> None:
         self.update_target(update + 1)
+        every = self.hparams.select_every
+        if every and (update + 1) % every == 0 and self.val_split is not None:
+            self.select(update + 1)
+
+    # ----------------------------------------------------------------------------------------------- selection
+    def _held_out_markets(self) -> tuple[MarketTensors, MarketTensors]:
+        """(the last stretch of the training split as long as the validation split, the validation split): the
+        markets the greedy policy is scored on, with real costs (the train one measures the generalisation gap)."""
+        if self._held_out is None:
+            assert self.train_split is not None and self.val_split is not None
+            train = self.train_split
+            n = min(len(self.val_split), len(train))
+            tail = torch.zeros(len(train), dtype=torch.bool)
+            tail[len(train) - n :] = True
+            self._held_out = (self.market_tensors(train.select(tail)), self.market_tensors(self.val_split))
+        return self._held_out
+
+    def _greedy_score(self, net: QNetwork, market: MarketTensors) -> tuple[float, float, float]:
+        """(reward per bar after costs, per-bar Sharpe, turnover) of ``net``'s greedy policy on ``market``."""
+        was_training = net.training
+        net.eval()
+        try:
+            pos = greedy_positions(net, market)
+        finally:
+            net.train(was_training)
+        pnl = strategy_log_returns(pos, market.returns, market.cost_bps, market.reset_mask)[market.decision]
+        changes = (pos - torch.cat([pos.new_zeros(1), pos[:-1]]).masked_fill(market.reset_mask, 0.0)).abs()
+        return float(pnl.mean()), sharpe_moments(pnl).sr_per_bar, float(changes[market.decision].mean())
+
+    @torch.no_grad()
+    def select(self, update: int) -> None:
+        """Score the online network's greedy policy on the validation split; keep it as the policy if it is the best
+        so far (reward per bar after costs), and stop learning after ``patience`` evaluations without a gain."""
+        assert self.q_net is not None and self.policy_net is not None
+        train_market, val_market = self._held_out_markets()
+        val_reward, val_sharpe, val_turnover = self._greedy_score(self.q_net, val_market)
+        train_reward, _, _ = self._greedy_score(self.q_net, train_market)
+        s = self.selection
+        s.sharpes.append(val_sharpe)
+        if val_reward > s.best:
+            s.best, s.best_update, s.since_best = val_reward, update, 0
+            self.policy_net.load_state_dict(self.q_net.state_dict())
+            self.selected_update.fill_(update)
+        else:
+            s.since_best += 1
+        patience = self.hparams.patience
+        if patience and s.since_best >= patience:
+            self.finished = True
+        s.latest = {
+            "train/greedy_reward_per_bar": train_reward, "val/greedy_reward_per_bar": val_reward,
+            "val/greedy_turnover": val_turnover, "val/best_reward_per_bar": s.best,
+            "train/generalisation_gap": train_reward - val_reward, "val/selected_update": float(s.best_update),
+        }
+
+    def held_out_metrics(self) -> dict[str, float]:
+        latest, self.selection.latest = self.selection.latest, {}
+        return latest
+
+    def selection_sharpes(self) -> list[float]:
+        return list(self.selection.sharpes)
+
+    @property
+    def policy_network(self) -> QNetwork:
+        """The network that trades: the validation-selected weights once chosen, else the online network."""
+        if self.policy_net is not None and int(self.selected_update) >= 0:
+            return self.policy_net
+        q = self.network
+        assert isinstance(q, QNetwork)
+        return q
 
     def td_loss(self, sample: ReplaySample) -> tuple[Tensor, Tensor]:
         """Huber TD loss of a replay batch and the online Q-values of its states."""
@@ -373,7 +498,10 @@ class DQNModule(Agent):
         """
         hp, net = self.hparams, self.q_net
         assert net is not None
-        q = net.mlp(b.states) if b.states is not None else net(b.windows, b.positions)
+        if hp.obs_noise:
+            q = self._noisy_q(net, b)
+        else:
+            q = net.mlp(b.states) if b.states is not None else net(b.windows, b.positions)
         with torch.no_grad():
             q_next_online, q_next_target = self._successor_values(b)
             if hp.exogenous == "all_actions":
@@ -385,6 +513,15 @@ class DQNModule(Agent):
         if hp.exogenous != "all_actions":
             prediction = q.gather(1, b.sample.actions.unsqueeze(1)).squeeze(1)
         return F.huber_loss(prediction, target, delta=hp.huber_delta), q.detach()
+
+    def _noisy_q(self, net: QNetwork, b: TDBatch) -> Tensor:
+        """Online Q-values of the batch's states with Gaussian noise (``obs_noise``) on their feature windows."""
+        assert self.noise_rng is not None
+        noise = torch.randn(b.windows.shape, generator=self.noise_rng, device=b.windows.device) * self.hparams.obs_noise
+        if b.states is not None:  # flat encoder: the window is the first W·F columns of the prepared rows
+            n = b.windows.shape[1]
+            return net.mlp(torch.cat([b.states[:, :n] + noise, b.states[:, n:]], 1))
+        return net(b.windows + noise, b.positions)
 
     def _successor_values(self, b: TDBatch) -> tuple[Tensor | None, Tensor]:
         """(online, target) Q-values of a batch's successor states (rows B·A in the all-actions mode).
@@ -469,7 +606,7 @@ class DQNModule(Agent):
         path follows from the table p_t = argmax_a Q(s_t(p_{t-1}), a) by a parallel prefix composition.
         """
         market = split if isinstance(split, MarketTensors) else self.market_tensors(split)
-        net = self.network
+        net = self.policy_network
         was_training = net.training
         net.eval()
         try:
@@ -495,6 +632,7 @@ class DQNModule(Agent):
         if self.env is None:
             return state
         assert self.replay is not None and self.explore_rng is not None
+        s = self.selection
         state.update({
             "env": self.env.state_dict(),
             "replay": self.replay.state_dict(),
@@ -502,6 +640,9 @@ class DQNModule(Agent):
             "env_steps": self.counters.env_steps,
             "reward_scale": self.reward_scale_used,
             "presampled": self.batches.state_dict(),
+            "noise_rng": self.noise_rng.get_state() if self.noise_rng is not None else None,
+            "selection": {"best": s.best, "best_update": s.best_update, "since_best": s.since_best,
+                          "sharpes": list(s.sharpes), "finished": self.finished},
         })
         return state
 
@@ -518,4 +659,10 @@ class DQNModule(Agent):
         self.replay.load_state_dict(state["replay"])
         self.explore_rng.set_state(state["explore_rng"].cpu())
         self.counters.env_steps = int(state["env_steps"])
+        if state.get("noise_rng") is not None and self.noise_rng is not None:
+            self.noise_rng.set_state(state["noise_rng"].cpu())
+        sel = state.get("selection")
+        if sel is not None:
+            self.selection = _Selection(sel["best"], sel["best_update"], sel["since_best"], list(sel["sharpes"]))
+            self.finished = bool(sel["finished"])
         self.batches.load_state_dict(state.get("presampled"), self.env.market, self.q_net)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import operator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -44,6 +45,8 @@ from torch import Tensor, nn
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.evaluation.backtest import BACKTEST_KEYS, PolicyEvaluation, oracle_split_positions, policy_metrics
 from foxhunt.evaluation.policies import Combine, forecast_policy, sharpe_weights, vote, weighted
+from foxhunt.evaluation.significance import deflated_sharpe_ratio, psr_from_moments, sharpe_moments
+from foxhunt.evaluation.trading import strategy_log_returns
 from foxhunt.lit.member import Agent, Forecaster, Member
 from foxhunt.training.gradnorm import grad_norms
 
@@ -75,6 +78,7 @@ class EnsembleModule(pl.LightningModule):
         stack_fraction: float = 0.5,
         bars_per_year: float | None = None,
         direct_backward: bool = True,
+        min_edge_confidence: float | None = None,
     ) -> None:
         """
         Args:
@@ -88,6 +92,10 @@ class EnsembleModule(pl.LightningModule):
             direct_backward: call ``loss.backward()`` directly when nothing listens to Lightning's backward dispatch
                 (one device, no GradScaler, no callback hooking backward), which costs a small network's update
                 about a tenth; False always goes through ``manual_backward`` (the reference path; same gradients).
+            min_edge_confidence: do no harm: a member trades only when the probability that its validation edge after
+                costs is real reaches this level: the PSR against flat of its validation P&L, deflated (DSR) for the
+                candidates it compared when it chose its weights on validation. Otherwise it is held flat (in every
+                table and in the combination) until a later validation clears it. None: every member trades.
         """
         super().__init__()
         if not members:
@@ -103,6 +111,8 @@ class EnsembleModule(pl.LightningModule):
         self.agent_names = [n for n, m in members.items() if isinstance(m, Agent)]
         if combine == "stack" and (not self.forecaster_names or not self.agent_names):
             raise ValueError("combine='stack' needs at least one forecaster and one agent")
+        if min_edge_confidence is not None and not 0.0 <= min_edge_confidence < 1.0:
+            raise ValueError(f"min_edge_confidence must be in [0, 1) or None, got {min_edge_confidence}")
         if not 0.0 < stack_fraction < 1.0:
             raise ValueError(f"stack_fraction must be in (0, 1), got {stack_fraction}")
         self.save_hyperparameters(ignore=["members"])
@@ -110,6 +120,9 @@ class EnsembleModule(pl.LightningModule):
         self.members = nn.ModuleDict(members)
         self.member_names = list(members)
         self.register_buffer("weights", torch.full((len(members),), 1.0 / len(members)))
+        # do no harm: each member's confidence in its validation edge and whether it is held flat (checkpointed)
+        self.register_buffer("edge_confidence", torch.full((len(members),), -1.0))  # -1: not measured yet
+        self.register_buffer("held_flat", torch.zeros(len(members), dtype=torch.bool))
         self.snapshots = nn.ModuleDict()  # frozen forecasters whose forecasts the agents observe (stack)
         self.spec: MarketSpec | None = None
         self.updates = dict.fromkeys(members, 0)  # optimizer updates per member
@@ -224,14 +237,18 @@ class EnsembleModule(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         """Every started member's updates of this step, in rounds of one backward each."""
-        active = {n: self.member(n).updates_per_step for n in self.member_names if self.steps >= self.member(n).start_step}
+        active = {n: self.member(n).updates_per_step for n in self.member_names
+                  if self.steps >= self.member(n).start_step and not self.member(n).finished}
         for name in active:
             if name in self.agent_names and name not in self.started:
                 self._start_agent(name)
         for r in range(max(active.values(), default=0)):
-            losses = {n: self.member(n).training_loss(batch, self.updates[n]) for n, k in active.items() if r < k}
+            losses = {n: self.member(n).training_loss(batch, self.updates[n])
+                      for n, k in active.items() if r < k and not self.member(n).finished}
             self._update(losses)
         self.steps += 1
+        if all(self.member(n).finished for n in self.member_names):
+            self.trainer.should_stop = True  # every member stopped early
         every = self.trainer.log_every_n_steps
         if every and self.steps % every == 0:
             self._log_training(active)
@@ -323,6 +340,10 @@ class EnsembleModule(pl.LightningModule):
             metrics[f"train/{name}/nonfinite_skipped"] = float(member.guard.skipped)
             metrics[f"train/{name}/updates"] = float(self.updates[name])
             metrics[f"lr/{name}"] = float(self._optimizer(name).param_groups[0]["lr"])
+        for name in self.member_names:  # held-out scores a member took since the last log (e.g. its weight choice)
+            for key, value in self.member(name).held_out_metrics().items():
+                stage, rest = key.split("/", 1)
+                metrics[f"{stage}/{name}/{rest}"] = float(value)
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     def _start_agent(self, name: str) -> None:
@@ -387,8 +408,11 @@ class EnsembleModule(pl.LightningModule):
         return {n: self.forecaster(n).forecast(split) for n in self.forecaster_names}
 
     @torch.no_grad()
-    def positions(self, split: MarketSplit, forecasts: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
-        """[T] positions of every member, the ensemble, buy-and-hold (and the oracle when the data knows it)."""
+    def positions(
+        self, split: MarketSplit, forecasts: dict[str, Tensor] | None = None, choose_flat: bool = False
+    ) -> dict[str, Tensor]:
+        """[T] positions of every member, the ensemble, buy-and-hold (and the oracle when the data knows it).
+        ``choose_flat`` (validation only) first decides from this split which members are held flat."""
         device = self.weights.device
         decision, reset = split.valid.to(device), split.first_bar.to(device)
         forecasts = self.forecasts(split) if forecasts is None else forecasts
@@ -406,6 +430,11 @@ class EnsembleModule(pl.LightningModule):
         inputs = self.stacked(split) if stack and agents else split
         for name in agents:
             pos[name] = self.agent(name).positions(inputs).to(device).float()
+        if choose_flat:
+            self._choose_flat(pos, split)
+        for i, name in enumerate(self.member_names):
+            if name in pos and bool(self.held_flat[i]):
+                pos[name] = torch.zeros_like(pos[name])
         if stack:  # flat until the agents start
             pos["ensemble"] = vote([pos[n] for n in agents]) if agents else torch.zeros_like(decision, dtype=torch.float32)
         elif self.hparams.combine == "vote":
@@ -425,13 +454,16 @@ class EnsembleModule(pl.LightningModule):
         ``significance`` adds each policy's Sharpe standard error, bootstrap interval and probabilistic Sharpe ratios
         (for the reported tables)."""
         forecasts = self.forecasts(split)
-        pos = self.positions(split, forecasts)
+        pos = self.positions(split, forecasts, choose_flat=choose_weights)
         metrics = policy_metrics(pos, split, self.hparams.cost_bps, self.hparams.bars_per_year, significance=significance)
         for i, name in enumerate(self.member_names):  # a member that never updated is marked in every table
             if name in metrics:
                 metrics[name]["updates"] = float(self.updates[name])
                 if self.hparams.combine == "sharpe_weighted":  # the weight the ensemble row was computed with
                     metrics[name]["weight"] = float(self.weights[i])
+                if self.hparams.min_edge_confidence is not None:
+                    metrics[name]["edge_confidence"] = float(self.edge_confidence[i])
+                    metrics[name]["held_flat"] = float(self.held_flat[i])
         if choose_weights and self.hparams.combine == "sharpe_weighted" and all(n in metrics for n in self.member_names):
             w = sharpe_weights([metrics[n]["sharpe"] for n in self.member_names])
             self.weights.copy_(torch.tensor(w, dtype=self.weights.dtype))
@@ -441,6 +473,27 @@ class EnsembleModule(pl.LightningModule):
             metrics["ensemble"] = policy_metrics({"ensemble": pos["ensemble"]}, split, self.hparams.cost_bps,
                                                  self.hparams.bars_per_year, significance=significance)["ensemble"]
         return PolicyEvaluation(split, pos, metrics, self.hparams.cost_bps, forecasts)
+
+    def _choose_flat(self, pos: dict[str, Tensor], split: MarketSplit) -> None:
+        """Do no harm: each member's confidence that its edge on ``split`` (validation) after costs is real; members
+        below ``min_edge_confidence`` are held flat. PSR against flat, or the DSR over the candidates the member
+        compared when it chose its weights on this split (selection inflates the best candidate's Sharpe)."""
+        threshold = self.hparams.min_edge_confidence
+        if threshold is None:
+            return
+        decision = split.valid.to(self.weights.device)
+        returns = split.returns.to(self.weights.device)
+        for i, name in enumerate(self.member_names):
+            if name not in pos:
+                continue
+            pnl = strategy_log_returns(pos[name], returns, self.hparams.cost_bps, split.first_bar.to(decision.device))
+            m = sharpe_moments(pnl[decision & torch.isfinite(returns)])
+            trials = self.member(name).selection_sharpes()
+            conf = (deflated_sharpe_ratio(m.sr_per_bar, m.n_bars, m.skew, m.kurtosis, trials) if len(trials) > 1
+                    else psr_from_moments(m.sr_per_bar, m.n_bars, m.skew, m.kurtosis, 0.0))
+            conf = 0.0 if math.isnan(conf) else conf  # no variance (e.g. a flat member): no evidence of an edge
+            self.edge_confidence[i] = conf
+            self.held_flat[i] = conf < threshold
 
     # ------------------------------------------------------------------------------------------------ validation
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -461,6 +514,9 @@ class EnsembleModule(pl.LightningModule):
         self.log("val/sharpe", float(evaluation.metrics["ensemble"]["sharpe"]), prog_bar=True)
         for i, name in enumerate(self.member_names):
             self.log(f"val/{name}/weight", float(self.weights[i]))
+            if self.hparams.min_edge_confidence is not None:
+                self.log(f"val/{name}/edge_confidence", float(self.edge_confidence[i]))
+                self.log(f"val/{name}/held_flat", float(self.held_flat[i]))
         if not self.trainer.sanity_checking:
             for name, sched in self._schedulers.items():
                 if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):

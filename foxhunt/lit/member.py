@@ -43,6 +43,7 @@ class Member(pl.LightningModule):
     start_step: int  # coordinator steps before the member's first update (its warm-up wait)
     log_grad_norm_every: int  # updates between grad-norm logs (0: never)
     gradient_clip_val: float | None  # max gradient 2-norm (None: the coordinator's; 0: no clipping)
+    finished: bool = False  # stopped early (e.g. no validation gain for its patience): the coordinator skips it
 
     def bind(self, spec: MarketSpec, extra_inputs: int = 0, seed_offset: int = 0, cost_bps: float | None = None) -> None:
         """Build the networks for the data described by ``spec`` (``extra_inputs`` more feature columns when
@@ -65,6 +66,16 @@ class Member(pl.LightningModule):
     def training_metrics(self) -> dict[str, float]:
         """Snapshot of the member's training figures, logged by the coordinator as ``train/<member>/<key>``."""
         return {}
+
+    def held_out_metrics(self) -> dict[str, float]:
+        """Figures the member measured on held-out data since the last call (keys ``train/<key>`` or ``val/<key>``),
+        logged by the coordinator as ``train/<member>/<key>`` and ``val/<member>/<key>``; empty when none is new."""
+        return {}
+
+    def selection_sharpes(self) -> list[float]:
+        """Per-bar validation Sharpe of every candidate the member compared when choosing its weights (empty: no
+        choice made), so the coordinator can deflate the chosen one's edge for the selection."""
+        return []
 
     def estimated_updates(self) -> int:
         """Updates this member will take in the attached Trainer's fit (for a cosine schedule without total_steps):

@@ -35,7 +35,10 @@ class TemporalConvEncoder(nn.Module):
 
 
 class QNetwork(nn.Module):
-    """Q(s, ·) for every action from window [B, W, F] (or [B, W·F]) and position features [B, P]; optional dueling head."""
+    """Q(s, ·) for every action from window [B, W, F] (or [B, W·F]) and position features [B, P]; optional dueling head.
+
+    ``dropout`` after each hidden layer (training mode only) fights memorising the training path on weak signals.
+    """
 
     def __init__(
         self,
@@ -48,8 +51,11 @@ class QNetwork(nn.Module):
         dueling: bool = False,
         encoder: EncoderKind = "flat",
         conv_channels: int = 16,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         if not hidden:
             raise ValueError("QNetwork needs at least one hidden layer")
         if encoder not in ("flat", "conv"):
@@ -63,7 +69,7 @@ class QNetwork(nn.Module):
             n_enc = window * n_features
         widths = (n_enc + n_position_features, *hidden)
         self.body = nn.Sequential(*(mlp_block(a, b, layer_norm) for a, b in itertools.pairwise(widths)))
-        self.layer_norm, self.flat = layer_norm, encoder == "flat"
+        self.layer_norm, self.flat, self.dropout = layer_norm, encoder == "flat", float(dropout)
         # One-hot rows of every held position (forward_positions); not saved, it moves with the module's device.
         self.register_buffer("position_eye", torch.eye(n_position_features), persistent=False)
         self.dueling = dueling
@@ -112,6 +118,8 @@ class QNetwork(nn.Module):
                 norm = block[1]
                 x = F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
             x = torch.relu(x)
+            if self.dropout and self.training:  # after each hidden layer, training only (evaluation is greedy)
+                x = F.dropout(x, self.dropout, True)
         if self.dueling:
             adv = F.linear(x, self.advantage_head.weight, self.advantage_head.bias)
             return F.linear(x, self.value_head.weight, self.value_head.bias) + adv - adv.mean(-1, keepdim=True)
