@@ -236,6 +236,7 @@ class DQNModule(Agent):
         if replay_capacity < n_envs * max(2, n_step):
             raise ValueError(f"replay_capacity ({replay_capacity}) must hold at least {max(2, n_step)} steps of {n_envs} agents")
         self.updates_per_step = int(updates_per_step)
+        self.select_every, self.obs_noise = int(select_every), float(obs_noise)  # read every update: plain attributes
         self.start_step = int(start_step)
         self.log_grad_norm_every = int(log_grad_norm_every)
         self.gradient_clip_val = gradient_clip_val
@@ -411,7 +412,7 @@ class DQNModule(Agent):
 
     def after_update(self, update: int) -> None:
         self.update_target(update + 1)
-        every = self.hparams.select_every
+        every = self.select_every
         if every and (update + 1) % every == 0 and self.val_split is not None:
             self.select(update + 1)
 
@@ -498,7 +499,7 @@ class DQNModule(Agent):
         """
         hp, net = self.hparams, self.q_net
         assert net is not None
-        if hp.obs_noise:
+        if self.obs_noise:
             q = self._noisy_q(net, b)
         else:
             q = net.mlp(b.states) if b.states is not None else net(b.windows, b.positions)
