@@ -1,51 +1,54 @@
-"""Speed, memory and accuracy of foxhunt's TFT side by side with pytorch-forecasting's (issue 4, section 7).
+"""End-to-end training throughput, memory and accuracy of foxhunt's TFT beside pytorch-forecasting's (issues 4, 22).
 
 Both models train on the same windows of the synthetic market (same features, same scaled targets, same known-future
 inputs), with the same sizes (hidden 32, 4 heads, hidden_continuous 16, encoder 64, horizon 6, batch 128,
-quantiles 0.1/0.5/0.9, dropout 0.1), AdamW and clipping at 1.0, for the same number of steps, interleaved step by
-step so that load from other processes hits both alike. Printed per model: end-to-end training samples/s (loader
-included), model forward+backward+step ms per batch (median), peak tensor memory of one training step
-(torch's MemTracker: parameters, gradients, optimizer state, activations), and the test quantile loss (scaled
-target, all horizons, the same test windows for both) after the budget; then the ratios.
+quantiles 0.1/0.5/0.9, dropout 0.1), AdamW (lr 1e-3, no weight decay) and clipping at 1.0, each on the path its users
+run, through a Lightning ``Trainer.fit``:
 
-    python scripts/bench_tft.py --widths 125,5 --steps 20            # needs: pip install pytorch-forecasting
-    python scripts/bench_tft.py --widths 5 --steps 20 --compile      # torch.compile our network too
+- foxhunt: the coordinator ``EnsembleModule`` with one ``TFTModule`` member (manual optimisation: the member's loss,
+  the coordinator's backward, guard, clip and the member's own AdamW step), fed by ``WindowBatches`` (windows gathered
+  by index, ``foxhunt.data.windows``) from a LightningDataModule holding the splits; ``--path module``: the
+  ``TFTModule`` alone under automatic optimisation;
+- pytorch-forecasting: its ``TemporalFusionTransformer`` (optimizer "adamw", its default plateau schedule) fed by its
+  ``TimeSeriesDataSet.to_dataloader`` (``num_workers=0``, one thread each, like ours).
 
-Measured on the shared 2-core CPU box (1 thread each, other jobs running, so absolute times are noisy; the
-interleaved ratios less so), foxhunt / pytorch-forecasting ("compiled": --compile, foxhunt's network only):
-    125 inputs, eager:    throughput x2.74, step x2.83 (990 vs 2800 ms), memory x0.08 (111 vs 1464 MiB), test loss x0.994
-    125 inputs, compiled: throughput x2.82, step x2.96 (909 vs 2686 ms), test loss x0.994
-    5 inputs, eager:      throughput x1.87, step x1.58 (157 vs 249 ms),  memory x0.47 (52 vs 109 MiB),  test loss x1.004
-    5 inputs, compiled:   throughput x1.83, step x1.50 (132 vs 198 ms),  test loss x1.002
-(before the chunked variable selection: x0.99 / x0.96 at 125 inputs, x1.56 / x1.59 at 5). At 125 inputs ~90% of
-foxhunt's step is the per-variable GRNs (compiling the rest gains little; that Function is not compiled).
-After folding biases into the products, one GLU product, LayerNorm statistics kept from forward and per-chunk float
-dropout masks (--steps 10, a more loaded box: both sides slower):
-    125 inputs, eager:    throughput x2.83-x2.87, step x2.68-x2.89 (1196 vs 3203 ms; 844 vs 2439 ms), memory x0.08,
-                          test loss x0.994
-    125 inputs, compiled: throughput x2.83, step x2.79 (773 vs 2154 ms), test loss x0.994
-    5 inputs, eager:      throughput x1.81, step x1.53 (114 vs 175 ms),   memory x0.47, test loss x1.004
-After drawing the dropout gaps from float32 uniforms (2.5x faster than geometric_) in the chunks' natural layout (no
-position remap), d eta1 as an h-wide product, (x, 1, -mean) as rows and fewer accumulations per chunk (machine
-otherwise idle, --steps 10 / --steps 20):
-    125 inputs, eager:    throughput x3.38 and x3.21 (two runs), step x3.67 / x3.14 (826 vs 3031 ms; 744 vs 2335 ms),
-                          memory x0.08 (116 vs 1464 MiB), test loss x0.995
-    125 inputs, compiled: throughput x3.17, step x2.99 (928 vs 2778 ms), test loss x0.994
-    5 inputs, eager:      throughput x1.95, step x1.65 (115 vs 190 ms),   memory x0.47 (52 vs 109 MiB), test loss x1.004
-The issue's CPU targets: x3 at ~125 inputs and x1.5 at ~5 inputs are met, at equal or lower test loss at 125 inputs
-(x0.995) and within seed noise at 5 (x1.004; x1.011 with --seed 1 before these changes).
+How it measures: a callback stamps ``time.perf_counter()`` at every ``on_train_batch_start``; two consecutive stamps
+bracket one whole training step as a user sees it: drawing the batch (Lightning prefetches one), forward, backward,
+clipping, the optimizer step, and Lightning's and the coordinator's own work per step. A repeat is one ``fit`` per
+model of ``--warmup`` + ``--steps`` + 1 steps; its throughput is ``--steps`` x batch over the time between the stamps
+of step ``warmup`` and step ``warmup + steps``. Repeats alternate which model goes first, and each repeat continues
+training the same model (a new Trainer, so a fresh AdamW state, for both alike; a new window order for foxhunt, a new
+shuffle for the peer). The loader's share is timed separately around each batch draw (median per batch).
+
+Printed per width: the median over ``--repeats`` of the per-repeat throughput ratio (foxhunt / peer; the two fits of
+a repeat run back to back, so machine load hits both alike) with its spread ((max - min) / median), each model's
+median samples/s and spread, whole-step and loader ms, peak tensor memory of one training step (torch's MemTracker,
+on a copy of each network), the test quantile loss (scaled target, all horizons, the same test windows for both)
+after all repeats, and the 1-minute load average (os.getloadavg) seen before and after every fit. ``--profile`` prints
+where foxhunt's step goes instead.
+
+    python scripts/bench_tft.py --widths 125,5 --repeats 5        # needs: pip install pytorch-forecasting
+    python scripts/bench_tft.py --widths 5 --profile              # foxhunt's step, piece by piece
+
+Measured: see the end of this docstring (and docs/notes of issue 22).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
 import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import numpy as np
 import pandas as pd
 import torch
@@ -53,8 +56,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tft_quality import QualityData, build_quality_data, windows
 
-from foxhunt.data.market import MarketSplit
+from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.evaluation.forecast_metrics import pinball_loss
+from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.lit.tft import TFTModule
 
 QUANTILES = (0.1, 0.5, 0.9)
@@ -69,43 +73,122 @@ def select_features(data: QualityData, names: list[str]) -> QualityData:
     return data
 
 
+# ------------------------------------------------------------------------------------------------------- timing
+class TimedLoader:
+    """A training loader whose batch draws are timed: the loader's share of each end-to-end step."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.seconds: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self.loader)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            self.seconds.append(time.perf_counter() - t0)
+            yield batch
+
+
+class StepClock(pl.Callback):
+    """perf_counter at every training batch start: consecutive stamps bracket one whole step."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.stamps.append(time.perf_counter())
+
+
+@dataclass
+class Timing:
+    """One fit's figures: samples/s over the timed steps, ms per whole step, ms per batch draw, load around it."""
+
+    samples_per_s: float
+    step_ms: float
+    loader_ms: float
+    load: tuple[float, float]
+
+
+def fit_steps(run: Callable[[pl.Trainer], None], loader_seconds: Callable[[], list[float]], steps: int, warmup: int,
+              batch_size: int, clip: float | None = None) -> Timing:
+    """``run(trainer)`` (one Trainer.fit) for warmup + steps + 1 steps; timed: the ``steps`` steps after the warm-up."""
+    clock = StepClock()
+    trainer = pl.Trainer(
+        max_steps=warmup + steps + 1, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        callbacks=[clock], gradient_clip_val=clip,
+    )
+    load0 = os.getloadavg()[0]
+    run(trainer)
+    load1 = os.getloadavg()[0]
+    t = clock.stamps
+    if len(t) < warmup + steps + 1:
+        raise RuntimeError(f"the fit ran {len(t)} steps, fewer than warmup + steps + 1 = {warmup + steps + 1} (too few windows?)")
+    elapsed = t[warmup + steps] - t[warmup]
+    draws = loader_seconds()
+    draws = draws[warmup:] or draws
+    return Timing(steps * batch_size / elapsed, elapsed / steps * 1e3, statistics.median(draws) * 1e3, (load0, load1))
+
+
 # ------------------------------------------------------------------------------------------------------- ours
+class BenchData(pl.LightningDataModule):
+    """The quality market's training split as the coordinator reads it (``splits``, ``spec``), windows by index."""
+
+    def __init__(self, data: QualityData, batch_size: int, seed: int) -> None:
+        super().__init__()
+        self.data, self.batch_size, self.next_seed = data, batch_size, seed
+        self.splits = {"train": data.splits["train"]}
+        self.spec = MarketSpec.of(data.splits["train"], data.known_future, data.lookback, data.horizon)
+        self.target_transform = None  # batches carry y_loc / y_scale
+        self.loader: TimedLoader | None = None
+
+    def train_dataloader(self) -> TimedLoader:
+        """WindowBatches as BarDataModule gives them; each fit (repeat) draws a new order, like the next epoch."""
+        self.loader = TimedLoader(windows(self.data, "train", self.batch_size, shuffle=True, seed=self.next_seed))
+        self.next_seed += 1
+        return self.loader
+
+
 class Ours:
     name = "foxhunt"
 
-    def __init__(self, data: QualityData, batch_size: int, lr: float, compile_net: bool, seed: int) -> None:
-        torch.manual_seed(seed)
-        split = data.splits["train"]
-        self.module = TFTModule(
-            n_features=split.n_features, n_known_future=len(data.known_future), n_symbols=1, lookback=data.lookback,
-            horizon=data.horizon, hidden_size=32, attention_heads=4, hidden_continuous_size=16, dropout=0.1,
-            quantiles=QUANTILES, lr=lr, weight_decay=0.0, scheduler="none", log_figures=False,
+    def __init__(self, data: QualityData, args: argparse.Namespace) -> None:
+        torch.manual_seed(args.seed)
+        self.member = TFTModule(
+            hidden_size=32, attention_heads=4, hidden_continuous_size=16, dropout=0.1, quantiles=QUANTILES,
+            lr=args.lr, weight_decay=0.0, scheduler="none", log_figures=False, fused=not args.reference,
+            fused_adamw=not args.reference,
         )
-        self.net = self.module.net
-        if compile_net:
+        self.dm = BenchData(data, args.batch_size, args.seed)
+        self.path = args.path
+        if self.path == "ensemble":
+            self.module: pl.LightningModule = EnsembleModule({"tft": self.member}, combine="vote", gradient_clip_val=1.0)
+            self.module.bind(self.dm.spec)
+        else:
+            self.member.bind(self.dm.spec)
+            self.module = self.member
+        self.net = self.member.network
+        if args.compile:
             self.net.compile()
-        self.opt = torch.optim.AdamW(self.net.parameters(), lr=lr, weight_decay=0.0)
-        self.loader = windows(data, "train", batch_size, shuffle=True, seed=seed)
-        self.iter = iter(self.loader)
-        self.data = data
-        self.batch_size = batch_size
+        self.data, self.batch_size = data, args.batch_size
 
-    def next_batch(self) -> dict[str, torch.Tensor]:
-        try:
-            return next(self.iter)
-        except StopIteration:
-            self.iter = iter(self.loader)
-            return next(self.iter)
+    def fit(self, steps: int, warmup: int) -> Timing:
+        """One repeat: the coordinator's (or the module's) fit on the datamodule's window batches."""
+        if self.path == "ensemble":  # the coordinator clips (gradient_clip_val=1.0); manual optimisation
+            def run(trainer: pl.Trainer) -> None:
+                trainer.fit(self.module, datamodule=self.dm)
 
-    def step(self, batch: dict[str, torch.Tensor]) -> float:
-        self.net.train()
-        out = self.net(batch["x_past"], batch["x_future"], batch["symbol"])
-        loss = self.module.quantile_loss(out.prediction, batch["y"])
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.net.parameters(), 1.0)
-        self.opt.step()
-        return float(loss)
+            return fit_steps(run, lambda: self.dm.loader.seconds, steps, warmup, self.batch_size)
+        loader = self.dm.train_dataloader()
+        return fit_steps(lambda trainer: trainer.fit(self.module, train_dataloaders=loader), lambda: loader.seconds,
+                         steps, warmup, self.batch_size, clip=1.0)
 
     @torch.no_grad()
     def test_losses(self) -> dict[int, float]:
@@ -119,8 +202,21 @@ class Ours:
             out.update(zip(batch["t"].tolist(), loss.tolist()))
         return out
 
-    def memory_probe(self) -> tuple[object, object, object]:
-        return self.net, self.opt, lambda: self.step(self.next_batch())
+    def memory_probe(self) -> tuple[Any, Any, Callable[[], None]]:
+        """A copy of the network, its AdamW, and one training step of it (forward, loss, backward, clip, step)."""
+        net = copy.deepcopy(self.net).train()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=bool(self.member.hparams.fused_adamw))
+        batch = next(iter(windows(self.data, "train", self.batch_size, shuffle=True)))
+
+        def step() -> None:
+            out = net(batch["x_past"], batch["x_future"], batch["symbol"])
+            loss = self.member.quantile_loss(out.prediction, batch["y"])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+
+        return net, opt, step
 
 
 # ------------------------------------------------------------------------------------------------------- peer
@@ -144,11 +240,11 @@ def pf_frame(split: MarketSplit, known: list[str]) -> pd.DataFrame:
 class Peer:
     name = "pytorch-forecasting"
 
-    def __init__(self, data: QualityData, batch_size: int, lr: float, compile_net: bool, seed: int) -> None:
+    def __init__(self, data: QualityData, args: argparse.Namespace) -> None:
         from pytorch_forecasting import TemporalFusionTransformer, TimeSeriesDataSet
         from pytorch_forecasting.metrics import QuantileLoss
 
-        torch.manual_seed(seed)
+        torch.manual_seed(args.seed)
         split = data.splits["train"]
         known = list(data.known_future)
         unknown = [n for n in split.feature_names if n not in known]
@@ -162,32 +258,19 @@ class Peer:
         self.test_ds = TimeSeriesDataSet.from_dataset(self.train_ds, pf_frame(data.splits["test"], known), predict=False, stop_randomization=True)
         self.model = TemporalFusionTransformer.from_dataset(
             self.train_ds, hidden_size=32, attention_head_size=4, hidden_continuous_size=16, dropout=0.1,
-            loss=QuantileLoss(list(QUANTILES)), learning_rate=lr, log_interval=-1,
+            loss=QuantileLoss(list(QUANTILES)), learning_rate=args.lr, log_interval=-1, optimizer="adamw",
+            weight_decay=0.0,  # its plateau schedule (patience 1000, never reached here) is its default
         )
-        if compile_net:
+        self.net = self.model
+        if args.compile_peer:
             self.model.compile()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
-        self.loader = self.train_ds.to_dataloader(train=True, batch_size=batch_size, num_workers=0)
-        self.iter = iter(self.loader)
-        self.batch_size = batch_size
+        self.batch_size = args.batch_size
 
-    def next_batch(self):  # type: ignore[no-untyped-def]
-        try:
-            return next(self.iter)
-        except StopIteration:
-            self.iter = iter(self.loader)
-            return next(self.iter)
-
-    def step(self, batch) -> float:  # type: ignore[no-untyped-def]
-        self.model.train()
-        x, y = batch
-        out = self.model(x)
-        loss = self.model.loss(out["prediction"], y)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        return float(loss)
+    def fit(self, steps: int, warmup: int) -> Timing:
+        """One repeat: its Trainer.fit (automatic optimisation, the Trainer clips) on its own dataloader."""
+        loader = TimedLoader(self.train_ds.to_dataloader(train=True, batch_size=self.batch_size, num_workers=0))
+        return fit_steps(lambda trainer: trainer.fit(self.model, train_dataloaders=loader), lambda: loader.seconds,
+                         steps, warmup, self.batch_size, clip=1.0)
 
     @torch.no_grad()
     def test_losses(self) -> dict[int, float]:
@@ -201,12 +284,24 @@ class Peer:
             out.update(zip(t, loss.tolist()))
         return out
 
-    def memory_probe(self) -> tuple[object, object, object]:
-        return self.model, self.opt, lambda: self.step(self.next_batch())
+    def memory_probe(self) -> tuple[Any, Any, Callable[[], None]]:
+        """A copy of the model, its AdamW, and one training step of it."""
+        model = copy.deepcopy(self.model).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x, y = next(iter(self.train_ds.to_dataloader(train=True, batch_size=self.batch_size, num_workers=0)))
+
+        def step() -> None:
+            loss = model.loss(model(x)["prediction"], y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+
+        return model, opt, step
 
 
 # ------------------------------------------------------------------------------------------------------- bench
-def peak_memory_mb(model, opt, step) -> float | None:  # type: ignore[no-untyped-def]
+def peak_memory_mb(model: Any, opt: Any, step: Callable[[], None]) -> float | None:
     """Peak live tensor memory (MiB) during one training step, by torch's MemTracker; None if it cannot track."""
     try:
         from torch.distributed._tools.mem_tracker import MemTracker
@@ -222,76 +317,210 @@ def peak_memory_mb(model, opt, step) -> float | None:  # type: ignore[no-untyped
         return None
 
 
-def bench_width(width: int, args: argparse.Namespace) -> dict[str, object]:
-    n_extra = max(0, width - 8)
-    data = build_quality_data(args.n_bars, seed=args.seed, lookback=64, horizon=6, n_extra_features=n_extra)
+def spread(values: list[float]) -> float:
+    """(max - min) / median: how far apart the repeats landed."""
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+def bench_data(width: int, args: argparse.Namespace) -> QualityData:
+    """The synthetic market with ``width`` observed inputs (extra lagged, smoothed and noise inputs above 8)."""
+    data = build_quality_data(args.n_bars, seed=args.seed, lookback=64, horizon=6, n_extra_features=max(0, width - 8))
     if width < 8:
         data = select_features(data, SMALL[:width] if width >= 3 else SMALL[-3:])
-    n_inputs = data.splits["train"].n_features
-    impls = [Ours(data, args.batch_size, args.lr, args.compile, args.seed), Peer(data, args.batch_size, args.lr, args.compile_peer, args.seed)]
-    for impl in impls:  # warm-up (and compilation) outside the timed loop
-        for _ in range(args.warmup):
-            impl.step(impl.next_batch())
+    return data
+
+
+def bench_width(width: int, args: argparse.Namespace) -> dict[str, Any]:
+    data = bench_data(width, args)
+    impls = [Ours(data, args), Peer(data, args)]
     memory = {impl.name: peak_memory_mb(*impl.memory_probe()) for impl in impls}
-    compute = {impl.name: [] for impl in impls}
-    total = {impl.name: 0.0 for impl in impls}
-    for _ in range(args.steps):
-        for impl in impls:
-            t0 = time.perf_counter()
-            batch = impl.next_batch()
-            t1 = time.perf_counter()
-            impl.step(batch)
-            t2 = time.perf_counter()
-            compute[impl.name].append((t2 - t1) * 1e3)
-            total[impl.name] += t2 - t0
+    runs: dict[str, list[Timing]] = {impl.name: [] for impl in impls}
+    ratios: list[float] = []
+    for r in range(args.repeats):
+        for impl in impls if r % 2 == 0 else impls[::-1]:  # alternate who goes first
+            runs[impl.name].append(impl.fit(args.steps, args.warmup))
+        ratios.append(runs["foxhunt"][-1].samples_per_s / runs["pytorch-forecasting"][-1].samples_per_s)
+        print(f"  [{data.splits['train'].n_features} inputs] repeat {r + 1}/{args.repeats}: throughput x{ratios[-1]:.2f} "
+              f"({runs['foxhunt'][-1].samples_per_s:.0f} vs {runs['pytorch-forecasting'][-1].samples_per_s:.0f} samples/s, "
+              f"load {runs['foxhunt'][-1].load[0]:.1f})", file=sys.stderr, flush=True)
     losses = {impl.name: impl.test_losses() for impl in impls}
     common_rows = sorted(set.intersection(*(set(v) for v in losses.values())))
-    result: dict[str, object] = {"inputs": n_inputs, "steps": args.steps + args.warmup + 1, "timed_steps": args.steps,
-                                 "test_windows": len(common_rows), "compile_ours": args.compile,
-                                 "compile_peer": args.compile_peer, "threads": torch.get_num_threads()}
+    loads = [x for timings in runs.values() for t in timings for x in t.load]
+    result: dict[str, Any] = {
+        "inputs": data.splits["train"].n_features, "path": args.path, "repeats": args.repeats, "timed_steps": args.steps,
+        "steps_per_repeat": args.warmup + args.steps + 1, "test_windows": len(common_rows), "threads": torch.get_num_threads(),
+        "load_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads), "cores": os.cpu_count()},
+    }
     for impl in impls:
-        n = impl.name
-        result[n] = {
-            "samples_per_s": args.steps * args.batch_size / total[n],
-            "step_ms_median": statistics.median(compute[n]),
-            "step_ms_p10_p90": [float(np.percentile(compute[n], 10)), float(np.percentile(compute[n], 90))],
-            "peak_mem_mib": memory[n],
-            "params": sum(p.numel() for p in (impl.net if n == "foxhunt" else impl.model).parameters()),
-            "test_quantile_loss": float(np.mean([losses[n][t] for t in common_rows])),
+        timings = runs[impl.name]
+        sps = [t.samples_per_s for t in timings]
+        step_ms, loader_ms = statistics.median(t.step_ms for t in timings), statistics.median(t.loader_ms for t in timings)
+        result[impl.name] = {
+            "samples_per_s_median": statistics.median(sps), "samples_per_s_spread": spread(sps),
+            "samples_per_s": sps, "step_ms_median": step_ms, "loader_ms_median": loader_ms,
+            "peak_mem_mib": memory[impl.name], "params": sum(p.numel() for p in impl.net.parameters()),
+            "test_quantile_loss": float(np.mean([losses[impl.name][t] for t in common_rows])),
         }
     ours, peer = result["foxhunt"], result["pytorch-forecasting"]
     result["ratios_foxhunt_over_peer"] = {
-        "throughput": ours["samples_per_s"] / peer["samples_per_s"],
-        "step_speedup": peer["step_ms_median"] / ours["step_ms_median"],
+        "throughput_median": statistics.median(ratios), "throughput_spread": spread(ratios), "throughput": ratios,
+        "step_without_loader_speedup": (peer["step_ms_median"] - peer["loader_ms_median"]) / (ours["step_ms_median"] - ours["loader_ms_median"]),
         "peak_memory": (ours["peak_mem_mib"] / peer["peak_mem_mib"]) if ours["peak_mem_mib"] and peer["peak_mem_mib"] else None,
         "test_quantile_loss": ours["test_quantile_loss"] / peer["test_quantile_loss"],
     }
     return result
 
 
+# ------------------------------------------------------------------------------------------------------- profile
+def _grad_inputs(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Detached copies of captured inputs; float tensors require grad, so backward runs as it does in the step."""
+    return tuple(a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _fwd_bwd(fn: Callable[..., Any], args: tuple[Any, ...]) -> Callable[[], None]:
+    """One forward and backward of ``fn(*args)`` (its first output, against a fixed random gradient)."""
+    inputs = _grad_inputs(args)
+    first = fn(*inputs)
+    first = first[0] if isinstance(first, tuple) else first
+    grad = torch.randn_like(first)
+
+    def run() -> None:
+        out = fn(*inputs)
+        (out[0] if isinstance(out, tuple) else out).backward(grad)
+
+    return run
+
+
+def profile_width(width: int, args: argparse.Namespace) -> dict[str, float]:
+    """Where foxhunt's end-to-end step goes (ms, medians over interleaved rounds): the fit's whole step and loader
+    share, and each piece of the network's forward + backward timed alone on inputs captured from a real batch."""
+    from foxhunt.models.variable_selection_fused import selection_weights
+
+    data = bench_data(width, args)
+    ours = Ours(data, args)
+    net, member = ours.net, ours.member
+    fits = [ours.fit(args.steps, args.warmup) for _ in range(args.repeats)]
+    batch = next(iter(windows(data, "train", args.batch_size, shuffle=True)))
+    captured: dict[str, tuple[Any, ...]] = {}
+    hooks = [getattr(net, name).register_forward_pre_hook(lambda m, a, kw, name=name: captured.setdefault(name, (*a, *kw.values())), with_kwargs=True)
+             for name in ("encoder_selection", "decoder_selection", "lstm_encoder", "lstm_decoder", "post_lstm_gate",
+                          "static_enrichment", "attention", "post_attention_gate", "positionwise_grn", "pre_output_gate",
+                          "quantile_head")]
+    net.train()
+    out = net(batch["x_past"], batch["x_future"], batch["symbol"])
+    for h in hooks:
+        h.remove()
+
+    def scoring(name: str) -> Callable[[], None]:
+        vsn = getattr(net, name)
+        x, ctx = captured[name][:2]
+        lead = x.shape[:-1]
+        flat_ctx = ctx.unsqueeze(1).expand(*lead, ctx.shape[-1]).reshape(-1, ctx.shape[-1])
+        return _fwd_bwd(lambda a, c: selection_weights(vsn, a, c), (x.reshape(-1, x.shape[-1]), flat_ctx))
+
+    def module(name: str) -> Callable[[], None]:
+        return _fwd_bwd(getattr(net, name), captured[name])
+
+    def lstm() -> None:
+        module("lstm_encoder")()
+        module("lstm_decoder")()
+
+    pieces: dict[str, Callable[[], None]] = {
+        "variable selection, whole (encoder + decoder)": lambda: (module("encoder_selection")(), module("decoder_selection")()),
+        "  of which the scoring GRNs (flattened GRN + softmax)": lambda: (scoring("encoder_selection")(), scoring("decoder_selection")()),
+        "LSTM encoder + decoder": lstm,
+        "post-LSTM gate + static enrichment GRN": lambda: (module("post_lstm_gate")(), module("static_enrichment")()),
+        "interpretable attention": module("attention"),
+        "post-attention gate, position-wise GRN, output gate, head": lambda: [module(n)() for n in (
+            "post_attention_gate", "positionwise_grn", "pre_output_gate", "quantile_head")],
+    }
+    del out
+    opt_config = member.configure_optimizers()
+    opt = opt_config["optimizer"] if isinstance(opt_config, dict) else opt_config
+
+    def whole() -> None:
+        pred = net(batch["x_past"], batch["x_future"], batch["symbol"]).prediction
+        member.quantile_loss(pred, batch["y"]).backward()
+
+    def optimizer() -> None:
+        member.guard.clip_gradients(net, 1.0, 0, params=params)
+        opt.step()
+        for p in params:
+            p.grad = None
+
+    params = list(net.parameters())
+    whole()
+    pieces = {"network forward + loss + backward, whole": whole, **pieces}
+    times: dict[str, list[float]] = {k: [] for k in (*pieces, "guard + clip + AdamW step")}
+    for _ in range(args.steps):
+        for name, fn in pieces.items():
+            net.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+        whole()
+        t0 = time.perf_counter()
+        optimizer()
+        times["guard + clip + AdamW step"].append(time.perf_counter() - t0)
+    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    step, loader = statistics.median(f.step_ms for f in fits), statistics.median(f.loader_ms for f in fits)
+    parts = sum(v for k, v in ms.items() if not k.startswith(("network", " ", "guard")))
+    report = {
+        "end-to-end step (coordinator fit)": step,
+        "loader (batch draw)": loader,
+        **ms,
+        "  glue: static encoders, cat/concat, relative time, loss, autograd (whole minus pieces)": ms["network forward + loss + backward, whole"] - parts,
+        "Lightning + coordinator per step (end-to-end minus loader, network, optimizer)": step - loader - ms["network forward + loss + backward, whole"] - ms["guard + clip + AdamW step"],
+    }
+    n_in = data.splits["train"].n_features
+    print(f"\n{n_in} inputs, foxhunt ({args.path}), 1 thread, load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; ms per step, "
+          f"median of {args.repeats} fits x {args.steps} steps and {args.steps} rounds of pieces\n")
+    print("| piece | ms | share of end-to-end |\n|---|---|---|")
+    for k, v in report.items():
+        print(f"| {k} | {v:.1f} | {v / step:.0%} |")
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--widths", default="125,5", help="input counts to run, comma separated")
-    parser.add_argument("--steps", type=int, default=20, help="timed training steps per model")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats (fits) per model")
+    parser.add_argument("--steps", type=int, default=0, help="timed steps per repeat (0: 12 at >= 50 inputs, else 60)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each repeat")
     parser.add_argument("--n-bars", type=int, default=40_000)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both (0: leave)")
+    parser.add_argument("--path", choices=("ensemble", "module"), default="ensemble",
+                        help="foxhunt through the coordinator (as foxhunt.fit runs it) or the TFTModule alone")
+    parser.add_argument("--reference", action="store_true", help="foxhunt's reference paths (fused=False, plain AdamW)")
     parser.add_argument("--compile", action="store_true", help="torch.compile foxhunt's network")
     parser.add_argument("--compile-peer", action="store_true", help="torch.compile pytorch-forecasting's model")
+    parser.add_argument("--profile", action="store_true", help="print where foxhunt's step goes instead of comparing")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     if args.threads:
         torch.set_num_threads(args.threads)
     for width in [int(w) for w in args.widths.split(",")]:
-        res = bench_width(width, args)
+        width_args = argparse.Namespace(**{**vars(args), "steps": args.steps or (12 if width >= 50 else 60)})
+        if args.profile:
+            profile_width(width, width_args)
+            continue
+        res = bench_width(width, width_args)
         print(json.dumps(res, indent=2), flush=True)
-        r = res["ratios_foxhunt_over_peer"]
-        print(f"[{res['inputs']} inputs] throughput x{r['throughput']:.2f}, step speed-up x{r['step_speedup']:.2f}, "
-              f"memory x{r['peak_memory'] if r['peak_memory'] is None else round(r['peak_memory'], 2)}, "
-              f"test loss x{r['test_quantile_loss']:.3f} (foxhunt / peer)", flush=True)
+        r, ours, peer, load = res["ratios_foxhunt_over_peer"], res["foxhunt"], res["pytorch-forecasting"], res["load_1min"]
+        print(f"[{res['inputs']} inputs] throughput x{r['throughput_median']:.2f} (median of {res['repeats']}, spread "
+              f"{r['throughput_spread']:.1%}; foxhunt {ours['samples_per_s_median']:.0f} samples/s spread "
+              f"{ours['samples_per_s_spread']:.1%}, peer {peer['samples_per_s_median']:.0f} spread {peer['samples_per_s_spread']:.1%}), "
+              f"step w/o loader x{r['step_without_loader_speedup']:.2f} ({ours['step_ms_median']:.0f} vs {peer['step_ms_median']:.0f} ms "
+              f"whole step, loader {ours['loader_ms_median']:.1f} vs {peer['loader_ms_median']:.1f} ms), memory "
+              f"x{r['peak_memory'] if r['peak_memory'] is None else round(r['peak_memory'], 2)}, test loss "
+              f"x{r['test_quantile_loss']:.3f}, load {load['min']:.1f}-{load['max']:.1f} (median {load['median']:.1f}) "
+              f"on {load['cores']} cores", flush=True)
 
 
 if __name__ == "__main__":

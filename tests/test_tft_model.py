@@ -10,6 +10,7 @@ from torch import nn
 
 from foxhunt.models.tft import (
     GLU,
+    GapDropout,
     GateAddNorm,
     GatedResidualNetwork,
     GroupedGatedResidualNetwork,
@@ -173,6 +174,36 @@ def test_dropout_keep_mask_is_bernoulli(p: float) -> None:
         both = float((dropped[lag:] * dropped[:-lag]).mean())
         assert abs(both - p * p) < 5 * (p * p * (1 - p * p) / n) ** 0.5
     assert _dropout_keep_mask(5, 0.999, torch.device("cpu")).shape == (5,)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_gap_dropout_is_dropout(p: float) -> None:
+    """The fast dropout zeroes Bernoulli(p) entries and scales the rest by 1/(1-p), and its gradient is that same
+    mask; eval is the identity; fused=False is nn.Dropout itself (same draws for the same seed)."""
+    drop = GapDropout(p).train()
+    x = (torch.rand(200, 500) + 0.5).requires_grad_(True)
+    out = drop(x)
+    kept = out != 0
+    torch.testing.assert_close(out[kept], x[kept] / (1 - p))
+    rate, sd = 1.0 - float(kept.double().mean()), (p * (1 - p) / x.numel()) ** 0.5
+    assert abs(rate - p) < 5 * sd
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, kept.float() / (1 - p))
+    assert torch.equal(drop.eval()(x), x)
+    reference = GapDropout(p, fused=False).train()
+    torch.manual_seed(3)
+    expected = torch.nn.functional.dropout(x, p, training=True)
+    torch.manual_seed(3)
+    assert torch.equal(reference(x), expected)
+
+
+def test_tft_fused_switch_reaches_every_dropout() -> None:
+    """One switch: the network's fused flag sets every variable selection's path and every dropout's draw."""
+    model = _model(fused=False)
+    flags = [m.fused for m in model.modules() if isinstance(m, (GapDropout, VariableSelectionNetwork))]
+    assert flags and not any(flags)
+    model.fused = True
+    assert all(m.fused for m in model.modules() if isinstance(m, (GapDropout, VariableSelectionNetwork)))
 
 
 def test_vsn_dropout_in_training_only() -> None:

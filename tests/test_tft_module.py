@@ -229,6 +229,27 @@ def test_scheduler_choices(tmp_path: Path, kind: str, expected: str | None) -> N
         assert configs[0].monitor == "val/loss" and configs[0].interval == "epoch"
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 1e-2])
+def test_fused_adamw_steps_like_plain_adamw(weight_decay: float) -> None:
+    """fused_adamw switches the member's AdamW to the fused kernel; three steps on the same gradients give the same
+    weights as the plain AdamW (fused_adamw=False), decay groups included."""
+    fused, plain = module(fused_adamw=True, weight_decay=weight_decay, scheduler="none"), module(fused_adamw=False, scheduler="none", weight_decay=weight_decay)
+    plain.load_state_dict(fused.state_dict())
+    before = [p.detach().clone() for p in fused.parameters()]
+    opt_fused, opt_plain = fused.configure_optimizers(), plain.configure_optimizers()
+    assert all(g["fused"] for g in opt_fused.param_groups) and not any(g.get("fused") for g in opt_plain.param_groups)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for p, q in zip(fused.parameters(), plain.parameters()):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        opt_fused.step()
+        opt_plain.step()
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    assert all(not torch.equal(p, b) for p, b in zip(fused.parameters(), before))  # every tensor moved
+
+
 # ---------------------------------------------------------------------------------------------- inverse & predict
 def test_predict_step_returns_original_scale(tmp_path: Path) -> None:
     split = make_split(scale=2.0)

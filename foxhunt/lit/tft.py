@@ -29,7 +29,7 @@ from foxhunt.lit.member import Forecaster
 from foxhunt.models.tft import TemporalFusionTransformer, TFTOutput
 from foxhunt.training.gradnorm import grad_norms
 from foxhunt.training.guard import NonFiniteGuard
-from foxhunt.training.optim import SchedulerKind, validate_lr
+from foxhunt.training.optim import SchedulerKind, prefer_fused, validate_lr
 
 TFTInterpretation = Interpretation  # the name the notebooks use
 
@@ -67,6 +67,7 @@ class TFTModule(Forecaster):
         log_figures: bool = True,
         compile_network: bool = False,
         fused: bool = True,
+        fused_adamw: bool = True,
         policy_interval: tuple[float, float] = (0.1, 0.9),
         updates_per_step: int = 1,
         start_step: int = 0,
@@ -110,6 +111,8 @@ class TFTModule(Forecaster):
             compile_network: torch.compile the network in place at fit start.
             fused: run the per-variable GRNs of variable selection as the chunked fused kernel (False: the plain
                 reference path; both compute the same function with the same parameters).
+            fused_adamw: step AdamW with PyTorch's fused kernel where the parameters' device supports it (one kernel
+                over all the network's ~150 tensors instead of a loop over them); False, the plain AdamW.
             policy_interval: the forecast quantiles whose interval must clear the cost for the member's policy to take
                 a position (see :func:`foxhunt.evaluation.policies.forecast_policy`).
             updates_per_step: optimizer updates per coordinator step (inside an ensemble).
@@ -356,6 +359,13 @@ class TFTModule(Forecaster):
             # (under 16-mixed the GradScaler skips overflowing steps itself and lowers the scale)
             self.guard.check_gradients(self.network, self.global_step)
         self.log("train/nonfinite_skipped", float(self.guard.skipped), on_step=True, on_epoch=False)
+
+    def configure_optimizers(self) -> Any:
+        """The forecasters' AdamW and schedule, switched to the fused AdamW kernel where allowed (``fused_adamw``)."""
+        config = super().configure_optimizers()
+        if self.hparams.fused_adamw:
+            prefer_fused(config["optimizer"] if isinstance(config, dict) else config)
+        return config
 
     def setup(self, stage: str) -> None:
         if stage == "fit" and self.hparams.compile_network:

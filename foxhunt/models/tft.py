@@ -21,7 +21,35 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from foxhunt.models.variable_selection_fused import fused_variable_selection
+from foxhunt.models.variable_selection_fused import dropout_drops, fused_variable_selection
+
+
+class GapDropout(nn.Dropout):
+    """nn.Dropout whose fast path (``fused``, float32 on CPU) draws only where the drops fall, as geometric gaps.
+
+    The same process as nn.Dropout (i.i.d. Bernoulli(p) drops, kept entries scaled by 1/(1-p)) from one random number
+    per drop instead of one per entry: CPU's per-entry ``bernoulli_`` was the TFT's largest cost after the LSTM at
+    5 inputs. ``fused=False``, other dtypes and other devices (where ``bernoulli_`` is fast, and reading the last
+    drop's position would wait for the device) run nn.Dropout itself. The masks differ draw by draw, not in law.
+    """
+
+    def __init__(self, p: float = 0.5, fused: bool = True) -> None:
+        super().__init__(p)
+        self.fused = fused
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (self.fused and self.training and self.p > 0.0 and x.device.type == "cpu" and x.dtype == torch.float32):
+            return super().forward(x)
+        return x * _gap_keep(x.numel(), self.p).view(x.shape)
+
+
+@torch.compiler.disable  # a data-dependent loop over rounds of gaps: nothing for a compiler to fuse
+def _gap_keep(n: int, p: float) -> Tensor:
+    """n float32 multipliers on CPU: 0 at Bernoulli(p) drops, 1/(1-p) elsewhere (p < 1; p = 1 drops everything)."""
+    if p >= 1.0:
+        return torch.zeros(n)
+    keep = torch.full((n,), 1.0 / (1.0 - p))
+    return keep.index_fill_(0, dropout_drops(n, p, keep.device), 0.0)
 
 
 class GLU(nn.Module):
@@ -40,7 +68,7 @@ class GateAddNorm(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, dropout: float = 0.0) -> None:
         super().__init__()
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = GapDropout(dropout)
         self.glu = GLU(input_size, output_size)
         self.norm = nn.LayerNorm(output_size)
 
@@ -161,7 +189,7 @@ class VariableSelectionNetwork(nn.Module):
             raise ValueError(f"a variable selection network needs at least one variable, got {n_variables}")
         self.n_variables, self.input_size, self.hidden_size, self.continuous = n_variables, input_size, hidden_size, continuous
         self.pairs_per_chunk = pairs_per_chunk  # (row, variable) pairs per chunk of the fused per-variable GRNs on CPU
-        self.fused = fused
+        self._fused = fused
         if continuous:
             self.embed_weight = nn.Parameter(torch.empty(n_variables, input_size))
             self.embed_bias = nn.Parameter(torch.empty(n_variables, input_size))
@@ -173,6 +201,19 @@ class VariableSelectionNetwork(nn.Module):
         self.variable_grns = GroupedGatedResidualNetwork(
             n_variables, input_size, min(input_size, hidden_size), hidden_size, dropout
         )
+        self.fused = fused  # and the scoring GRN's dropout
+
+    @property
+    def fused(self) -> bool:
+        """Whether continuous inputs take the fused path and dropouts draw gaps (settable: the same parameters)."""
+        return self._fused
+
+    @fused.setter
+    def fused(self, value: bool) -> None:
+        self._fused = bool(value)
+        for module in self.modules():
+            if isinstance(module, GapDropout):
+                module.fused = self._fused
 
     def embed(self, x: Tensor) -> Tensor:
         """Per-variable linear embeddings [..., V] -> [..., V, input_size]."""
@@ -208,7 +249,7 @@ class InterpretableMultiHeadAttention(nn.Module):
         self.key = nn.Linear(hidden_size, hidden_size)
         self.value = nn.Linear(hidden_size, self.head_size)  # shared across heads
         self.out = nn.Linear(self.head_size, hidden_size)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = GapDropout(dropout)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """q [B, Tq, d], k/v [B, Tk, d], mask [Tq, Tk] True where attention is forbidden -> ([B, Tq, d], [B, h, Tq, Tk])."""
@@ -300,15 +341,18 @@ class TemporalFusionTransformer(nn.Module):
         self.pre_output_gate = GateAddNorm(d, d, 0.0)
         self.quantile_head = nn.Linear(d, n_quantiles)
         self.register_buffer("causal_mask", _decoder_causal_mask(lookback, horizon), persistent=False)
+        self.fused = fused  # every variable selection and dropout of the network
 
     @property
     def fused(self) -> bool:
-        """Whether the encoder and decoder variable selection run the fused path (settable: same parameters)."""
+        """Whether the variable selections run the fused path and the dropouts draw gaps (settable: same parameters)."""
         return self.encoder_selection.fused
 
     @fused.setter
     def fused(self, value: bool) -> None:
-        self.encoder_selection.fused = self.decoder_selection.fused = value
+        for module in self.modules():
+            if isinstance(module, (VariableSelectionNetwork, GapDropout)):
+                module.fused = value
 
     def relative_time(self, steps: int, start: int, like: Tensor) -> Tensor:
         """Known time index (t - t0) / lookback for ``steps`` positions from ``start``, broadcast to [B, steps, 1]."""

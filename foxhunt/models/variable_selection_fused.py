@@ -51,10 +51,32 @@ def fused_variable_selection(
     The same function as ``vsn.forward_embedded(vsn.embed(x), context)``.
     """
     lead = x.shape[:-1]
-    v, e = vsn.n_variables, vsn.input_size
+    v = vsn.n_variables
     flat_x = x.reshape(-1, v)  # [N, V]
     ctx = None if context is None else _flatten_context(context, lead)
-    # Scoring GRN reads concat_v(x_v * Ew_v + Eb_v): its fc2 and skip compose into [V, out] maps of the scalars.
+    weights = selection_weights(vsn, flat_x, ctx)  # [N, V]
+    # Per-variable GRNs, variable-major: first layer and skip are rank-1 in the scalar x_v.
+    g = vsn.variable_grns
+    a2 = torch.einsum("ve,veh->vh", vsn.embed_weight, g.fc2_weight)
+    b2 = torch.einsum("ve,veh->vh", vsn.embed_bias, g.fc2_weight) + g.fc2_bias
+    if g.skip_weight is not None:
+        a_s = torch.einsum("ve,veo->vo", vsn.embed_weight, g.skip_weight)
+        b_s = torch.einsum("ve,veo->vo", vsn.embed_bias, g.skip_weight) + g.skip_bias
+    else:
+        a_s, b_s = vsn.embed_weight, vsn.embed_bias
+    p = g.dropout.p if g.training else 0.0
+    glu_weight = g.glu_weight / (1.0 - p) if p > 0.0 else g.glu_weight  # dropout's 1/(1-p) moved onto W_glu
+    n = flat_x.shape[0]
+    rows = min(n, max(1, vsn.pairs_per_chunk // v)) if x.device.type == "cpu" else n  # CUDA: one chunk
+    params = (a2, b2, g.fc1_weight, g.fc1_bias, glu_weight, g.glu_bias, a_s, b_s, g.norm_weight, g.norm_bias)
+    combined = _selected_variable_grns(flat_x.t(), weights.t(), params, p, rows)
+    return combined.reshape(*lead, vsn.hidden_size), weights.reshape(*lead, v)
+
+
+def selection_weights(vsn: VariableSelectionNetwork, flat_x: Tensor, ctx: Tensor | None = None) -> Tensor:
+    """The scoring GRN's softmax weights [N, V] (float32) of scalar inputs [N, V] and a flat context [N, c]."""
+    # It reads concat_v(x_v * Ew_v + Eb_v): its fc2 and skip compose into [V, out] maps of the scalars.
+    v, e = vsn.n_variables, vsn.input_size
     fg = vsn.flattened_grn
     w2 = fg.fc2.weight.view(fg.hidden_size, v, e)
     fc2_out = F.linear(
@@ -72,23 +94,7 @@ def fused_variable_selection(
         if ws is not None
         else vsn.embed(flat_x).flatten(-2)
     )
-    weights = torch.softmax(fg.from_projections(fc2_out, residual, ctx).float(), dim=-1)  # [N, V]
-    # Per-variable GRNs, variable-major: first layer and skip are rank-1 in the scalar x_v.
-    g = vsn.variable_grns
-    a2 = torch.einsum("ve,veh->vh", vsn.embed_weight, g.fc2_weight)
-    b2 = torch.einsum("ve,veh->vh", vsn.embed_bias, g.fc2_weight) + g.fc2_bias
-    if g.skip_weight is not None:
-        a_s = torch.einsum("ve,veo->vo", vsn.embed_weight, g.skip_weight)
-        b_s = torch.einsum("ve,veo->vo", vsn.embed_bias, g.skip_weight) + g.skip_bias
-    else:
-        a_s, b_s = vsn.embed_weight, vsn.embed_bias
-    p = g.dropout.p if g.training else 0.0
-    glu_weight = g.glu_weight / (1.0 - p) if p > 0.0 else g.glu_weight  # dropout's 1/(1-p) moved onto W_glu
-    n = flat_x.shape[0]
-    rows = min(n, max(1, vsn.pairs_per_chunk // v)) if x.device.type == "cpu" else n  # CUDA: one chunk
-    params = (a2, b2, g.fc1_weight, g.fc1_bias, glu_weight, g.glu_bias, a_s, b_s, g.norm_weight, g.norm_bias)
-    combined = _selected_variable_grns(flat_x.t(), weights.t(), params, p, rows)
-    return combined.reshape(*lead, vsn.hidden_size), weights.reshape(*lead, v)
+    return torch.softmax(fg.from_projections(fc2_out, residual, ctx).float(), dim=-1)
 
 
 def _flatten_context(context: Tensor, lead: torch.Size) -> Tensor:
@@ -128,7 +134,7 @@ class ChunkedVariableGRNs(torch.autograd.Function):
         out = x.new_empty(n, d)
         mean, rstd = x.new_empty(v * n), x.new_empty(v * n)  # chunk r0:r1 at [v r0, v r1), variable-major
         avg = x.new_full((d, 1), 1.0 / d)
-        drops = _chunk_drops(_dropout_drops(v * n * h, p, x.device), v * h * rows) if p > 0.0 else None
+        drops = _chunk_drops(dropout_drops(v * n * h, p, x.device), v * h * rows) if p > 0.0 else None
         aug, bufs = _augmented(params), _chunk_buffers(x, v, rows, h)
         for c, r0 in enumerate(range(0, n, rows)):
             r1 = min(n, r0 + rows)
@@ -261,7 +267,7 @@ def _chunk_mask(drops: tuple[Tensor, list[int], int] | None, bufs: tuple[Tensor,
     return mask.view(v, r, h)
 
 
-def _dropout_drops(n: int, p: float, device: torch.device) -> Tensor:
+def dropout_drops(n: int, p: float, device: torch.device) -> Tensor:
     """Sorted positions of the drops among n independent Bernoulli(p) drops, drawn as the geometric gaps between
     them: the same process as nn.Dropout's, with one random number per drop instead of one per entry. A gap is
     1 + floor(ln(1 - U) / ln(1 - p)) for U uniform on [0, 1) (2.5x faster than ``geometric_`` on CPU)."""
@@ -280,9 +286,9 @@ def _dropout_drops(n: int, p: float, device: torch.device) -> Tensor:
 
 
 def _dropout_keep_mask(n: int, p: float, device: torch.device) -> Tensor:
-    """n independent Bernoulli(1-p) keeps as uint8 (1 = kept), from ``_dropout_drops``."""
+    """n independent Bernoulli(1-p) keeps as uint8 (1 = kept), from ``dropout_drops``."""
     keep = torch.ones(n, dtype=torch.uint8, device=device)
-    keep[_dropout_drops(n, p, device)] = 0
+    keep[dropout_drops(n, p, device)] = 0
     return keep
 
 
