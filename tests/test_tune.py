@@ -20,9 +20,11 @@ from optuna.trial import TrialState
 
 from foxhunt.tune import (
     SearchParam,
+    Terminated,
     TrialSeededSampler,
     TuneConfigError,
     counts_toward_budget,
+    decoded_params,
     load_tune_config,
     main,
     run_study,
@@ -205,6 +207,8 @@ class _Inject(Callback):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         elif self.how == "sigint":
             os.kill(os.getpid(), signal.SIGINT)
+        elif self.how == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def test_failures_are_recorded_study_continues_and_ctrl_c_resumes(tmp_path: Path) -> None:
@@ -240,6 +244,66 @@ def test_failures_are_recorded_study_continues_and_ctrl_c_resumes(tmp_path: Path
     summary = summarize(run.study, cfg)
     assert summary["counts"] == {"pruned": 1, "error": 1, "oom": 1, "interrupted": 1, "complete": 1}
     assert (tmp_path / "runs" / "tune-tiny" / "best" / "config_trial_4.yaml").exists()
+
+
+def test_sigterm_during_a_trial_is_recorded_as_sigterm_and_the_next_run_replaces_it(tmp_path: Path, capsys) -> None:
+    """The issue's drill: SIGTERM (a scheduler's stop) was recorded as "KeyboardInterrupt (Ctrl-C)"."""
+    path = _config(tmp_path, fixed={"trainer.max_epochs": 1}, n_trials=1)
+    cfg = load_tune_config(path)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Terminated):
+        run_study(cfg, extra_callbacks=lambda trial: [_Inject("sigterm" if trial.number == 0 else "none")])
+    assert signal.getsignal(signal.SIGTERM) is before  # the study's handler does not outlive it
+    (trial,) = _study(tmp_path).get_trials()
+    assert trial.state == TrialState.FAIL and trial.user_attrs["fail_kind"] == "interrupted"
+    assert trial.user_attrs["fail_reason"].startswith("SIGTERM (the worker was told to stop)")
+    assert "KeyboardInterrupt" not in trial.user_attrs["fail_reason"]
+    run = run_study(cfg, check=False)  # it did not count: the study's one trial is run again
+    assert run.ran == [1] and _study(tmp_path).get_trials()[1].state == TrialState.COMPLETE
+
+
+def test_a_stale_trial_is_retried_once_with_its_parameters_and_the_reason(tmp_path: Path) -> None:
+    """A worker killed outright (no heartbeat for the grace period): its trial is failed as stale and its parameters
+    run again, once, by the next worker, which records what it retries and why."""
+    import time
+
+    from foxhunt.tune import open_study
+
+    path = _config(tmp_path, fixed={"trainer.max_epochs": 1}, n_trials=1, heartbeat_interval=1, heartbeat_grace=2)
+    cfg = load_tune_config(path)
+    storage = f"sqlite:///{tmp_path / 'runs' / 'optuna.db'}"
+    study = open_study(cfg, storage, cfg.study_name)
+    dead = study.ask()  # a trial whose worker died after its parameters were drawn and one heartbeat was sent
+    params = {p.key: p.suggest(dead) for p in cfg.search_space}
+    dead.set_user_attr("worker", "lost-host:1")
+    study._storage.record_heartbeat(dead._trial_id)
+    time.sleep(3)
+    run = run_study(cfg, storage=storage, check=False)
+    trials = _study(tmp_path).get_trials()
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE] and run.ran == [1]
+    retry = trials[1]
+    assert retry.user_attrs["retry_of"] == 0 and retry.params == trials[0].params
+    assert decoded_params(cfg, retry) == params
+    assert retry.user_attrs["retry_reason"].startswith("trial 0 (worker lost-host:1) sent no heartbeat for 2 s")
+    assert retry.user_attrs["worker"] != "lost-host:1"
+
+
+def test_a_retry_that_goes_stale_is_not_retried_again(tmp_path: Path) -> None:
+    from foxhunt.tune import RetryStaleTrial
+
+    storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'r.db'}")
+    study = optuna.create_study(storage=storage)
+    dist = {"x": optuna.distributions.FloatDistribution(0, 1)}
+    first = optuna.trial.create_trial(state=TrialState.FAIL, params={"x": 0.5}, distributions=dist,
+                                      user_attrs={"worker": "a:1"})
+    study.add_trial(first)
+    RetryStaleTrial(5)(study, study.get_trials()[0])
+    retry = study.get_trials()[1]
+    assert retry.state == TrialState.WAITING and retry.params == {"x": 0.5} and retry.user_attrs["retry_of"] == 0
+    study._storage.set_trial_state_values(retry._trial_id, TrialState.RUNNING)
+    study._storage.set_trial_state_values(retry._trial_id, TrialState.FAIL)
+    RetryStaleTrial(5)(study, study.get_trials()[1])
+    assert len(study.get_trials()) == 2
 
 
 def test_unknown_objective_metric_stops_the_study(tmp_path: Path, capsys) -> None:

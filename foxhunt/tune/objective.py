@@ -316,7 +316,7 @@ def run_study(
                 if used >= n_trials and not waiting:
                     log.info("study %r holds %d of %d trials (counted or running): done", name, used, n_trials)
                     break
-            before = {t.number for t in study.get_trials(deepcopy=False)}
+            before = {t.number for t in study.get_trials(deepcopy=False) if t.state != TrialState.WAITING}
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*is experimental.*")
                 study.optimize(objective, n_trials=1, catch=(TrialError,), gc_after_trial=True)
