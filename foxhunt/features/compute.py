@@ -80,23 +80,23 @@ def _first_true(mask: torch.Tensor) -> torch.Tensor:
     return torch.cat((mask, mask.new_ones(1))).to(torch.uint8).argmax()
 
 
-def _check_input(ohlcv: torch.Tensor, timestamps: torch.Tensor, symbol_index: torch.Tensor) -> None:
-    """Clear errors, naming the row, for input the features cannot be computed from (ohlcv [N, 5] float64).
+def _check_input(cols: torch.Tensor, timestamps: torch.Tensor, symbol_index: torch.Tensor) -> None:
+    """Clear errors, naming the row, for input the features cannot be computed from (cols: ohlcv [5, N] float64).
 
-    Whole-array extremes first (a NaN fails every comparison; per-row checks cost ~50 ms at a million bars on one
-    core), then the rows only when something is wrong; one host synchronisation on a GPU.
+    Whole-row extremes first (a NaN fails every comparison; per-bar checks cost ~50 ms at a million bars on one
+    core), then the bars only when something is wrong; one host synchronisation on a GPU.
     """
-    lo, hi = torch.aminmax(ohlcv, dim=0)
+    lo, hi = cols.amin(dim=1), cols.amax(dim=1)
     step = symbol_index[1:] - symbol_index[:-1]
     back_ts = (step == 0) & (timestamps[1:] <= timestamps[:-1])
     flags = torch.stack((lo[:4].min() > 0, hi.max() < float("inf"), lo[4] >= 0, (step < 0).any(), back_ts.any()))
     prices_pos, finite, volume_ok, unsorted, late = flags.tolist()
     if not (prices_pos and finite and volume_ok):
-        ok = torch.isfinite(ohlcv).all(dim=1) & (ohlcv[:, :4] > 0).all(dim=1) & (ohlcv[:, 4] >= 0)
+        ok = torch.isfinite(cols).all(dim=0) & (cols[:4] > 0).all(dim=0) & (cols[4] >= 0)
         bad = int(_first_true(~ok))
         raise ValueError(
             f"features: row {bad} has a non-finite or non-positive price, or a negative or non-finite volume "
-            f"(open, high, low, close, volume = {ohlcv[bad].tolist()})"
+            f"(open, high, low, close, volume = {cols[:, bad].tolist()})"
         )
     if unsorted:
         raise ValueError(f"features: rows must be grouped by symbol, sorted by (symbol, time); row "
@@ -125,12 +125,12 @@ def _compute(
     out = _output_buffer((len(selected), n), dtype, dev)
     if n == 0:
         return out, torch.zeros(0, dtype=torch.bool, device=dev)
-    x = ohlcv.detach().to(torch.float64)
+    cols = ohlcv.detach().T.to(torch.float64).contiguous()  # [5, N]: one contiguous row per field
     ts = timestamps.detach().to(dev, torch.int64)
     sym = symbol_index.detach().to(dev)
-    _check_input(x, ts, sym)
-    panel = Panel.from_columns(x.T.contiguous(), ts, sym)
-    del x
+    _check_input(cols, ts, sym)
+    panel = Panel.from_columns(cols, ts, sym)
+    del cols
     S, T = panel.shape
     plan = _release_plan(tuple(f.name for f in selected))
     if S == 1:

@@ -118,9 +118,25 @@ def cci(p: Panel, n: int) -> Tensor:
 
 def _moves(p: Panel) -> tuple[Tensor, Tensor]:
     """+DM and -DM: the high's rise / the low's fall where it is positive and the larger (NaN at the first bar)."""
-    dp, dm = ops.diff(p.high, 1), -ops.diff(p.low, 1)
-    # masks by multiplication, as the numpy path (NaN * False stays NaN at the first bar)
-    return dp * ((dp > 0) & (dp > dm)), dm * ((dm > 0) & (dp < dm))
+    dp, dm = ops.diff(p.high, 1), ops.diff(p.low, 1)
+    ops.blockwise(_moves_block, dm, dp, dm)  # in place, run by run: +DM over dp, -DM over dm
+    return dp, dm
+
+
+def _moves_block(dp: Tensor, dl: Tensor, out: Tensor) -> None:
+    """+DM and -DM from the high's change dp and the low's change dl (dp in place, -DM into out, which is dl)."""
+    dm = torch.neg(dl, out=out)  # the low's fall
+    # masks by multiplication, so NaN * False stays NaN at the first bar
+    plus, minus = (dp > 0) & (dp > dm), (dm > 0) & (dp < dm)
+    dp.mul_(plus)
+    out.mul_(minus)
+
+
+def _di_dx_block(pdi: Tensor, mdi: Tensor, tr: Tensor, out: Tensor) -> None:
+    """+DI and -DI (in place over the Wilder sums of +DM and -DM) and DX (into out, which is tr's run)."""
+    ops.safe_div(pdi, tr, scale=100.0, out=pdi)
+    ops.safe_div(mdi, tr, scale=100.0, out=mdi)
+    ops.safe_div(torch.sub(mdi, pdi).abs_(), mdi + pdi, scale=100.0, out=out)
 
 
 def directional(p: Panel, n: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -129,9 +145,8 @@ def directional(p: Panel, n: int) -> tuple[Tensor, Tensor, Tensor]:
     def f():
         plus, minus = p.memo("directional_moves", lambda: _moves(p))
         tr_s = ops.wilder_sum(p.true_range(), n, start=1)
-        pdi = ops.safe_div(ops.wilder_sum(plus, n, start=1), tr_s, scale=100.0)
-        mdi = ops.safe_div(ops.wilder_sum(minus, n, start=1), tr_s, scale=100.0)
-        dx = ops.safe_div(torch.abs(mdi - pdi), mdi + pdi, scale=100.0)
+        pdi, mdi = ops.wilder_sum(plus, n, start=1), ops.wilder_sum(minus, n, start=1)
+        dx = ops.blockwise(_di_dx_block, tr_s, pdi, mdi, tr_s)  # +DI, -DI in place; DX over tr_s
         pdi[:, :n] = ops.NAN  # DX before bar n is not used: ADX starts from DX[n]
         mdi[:, :n] = ops.NAN
         return pdi, mdi, ops.wilder(dx, n, start=n)
@@ -152,18 +167,26 @@ def aroon(p: Panel, n: int) -> tuple[Tensor, Tensor]:
 
 def ultosc(p: Panel, n1: int = 7, n2: int = 14, n3: int = 28) -> Tensor:
     """TA-Lib ULTOSC: 100 * (4 A1 + 2 A2 + A3) / 7, A_k = sum(buying pressure) / sum(true range) over n_k."""
-    bp = p.close - torch.minimum(p.low, p.prev_close())  # buying pressure C - min(L, C[t-1])
+    bp = torch.minimum(p.low, p.prev_close())
+    bp = torch.sub(p.close, bp, out=bp)  # buying pressure C - min(L, C[t-1])
     bps, trs = ops.Prefix(bp, 1), ops.Prefix(p.true_range(), 1)
+    del bp
     a = max(n1, n2, n3)
-    out = ops.nans(bp, max(n1, n2, n3))
+    out = ops.nans(p.close, a)
     if a < p.shape[1]:
-        acc = None
-        for w, n in zip((4.0, 2.0, 1.0), (n1, n2, n3)):
-            (bh, bl), (th, tl) = bps.parts(n, a), trs.parts(n, a)
-            term = ops.safe_div(bh - bl, th - tl, scale=w)
-            acc = term if acc is None else acc + term
-        out[:, a:] = acc * (100.0 / 7.0)
+        views = [v for n in (n1, n2, n3) for v in (*bps.parts(n, a), *trs.parts(n, a))]
+        ops.blockwise(_ultosc_block, out[:, a:], *views)
     return out
+
+
+def _ultosc_block(*args: Tensor, out: Tensor) -> None:
+    """100/7 (4 A1 + 2 A2 + A3) from (bp hi, bp lo, tr hi, tr lo) window views of the three windows."""
+    acc = None
+    for w, (bh, bl, th, tl) in zip((4.0, 2.0, 1.0), (args[0:4], args[4:8], args[8:12])):
+        t = th - tl
+        term = ops.safe_div(bh - bl, t, scale=w, out=t)
+        acc = term if acc is None else acc.add_(term)
+    torch.mul(acc, 100.0 / 7.0, out=out)
 
 
 def trix(p: Panel, n: int) -> Tensor:

@@ -37,6 +37,14 @@ def runs(x: Tensor, start: int = 0, per: int = 32768) -> list[slice]:
     return [slice(a, min(T, a + step)) for a in range(start, T, step)]
 
 
+def blockwise(fn, out: Tensor, *arrays: Tensor) -> Tensor:
+    """out = fn(*arrays) evaluated run by run (:func:`runs`) as ``fn(*runs_of_arrays, out=run_of_out)``: a chain of
+    elementwise ops then keeps its temporaries in cache on a CPU; on a GPU it is one call over everything."""
+    for j in runs(out):
+        fn(*(x[..., j] for x in arrays), out=out[..., j])
+    return out
+
+
 def _np(x: Tensor):
     """The numpy view of a CPU tensor (no copy)."""
     return x.numpy()
@@ -136,12 +144,15 @@ def pct_change(x: Tensor, k: int) -> Tensor:
     return out
 
 
-def safe_div(num: Tensor, den: Tensor, fill: float = 0.0, scale: float = 1.0) -> Tensor:
-    """scale * num / den with ``fill`` where den is 0 (TA-Lib's convention for flat ranges)."""
+def safe_div(num: Tensor, den: Tensor, fill: float = 0.0, scale: float = 1.0, out: Tensor | None = None) -> Tensor:
+    """scale * num / den with ``fill`` where den is 0 (TA-Lib's convention for flat ranges), into ``out`` when given
+    (which may be num or den)."""
     if fast_path(num):
-        return torch.from_numpy(K.safe_div(_np(num), _np(den), fill, scale=scale))
-    q = (num if scale == 1.0 else scale * num) / den
-    return torch.where(den == 0, fill, q)
+        res = K.safe_div(_np(num), _np(den), fill, scale=scale, out=None if out is None else _np(out))
+        return out if out is not None else torch.from_numpy(res)
+    zero = den == 0
+    q = torch.div(num if scale == 1.0 else scale * num, den, out=out)
+    return q.masked_fill_(zero, fill)
 
 
 def rolling_sum(x: Tensor, n: int, start: int = 0) -> Tensor:

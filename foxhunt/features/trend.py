@@ -33,19 +33,28 @@ def kama(p: Panel, n: int) -> Tensor:
 
     def f():
         c = p.close
-        out = ops.nans(c)
+        out = ops.nans(c, n)
         if c.shape[1] <= n:
             return out
-        now = c[:, n:]
-        hi, lo = _abs_change_prefix(p).parts(n, n)
-        # |change| <= noise, with equality exactly when TA-Lib sets ER = 1; a flat window (0 / 0) gives 1 too:
-        # fmin takes 1 over NaN
-        er = torch.fmin(torch.abs(now - c[:, :-n]) / (hi - lo), torch.ones_like(now))
-        sc = torch.square(er * (_FASTEST - _SLOWEST) + _SLOWEST)
-        out[:, n:] = ops.linear_recurrence(1.0 - sc, sc * now, c[:, n - 1], a_min=1.0 - _FASTEST**2)
+        a = torch.empty_like(c[:, n:])
+        b = ops.blockwise(_kama_block, torch.empty_like(a), c[:, n:], c[:, :-n], *_abs_change_prefix(p).parts(n, n), a)
+        out[:, n:] = ops.linear_recurrence(a, b, c[:, n - 1], a_min=1.0 - _FASTEST**2)
         return out
 
     return p.memo(("kama", n), f)
+
+
+def _kama_block(now: Tensor, then: Tensor, hi: Tensor, lo: Tensor, a: Tensor, out: Tensor) -> None:
+    """KAMA's recurrence y = a y[t-1] + b: a = 1 - sc into ``a``, b = sc C into out, from the closes n bars apart
+    and the prefix sums (hi - lo) of |C[t] - C[t-1]| over the window."""
+    er = torch.sub(now, then).abs_()
+    # |change| <= noise, with equality exactly when TA-Lib sets ER = 1; a flat window (0 / 0) gives 1 too:
+    # fmin takes 1 over NaN
+    er.div_(hi - lo)
+    torch.fmin(er, er.new_ones(()), out=er)
+    sc = er.mul_(_FASTEST - _SLOWEST).add_(_SLOWEST).square_()
+    torch.sub(1.0, sc, out=a)
+    torch.mul(sc, now, out=out)
 
 
 def _dist(p: Panel, ma: Tensor) -> Tensor:

@@ -60,11 +60,11 @@ def obv(p: Panel) -> Tensor:
 
 def obv_change(p: Panel, n: int) -> Tensor:
     """(OBV[t] - OBV[t-n]) / sum of V over the last n bars: the net signed share of recent volume, in [-1, 1]."""
-    out = O.nans(p.close)
+    out = O.nans(p.close, n)
     if n < p.shape[1]:
         s_hi, s_lo = p.prefix("signed_volume", lambda: _signed_volume(p), 1).parts(n, n)
         v_hi, v_lo = volume_prefix(p, 1).parts(n, n)
-        out[:, n:] = O.safe_div(s_hi - s_lo, v_hi - v_lo)
+        O.safe_div(torch.sub(s_hi, s_lo, out=out[:, n:]), v_hi - v_lo, out=out[:, n:])
     return out
 
 
@@ -83,16 +83,19 @@ def _money_flows(p: Panel) -> tuple[Tensor, Tensor]:
 def mfi(p: Panel, n: int) -> Tensor:
     """TA-Lib MFI: 100 * positive money flow / total money flow over n bars (0 when the total is below 1)."""
     up, down = _money_flows(p)
-    out = O.nans(p.close)
+    out = O.nans(p.close, n)
     if n < p.shape[1]:
         u_hi, u_lo = p.prefix("money_flow_up", lambda: up, 1).parts(n, n)
         d_hi, d_lo = p.prefix("money_flow_down", lambda: down, 1).parts(n, n)
-        pos = u_hi - u_lo
-        tot = d_hi - d_lo
-        tot += pos
-        r = O.safe_div(pos, tot, scale=100.0)
-        out[:, n:] = r.masked_fill_(tot < 1.0, 0.0)
+        O.blockwise(_mfi_block, out[:, n:], u_hi, u_lo, d_hi, d_lo)
     return out
+
+
+def _mfi_block(u_hi: Tensor, u_lo: Tensor, d_hi: Tensor, d_lo: Tensor, out: Tensor) -> None:
+    """100 * positive / total money flow from window sums (hi - lo), 0 where the total is below 1."""
+    pos = u_hi - u_lo
+    tot = torch.sub(d_hi, d_lo).add_(pos)
+    O.safe_div(pos, tot, scale=100.0, out=out).masked_fill_(tot < 1.0, 0.0)
 
 
 def vwap_distance(p: Panel, n: int) -> Tensor:
