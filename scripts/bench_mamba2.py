@@ -1,39 +1,51 @@
-"""Speed and memory of foxhunt's Mamba-2 (issue 17, section 4): the SSD scan against the official reference
-``ssd_minimal_discrete`` (Listing 1 of Dao & Gu, 2024), and the whole forecaster against foxhunt's TFT, at lookbacks
-64, 512 and 4096, one thread, in one run.
+"""Speed and memory of foxhunt's Mamba-2 (issue 17, section 4), at the issue's sizes, one thread, in one run.
 
-1. **SSD scan.** The same inputs (b sequences of L steps, H heads of P channels, one group of B and C of size N) go
-   through the reference (``mamba_ssm/modules/ssd_minimal.py`` from the mamba-ssm source distribution, fetched at run
-   time with ``pip download mamba-ssm --no-deps --no-binary :all:`` into a temporary directory and imported from
-   there: nothing of it is copied into foxhunt; it needs ``einops``) and through ``foxhunt.models.mamba2.ssd_chunked``,
-   both with the same chunk length. Printed per L: the largest output difference (absolute, and relative to the
-   largest output), samples/s of forward + backward and of forward alone (best of the timed repeats, the two
-   implementations interleaved so that load from other processes hits both alike), and the peak resident memory
-   of each (VmHWM, reset before each measurement through /proc/self/clear_refs; the process's baseline is printed).
-2. **Forecasters.** foxhunt's ``Mamba2Forecaster`` and ``TemporalFusionTransformer`` (the member defaults' sizes), one
-   AdamW training step on a batch of windows with random inputs (speed does not depend on the values): samples/s
-   and peak RSS, interleaved the same way.
+**What is compared.** One training step (forward, pinball loss, backward, AdamW) of the Mamba-2 forecaster network
+(``Mamba2Forecaster``: d_model 32, 2 layers, d_state 16, headdim 8, expand 2, chunk 16, ``--inputs`` features of
+which 3 known in advance, horizon 6, so L + 6 rows), batch 128, in three versions that share their weights and differ
+only in the SSD scan of each block:
 
-    python scripts/bench_mamba2.py                                # everything; about 10 minutes on one core
-    python scripts/bench_mamba2.py --lookbacks 64,512 --skip-forecasters
+- ``reference``: the official pure-PyTorch ``ssd_minimal_discrete`` (Listing 1 of Dao & Gu, 2024), from
+  ``mamba_ssm/modules/ssd_minimal.py`` of the mamba-ssm source distribution, fetched at run time with
+  ``pip download mamba-ssm --no-deps --no-binary :all:`` into a temporary directory and imported from there (nothing
+  of it is copied into foxhunt; it needs ``einops``). It takes the discretised X = dt x and A dt, B and C per head
+  (foxhunt's one group is broadcast to the heads, a view), a length that is a multiple of the chunk (the rows are
+  padded with dt = 0, which changes nothing), and has no D skip (added outside, as foxhunt's scan does inside);
+- ``chunked``: foxhunt's plain scan (``scan="chunked"``, :func:`foxhunt.models.mamba2.ssd_chunked`);
+- ``factored``: foxhunt's fast scan (``scan="factored"``, the default, :func:`foxhunt.models.mamba2.ssd_factored`);
+
+next to foxhunt's TFT (``TemporalFusionTransformer``, hidden 32, 4 heads, hidden_continuous 16) on the same batch.
+All use the same chunk length (16) where they have one.
+
+Printed per lookback L: the largest difference of the three Mamba-2 versions' outputs (every row of the stack's
+output, absolute and relative to the largest) and of their parameter gradients (relative to each gradient's largest
+entry); samples/s of the training step (median of the timed repeats; the versions interleaved, one step of each per
+round, so that load from other processes hits all alike); the factored scan's speed-up over each other; the peak
+resident memory of one step of each (VmHWM reset through /proc/self/clear_refs before each) and its rise above the
+memory before the step; the load average (``os.getloadavg``) when each lookback's timing ended. Then, per version,
+its step time at each L over its step time at the smallest L (linear: L / L_min) and the memory rise likewise.
+
+    python scripts/bench_mamba2.py                                   # 64, 512, 4096; ~15 min on a quiet core
+    python scripts/bench_mamba2.py --lookbacks 64,512 --repeats 5
+    python scripts/bench_mamba2.py --variants factored,tft --lookbacks 512,4096,16384
     python scripts/bench_mamba2.py --reference /path/to/mamba_ssm/modules/ssd_minimal.py   # no download
 
-The reference's inter-chunk step is a dense [chunks x chunks] product (quadratic in L / Q); foxhunt's is one
-recurrence step per chunk (linear). Both share the O(L Q) intra-chunk quadratic form, which dominates until L passes
-about Q^3 (N + P) / (N P) (~20,000 steps for Q = 64, N = 64, P = 16), so at equal chunk length the gap grows slowly
-with L. Measured on the shared 2-core machine (--repeats 3; docs/MAMBA2.md has the full tables), foxhunt over the
-reference, forward + backward: x3.17 at L = 64, x1.84 at 512, x1.67 at 4096, outputs within 2.6e-06 of the largest;
-Mamba-2 over TFT training steps: x1.05 / x0.54 / x0.29 with 8 inputs, x4.95 / x4.74 / x2.39 with 125 inputs.
+The reference links chunks by a dense [chunks x chunks] decay matrix applied to every chunk's state (quadratic in
+L / Q), and builds its intra-chunk decay mask per head ([b, heads, chunks, Q, Q]) through a cumulative sum over a
+[Q, Q] repeat; foxhunt's factored scan links chunks with one fused step each (linear) and applies the decay as row and
+column scalings of one causal C B^T per group (see ``ssd_factored``). Measured figures are in docs/MAMBA2.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
 import gc
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,9 +56,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
 
-from foxhunt.models.mamba2 import Mamba2Forecaster, ssd_chunked
+from foxhunt.models.mamba2 import Mamba2Forecaster
 from foxhunt.models.tft import TemporalFusionTransformer
+
+QUANTILES = (0.1, 0.5, 0.9)
+KNOWN, HORIZON = 3, 6
+MAMBA_VARIANTS = ("reference", "chunked", "factored", "reference_fused_block")
 
 
 # ------------------------------------------------------------------------------------------------------- reference
@@ -76,6 +93,33 @@ def load_reference(path: Path) -> Callable:
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module.ssd_minimal_discrete
+
+
+def use_reference_scan(net: nn.Module, ssd_minimal_discrete: Callable) -> None:
+    """Make every Mamba-2 block of ``net`` run its SSD with the reference function (an instance-level override of
+    ``Mamba2Block.ssd``, same arguments and outputs)."""
+
+    def ssd(block: nn.Module, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, initial: Tensor | None,
+            return_state: bool) -> Tensor | tuple[Tensor, Tensor]:
+        b, length, heads, p = x.shape
+        q = block.chunk_size
+        groups = B.shape[2]
+        # head h reads group h // (heads / groups): a broadcast view for one group, a copy otherwise
+        Bh, Ch = ((t.expand(b, length, heads, t.shape[-1]) if groups == 1 else t.repeat_interleave(heads // groups, 2))
+                  for t in (B, C))
+        X, a = x * dt[..., None], dt * A
+        pad = (-length) % q
+        if pad:  # dt = 0 past the end: X = 0 and A dt = 0 change nothing
+            X, Bh, Ch = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (X, Bh, Ch))
+            a = F.pad(a, (0, 0, 0, pad))
+        init = None if initial is None else initial[:, None]
+        y, final = ssd_minimal_discrete(X, a, Bh, Ch, q, initial_states=init)
+        y = y[:, :length] + block.D[:, None] * x
+        return (y, final) if return_state else y
+
+    for module in net.modules():
+        if hasattr(module, "ssd") and hasattr(module, "chunk_size"):
+            module.ssd = types.MethodType(ssd, module)
 
 
 # ------------------------------------------------------------------------------------------------------- measuring
@@ -111,162 +155,170 @@ def peak_rss_mib(fn: Callable[[], object]) -> tuple[float, float]:
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Best wall time (s) of each function over ``repeats`` rounds, one call of each per round."""
-    best = dict.fromkeys(fns, float("inf"))
-    for fn in fns.values():  # warm-up
+    """Median wall time (s) of each function over ``repeats`` rounds, one call of each per round, after one warm-up
+    call of each."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
         fn()
     for _ in range(repeats):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-# ------------------------------------------------------------------------------------------------------- 1. SSD
-def ssd_inputs(b: int, length: int, heads: int, p: int, n: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "x": torch.randn(b, length, heads, p, generator=gen),
-        "dt": F.softplus(torch.randn(b, length, heads, generator=gen) - 3.0),  # the initial dt range, ~0.001..0.1
-        "A": -torch.empty(heads).uniform_(1.0, 16.0, generator=gen),
-        "B": torch.randn(b, length, 1, n, generator=gen),
-        "C": torch.randn(b, length, 1, n, generator=gen),
-    }
+# ------------------------------------------------------------------------------------------------------- networks
+def build(variants: list[str], length: int, args: argparse.Namespace, reference: Callable | None) -> dict[str, nn.Module]:
+    """The networks to compare, the Mamba-2 versions sharing one set of initial weights."""
+    torch.manual_seed(0)
+    base = Mamba2Forecaster(args.inputs, list(range(args.inputs - KNOWN, args.inputs)), 1, HORIZON,
+                            d_model=args.d_model, n_layers=args.layers, d_state=args.d_state, headdim=args.headdim,
+                            expand=args.expand, chunk_size=args.chunk, n_quantiles=len(QUANTILES))
+    nets: dict[str, nn.Module] = {}
+    for name in variants:
+        if name == "tft":
+            torch.manual_seed(0)
+            nets[name] = TemporalFusionTransformer(args.inputs, KNOWN, 1, length, HORIZON, hidden_size=args.d_model,
+                                                   attention_heads=4, hidden_continuous_size=16,
+                                                   n_quantiles=len(QUANTILES), dropout=0.1)
+            continue
+        net = copy.deepcopy(base)
+        for module in net.modules():
+            if hasattr(module, "scan"):  # the plain block around the reference and the plain scan
+                module.scan = "chunked" if name == "chunked" else "factored"
+                module.fused = name in ("factored", "reference_fused_block")
+        if name.startswith("reference"):
+            use_reference_scan(net, reference)  # type: ignore[arg-type]
+        nets[name] = net
+    return nets
 
 
-def bench_ssd(reference: Callable, length: int, args: argparse.Namespace) -> dict[str, object]:
-    inp = ssd_inputs(args.batch, length, args.heads, args.headdim, args.d_state)
-    q = min(args.chunk, length)
-    leaves = {k: v.clone().requires_grad_() for k, v in inp.items()}
+def batch(length: int, args: argparse.Namespace) -> dict[str, Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return {"x_past": torch.randn(args.batch, length, args.inputs, generator=gen),
+            "x_future": torch.randn(args.batch, HORIZON, KNOWN, generator=gen),
+            "symbol": torch.zeros(args.batch, dtype=torch.long),
+            "y": torch.randn(args.batch, HORIZON, generator=gen)}
 
-    def ref(grad: bool) -> torch.Tensor:
-        x, dt, A, B, C = (leaves[k] for k in ("x", "dt", "A", "B", "C"))
-        with torch.set_grad_enabled(grad):
-            y, _ = reference(x * dt[..., None], A * dt, B, C, q)  # the reference takes the discretised X and A
-            if grad:
-                y.sum().backward()
-        return y
 
-    def ours(grad: bool) -> torch.Tensor:
-        with torch.set_grad_enabled(grad):
-            y = ssd_chunked(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], q)
-            if grad:
-                y.sum().backward()
-        return y
+def pinball(pred: Tensor, y: Tensor) -> Tensor:
+    qs = torch.tensor(QUANTILES)
+    err = y[..., None] - pred
+    return torch.maximum(qs * err, (qs - 1) * err).mean()
 
-    with torch.no_grad():
-        y_ref, y_ours = ref(False), ours(False)
-    diff = float((y_ref - y_ours).abs().max())
-    scale = float(y_ref.abs().max())
-    train = interleaved({"reference": lambda: ref(True), "foxhunt": lambda: ours(True)}, args.repeats)
-    infer = interleaved({"reference": lambda: ref(False), "foxhunt": lambda: ours(False)}, args.repeats)
-    out: dict[str, object] = {"L": length, "batch": args.batch, "chunk": q, "max_abs_diff": diff,
-                              "max_rel_diff": diff / scale}
-    for name in ("reference", "foxhunt"):
-        fn = ref if name == "reference" else ours
-        peak, rise = peak_rss_mib(lambda fn=fn: fn(True))
-        out[name] = {"train_samples_per_s": args.batch / train[name], "forward_samples_per_s": args.batch / infer[name],
-                     "peak_rss_mib": peak, "rss_rise_mib": rise}
-    out["speedup_train"] = train["reference"] / train["foxhunt"]
-    out["speedup_forward"] = infer["reference"] / infer["foxhunt"]
+
+def agreement(nets: dict[str, nn.Module], data: dict[str, Tensor]) -> dict[str, float]:
+    """Largest differences between the Mamba-2 versions: every row of the stack's output, and every parameter's
+    gradient of the loss (relative to its largest entry), against the first version."""
+    names = [n for n in nets if n in MAMBA_VARIANTS]
+    outs, grads = {}, {}
+    for name in names:
+        net = nets[name]
+        h = net.backbone(net.embed(data["x_past"], data["x_future"], data["symbol"]))
+        loss = pinball(net.quantile_head(h[:, -HORIZON:]), data["y"])
+        grads[name] = torch.autograd.grad(loss, list(net.parameters()))
+        outs[name] = h.detach()
+    first = names[0]
+    out: dict[str, float] = {}
+    for name in names[1:]:
+        diff = float((outs[name] - outs[first]).abs().max())
+        out[f"{name}_vs_{first}_max_abs"] = diff
+        out[f"{name}_vs_{first}_max_rel"] = diff / float(outs[first].abs().max())
+        out[f"{name}_vs_{first}_grad_max_rel"] = max(float((g - g0).abs().max() / g0.abs().max().clamp_min(1e-30))
+                                                     for g, g0 in zip(grads[name], grads[first], strict=True))
     return out
 
 
-# ------------------------------------------------------------------------------------------------------- 2. members
-def bench_forecasters(length: int, n_features: int, args: argparse.Namespace) -> dict[str, object]:
-    known, horizon, b = 3, 6, args.member_batch
-    gen = torch.Generator().manual_seed(0)
-    x_past = torch.randn(b, length, n_features, generator=gen)
-    x_future = torch.randn(b, horizon, known, generator=gen)
-    symbol = torch.zeros(b, dtype=torch.long)
-    y = torch.randn(b, horizon, generator=gen)
-    torch.manual_seed(0)
-    nets = {
-        "mamba2": Mamba2Forecaster(n_features, list(range(n_features - known, n_features)), 1, horizon, d_model=32,
-                                   n_layers=2, d_state=16, headdim=16, chunk_size=args.chunk),
-        "tft": TemporalFusionTransformer(n_features, known, 1, length, horizon, hidden_size=32, attention_heads=4,
-                                         hidden_continuous_size=16, dropout=0.1),
-    }
-    qs = torch.tensor([0.1, 0.5, 0.9])
+def bench_lookback(length: int, variants: list[str], args: argparse.Namespace,
+                   reference: Callable | None) -> dict[str, object]:
+    nets = build(variants, length, args, reference)
+    data = batch(length, args)
+    row: dict[str, object] = {"L": length, "batch": args.batch}
+    if sum(v in MAMBA_VARIANTS for v in variants) > 1:
+        row["agreement"] = agreement(nets, data)
     steps = {}
     for name, net in nets.items():
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
 
-        def step(net=net, opt=opt) -> None:
-            pred = net(x_past, x_future, symbol).prediction
-            err = y[..., None] - pred
-            loss = torch.maximum(qs * err, (qs - 1) * err).mean()
+        def step(net: nn.Module = net, opt: torch.optim.Optimizer = opt) -> None:
+            loss = pinball(net(data["x_past"], data["x_future"], data["symbol"]).prediction, data["y"])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
 
         steps[name] = step
-    best = interleaved(steps, args.member_repeats)
-    out: dict[str, object] = {"L": length, "inputs": n_features, "batch": b}
+    seconds = interleaved(steps, args.repeats)
+    row["load"] = os.getloadavg()
     for name, step in steps.items():
         peak, rise = peak_rss_mib(step)
-        out[name] = {"train_samples_per_s": b / best[name], "peak_rss_mib": peak, "rss_rise_mib": rise,
-                     "params": sum(p.numel() for p in nets[name].parameters())}
-    out["mamba2_over_tft"] = best["tft"] / best["mamba2"]
-    return out
+        row[name] = {"step_s": seconds[name], "samples_per_s": args.batch / seconds[name], "peak_rss_mib": peak,
+                     "rss_rise_mib": rise}
+    if "factored" in seconds:
+        row["factored_speedup"] = {n: seconds[n] / seconds["factored"] for n in seconds if n != "factored"}
+    return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lookbacks", default="64,512,4096")
-    parser.add_argument("--batch", type=int, default=16, help="sequences per SSD call")
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--headdim", type=int, default=16)
-    parser.add_argument("--d-state", type=int, default=64)
-    parser.add_argument("--chunk", type=int, default=64, help="chunk length of both scans (and the forecaster's)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--member-batch", type=int, default=32)
-    parser.add_argument("--member-repeats", type=int, default=3)
-    parser.add_argument("--widths", default="8,125", help="forecaster input counts (the TFT's cost grows with them)")
+    parser.add_argument("--variants", default="reference,chunked,factored,tft",
+                        help="any of reference, chunked, factored (Mamba-2 scans) and tft")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--inputs", type=int, default=8, help="features per bar (the TFT's cost grows with them)")
+    parser.add_argument("--d-model", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--d-state", type=int, default=16)
+    parser.add_argument("--headdim", type=int, default=8)
+    parser.add_argument("--expand", type=int, default=2)
+    parser.add_argument("--chunk", type=int, default=16, help="chunk length of every scan")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds after one warm-up round")
     parser.add_argument("--reference", type=Path, default=None, help="a local ssd_minimal.py (default: download)")
-    parser.add_argument("--skip-forecasters", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     lookbacks = [int(v) for v in args.lookbacks.split(",")]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); peak RSS reset: {reset_peak()}; "
-          f"baseline RSS {_status_kib('VmRSS') / 1024:.0f} MiB", flush=True)
+    variants = [v.strip() for v in args.variants.split(",")]
+    unknown = set(variants) - {*MAMBA_VARIANTS, "tft"}
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {os.cpu_count()} CPUs; peak RSS reset: "
+          f"{reset_peak()}; baseline RSS {_status_kib('VmRSS') / 1024:.0f} MiB; load {os.getloadavg()}", flush=True)
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = args.reference or fetch_reference(Path(tmp))
-        reference = load_reference(path)
-        print(f"reference: {path}", flush=True)
-        ssd = [bench_ssd(reference, length, args) for length in lookbacks]
-    for row in ssd:
-        print(json.dumps(row), flush=True)
-    print(f"\nSSD scan, b={args.batch}, H={args.heads}, P={args.headdim}, N={args.d_state}, G=1, chunk {args.chunk}:")
-    print("(samples/s of forward + backward, and of forward alone; x: foxhunt over the reference; MiB: peak RSS of one"
-          " forward + backward, and its rise above the RSS before it)")
-    print(f"{'L':>6} {'max|dy|':>9} {'rel':>8} | {'ref train/s':>11} {'ours train/s':>12} {'x':>6} | "
-          f"{'ref fwd/s':>9} {'ours fwd/s':>10} {'x':>6} | {'ref MiB (rise)':>14} {'ours MiB (rise)':>15}")
-    for r in ssd:
-        ref, ours = r["reference"], r["foxhunt"]
-        print(f"{r['L']:>6} {r['max_abs_diff']:>9.1e} {r['max_rel_diff']:>8.1e} | {ref['train_samples_per_s']:>11.1f} "
-              f"{ours['train_samples_per_s']:>12.1f} {r['speedup_train']:>6.2f} | {ref['forward_samples_per_s']:>9.1f} "
-              f"{ours['forward_samples_per_s']:>10.1f} {r['speedup_forward']:>6.2f} | "
-              f"{ref['peak_rss_mib']:>7.0f} ({ref['rss_rise_mib']:>4.0f}) "
-              f"{ours['peak_rss_mib']:>8.0f} ({ours['rss_rise_mib']:>4.0f})")
-    if args.skip_forecasters:
-        return
-    members = []
-    for width in [int(v) for v in args.widths.split(",")]:
+        reference = None
+        if "reference" in variants:
+            path = args.reference or fetch_reference(Path(tmp))
+            reference = load_reference(path)
+            print(f"reference: {path}", flush=True)
         for length in lookbacks:
-            members.append(bench_forecasters(length, width, args))
-            print(json.dumps(members[-1]), flush=True)
-    print(f"\nForecaster training step (AdamW), batch {args.member_batch}, 3 known-future inputs, horizon 6; "
-          "x: Mamba-2 over TFT samples/s:")
-    print(f"{'inputs':>6} {'L':>6} | {'mamba2 /s':>9} {'tft /s':>8} {'x':>6} | "
-          f"{'mamba2 MiB (rise)':>17} {'tft MiB (rise)':>14}")
-    for r in members:
-        m, t = r["mamba2"], r["tft"]
-        print(f"{r['inputs']:>6} {r['L']:>6} | {m['train_samples_per_s']:>9.1f} {t['train_samples_per_s']:>8.1f} "
-              f"{r['mamba2_over_tft']:>6.2f} | {m['peak_rss_mib']:>10.0f} ({m['rss_rise_mib']:>4.0f}) "
-              f"{t['peak_rss_mib']:>7.0f} ({t['rss_rise_mib']:>4.0f})")
+            rows.append(bench_lookback(length, variants, args, reference))
+            print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    print(f"\nTraining step (forward, pinball loss, backward, AdamW) of the Mamba-2 forecaster network (d_model "
+          f"{args.d_model}, {args.layers} layers, d_state {args.d_state}, headdim {args.headdim}, expand {args.expand}, "
+          f"chunk {args.chunk}) and the TFT (hidden {args.d_model}), batch {args.batch}, {args.inputs} inputs, "
+          f"{args.threads} thread(s), median of {args.repeats} interleaved rounds:")
+    print(f"{'L':>6} | " + " | ".join(f"{v + ' /s':>13} {'MiB rise':>8}" for v in variants)
+          + " | factored over: " + " ".join(f"{v:>9}" for v in variants if v != "factored") + " | load (1, 5 min)")
+    for r in rows:
+        cells = " | ".join(f"{r[v]['samples_per_s']:>13.1f} {r[v]['rss_rise_mib']:>8.0f}" for v in variants)
+        speed = " ".join(f"{r['factored_speedup'][v]:>9.2f}" for v in variants if v != "factored") \
+            if "factored_speedup" in r else ""
+        print(f"{r['L']:>6} | {cells} | {'':15}{speed} | {r['load'][0]:.1f}, {r['load'][1]:.1f}")
+    print("\nOutputs of the Mamba-2 versions against the first (max |diff| relative to the largest output; gradients "
+          "relative to each parameter's largest):")
+    for r in rows:
+        if "agreement" in r:
+            print(f"{r['L']:>6} | " + ", ".join(f"{k} {v:.1e}" for k, v in r["agreement"].items()))
+    base = rows[0]
+    print(f"\nScaling against L = {base['L']} (step time ratio, memory-rise ratio; linear would be L / {base['L']}):")
+    for r in rows[1:]:
+        cells = ", ".join(f"{v} x{r[v]['step_s'] / base[v]['step_s']:.1f} time, "
+                          f"x{r[v]['rss_rise_mib'] / max(base[v]['rss_rise_mib'], 1.0):.1f} memory" for v in variants)
+        print(f"{r['L']:>6} (x{r['L'] / base['L']:.0f}) | {cells}")
 
 
 if __name__ == "__main__":
