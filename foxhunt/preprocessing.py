@@ -24,6 +24,8 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from foxhunt.features.ops import rolling_moments
+
 __all__ = [
     "FeatureNormalizer",
     "OutlierClip",
@@ -96,56 +98,6 @@ def segment_position(segment: Tensor) -> Tensor:
     return idx - torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=0).values
 
 
-def _rolling_sums(x: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Trailing-window count, mean and centred sum of squares of the finite values of ``x`` (time first).
-
-    Blocked prefix sums: rows are cut into blocks of ``window``, so a window ending at offset i of block b is the
-    prefix 0..i of block b plus the suffix i+1.. of block b-1. Each block's values are centred on the (detached)
-    mean of the block before it, which is causal and cancels exactly in the result; the suffix of block b-1 is
-    re-centred on block b's centre with the exact shift identity. Rounding error therefore grows with ``window``,
-    not with T, and float32 stays accurate on long, trending series. O(T) time and memory, no pair copies.
-    """
-    n, rest = x.shape[0], x.shape[1:]
-    w = window
-    finite = torch.isfinite(x)
-    xv = torch.where(finite, x, torch.zeros_like(x))
-    fv = finite.to(x.dtype)
-    nb = -(-n // w)
-    pad = nb * w - n
-    if pad:
-        xv = torch.cat([xv, xv.new_zeros((pad, *rest))])
-        fv = torch.cat([fv, fv.new_zeros((pad, *rest))])
-    xb = xv.view(nb, w, *rest)
-    fb = fv.view(nb, w, *rest)
-    with torch.no_grad():  # centre of block b: mean of block b-1's finite values; block 0: its first finite row
-        block_mean = xb.sum(1) / fb.sum(1).clamp_min(1)
-        first = torch.where(finite[0], x[0], torch.zeros_like(x[0])).detach()
-        centre = torch.cat([first.unsqueeze(0), block_mean[:-1]], dim=0).unsqueeze(1)  # [nb, 1, ...]
-        delta = centre - torch.cat([centre[:1], centre[:-1]], dim=0)  # c_b - c_{b-1}
-
-    def previous_block(t: Tensor) -> Tensor:
-        return torch.cat([t.new_zeros((1, *t.shape[1:])), t[:-1]], dim=0)
-
-    v = (xb - centre) * fb
-    p1 = torch.cumsum(v, dim=1)
-    p2 = torch.cumsum(v * v, dim=1)
-    pf = torch.cumsum(fb, dim=1)
-    # suffix i+1..w-1 of block b-1, still centred on c_{b-1}
-    q1 = previous_block(p1[:, -1:] - p1)
-    q2 = previous_block(p2[:, -1:] - p2)
-    qf = previous_block(pf[:, -1:] - pf)
-    # sum (x - c_b) = sum (x - c_{b-1}) - m delta ; sum (x - c_b)^2 = q2 - 2 delta q1 + m delta^2
-    s1 = p1 + q1 - qf * delta
-    s2 = p2 + q2 - 2 * delta * q1 + qf * delta * delta
-    count = (pf + qf).reshape(nb * w, *rest)[:n]
-    s1 = s1.reshape(nb * w, *rest)[:n]
-    s2 = s2.reshape(nb * w, *rest)[:n]
-    mean_c = s1 / count.clamp_min(1)
-    m2 = s2 - s1 * mean_c
-    mean = centre.expand(nb, w, *rest).reshape(nb * w, *rest)[:n] + mean_c
-    return count, mean, m2
-
-
 def _shift_rows(x: Tensor, lag: int, fill: float) -> Tensor:
     if lag == 0:
         return x
@@ -191,7 +143,7 @@ class RollingZScore(nn.Module):
         n = x.shape[0]
         if n == 0:
             return torch.zeros_like(x), torch.ones_like(x), torch.zeros_like(x, dtype=torch.bool)
-        count, mean, m2 = _rolling_sums(x, self.window)
+        count, mean, m2 = rolling_moments(x, self.window)
         var = m2 / (count - self.ddof).clamp_min(1)
         std = torch.sqrt(var.clamp_min(self.eps * self.eps))
         full = count >= self.window

@@ -63,9 +63,11 @@ WINDOWS = (1, 2, 3, 4, 5, 14, 33, 299, 300, 301, 500)
 def test_shift_diff_pct(rng, reference):
     x = padded(rng, level=50.0)
     for k in (1, 3, 299, 300, 400):
-        close(ops.shift(t(x), k), F.shift(x, k))
-        close(ops.shift(t(x), k, 0.0), F.shift(x, k, 0.0))
-        close(ops.diff(t(x), k), F.diff(x, k))
+        lagged = np.full_like(x, np.nan)
+        lagged[:, k:] = x[:, :-k] if k < x.shape[1] else x[:, :0]
+        close(ops.shift(t(x), k), lagged)
+        close(ops.shift(t(x), k, 0.0), np.where(np.arange(x.shape[1]) < k, 0.0, lagged))
+        close(ops.diff(t(x), k), x - lagged)
         close(ops.pct_change(t(x), k), F.pct_change(x, k))
         c = rng.uniform(0.5, 2, x.shape)
         close(ops.lag_diff_times(t(x), k, t(c)), F.lag_diff_times(x, k, c))
@@ -105,7 +107,7 @@ def test_rolling_sums_means(rng, start, reference):
 
 
 @pytest.mark.parametrize("start", [0, 3])
-def test_block_prefix_and_rolling_std(rng, start, reference):
+def test_block_prefix_and_rolling_variance(rng, start, reference):
     x = padded(rng, T=1500, lengths=(1500, 1400, 700), level=1e4)  # price levels: the centred sums matter
     bp, tbp = F.BlockPrefix(x, 200, start, squares=True, block=256), ops.BlockPrefix(t(x), 200, start, squares=True, block=256)
     for n in (1, 2, 5, 20, 199, 200):
@@ -121,11 +123,11 @@ def test_block_prefix_and_rolling_std(rng, start, reference):
         direct = np.full(x.shape, np.nan)
         direct[:, n - 1 :] = win.var(axis=2)
         direct[:, : start + n - 1] = np.nan
-        close(ops.rolling_std(t(x), n, start) ** 2, direct)  # uncentred sums would be off by ~1e-5
         same = F.BlockPrefix(x, n, start, squares=True)  # the same blocks: the same rounding, even for a std near 0
-        close(ops.rolling_std(t(x), n, start), same.mean_std(n)[1])
-        for got, want in zip(ops.rolling_mean_std(t(x), n, start, 2.0), same.mean_std(n, 2.0)):
-            close(got, want)
+        for path in (ops.block_prefix(t(x), n, start, squares=True), ops.HostBlockPrefix(t(x), n, start, squares=True)):
+            close(path.mean_var(n)[1], direct)  # uncentred sums would be off by ~1e-5
+            for got, want in zip(path.mean_std(n, 2.0), same.mean_std(n, 2.0)):
+                close(got, want)
     with pytest.raises(ValueError):
         tbp.mean(201)
 

@@ -19,24 +19,6 @@ from numpy.lib.stride_tricks import as_strided
 from scipy.signal import lfilter
 
 
-def shift(x: np.ndarray, k: int, fill: float = np.nan, out: np.ndarray | None = None) -> np.ndarray:
-    """x[t - k] (k > 0 looks back), padded with ``fill``, into ``out`` when given."""
-    out = np.empty_like(x) if out is None else out
-    if k <= 0:
-        raise ValueError(f"shift: k must be positive (a look-back), got {k}")
-    out[:, :k] = fill
-    out[:, k:] = x[:, :-k] if k < x.shape[1] else x[:, :0]
-    return out
-
-
-def diff(x: np.ndarray, k: int = 1, out: np.ndarray | None = None) -> np.ndarray:
-    """x[t] - x[t - k], into ``out`` when given."""
-    out = np.empty_like(x) if out is None else out
-    out[:, :k] = np.nan
-    np.subtract(x[:, k:], x[:, :-k], out=out[:, k:])
-    return out
-
-
 def nan_empty(shape: tuple[int, ...], filled: int, out: np.ndarray | None = None) -> np.ndarray:
     """An uninitialised float64 array (``out`` if given) whose first ``filled`` bars (last axis) are NaN."""
     out = np.empty(shape) if out is None else out
@@ -51,14 +33,6 @@ def cumsum(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     if not x.flags.writeable:
         x = x.copy()
     torch.cumsum(torch.from_numpy(x), dim=-1, out=torch.from_numpy(out))
-    return out
-
-
-def put(x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    """x, or x copied into ``out`` when given (for features that are a shared intermediate as it is)."""
-    if out is None:
-        return x
-    np.copyto(out, x, casting="same_kind")
     return out
 
 

@@ -186,16 +186,6 @@ def rolling_mean(x: Tensor, n: int, start: int = 0) -> Tensor:
     return out
 
 
-def rolling_std(x: Tensor, n: int, start: int = 0) -> Tensor:
-    """Rolling population standard deviation over n bars (TA-Lib STDDEV(n, 1)), block-centred for price levels."""
-    return block_prefix(x, n, start, squares=True).mean_std(n)[1]
-
-
-def rolling_mean_std(x: Tensor, n: int, start: int = 0, k: float = 1.0) -> tuple[Tensor, Tensor]:
-    """Rolling mean and k population standard deviations over n bars (Bollinger's middle band and half-width)."""
-    return block_prefix(x, n, start, squares=True).mean_std(n, k)
-
-
 class Prefix:
     """Prefix sums of x (and x^2) from ``start``, shared by every window length over the same series near zero.
 
@@ -349,6 +339,58 @@ class HostBlockPrefix:
 
     def mean_std(self, n: int, k: float = 1.0) -> tuple[Tensor, Tensor]:
         return tuple(torch.from_numpy(a) for a in self._k.mean_std(n, k))
+
+
+def rolling_moments(x: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Trailing-window count, mean and centred sum of squares of the finite values of ``x`` (time first, any dtype,
+    differentiable): the rolling moments of ``preprocessing.RollingZScore``, for series that may hold NaN.
+
+    Blocked prefix sums: rows are cut into blocks of ``window``, so a window ending at offset i of block b is the
+    prefix 0..i of block b plus the suffix i+1.. of block b-1. Each block's values are centred on the (detached)
+    mean of the block before it, which is causal and cancels exactly in the result; the suffix of block b-1 is
+    re-centred on block b's centre with the exact shift identity. Rounding error therefore grows with ``window``,
+    not with T, and float32 stays accurate on long, trending series. O(T) time and memory, no pair copies.
+    """
+    n, rest = x.shape[0], x.shape[1:]
+    w = window
+    finite = torch.isfinite(x)
+    xv = torch.where(finite, x, torch.zeros_like(x))
+    fv = finite.to(x.dtype)
+    nb = -(-n // w)
+    pad = nb * w - n
+    if pad:
+        xv = torch.cat([xv, xv.new_zeros((pad, *rest))])
+        fv = torch.cat([fv, fv.new_zeros((pad, *rest))])
+    xb = xv.view(nb, w, *rest)
+    fb = fv.view(nb, w, *rest)
+    with torch.no_grad():  # centre of block b: mean of block b-1's finite values; block 0: its first finite row
+        block_mean = xb.sum(1) / fb.sum(1).clamp_min(1)
+        first = torch.where(finite[0], x[0], torch.zeros_like(x[0])).detach()
+        centre = torch.cat([first.unsqueeze(0), block_mean[:-1]], dim=0).unsqueeze(1)  # [nb, 1, ...]
+        delta = centre - torch.cat([centre[:1], centre[:-1]], dim=0)  # c_b - c_{b-1}
+
+    def previous_block(t: Tensor) -> Tensor:
+        return torch.cat([t.new_zeros((1, *t.shape[1:])), t[:-1]], dim=0)
+
+    v = (xb - centre) * fb
+    p1 = torch.cumsum(v, dim=1)
+    p2 = torch.cumsum(v * v, dim=1)
+    pf = torch.cumsum(fb, dim=1)
+    # suffix i+1..w-1 of block b-1, still centred on c_{b-1}
+    q1 = previous_block(p1[:, -1:] - p1)
+    q2 = previous_block(p2[:, -1:] - p2)
+    qf = previous_block(pf[:, -1:] - pf)
+    # sum (x - c_b) = sum (x - c_{b-1}) - m delta ; sum (x - c_b)^2 = q2 - 2 delta q1 + m delta^2
+    s1 = p1 + q1 - qf * delta
+    s2 = p2 + q2 - 2 * delta * q1 + qf * delta * delta
+    count = (pf + qf).reshape(nb * w, *rest)[:n]
+    s1 = s1.reshape(nb * w, *rest)[:n]
+    s2 = s2.reshape(nb * w, *rest)[:n]
+    mean_c = s1 / count.clamp_min(1)
+    m2 = s2 - s1 * mean_c
+    mean = centre.expand(nb, w, *rest).reshape(nb * w, *rest)[:n] + mean_c
+    return count, mean, m2
+
 
 
 def rolling_max(x: Tensor, n: int) -> Tensor:
