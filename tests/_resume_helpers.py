@@ -20,3 +20,15 @@ class KillAfterEpoch(Callback):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         if trainer.current_epoch == self.epoch + 1:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillAtBatch(Callback):
+    """SIGKILL the process at the end of training batch ``batch`` (0-based) of epoch ``epoch``: a crash inside an
+    epoch (config callbacks run before foxhunt's PeriodicCheckpoint, so that batch's periodic save never happens)."""
+
+    def __init__(self, epoch: int = 1, batch: int = 2) -> None:
+        self.epoch, self.batch = epoch, batch
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.current_epoch == self.epoch and batch_idx == self.batch:
+            os.kill(os.getpid(), signal.SIGKILL)

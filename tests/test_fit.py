@@ -257,6 +257,26 @@ def test_resume_after_kill_is_exact(tmp_path: Path) -> None:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=f"{key} differs after resume")
 
 
+def test_periodic_checkpoints_inside_an_epoch_and_ckpt_path_last_resumes_from_the_newest(tmp_path: Path) -> None:
+    """--checkpoint_every_n_steps 2: a run killed at the third step of its second epoch loses one step, not the
+    epoch; --ckpt_path last picks that mid-epoch checkpoint (the newest that loads) and the run finishes."""
+    killed = _fit_subprocess(tmp_path, "--checkpoint_every_n_steps", "2",
+                             "--trainer.callbacks+=_resume_helpers.KillAtBatch", "--trainer.callbacks.epoch=1",
+                             "--trainer.callbacks.batch=2")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    ckpts = tmp_path / "runs" / "foxhunt" / "version_0" / "checkpoints"
+    epoch_end = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=True)
+    periodic = torch.load(ckpts / "last-steps.ckpt", map_location="cpu", weights_only=True)
+    assert epoch_end["epoch"] == 0 and periodic["epoch"] == 1 and periodic["global_step"] > epoch_end["global_step"]
+    assert periodic["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["processed"] == 2  # 2 steps in
+    assert not list(ckpts.glob(".*.tmp"))  # written atomically: no temporary file left beside them
+    resumed = _fit_subprocess(tmp_path, "--ckpt_path", "last", "--checkpoint_every_n_steps", "2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {ckpts / 'last-steps.ckpt'}" in resumed.stderr
+    final = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=True)
+    assert final["epoch"] == 1 and final["global_step"] > periodic["global_step"]
+
+
 TFT_ONLY = {"class_path": "foxhunt.lit.tft.TFTModule", "init_args": {"hidden_size": 8, "attention_heads": 2, "hidden_continuous_size": 4}}
 DQN_ONLY = {"class_path": "foxhunt.lit.dqn.DQNModule", "init_args": {"window": 4, "n_envs": 16, "episode_length": 64,
             "hidden": [16], "batch_size": 32, "replay_capacity": 4096, "learning_starts": 256, "updates_per_step": 4}}

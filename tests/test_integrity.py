@@ -436,6 +436,20 @@ def test_ckpt_path_last_skips_unreadable_newest_checkpoints(tmp_path: Path, capl
     assert f"resuming from {chosen}" in caplog.text
 
 
+def test_ckpt_path_last_takes_the_newest_of_epoch_and_periodic_checkpoints_that_loads(tmp_path: Path, caplog) -> None:
+    """last-steps.ckpt (--checkpoint_every_n_steps) competes with last.ckpt by age; a corrupt newest one is skipped."""
+    root = _runs(tmp_path, {0: _ckpt(0.0)})
+    steps = root / "version_0" / "checkpoints" / "last-steps.ckpt"
+    torch.save(_ckpt(1.0), steps)
+    os.utime(steps, (1_700_000_100, 1_700_000_100))
+    assert _resolve(root) == str(steps)
+    steps.write_bytes(steps.read_bytes()[:100])
+    os.utime(steps, (1_700_000_100, 1_700_000_100))
+    with caplog.at_level(logging.WARNING, logger="foxhunt.fit"):
+        assert _resolve(root) == str(root / "version_0" / "checkpoints" / "last.ckpt")
+    assert "skipping" in caplog.text and "last-steps.ckpt: not a readable checkpoint" in caplog.text
+
+
 def test_ckpt_path_last_with_nothing_loadable_says_so(tmp_path: Path) -> None:
     root = _runs(tmp_path, {0: None})
     with pytest.raises(CheckpointError, match=r"none of the 1 last\*\.ckpt under .* loads"):
