@@ -29,7 +29,7 @@ from foxhunt.tune.space import (
     compose_fit_config,
     write_fit_config,
 )
-from foxhunt.tune.study import _budget_used, default_storage_url, open_study
+from foxhunt.tune.study import _budget_used, counts_toward_budget, default_storage_url, open_study
 
 if TYPE_CHECKING:
     from lightning.pytorch.callbacks import Callback
@@ -270,6 +270,7 @@ class StudyRun:
     storage: str
     ran: list[int] = field(default_factory=list)
     interrupted: bool = False
+    waited: bool = False  # the budget was taken by other workers' running trials, and this worker waited on them
 
 
 def run_study(
@@ -314,8 +315,17 @@ def run_study(
                 used = _budget_used(study)
                 waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
                 if used >= n_trials and not waiting:
-                    log.info("study %r holds %d of %d trials (counted or running): done", name, used, n_trials)
-                    break
+                    trials = study.get_trials(deepcopy=False)
+                    if sum(counts_toward_budget(t) for t in trials) >= n_trials:
+                        log.info("study %r holds %d of %d trials: done", name, used, n_trials)
+                        break
+                    # the rest of the budget is other workers' running trials: wait for them to end, or to go stale
+                    # (a killed worker's), when their parameters are retried here
+                    if not run.waited:
+                        log.info("study %r: waiting for the running trials of other workers", name)
+                    run.waited = True
+                    time.sleep(cfg.heartbeat_interval)
+                    continue
             before = {t.number for t in study.get_trials(deepcopy=False) if t.state != TrialState.WAITING}
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*is experimental.*")
