@@ -279,6 +279,24 @@ def test_reference_path_one_symbol_and_short_symbols(bars3, monkeypatch):
             assert_same_features(every_feature(bars), want)
 
 
+@pytest.mark.parametrize("path", ["fast", "reference"])
+def test_last_step_into_the_output_rounds_once(bars3, path, monkeypatch):
+    """One symbol: features that write their last step into the float32 output give exactly the float64 values
+    rounded once, as those that return their own float64 tensor do."""
+    if path == "reference":
+        monkeypatch.setattr(ops, "fast_path", lambda x: False)
+    one = tensors(bars3[bars3.symbol == "CCC"].reset_index(drop=True))
+    assert sum(f.writes_out for f in REGISTRY.values()) > len(REGISTRY) // 2
+    with torch.no_grad():
+        f32, _ = _compute(list(REGISTRY.values()), *one, dtype=torch.float32)
+        panel = Panel.from_flat(*one)
+        rounded = torch.stack([f.fn(panel)[0] for f in REGISTRY.values()]).to(torch.float32)  # no ``out`` given
+    for j, f in enumerate(REGISTRY.values()):
+        rounded[j, : f.warmup] = np.nan
+    same = (f32 == rounded) | (torch.isnan(f32) & torch.isnan(rounded))
+    assert same.all(), f"differ: {[ALL[j] for j in torch.nonzero(~same.all(dim=1)).flatten().tolist()]}"
+
+
 def test_reference_path_with_blocked_running_sums(bars3, fast, reference, monkeypatch):
     """The CUDA choice of two-level running sums for several long rows, forced on CPU, keeps the values."""
     plain = ops.cumsum

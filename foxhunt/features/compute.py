@@ -141,11 +141,13 @@ def _compute(
         pos = torch.arange(n, device=dev) - panel.starts[group]  # bar within its symbol
         flat = group * T + pos
     for j, f in enumerate(selected):
-        v = f.fn(panel)
+        dest = out[j].view(1, T) if S == 1 and f.writes_out else None  # one symbol: its output row, by the last step
+        v = f.fn(panel) if dest is None else f.fn(panel, out=dest)
         if tuple(v.shape) != (S, T):
             raise RuntimeError(f"feature {f.name!r} returned shape {tuple(v.shape)}, expected {(S, T)}")
         if S == 1:
-            out[j].copy_(v[0])
+            if v is not dest:
+                out[j].copy_(v[0])
             out[j, : f.warmup] = float("nan")
         else:
             out[j].copy_(torch.take(v, flat).masked_fill_(pos < f.warmup, float("nan")))

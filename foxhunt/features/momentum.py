@@ -14,9 +14,9 @@ from foxhunt.features.panel import Panel
 from foxhunt.features.registry import FeatureList
 
 
-def roc(p: Panel, n: int) -> Tensor:
+def roc(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib ROC: 100 * (C[t] / C[t-n] - 1)."""
-    return ops.pct_change(p.close, n)
+    return ops.pct_change(p.close, n, out)
 
 
 def mom(p: Panel, n: int) -> Tensor:
@@ -42,16 +42,16 @@ def _gain_loss_averages(p: Panel, n: int) -> tuple[Tensor, Tensor]:
     return p.memo(("gain_loss", n), f)
 
 
-def rsi(p: Panel, n: int) -> Tensor:
+def rsi(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib RSI: 100 * avg gain / (avg gain + avg loss), Wilder-smoothed, seeded with the mean of n changes."""
     g, l = _gain_loss_averages(p, n)
-    return ops.safe_div(g, g + l, scale=100.0)
+    return ops.safe_div(g, g + l, scale=100.0, out=out)
 
 
-def cmo(p: Panel, n: int) -> Tensor:
+def cmo(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib CMO: 100 * (avg gain - avg loss) / (avg gain + avg loss), Wilder-smoothed as TA-Lib does."""
     g, l = _gain_loss_averages(p, n)
-    return ops.safe_div(g - l, g + l, scale=100.0)
+    return ops.safe_div(g - l, g + l, scale=100.0, out=out)
 
 
 def hh_ll(p: Panel, n: int) -> tuple[Tensor, Tensor]:
@@ -73,10 +73,10 @@ def stoch(p: Panel, fastk: int, slowk: int = 3, slowd: int = 3) -> tuple[Tensor,
     return p.memo(("stoch", fastk, slowk, slowd), f)
 
 
-def willr(p: Panel, n: int) -> Tensor:
+def willr(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib WILLR: -100 * (HH - C) / (HH - LL)."""
     hh, ll = hh_ll(p, n)
-    return ops.safe_div(hh - p.close, hh - ll, scale=-100.0)
+    return ops.safe_div(hh - p.close, hh - ll, scale=-100.0, out=out)
 
 
 def macd_line_signal(p: Panel, fast: int, slow: int, signal: int) -> tuple[Tensor, Tensor]:
@@ -109,11 +109,11 @@ def _mean_abs_deviation(tp: Tensor, sma: Tensor, n: int) -> Tensor:
     return md.mul_(0.015 / n)
 
 
-def cci(p: Panel, n: int) -> Tensor:
+def cci(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib CCI: (TP - SMA(TP)) / (0.015 * mean |TP - SMA(TP)|) over n bars."""
     tp = p.typical_price()
     sma = p.memo("tp_block_prefix", lambda: ops.block_prefix(tp, 20)).mean(n)
-    return ops.safe_div(tp - sma, _mean_abs_deviation(tp, sma, n))
+    return ops.safe_div(tp - sma, _mean_abs_deviation(tp, sma, n), out=out)
 
 
 def _moves(p: Panel) -> tuple[Tensor, Tensor]:
@@ -189,47 +189,47 @@ def _ultosc_block(*args: Tensor, out: Tensor) -> None:
     torch.mul(acc, 100.0 / 7.0, out=out)
 
 
-def trix(p: Panel, n: int) -> Tensor:
+def trix(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib TRIX: 1-bar percent change of a triple EMA (each EMA seeded with the SMA of its input)."""
     e1 = ops.ema(p.close, n)
     e2 = ops.ema(e1, n, start=n - 1)
-    return ops.pct_change(ops.ema(e2, n, start=2 * n - 2), 1)
+    return ops.pct_change(ops.ema(e2, n, start=2 * n - 2), 1, out)
 
 
 def features() -> FeatureList:
     fl = FeatureList("momentum")
     for h in (1, 2, 3, 5, 10, 20, 50, 100):
-        fl.add(f"logret_{h}", f"ln C[t] - ln C[t-{h}]", h, lambda p, h=h: p.log_return(h), talib="ROCR")
+        fl.add(f"logret_{h}", f"ln C[t] - ln C[t-{h}]", h, lambda p, out=None, h=h: p.log_return(h, out), talib="ROCR")
     for n in (5, 10, 20):
-        fl.add(f"roc_{n}", f"TA-Lib ROC({n}): 100 (C[t]/C[t-{n}] - 1)", n, lambda p, n=n: roc(p, n), talib="ROC")
+        fl.add(f"roc_{n}", f"TA-Lib ROC({n}): 100 (C[t]/C[t-{n}] - 1)", n, lambda p, out=None, n=n: roc(p, n, out), talib="ROC")
     for n in (5, 10, 20):
-        fl.add(f"mom_{n}", f"TA-Lib MOM({n}) / ATR(14)", max(n, 14), lambda p, n=n: ops.lag_diff_times(p.close, n, p.inv_atr()), talib="MOM")
+        fl.add(f"mom_{n}", f"TA-Lib MOM({n}) / ATR(14)", max(n, 14), lambda p, out=None, n=n: ops.lag_diff_times(p.close, n, p.inv_atr(), out), talib="MOM")
     for n in (6, 14, 21, 28):
-        fl.add(f"rsi_{n}", f"TA-Lib RSI({n}), Wilder smoothing, 0..100", n, lambda p, n=n: rsi(p, n), talib="RSI")
-    fl.add("cmo_14", "TA-Lib CMO(14), -100..100", 14, lambda p: cmo(p, 14), talib="CMO")
+        fl.add(f"rsi_{n}", f"TA-Lib RSI({n}), Wilder smoothing, 0..100", n, lambda p, out=None, n=n: rsi(p, n, out), talib="RSI")
+    fl.add("cmo_14", "TA-Lib CMO(14), -100..100", 14, lambda p, out=None: cmo(p, 14, out), talib="CMO")
     for n in (5, 14):
         w = n + 1
         fl.add(f"stoch_k_{n}", f"TA-Lib STOCH({n},3,SMA,3,SMA) slow %K", w + 2, lambda p, n=n: stoch(p, n)[0], talib="STOCH")
         fl.add(f"stoch_d_{n}", f"TA-Lib STOCH({n},3,SMA,3,SMA) slow %D", w + 2, lambda p, n=n: stoch(p, n)[1], talib="STOCH")
     for n in (14, 28):
-        fl.add(f"willr_{n}", f"TA-Lib WILLR({n}): -100 (HH - C) / (HH - LL)", n - 1, lambda p, n=n: willr(p, n), talib="WILLR")
+        fl.add(f"willr_{n}", f"TA-Lib WILLR({n}): -100 (HH - C) / (HH - LL)", n - 1, lambda p, out=None, n=n: willr(p, n, out), talib="WILLR")
     for f_, s_, g_ in ((12, 26, 9), (5, 35, 5)):
         tag, w, a = f"{f_}_{s_}_{g_}", s_ + g_ - 2, (f_, s_, g_)
         fl.add(f"macd_{tag}", f"TA-Lib MACD({f_},{s_},{g_}) line / ATR(14)", w,
-               lambda p, a=a: p.per_atr(macd_line_signal(p, *a)[0]), talib="MACD")
+               lambda p, out=None, a=a: p.per_atr(macd_line_signal(p, *a)[0], out), talib="MACD")
         fl.add(f"macd_signal_{tag}", f"TA-Lib MACD({f_},{s_},{g_}) signal / ATR(14)", w,
-               lambda p, a=a: p.per_atr(macd_line_signal(p, *a)[1]), talib="MACD")
+               lambda p, out=None, a=a: p.per_atr(macd_line_signal(p, *a)[1], out), talib="MACD")
         fl.add(f"macd_hist_{tag}", f"TA-Lib MACD({f_},{s_},{g_}) histogram / ATR(14)", w,
-               lambda p, a=a: ops.diff_times(*macd_line_signal(p, *a), p.inv_atr()), talib="MACD")
+               lambda p, out=None, a=a: ops.diff_times(*macd_line_signal(p, *a), p.inv_atr(), out), talib="MACD")
     for n in (14, 20):
-        fl.add(f"cci_{n}", f"TA-Lib CCI({n}): (TP - SMA(TP)) / (0.015 mean abs deviation)", n - 1, lambda p, n=n: cci(p, n), talib="CCI")
+        fl.add(f"cci_{n}", f"TA-Lib CCI({n}): (TP - SMA(TP)) / (0.015 mean abs deviation)", n - 1, lambda p, out=None, n=n: cci(p, n, out), talib="CCI")
     for n in (14, 28):
         fl.add(f"adx_{n}", f"TA-Lib ADX({n}): Wilder-smoothed DX", 2 * n - 1, lambda p, n=n: directional(p, n)[2], talib="ADX")
         fl.add(f"plus_di_{n}", f"TA-Lib PLUS_DI({n})", n, lambda p, n=n: directional(p, n)[0], talib="PLUS_DI")
         fl.add(f"minus_di_{n}", f"TA-Lib MINUS_DI({n})", n, lambda p, n=n: directional(p, n)[1], talib="MINUS_DI")
     fl.add("aroon_up_25", "TA-Lib AROON(25) up", 25, lambda p: aroon(p, 25)[0], talib="AROON")
     fl.add("aroon_down_25", "TA-Lib AROON(25) down", 25, lambda p: aroon(p, 25)[1], talib="AROON")
-    fl.add("aroon_osc_25", "TA-Lib AROONOSC(25): Aroon up - Aroon down", 25, lambda p: torch.sub(*aroon(p, 25)), talib="AROONOSC")
+    fl.add("aroon_osc_25", "TA-Lib AROONOSC(25): Aroon up - Aroon down", 25, lambda p, out=None: torch.sub(*aroon(p, 25), out=out), talib="AROONOSC")
     fl.add("ultosc_7_14_28", "TA-Lib ULTOSC(7,14,28)", 28, lambda p: ultosc(p, 7, 14, 28), talib="ULTOSC")
-    fl.add("trix_15", "TA-Lib TRIX(15): 1-bar % change of a triple EMA", 43, lambda p: trix(p, 15), talib="TRIX")
+    fl.add("trix_15", "TA-Lib TRIX(15): 1-bar % change of a triple EMA", 43, lambda p, out=None: trix(p, 15, out), talib="TRIX")
     return fl

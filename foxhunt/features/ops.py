@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -109,39 +110,69 @@ def shift(x: Tensor, k: int, fill: float = NAN) -> Tensor:
     return out
 
 
-def diff(x: Tensor, k: int = 1) -> Tensor:
-    """x[t] - x[t - k], NaN for the first k bars."""
-    out = nans(x, k)
+def _put(res: Tensor, out: Tensor | None) -> Tensor:
+    """res, or res copied into ``out`` when given (the reference path's way of honouring ``out``)."""
+    return res if out is None else out.copy_(res)
+
+
+def diff(x: Tensor, k: int = 1, out: Tensor | None = None) -> Tensor:
+    """x[t] - x[t - k], NaN for the first k bars, into ``out`` when given (which may be float32: one rounding)."""
+    if out is not None and fast_path(x):
+        o = _np(out)
+        o[..., :k] = NAN
+        np.subtract(_np(x)[..., k:], _np(x)[..., :-k], out=o[..., k:])
+        return out
+    res = nans(x, k)
     if k < x.shape[-1]:
-        torch.sub(x[..., k:], x[..., :-k], out=out[..., k:])
-    return out
+        torch.sub(x[..., k:], x[..., :-k], out=res[..., k:])
+    return _put(res, out)
 
 
-def diff_times(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
-    """(a - b) * c (distances in ATR units)."""
+def diff_times(a: Tensor, b: Tensor, c: Tensor, out: Tensor | None = None) -> Tensor:
+    """(a - b) * c (distances in ATR units), into ``out`` when given."""
     if fast_path(a):
-        return torch.from_numpy(K.diff_times(_np(a), _np(b), _np(c)))
-    return (a - b) * c
+        res = K.diff_times(_np(a), _np(b), _np(c), None if out is None else _np(out))
+        return out if out is not None else torch.from_numpy(res)
+    return _put((a - b) * c, out)
 
 
-def lag_diff_times(x: Tensor, k: int, c: Tensor) -> Tensor:
-    """(x[t] - x[t-k]) * c[t], NaN for the first k bars."""
+def lag_diff_times(x: Tensor, k: int, c: Tensor, out: Tensor | None = None) -> Tensor:
+    """(x[t] - x[t-k]) * c[t], NaN for the first k bars, into ``out`` when given."""
     if fast_path(x):
-        return torch.from_numpy(K.lag_diff_times(_np(x), k, _np(c)))
-    out = nans(x, k)
+        res = K.lag_diff_times(_np(x), k, _np(c), None if out is None else _np(out))
+        return out if out is not None else torch.from_numpy(res)
+    res = nans(x, k)
     if k < x.shape[-1]:
-        out[..., k:] = (x[..., k:] - x[..., :-k]) * c[..., k:]
-    return out
+        res[..., k:] = (x[..., k:] - x[..., :-k]) * c[..., k:]
+    return _put(res, out)
 
 
-def pct_change(x: Tensor, k: int) -> Tensor:
-    """100 (x[t] / x[t-k] - 1), NaN for the first k bars (TA-Lib ROC)."""
+def pct_change(x: Tensor, k: int, out: Tensor | None = None) -> Tensor:
+    """100 (x[t] / x[t-k] - 1), NaN for the first k bars (TA-Lib ROC), into ``out`` when given."""
     if fast_path(x):
-        return torch.from_numpy(K.pct_change(_np(x), k))
-    out = nans(x, k)
+        res = K.pct_change(_np(x), k, None if out is None else _np(out))
+        return out if out is not None else torch.from_numpy(res)
+    res = nans(x, k)
     if k < x.shape[-1]:
-        out[..., k:] = (x[..., k:] / x[..., :-k] - 1.0) * 100.0
-    return out
+        res[..., k:] = (x[..., k:] / x[..., :-k] - 1.0) * 100.0
+    return _put(res, out)
+
+
+def multiply(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """a * b, into ``out`` when given (on the CPU numpy rounds once into a float32 ``out``, with no temporary)."""
+    if out is not None and fast_path(a):
+        np.multiply(_np(a), _np(b), out=_np(out))
+        return out
+    return torch.mul(a, b, out=out)
+
+
+def log_ratio(num: Tensor, den: Tensor, out: Tensor | None = None) -> Tensor:
+    """ln(num / den), into ``out`` when given."""
+    q = num / den
+    if out is not None and fast_path(q):
+        np.log(_np(q), out=_np(out))
+        return out
+    return _put(q.log_(), out)
 
 
 def safe_div(num: Tensor, den: Tensor, fill: float = 0.0, scale: float = 1.0, out: Tensor | None = None) -> Tensor:

@@ -102,11 +102,12 @@ class Panel:
     def log_close(self) -> Tensor:
         return self.memo("log_close", lambda: torch.log(self.close))
 
-    def log_return(self, k: int = 1) -> Tensor:
-        """ln C[t] - ln C[t-k]; only the 1-bar return is shared (memoised)."""
+    def log_return(self, k: int = 1, out: Tensor | None = None) -> Tensor:
+        """ln C[t] - ln C[t-k], into ``out`` when given; only the 1-bar return is shared (memoised)."""
         if k == 1:
-            return self.memo(("log_return", 1), lambda: ops.diff(self.log_close(), 1))
-        return ops.diff(self.log_close(), k)
+            r = self.memo(("log_return", 1), lambda: ops.diff(self.log_close(), 1))
+            return r if out is None else out.copy_(r)
+        return ops.diff(self.log_close(), k, out)
 
     def close_change(self) -> Tensor:
         """C[t] - C[t-1]."""
@@ -133,9 +134,9 @@ class Panel:
         """1 / ATR(14): features in ATR units multiply by it (a multiply is cheaper than a divide)."""
         return self.memo("inv_atr_14", lambda: torch.reciprocal(self.atr(14)))
 
-    def per_atr(self, x: Tensor) -> Tensor:
-        """x / ATR(14): price units to ATR units."""
-        return x * self.inv_atr()
+    def per_atr(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """x / ATR(14): price units to ATR units, into ``out`` when given."""
+        return ops.multiply(x, self.inv_atr(), out)
 
     def typical_price(self) -> Tensor:
         def f():

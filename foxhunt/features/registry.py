@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -18,7 +19,9 @@ class Feature:
     (TA-Lib's lookback for indicators TA-Lib also computes). ``talib`` names the TA-Lib function whose
     output this feature is, or is a transform of; ``known_future`` marks features computable from the
     timestamp alone, usable as known-future inputs. ``fn(panel)`` returns the feature as a float64 [S, T]
-    tensor on the panel's device (the one implementation, for CPU and CUDA alike).
+    tensor on the panel's device (the one implementation, for CPU and CUDA alike); ``fn(panel, out=dest)``, where
+    the feature supports it, writes its last step into ``dest`` ([S, T], float32 or float64: one rounding from
+    float64, no full-size temporary) and returns it, and otherwise returns its own tensor.
     """
 
     name: str
@@ -28,6 +31,11 @@ class Feature:
     fn: Callable[..., Tensor]
     talib: str | None = None
     known_future: bool = False
+
+    @property
+    def writes_out(self) -> bool:
+        """Whether ``fn`` takes ``out`` (a destination for its last step)."""
+        return "out" in inspect.signature(self.fn).parameters
 
 
 class FeatureList:

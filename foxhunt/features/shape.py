@@ -14,14 +14,9 @@ if TYPE_CHECKING:
     from foxhunt.features.panel import Panel
 
 
-def log_ratio(num: Tensor, den: Tensor) -> Tensor:
-    """ln(num / den)."""
-    return (num / den).log_()
-
-
-def bop(p: Panel) -> Tensor:
+def bop(p: Panel, out: Tensor | None = None) -> Tensor:
     """TA-Lib BOP: (C - O) / (H - L), 0 on a flat bar."""
-    return O.safe_div(p.close - p.open, p.hl_range())
+    return O.safe_div(p.close - p.open, p.hl_range(), out=out)
 
 
 def range_rel(p: Panel, n: int) -> Tensor:
@@ -32,14 +27,14 @@ def range_rel(p: Panel, n: int) -> Tensor:
 
 def features() -> FeatureList:
     fl = FeatureList("shape")
-    fl.add("range_log", "ln(H / L)", 0, lambda p: log_ratio(p.high, p.low))
-    fl.add("range_atr", "(H - L) / ATR(14)", 14, lambda p: p.per_atr(p.hl_range()), talib="ATR")
+    fl.add("range_log", "ln(H / L)", 0, lambda p, out=None: O.log_ratio(p.high, p.low, out))
+    fl.add("range_atr", "(H - L) / ATR(14)", 14, lambda p, out=None: p.per_atr(p.hl_range(), out), talib="ATR")
     fl.add("range_rel_20", "ln(max((H - L) / SMA(20) of (H - L), 0.001))", 19, lambda p: range_rel(p, 20))
     fl.add("body", "TA-Lib BOP: (C - O) / (H - L)", 0, bop, talib="BOP")
-    fl.add("upper_wick", "(H - max(O, C)) / (H - L)", 0, lambda p: O.safe_div(p.high - torch.maximum(p.open, p.close), p.hl_range()))
-    fl.add("lower_wick", "(min(O, C) - L) / (H - L)", 0, lambda p: O.safe_div(torch.minimum(p.open, p.close) - p.low, p.hl_range()))
-    fl.add("close_location", "(C - L) / (H - L), 0.5 on flat bars", 0, lambda p: O.safe_div(p.close - p.low, p.hl_range(), 0.5))
-    fl.add("bar_return", "ln(C / O)", 0, lambda p: log_ratio(p.close, p.open))
-    fl.add("gap", "ln(O[t] / C[t-1])", 1, lambda p: log_ratio(p.open, p.prev_close()))
-    fl.add("gap_atr", "(O[t] - C[t-1]) / ATR(14)", 14, lambda p: p.per_atr(p.open - p.prev_close()), talib="ATR")
+    fl.add("upper_wick", "(H - max(O, C)) / (H - L)", 0, lambda p, out=None: O.safe_div(p.high - torch.maximum(p.open, p.close), p.hl_range(), out=out))
+    fl.add("lower_wick", "(min(O, C) - L) / (H - L)", 0, lambda p, out=None: O.safe_div(torch.minimum(p.open, p.close) - p.low, p.hl_range(), out=out))
+    fl.add("close_location", "(C - L) / (H - L), 0.5 on flat bars", 0, lambda p, out=None: O.safe_div(p.close - p.low, p.hl_range(), 0.5, out=out))
+    fl.add("bar_return", "ln(C / O)", 0, lambda p, out=None: O.log_ratio(p.close, p.open, out))
+    fl.add("gap", "ln(O[t] / C[t-1])", 1, lambda p, out=None: O.log_ratio(p.open, p.prev_close(), out))
+    fl.add("gap_atr", "(O[t] - C[t-1]) / ATR(14)", 14, lambda p, out=None: p.per_atr(p.open - p.prev_close(), out), talib="ATR")
     return fl

@@ -57,29 +57,29 @@ def _kama_block(now: Tensor, then: Tensor, hi: Tensor, lo: Tensor, a: Tensor, ou
     torch.mul(sc, now, out=out)
 
 
-def _dist(p: Panel, ma: Tensor) -> Tensor:
-    return ops.diff_times(p.close, ma, p.inv_atr())
+def _dist(p: Panel, ma: Tensor, out: Tensor | None = None) -> Tensor:
+    return ops.diff_times(p.close, ma, p.inv_atr(), out)
 
 
-def _slope(p: Panel, ma: Tensor) -> Tensor:
-    return ops.lag_diff_times(ma, 1, p.inv_atr())
+def _slope(p: Panel, ma: Tensor, out: Tensor | None = None) -> Tensor:
+    return ops.lag_diff_times(ma, 1, p.inv_atr(), out)
 
 
 def features() -> FeatureList:
     fl = FeatureList("trend")
     for n in WINDOWS:
-        fl.add(f"dist_sma_{n}", f"(C - TA-Lib SMA({n})) / ATR(14)", max(n - 1, 14), lambda p, n=n: _dist(p, sma(p, n)), talib="SMA")
+        fl.add(f"dist_sma_{n}", f"(C - TA-Lib SMA({n})) / ATR(14)", max(n - 1, 14), lambda p, out=None, n=n: _dist(p, sma(p, n), out), talib="SMA")
     for n in WINDOWS:
-        fl.add(f"dist_ema_{n}", f"(C - TA-Lib EMA({n})) / ATR(14)", max(n - 1, 14), lambda p, n=n: _dist(p, ema(p, n)), talib="EMA")
+        fl.add(f"dist_ema_{n}", f"(C - TA-Lib EMA({n})) / ATR(14)", max(n - 1, 14), lambda p, out=None, n=n: _dist(p, ema(p, n), out), talib="EMA")
     for n in (10, 30):
-        fl.add(f"dist_kama_{n}", f"(C - TA-Lib KAMA({n})) / ATR(14)", max(n, 14), lambda p, n=n: _dist(p, kama(p, n)), talib="KAMA")
+        fl.add(f"dist_kama_{n}", f"(C - TA-Lib KAMA({n})) / ATR(14)", max(n, 14), lambda p, out=None, n=n: _dist(p, kama(p, n), out), talib="KAMA")
     for n in WINDOWS:
-        fl.add(f"slope_sma_{n}", f"(SMA({n})[t] - SMA({n})[t-1]) / ATR(14)", max(n, 14), lambda p, n=n: _slope(p, sma(p, n)), talib="SMA")
+        fl.add(f"slope_sma_{n}", f"(SMA({n})[t] - SMA({n})[t-1]) / ATR(14)", max(n, 14), lambda p, out=None, n=n: _slope(p, sma(p, n), out), talib="SMA")
     for n in WINDOWS:
-        fl.add(f"slope_ema_{n}", f"(EMA({n})[t] - EMA({n})[t-1]) / ATR(14)", max(n, 14), lambda p, n=n: _slope(p, ema(p, n)), talib="EMA")
+        fl.add(f"slope_ema_{n}", f"(EMA({n})[t] - EMA({n})[t-1]) / ATR(14)", max(n, 14), lambda p, out=None, n=n: _slope(p, ema(p, n), out), talib="EMA")
     for n in (10, 30):
-        fl.add(f"slope_kama_{n}", f"(KAMA({n})[t] - KAMA({n})[t-1]) / ATR(14)", max(n + 1, 14), lambda p, n=n: _slope(p, kama(p, n)), talib="KAMA")
+        fl.add(f"slope_kama_{n}", f"(KAMA({n})[t] - KAMA({n})[t-1]) / ATR(14)", max(n + 1, 14), lambda p, out=None, n=n: _slope(p, kama(p, n), out), talib="KAMA")
     for a, b in ((5, 20), (20, 50), (50, 200)):
         fl.add(f"ema_cross_{a}_{b}", f"(EMA({a}) - EMA({b})) / ATR(14)", max(b - 1, 14),
-               lambda p, a=a, b=b: ops.diff_times(ema(p, a), ema(p, b), p.inv_atr()), talib="EMA")
+               lambda p, out=None, a=a, b=b: ops.diff_times(ema(p, a), ema(p, b), p.inv_atr(), out), talib="EMA")
     return fl

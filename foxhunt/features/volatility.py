@@ -29,9 +29,9 @@ def std_logret(p: Panel, n: int) -> Tensor:
     return p.memo(("std_logret", n), lambda: p.prefix("log_return_1", lambda: p.log_return(1), 1, True).std(n))
 
 
-def natr(p: Panel, n: int) -> Tensor:
+def natr(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib NATR: 100 * ATR(n) / C."""
-    return (100.0 * p.atr(n)) / p.close
+    return O.safe_div(p.atr(n), p.close, scale=100.0, out=out)  # the close is never 0
 
 
 def _mid_halfwidth(p: Panel, n: int, k: float) -> tuple[Tensor, Tensor]:
@@ -45,23 +45,18 @@ def bbands(p: Panel, n: int, k: float = 2.0) -> tuple[Tensor, Tensor, Tensor]:
     return mid + half, mid, mid - half
 
 
-def bb_pctb(p: Panel, n: int) -> Tensor:
+def bb_pctb(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """Bollinger %B: (C - lower) / (upper - lower) = (C - middle + half-width) / (2 half-width), 0.5 where the bands meet."""
     mid, half = _mid_halfwidth(p, n, 2.0)
     num = p.close - mid
     num += half
-    return O.safe_div(num, half, 0.5, scale=0.5)
+    return O.safe_div(num, half, 0.5, scale=0.5, out=out)
 
 
-def bb_width(p: Panel, n: int) -> Tensor:
+def bb_width(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """Bollinger bandwidth: (upper - lower) / middle = 2 half-width / middle."""
     mid, half = _mid_halfwidth(p, n, 2.0)
-    return (2.0 * half) / mid
-
-
-def log_ratio(num: Tensor, den: Tensor) -> Tensor:
-    """ln(num / den)."""
-    return (num / den).log_()
+    return O.safe_div(half, mid, scale=2.0, out=out)  # the middle band (a mean of closes) is never 0
 
 
 def _log_hl_sq(p: Panel) -> Tensor:
@@ -109,11 +104,11 @@ def features() -> FeatureList:
     fl = FeatureList("volatility")
     for n in (5, 10, 20, 50, 100):
         fl.add(f"std_logret_{n}", f"TA-Lib STDDEV({n}) of 1-bar log returns", n, lambda p, n=n: std_logret(p, n), talib="STDDEV")
-    fl.add("vol_ratio_5_50", "ln(std_logret_5 / std_logret_50)", 50, lambda p: log_ratio(std_logret(p, 5), std_logret(p, 50)))
-    fl.add("vol_ratio_10_100", "ln(std_logret_10 / std_logret_100)", 100, lambda p: log_ratio(std_logret(p, 10), std_logret(p, 100)))
+    fl.add("vol_ratio_5_50", "ln(std_logret_5 / std_logret_50)", 50, lambda p, out=None: O.log_ratio(std_logret(p, 5), std_logret(p, 50), out))
+    fl.add("vol_ratio_10_100", "ln(std_logret_10 / std_logret_100)", 100, lambda p, out=None: O.log_ratio(std_logret(p, 10), std_logret(p, 100), out))
     for n in (7, 14, 28):
-        fl.add(f"natr_{n}", f"TA-Lib NATR({n}): 100 ATR({n}) / C (ATR by Wilder smoothing)", n, lambda p, n=n: natr(p, n), talib="NATR")
-    fl.add("atr_ratio_7_28", "ln(ATR(7) / ATR(28))", 28, lambda p: log_ratio(p.atr(7), p.atr(28)), talib="ATR")
+        fl.add(f"natr_{n}", f"TA-Lib NATR({n}): 100 ATR({n}) / C (ATR by Wilder smoothing)", n, lambda p, out=None, n=n: natr(p, n, out), talib="NATR")
+    fl.add("atr_ratio_7_28", "ln(ATR(7) / ATR(28))", 28, lambda p, out=None: O.log_ratio(p.atr(7), p.atr(28), out), talib="ATR")
     for n in (10, 20, 50):
         fl.add(f"parkinson_{n}", f"Parkinson volatility over {n} bars", n - 1, lambda p, n=n: parkinson(p, n))
     for n in (10, 20, 50):
@@ -122,7 +117,7 @@ def features() -> FeatureList:
         fl.add(f"rogers_satchell_{n}", f"Rogers-Satchell volatility over {n} bars", n - 1, lambda p, n=n: rogers_satchell(p, n))
     for n in (20, 50):
         fl.add(f"bb_pctb_{n}", f"Bollinger %B: (C - lower) / (upper - lower), TA-Lib BBANDS({n},2,2,SMA)", n - 1,
-               lambda p, n=n: bb_pctb(p, n), talib="BBANDS")
+               lambda p, out=None, n=n: bb_pctb(p, n, out), talib="BBANDS")
         fl.add(f"bb_width_{n}", f"Bollinger bandwidth: (upper - lower) / middle, TA-Lib BBANDS({n},2,2,SMA)", n - 1,
-               lambda p, n=n: bb_width(p, n), talib="BBANDS")
+               lambda p, out=None, n=n: bb_width(p, n, out), talib="BBANDS")
     return fl

@@ -28,14 +28,14 @@ def _log_volume(p: Panel) -> Tensor:
     return p.memo("log1p_volume", lambda: torch.log1p(p.volume))
 
 
-def volume_z(p: Panel, n: int) -> Tensor:
+def volume_z(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """z-score of ln(1 + V) against its trailing n-bar mean and population std (0 when the std is 0)."""
     x = _log_volume(p)
     x0 = x[:, :1]  # a past value for every bar: centring keeps the prefix sums of squares small
     mean, var = p.prefix("log1p_volume_centred", lambda: x - x0, 0, True).mean_var(n)
     dev = x - x0
     dev -= mean
-    return O.safe_div(dev, var.sqrt_())
+    return O.safe_div(dev, var.sqrt_(), out=out)
 
 
 def rel_volume(p: Panel, n: int) -> Tensor:
@@ -98,13 +98,13 @@ def _mfi_block(u_hi: Tensor, u_lo: Tensor, d_hi: Tensor, d_lo: Tensor, out: Tens
     O.safe_div(pos, tot, scale=100.0, out=out).masked_fill_(tot < 1.0, 0.0)
 
 
-def vwap_distance(p: Panel, n: int) -> Tensor:
+def vwap_distance(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """(C - VWAP over n bars) / ATR(14), VWAP = sum(TP V) / sum(V) (TP itself where the volume is 0)."""
     tp = p.typical_price()
     pv = p.prefix("tp_volume", lambda: tp * p.volume).sum(n)
     vol = volume_prefix(p).sum(n)
     vwap = torch.where(vol == 0, tp, O.safe_div(pv, vol))
-    return p.per_atr(p.close - vwap)
+    return p.per_atr(p.close - vwap, out)
 
 
 def amihud(p: Panel, n: int) -> Tensor:
@@ -154,16 +154,16 @@ def adosc_per_volume(p: Panel, fast: int, slow: int) -> Tensor:
     return out
 
 
-def cmf(p: Panel, n: int) -> Tensor:
+def cmf(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """Chaikin money flow: sum(CLV V) / sum(V) over n bars."""
     flow = p.prefix("clv_volume", lambda: _clv(p) * p.volume).sum(n)
-    return O.safe_div(flow, p.volume_mean(n) * n)
+    return O.safe_div(flow, p.volume_mean(n) * n, out=out)
 
 
 def features() -> FeatureList:
     fl = FeatureList("volume")
     for n in (20, 50, 100):
-        fl.add(f"volume_z_{n}", f"z-score of ln(1+V) over {n} bars", n - 1, lambda p, n=n: volume_z(p, n))
+        fl.add(f"volume_z_{n}", f"z-score of ln(1+V) over {n} bars", n - 1, lambda p, out=None, n=n: volume_z(p, n, out))
     for n in (5, 20):
         fl.add(f"rel_volume_{n}", f"ln(1+V) - ln(1 + SMA({n}) of V)", n - 1, lambda p, n=n: rel_volume(p, n))
     for n in (10, 20, 50):
@@ -171,9 +171,9 @@ def features() -> FeatureList:
     for n in (14, 28):
         fl.add(f"mfi_{n}", f"TA-Lib MFI({n}), 0..100", n, lambda p, n=n: mfi(p, n), talib="MFI")
     for n in (20, 50, 100):
-        fl.add(f"vwap_dist_{n}", f"(C - rolling VWAP({n})) / ATR(14)", max(n - 1, 14), lambda p, n=n: vwap_distance(p, n))
+        fl.add(f"vwap_dist_{n}", f"(C - rolling VWAP({n})) / ATR(14)", max(n - 1, 14), lambda p, out=None, n=n: vwap_distance(p, n, out))
     for n in (20, 50):
         fl.add(f"amihud_{n}", f"ln mean(|r| / (C V)) over {n} bars", n, lambda p, n=n: amihud(p, n))
     fl.add("adosc_3_10", "TA-Lib ADOSC(3,10) / SMA(10) of V", 9, lambda p: adosc_per_volume(p, 3, 10), talib="ADOSC")
-    fl.add("cmf_20", "Chaikin money flow: sum(CLV V) / sum(V) over 20 bars", 19, lambda p: cmf(p, 20))
+    fl.add("cmf_20", "Chaikin money flow: sum(CLV V) / sum(V) over 20 bars", 19, lambda p, out=None: cmf(p, 20, out))
     return fl
