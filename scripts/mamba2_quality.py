@@ -11,10 +11,16 @@
    memory. A forecaster with lookback L < W sees the share L / W of the signal's variance, so the gap it can close
    grows with L until L = W. Printed per lookback: loss ratio, gap closed (and its expectation for the best forecaster
    at that lookback; the test split's sampling noise is a few hundredths), coverage, training time.
+4. **Lookback table on the weak signal** (``--table 64,512,4096 --tft-table 64,512``): Mamba-2 and the TFT at each
+   lookback on the same windows: the data is built for the longest lookback and, for a shorter one, every split loses
+   its first (longest - L) rows, so every model is trained and tested on windows ending at the same rows. Test
+   pinball loss (ratio to the oracle's, gap closed) and coverage, with training time; ``--table-steps`` and
+   ``--table-batch-size`` size it to the CPU at hand.
 
     python scripts/mamba2_quality.py --threads 1                       # 1: weak signal, 200k bars, 800 steps
     python scripts/mamba2_quality.py --n-bars 40000 --steps 300 --tft  # quick look, with the TFT beside it
     python scripts/mamba2_quality.py --skip-weak --long-memory --window 128 --lm-lookbacks 32,64,128,256
+    python scripts/mamba2_quality.py --skip-weak --table 64,512,4096 --tft-table 64,512 --table-steps 150
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import argparse
 import json
 import math
 import time
+from dataclasses import replace
 
 import lightning.pytorch as pl
 import numpy as np
@@ -98,6 +105,19 @@ def long_memory_data(n_bars: int, *, window: int, strength: float, seed: int, lo
                        FeatureNormalizer())
 
 
+def at_lookback(data: QualityData, lookback: int) -> QualityData:
+    """``data`` read with a shorter lookback on the same windows: each split loses its first (data.lookback -
+    lookback) rows, so its first full window ends at the same row as with the longest lookback."""
+    drop = data.lookback - lookback
+    if drop < 0:
+        raise ValueError(f"lookback {lookback} is longer than the data's {data.lookback}")
+    keep = {name: torch.arange(len(split)) >= drop for name, split in data.splits.items()}
+    return replace(data, lookback=lookback,
+                   splits={name: split.select(keep[name]) for name, split in data.splits.items()},
+                   target_scale={name: sc[keep[name]] for name, sc in data.target_scale.items()},
+                   oracle_quantiles={name: q[keep[name].numpy()] for name, q in data.oracle_quantiles.items()})
+
+
 def best_gap(lookback: int, window: int, strength: float) -> float:
     """The share of the no-skill-to-oracle gap that the best forecaster seeing ``lookback`` bars closes in expectation.
 
@@ -128,6 +148,11 @@ def main() -> None:
     parser.add_argument("--lm-steps", type=int, default=400)
     parser.add_argument("--lm-batch-size", type=int, default=64)
     parser.add_argument("--lm-lookbacks", default="32,64,128,256")
+    parser.add_argument("--table", default="", help="section 4: Mamba-2 lookbacks, e.g. 64,512,4096")
+    parser.add_argument("--tft-table", default="", help="section 4: TFT lookbacks, e.g. 64,512")
+    parser.add_argument("--table-steps", type=int, default=150)
+    parser.add_argument("--table-batch-size", type=int, default=16)
+    parser.add_argument("--table-bars", type=int, default=200_000)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     args = parser.parse_args()
     if args.threads:
@@ -162,6 +187,34 @@ def main() -> None:
             r = report_of(m, data)
             print(f"lookback {lb:>4}: loss ratio {r['loss_ratio']:.4f}, gap closed {r['gap_closed']:.2f}, "
                   f"coverage {r['model_coverage']:.4f}, {time.perf_counter() - t2:.1f} s", flush=True)
+    table = [("mamba2", int(v)) for v in args.table.split(",") if v]
+    table += [("tft", int(v)) for v in args.tft_table.split(",") if v]
+    if table:
+        longest = max(lb for _, lb in table)
+        full = build_quality_data(args.table_bars, seed=args.seed, signal_strength=args.signal, lookback=longest,
+                                  horizon=args.horizon)
+        print(f"\nlookback table: weak signal {args.signal}, {args.table_bars} bars, windows of the longest lookback "
+              f"({longest}), {args.table_steps} steps of batch {args.table_batch_size}", flush=True)
+        for name, lb in table:
+            data = at_lookback(full, lb)
+            t2 = time.perf_counter()
+            warm = min(100, args.table_steps // 10)
+            if name == "mamba2":
+                m = train_mamba2(data, steps=args.table_steps, batch_size=args.table_batch_size, seed=args.seed,
+                                 **{**hp, "warmup_steps": warm})
+            else:
+                m, _ = train_tft(data, steps=args.table_steps, batch_size=args.table_batch_size, seed=args.seed,
+                                 lr=args.lr, hidden_size=args.d_model, warmup_steps=warm)
+            train_s = time.perf_counter() - t2
+            r = report_of(m, data)
+            first = int(data.splits["test"].timestamps[windows(data, "test", 1024).starts[0]])  # the same for all
+            print(json.dumps({"model": name, "lookback": lb, "train_s": round(train_s, 1),
+                              "test_windows": len(windows(data, "test", 1024).starts), "first_test_ts": first, **r}),
+                  flush=True)
+            print(f"{name:>6} lookback {lb:>5}: loss ratio {r['loss_ratio']:.4f} "
+                  f"(no-skill {r['unconditional_loss_ratio']:.4f}), gap closed {r['gap_closed']:.2f}, "
+                  f"coverage {r['model_coverage']:.4f} (oracle {r['oracle_coverage']:.4f}), {train_s:.0f} s",
+                  flush=True)
     if args.long_memory:
         lookbacks = [int(v) for v in args.lm_lookbacks.split(",")]
         data = long_memory_data(args.lm_bars, window=args.window, strength=args.strength, seed=args.seed,

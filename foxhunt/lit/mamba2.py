@@ -59,6 +59,8 @@ class Mamba2Module(Forecaster):
         dropout: float = 0.0,
         lookback: int | None = None,
         use_kernels: bool = False,
+        scan: Literal["factored", "chunked"] = "factored",
+        fused: bool = True,
         quantiles: tuple[float, ...] = (0.1, 0.5, 0.9),
         lr: float = 1e-3,
         weight_decay: float = 1e-4,
@@ -99,6 +101,10 @@ class Mamba2Module(Forecaster):
             dropout: dropout on each block's output, before the residual sum.
             lookback: past rows the member reads, <= the data's lookback (the last rows of each window); None: all.
             use_kernels: on CUDA, run the SSD scan with mamba_ssm's fused kernel if installed (``foxhunt[cuda]``).
+            scan: the pure-PyTorch SSD scan: "factored" (the fast path, a hand-written backward) or "chunked" (the
+                plain form); the same model, parameters and outputs (see docs/MAMBA2.md).
+            fused: the block's fast layout (split input projection, channels-last convolution with a hand-written
+                backward); False: the plain form. The same parameters and outputs.
             quantiles: forecast quantile levels, increasing, including 0.5.
             lr: AdamW learning rate, in (0, 1].
             weight_decay: AdamW decoupled weight decay (weights only: biases, norms, A_log, D and dt_bias are not
@@ -177,6 +183,8 @@ class Mamba2Module(Forecaster):
             dt_init_floor=hp.dt_init_floor,
             dt_limit=None if hp.dt_limit is None else tuple(hp.dt_limit),
             use_kernels=hp.use_kernels,
+            scan=hp.get("scan", "factored"),  # checkpoints from before the switch load with the default
+            fused=hp.get("fused", True),
         )
 
     def bind(

@@ -406,6 +406,9 @@ class _CausalConvSiLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, padded: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
+        ctx.param_dtype = weight.dtype  # the convolution runs in the input's dtype (bf16 under autocast)
+        weight = weight.to(padded.dtype)
+        bias = None if bias is None else bias.to(padded.dtype)
         pre = F.conv2d(_channels_first(padded), weight[:, :, None], bias, groups=weight.shape[0])[:, :, 0]
         pre = pre.transpose(1, 2)  # [b, L, channels], contiguous (channels-last output)
         ctx.save_for_backward(padded, weight, pre)
@@ -424,8 +427,8 @@ class _CausalConvSiLU(torch.autograd.Function):
         g_in = F.conv2d(_channels_first(g_wide), weight[:, :, None].flip(-1), groups=n_channels)[:, :, 0].transpose(1, 2)
         g_w = torch.nn.grad.conv2d_weight(_channels_first(padded), (n_channels, 1, 1, width), _channels_first(g_pre),
                                           groups=n_channels)[:, :, 0]
-        g_b = g_pre.sum((0, 1)) if ctx.has_bias else None
-        return g_in, g_w, g_b
+        g_b = g_pre.sum((0, 1)).to(ctx.param_dtype) if ctx.has_bias else None
+        return g_in, g_w.to(ctx.param_dtype), g_b
 
 
 class GatedRMSNorm(nn.Module):
