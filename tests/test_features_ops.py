@@ -96,8 +96,11 @@ def test_blocked_cumsum(rng, reference):
 def test_rolling_sums_means(rng, start, reference):
     x = padded(rng)
     for n in WINDOWS:
-        close(ops.rolling_sum(t(x), n, start), F.rolling_sum(x, n, start))
-        close(ops.rolling_mean(t(x), n, start), F.rolling_mean(x, n, start))
+        direct = np.full(x.shape, np.nan)  # sums of the window, NaN before start + n - 1
+        if start + n - 1 < x.shape[1]:
+            direct[:, start + n - 1 :] = np.lib.stride_tricks.sliding_window_view(x[:, start:], n, axis=1).sum(axis=2)
+        close(ops.rolling_sum(t(x), n, start), direct)
+        close(ops.rolling_mean(t(x), n, start), direct / n)
         pre, tpre = F.Prefix(x, start, squares=True), ops.Prefix(t(x), start, squares=True)
         if start + n - 1 < x.shape[1]:
             close(tpre.sum(n), pre.sum(n))
@@ -163,19 +166,31 @@ def _bars_since_loop(x: np.ndarray, n: int, highest: bool) -> np.ndarray:
     return out
 
 
-def test_first_order_ema_wilder(rng, reference):
+def test_first_order_ema_wilder(rng, monkeypatch):
+    """The scans on both paths, and the EMA against TA-Lib's definition written as a loop."""
     x = padded(rng, T=5000, lengths=(5000, 4321, 3000), level=100.0)
     y0 = rng.standard_normal(3)
+
+    def both(fn, *args, **kw):
+        fast = fn(*args, **kw)
+        with monkeypatch.context() as m:
+            m.setattr(ops, "fast_path", lambda x: False)
+            return fn(*args, **kw), fast.numpy()
+
     for a in (0.0, 0.005, 0.01, 0.3, 2.0 / 3.0, 0.9, 0.99, 0.999, 1.0):
-        want = F.first_order(x, a, 1.0 - a if a < 1 else 0.5, y0, np.empty_like(x))
-        close(ops.first_order(t(x), a, 1.0 - a if a < 1 else 0.5, t(y0)), want)
+        close(*both(ops.first_order, t(x), a, 1.0 - a if a < 1 else 0.5, t(y0)))
     for n in (1, 2, 5, 14, 200, 4999, 5000, 6000):
         for start in (0, 1, 30):
-            close(ops.ema(t(x), n, start), F.ema(x, n, start))
-            close(ops.ema(t(x), n, start, seed="first"), F.ema(x, n, start, seed="first"))
-            close(ops.wilder(t(x), n, start), F.wilder(x, n, start))
-            close(ops.wilder_sum(t(x), n, start), F.wilder_sum(x, n, start))
-    close(ops.ema(t(x), 10, alpha=0.3), F.ema(x, 10, alpha=0.3))
+            close(*both(ops.ema, t(x), n, start))
+            close(*both(ops.ema, t(x), n, start, seed="first"))
+            close(*both(ops.wilder, t(x), n, start))
+            close(*both(ops.wilder_sum, t(x), n, start))
+    close(*both(ops.ema, t(x), 10, alpha=0.3))
+    loop = np.full(x.shape[1], np.nan)  # TA-Lib's EMA(14) of row 0: SMA seed, then the recursion
+    loop[13] = x[0, :14].mean()
+    for i in range(14, x.shape[1]):
+        loop[i] = loop[i - 1] + 2.0 / 15.0 * (x[0, i] - loop[i - 1])
+    close(ops.ema(t(x), 14)[:1], loop[None], tol=1e-12)
     with pytest.raises(ValueError):
         ops.ema(t(x), 5, seed="nope")
 

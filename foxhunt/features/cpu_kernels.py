@@ -94,46 +94,10 @@ def _safe_div_block(num: np.ndarray, den: np.ndarray, out: np.ndarray, fill: flo
         np.copyto(out, fill, where=zero)
 
 
-def rolling_sum(x: np.ndarray, n: int, start: int = 0) -> np.ndarray:
-    """Sum of x[t-n+1..t] as a difference of prefix sums; defined from t = start + n - 1 (x valid from ``start``)."""
-    S, T = x.shape
-    if n < 1:
-        raise ValueError(f"window must be >= 1, got {n}")
-    out = nan_empty((S, T), min(T, start + n - 1))
-    if T < start + n:
-        return out
-    cs = cumsum(x[:, start:])
-    out[:, start + n - 1] = cs[:, n - 1]
-    np.subtract(cs[:, n:], cs[:, :-n], out=out[:, start + n :])
-    return out
-
-
 def _cumsum_of_squares(x: np.ndarray) -> np.ndarray:
     """Running sum of x^2 along the last axis, in one buffer."""
     sq = np.square(x)
     return cumsum(sq, out=sq)
-
-
-def rolling_mean(x: np.ndarray, n: int, start: int = 0) -> np.ndarray:
-    """Simple moving average over n bars (TA-Lib SMA) of a series near zero or of small windows.
-
-    For long windows over price levels use :class:`BlockPrefix`, whose error does not grow with the level.
-    Windows of up to 4 bars add shifted copies (fewer passes than prefix sums, and exact to the last bit).
-    """
-    if n > 4:
-        out = rolling_sum(x, n, start)
-        out /= n
-        return out
-    S, T = x.shape
-    a = start + n - 1
-    out = nan_empty((S, T), min(T, a))
-    if a < T:
-        acc = out[:, a:]
-        np.copyto(acc, x[:, a:])
-        for k in range(1, n):
-            acc += x[:, a - k : T - k]
-        acc /= n
-    return out
 
 
 class Prefix:
@@ -433,49 +397,6 @@ def first_order(x: np.ndarray, a: float, b: float, y0: np.ndarray, out: np.ndarr
         V[:, 0] += a * carry
         cumsum(V, out=V)
         V *= h[:r]
-    return out
-
-
-def ema(x: np.ndarray, n: int | None = None, start: int = 0, alpha: float | None = None, seed: str = "sma",
-        out: np.ndarray | None = None) -> np.ndarray:
-    """Exponential moving average as TA-Lib computes it.
-
-    x is valid from ``start``; the filter is seeded at ``start + n - 1`` with the simple mean of the
-    first n valid values (TA-Lib's default seeding), then y[t] = y[t-1] + alpha * (x[t] - y[t-1]) with
-    alpha = 2 / (n + 1) unless given (Wilder smoothing: alpha = 1 / n). ``seed="first"`` seeds with the
-    first valid value at ``start`` instead (TA-Lib's ADOSC). Written into ``out`` when given.
-    """
-    if alpha is None:
-        alpha = 2.0 / (n + 1)
-    if seed not in ("sma", "first"):
-        raise ValueError(f"unknown EMA seeding {seed!r}")
-    S, T = x.shape
-    s = start + n - 1 if seed == "sma" else start
-    out = nan_empty((S, T), min(s, T), out)
-    if s >= T:
-        return out
-    y0 = x[:, start : s + 1].mean(axis=1) if seed == "sma" else x[:, s].copy()
-    out[:, s] = y0
-    first_order(x[:, s + 1 :], 1.0 - alpha, alpha, y0, out[:, s + 1 :])
-    return out
-
-
-def wilder(x: np.ndarray, n: int, start: int = 0, out: np.ndarray | None = None) -> np.ndarray:
-    """Wilder's smoothing (RSI, ATR, ADX): an EMA with alpha = 1/n, seeded with the mean of the first n values."""
-    return ema(x, n, start, alpha=1.0 / n, out=out)
-
-
-def wilder_sum(x: np.ndarray, n: int, start: int = 0, out: np.ndarray | None = None) -> np.ndarray:
-    """Wilder's running sum as TA-Lib's DM/DI: seeded with the sum of n-1 values, then y = y - y/n + x."""
-    S, T = x.shape
-    s = start + n - 2
-    out = nan_empty((S, T), min(max(s, 0), T), out)
-    if s >= T or n < 2:
-        out[:] = np.nan
-        return out
-    y0 = x[:, start : s + 1].sum(axis=1)
-    out[:, s] = y0
-    first_order(x[:, s + 1 :], 1.0 - 1.0 / n, 1.0, y0, out[:, s + 1 :])
     return out
 
 

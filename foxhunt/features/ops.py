@@ -202,8 +202,6 @@ def rolling_sum(x: Tensor, n: int, start: int = 0) -> Tensor:
 
 def rolling_mean(x: Tensor, n: int, start: int = 0) -> Tensor:
     """TA-Lib SMA of a series near zero or of a small window (up to 4 bars: shifted adds, exact as numpy's)."""
-    if fast_path(x):
-        return torch.from_numpy(K.rolling_mean(_np(x), n, start))
     if n > 4:
         return rolling_sum(x, n, start) / n
     T = x.shape[-1]
@@ -531,19 +529,24 @@ def affine_scan(c: Tensor, u: Tensor, y0: Tensor) -> Tensor:
     return y
 
 
-def first_order(x: Tensor, a: float, b: float, y0: Tensor | float) -> Tensor:
-    """y[t] = a y[t-1] + b x[t] along the last axis from y[-1] = y0 (a blocked scan).
+def first_order(x: Tensor, a: float, b: float, y0: Tensor | float, out: Tensor | None = None) -> Tensor:
+    """y[t] = a y[t-1] + b x[t] along the last axis from y[-1] = y0 (a blocked scan), into ``out`` when given.
 
     Inside a block of B bars y[k] = a^k (a y_in + b sum_{j<=k} a^-j x[j]) (a multiply, a running sum and a
-    multiply); the block carries, y_in[j+1] = a^B y_in[j] + (block j's sum), are a scan over T / B blocks.
-    Blocks start at fixed offsets from the first bar, so bar t only sees bars <= t.
+    multiply); the block carries, y_in[j+1] = a^B y_in[j] + (block j's sum), are a scan over T / B blocks (a
+    doubling scan here, scipy's ``lfilter`` in the CPU kernel). Blocks start at fixed offsets from the first bar,
+    so bar t only sees bars <= t.
     """
     S, L = x.shape
     y0 = rows(y0, x)
+    if fast_path(x):
+        out = torch.empty_like(x) if out is None else out
+        K.first_order(_np(x), a, b, _np(y0), _np(out))
+        return out
     if L == 0:
-        return x.new_empty((S, 0))
+        return _put(x.new_empty((S, 0)), out)
     if not 0.01 <= a < 1.0:  # no gain from blocking: a^k vanishes within a few doublings
-        return const_scan(b * x, a, y0)
+        return _put(const_scan(b * x, a, y0), out)
     B = _scan_block(a)
     nf = -(-L // B)
     k = torch.arange(B, dtype=x.dtype, device=x.device)
@@ -554,30 +557,23 @@ def first_order(x: Tensor, a: float, b: float, y0: Tensor | float) -> Tensor:
     V[:, 1:, 0] += a * ends[:, :-1]
     V = torch.cumsum(V, dim=-1)  # inside blocks: short rows, many of them
     V *= h
-    return V.view(S, nf * B)[:, :L]
+    return _put(V.view(S, nf * B)[:, :L], out)
 
 
 def ema(x: Tensor, n: int | None = None, start: int = 0, alpha: float | None = None, seed: str = "sma") -> Tensor:
-    """Exponential moving average as TA-Lib computes it (as ``filters.ema``).
+    """Exponential moving average as TA-Lib computes it.
 
-    x is valid from ``start``; seeded at ``start + n - 1`` with the mean of the first n valid values, then
-    y[t] = y[t-1] + alpha (x[t] - y[t-1]), alpha = 2 / (n + 1) unless given; ``seed="first"`` seeds with x[start].
+    x is valid from ``start``; seeded at ``start + n - 1`` with the mean of the first n valid values (TA-Lib's
+    default seeding), then y[t] = y[t-1] + alpha (x[t] - y[t-1]), alpha = 2 / (n + 1) unless given (Wilder
+    smoothing: alpha = 1 / n); ``seed="first"`` seeds with x[start] instead (TA-Lib's ADOSC).
     """
-    if fast_path(x):
-        return torch.from_numpy(K.ema(_np(x), n, start, alpha, seed))
     if alpha is None:
         alpha = 2.0 / (n + 1)
     if seed not in ("sma", "first"):
         raise ValueError(f"unknown EMA seeding {seed!r}")
-    T = x.shape[-1]
     s = start + n - 1 if seed == "sma" else start
-    out = nans(x, s)
-    if s >= T:
-        return out
     y0 = x[:, start : s + 1].mean(dim=1) if seed == "sma" else x[:, s].clone()
-    out[:, s] = y0
-    out[:, s + 1 :] = first_order(x[:, s + 1 :], 1.0 - alpha, alpha, y0)
-    return out
+    return _seeded_scan(x, s, y0, 1.0 - alpha, alpha)
 
 
 def wilder(x: Tensor, n: int, start: int = 0) -> Tensor:
@@ -587,16 +583,19 @@ def wilder(x: Tensor, n: int, start: int = 0) -> Tensor:
 
 def wilder_sum(x: Tensor, n: int, start: int = 0) -> Tensor:
     """Wilder's running sum as TA-Lib's DM/DI: seeded with the sum of n-1 values, then y = y - y/n + x."""
-    if fast_path(x):
-        return torch.from_numpy(K.wilder_sum(_np(x), n, start))
-    T = x.shape[-1]
+    if n < 2:
+        return nans(x)
     s = start + n - 2
-    out = nans(x, s if n >= 2 else None)
-    if s >= T or n < 2:
-        return out
-    y0 = x[:, start : s + 1].sum(dim=1)
-    out[:, s] = y0
-    out[:, s + 1 :] = first_order(x[:, s + 1 :], 1.0 - 1.0 / n, 1.0, y0)
+    return _seeded_scan(x, s, x[:, start : s + 1].sum(dim=1), 1.0 - 1.0 / n, 1.0)
+
+
+def _seeded_scan(x: Tensor, s: int, y0: Tensor, a: float, b: float) -> Tensor:
+    """NaN before bar s, y0 at s, then y[t] = a y[t-1] + b x[t]."""
+    T = x.shape[-1]
+    out = nans(x, s)
+    if s < T:
+        out[:, s] = y0
+        first_order(x[:, s + 1 :], a, b, y0, out=out[:, s + 1 :])
     return out
 
 
