@@ -12,20 +12,21 @@ run, through a Lightning ``Trainer.fit``:
 - pytorch-forecasting: its ``TemporalFusionTransformer`` (optimizer "adamw", its default plateau schedule) fed by its
   ``TimeSeriesDataSet.to_dataloader`` (``num_workers=0``, one thread each, like ours).
 
-How it measures: a callback stamps ``time.perf_counter()`` at every ``on_train_batch_start``; two consecutive stamps
-bracket one whole training step as a user sees it: drawing the batch (Lightning prefetches one), forward, backward,
-clipping, the optimizer step, and Lightning's and the coordinator's own work per step. A repeat is one ``fit`` per
-model of ``--warmup`` + ``--steps`` + 1 steps; its throughput is ``--steps`` x batch over the time between the stamps
-of step ``warmup`` and step ``warmup + steps``. Repeats alternate which model goes first, and each repeat continues
-training the same model (a new Trainer, so a fresh AdamW state, for both alike; a new window order for foxhunt, a new
-shuffle for the peer). The loader's share is timed separately around each batch draw (median per batch).
+How it measures: the two fits of a repeat run in two threads that take one training step at a time each, in turn
+(a condition variable handed over at every ``on_train_batch_start``), so whatever else loads the machine hits both
+alike, a step apart. A step is timed from one batch start to the next, while its fit holds the turn: drawing the next
+batch (Lightning prefetches one), forward, backward, clipping, the optimizer step, and Lightning's and the
+coordinator's own work per step. A repeat is one ``fit`` per model of ``--warmup`` + ``--steps`` + 1 steps; its
+throughput is ``--steps`` x batch over the summed times of the steps after the warm-up. Repeats alternate which model
+steps first, and each repeat continues training the same models (a new Trainer, so a fresh AdamW state, for both
+alike; a new window order for foxhunt, a new shuffle for the peer). The loader's share is timed around each batch
+draw (median per batch).
 
-Printed per width: the median over ``--repeats`` of the per-repeat throughput ratio (foxhunt / peer; the two fits of
-a repeat run back to back, so machine load hits both alike) with its spread ((max - min) / median), each model's
-median samples/s and spread, whole-step and loader ms, peak tensor memory of one training step (torch's MemTracker,
-on a copy of each network), the test quantile loss (scaled target, all horizons, the same test windows for both)
-after all repeats, and the 1-minute load average (os.getloadavg) seen before and after every fit. ``--profile`` prints
-where foxhunt's step goes instead.
+Printed per width: the median over ``--repeats`` of the per-repeat throughput ratio (foxhunt / peer) with its
+spread ((max - min) / median), each model's median samples/s and spread, whole-step and loader ms, peak tensor memory
+of one training step (torch's MemTracker, on a copy of each network), the test quantile loss (scaled target, all
+horizons, the same test windows for both) after all repeats, and the 1-minute load average (os.getloadavg) seen
+before and after every fit. ``--profile`` prints where foxhunt's step goes instead.
 
     python scripts/bench_tft.py --widths 125,5 --repeats 5        # needs: pip install pytorch-forecasting
     python scripts/bench_tft.py --widths 5 --profile              # foxhunt's step, piece by piece
@@ -41,6 +42,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -96,14 +98,57 @@ class TimedLoader:
             yield batch
 
 
-class StepClock(pl.Callback):
-    """perf_counter at every training batch start: consecutive stamps bracket one whole step."""
+class Turns:
+    """Fits in threads that take one training step at a time each, in a fixed rotation: whatever else loads the machine
+    hits every model alike, a step apart."""
 
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
+    def __init__(self, names: list[str]) -> None:
+        self.names, self.turn, self.done = list(names), 0, set()
+        self.cond = threading.Condition()
+
+    def _advance(self) -> None:  # the caller holds the condition
+        for _ in self.names:
+            self.turn = (self.turn + 1) % len(self.names)
+            if self.names[self.turn] not in self.done:
+                break
+        self.cond.notify_all()
+
+    def take(self, name: str, passing: bool) -> None:
+        """Hand the turn on (``passing``: this fit has just finished a step), then wait for this fit's next turn."""
+        with self.cond:
+            if passing and self.names[self.turn] == name:
+                self._advance()
+            self.cond.wait_for(lambda: self.names[self.turn] == name)
+
+    def finish(self, name: str) -> None:
+        """This fit is over (or failed): the rotation goes on without it."""
+        with self.cond:
+            if name not in self.done:
+                self.done.add(name)
+                if self.names[self.turn] == name:
+                    self._advance()
+
+
+class StepClock(pl.Callback):
+    """Times each whole training step: from a batch start to the next one's (which includes drawing that batch), while
+    this fit holds its turn."""
+
+    def __init__(self, turns: Turns | None = None, name: str = "") -> None:
+        self.turns, self.name = turns, name
+        self.intervals: list[float] = []
+        self.start: float | None = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        self.stamps.append(time.perf_counter())
+        passing = self.start is not None
+        if passing:
+            self.intervals.append(time.perf_counter() - self.start)
+        if self.turns is not None:
+            self.turns.take(self.name, passing)
+        self.start = time.perf_counter()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.turns is not None:
+            self.turns.finish(self.name)
 
 
 @dataclass
@@ -117,24 +162,52 @@ class Timing:
 
 
 def fit_steps(run: Callable[[pl.Trainer], None], loader_seconds: Callable[[], list[float]], steps: int, warmup: int,
-              batch_size: int, clip: float | None = None) -> Timing:
+              batch_size: int, clip: float | None = None, turns: Turns | None = None, name: str = "") -> Timing:
     """``run(trainer)`` (one Trainer.fit) for warmup + steps + 1 steps; timed: the ``steps`` steps after the warm-up."""
-    clock = StepClock()
+    clock = StepClock(turns, name)
     trainer = pl.Trainer(
         max_steps=warmup + steps + 1, accelerator="cpu", logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
         callbacks=[clock], gradient_clip_val=clip,
     )
     load0 = os.getloadavg()[0]
-    run(trainer)
+    try:
+        run(trainer)
+    finally:
+        if turns is not None:
+            turns.finish(name)
     load1 = os.getloadavg()[0]
-    t = clock.stamps
-    if len(t) < warmup + steps + 1:
-        raise RuntimeError(f"the fit ran {len(t)} steps, fewer than warmup + steps + 1 = {warmup + steps + 1} (too few windows?)")
-    elapsed = t[warmup + steps] - t[warmup]
+    timed = clock.intervals[warmup : warmup + steps]
+    if len(timed) < steps:
+        raise RuntimeError(f"the fit ran {len(clock.intervals) + 1} steps, fewer than warmup + steps + 1 (too few windows?)")
+    elapsed = sum(timed)
     draws = loader_seconds()
     draws = draws[warmup:] or draws
     return Timing(steps * batch_size / elapsed, elapsed / steps * 1e3, statistics.median(draws) * 1e3, (load0, load1))
+
+
+def in_turns(fits: dict[str, Callable[[Turns], Timing]]) -> dict[str, Timing]:
+    """Run the fits in threads, a step each in turn (in the dict's order); their timings, or the first error."""
+    turns = Turns(list(fits))
+    results: dict[str, Timing] = {}
+    errors: list[BaseException] = []
+
+    def work(name: str, fit: Callable[[Turns], Timing]) -> None:
+        try:
+            results[name] = fit(turns)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(err)
+        finally:
+            turns.finish(name)
+
+    threads = [threading.Thread(target=work, args=item, name=item[0]) for item in fits.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 # ------------------------------------------------------------------------------------------------------- ours
@@ -179,16 +252,16 @@ class Ours:
             self.net.compile()
         self.data, self.batch_size = data, args.batch_size
 
-    def fit(self, steps: int, warmup: int) -> Timing:
+    def fit(self, steps: int, warmup: int, turns: Turns | None = None) -> Timing:
         """One repeat: the coordinator's (or the module's) fit on the datamodule's window batches."""
         if self.path == "ensemble":  # the coordinator clips (gradient_clip_val=1.0); manual optimisation
             def run(trainer: pl.Trainer) -> None:
                 trainer.fit(self.module, datamodule=self.dm)
 
-            return fit_steps(run, lambda: self.dm.loader.seconds, steps, warmup, self.batch_size)
+            return fit_steps(run, lambda: self.dm.loader.seconds, steps, warmup, self.batch_size, turns=turns, name=self.name)
         loader = self.dm.train_dataloader()
         return fit_steps(lambda trainer: trainer.fit(self.module, train_dataloaders=loader), lambda: loader.seconds,
-                         steps, warmup, self.batch_size, clip=1.0)
+                         steps, warmup, self.batch_size, clip=1.0, turns=turns, name=self.name)
 
     @torch.no_grad()
     def test_losses(self) -> dict[int, float]:
@@ -266,11 +339,11 @@ class Peer:
             self.model.compile()
         self.batch_size = args.batch_size
 
-    def fit(self, steps: int, warmup: int) -> Timing:
+    def fit(self, steps: int, warmup: int, turns: Turns | None = None) -> Timing:
         """One repeat: its Trainer.fit (automatic optimisation, the Trainer clips) on its own dataloader."""
         loader = TimedLoader(self.train_ds.to_dataloader(train=True, batch_size=self.batch_size, num_workers=0))
         return fit_steps(lambda trainer: trainer.fit(self.model, train_dataloaders=loader), lambda: loader.seconds,
-                         steps, warmup, self.batch_size, clip=1.0)
+                         steps, warmup, self.batch_size, clip=1.0, turns=turns, name=self.name)
 
     @torch.no_grad()
     def test_losses(self) -> dict[int, float]:
@@ -337,8 +410,10 @@ def bench_width(width: int, args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[Timing]] = {impl.name: [] for impl in impls}
     ratios: list[float] = []
     for r in range(args.repeats):
-        for impl in impls if r % 2 == 0 else impls[::-1]:  # alternate who goes first
-            runs[impl.name].append(impl.fit(args.steps, args.warmup))
+        order = impls if r % 2 == 0 else impls[::-1]  # alternate who goes first
+        timings = in_turns({impl.name: lambda turns, impl=impl: impl.fit(args.steps, args.warmup, turns) for impl in order})
+        for impl in impls:
+            runs[impl.name].append(timings[impl.name])
         ratios.append(runs["foxhunt"][-1].samples_per_s / runs["pytorch-forecasting"][-1].samples_per_s)
         print(f"  [{data.splits['train'].n_features} inputs] repeat {r + 1}/{args.repeats}: throughput x{ratios[-1]:.2f} "
               f"({runs['foxhunt'][-1].samples_per_s:.0f} vs {runs['pytorch-forecasting'][-1].samples_per_s:.0f} samples/s, "
@@ -372,9 +447,13 @@ def bench_width(width: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------------- profile
-def _grad_inputs(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Detached copies of captured inputs; float tensors require grad, so backward runs as it does in the step."""
-    return tuple(a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a for a in args)
+def _grad_inputs(args: Any) -> Any:
+    """Detached copies of captured inputs (tuples too); float tensors require grad, as they do inside the step."""
+    if isinstance(args, tuple):
+        return tuple(_grad_inputs(a) for a in args)
+    if isinstance(args, torch.Tensor):
+        return args.detach().clone().requires_grad_(args.is_floating_point())
+    return args
 
 
 def _fwd_bwd(fn: Callable[..., Any], args: tuple[Any, ...]) -> Callable[[], None]:
@@ -402,7 +481,14 @@ def profile_width(width: int, args: argparse.Namespace) -> dict[str, float]:
     fits = [ours.fit(args.steps, args.warmup) for _ in range(args.repeats)]
     batch = next(iter(windows(data, "train", args.batch_size, shuffle=True)))
     captured: dict[str, tuple[Any, ...]] = {}
-    hooks = [getattr(net, name).register_forward_pre_hook(lambda m, a, kw, name=name: captured.setdefault(name, (*a, *kw.values())), with_kwargs=True)
+
+    def capture(name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            captured.setdefault(name, (*args, *kwargs.values()))
+
+        return hook
+
+    hooks = [getattr(net, name).register_forward_pre_hook(capture(name), with_kwargs=True)
              for name in ("encoder_selection", "decoder_selection", "lstm_encoder", "lstm_decoder", "post_lstm_gate",
                           "static_enrichment", "attention", "post_attention_gate", "positionwise_grn", "pre_output_gate",
                           "quantile_head")]
@@ -418,21 +504,21 @@ def profile_width(width: int, args: argparse.Namespace) -> dict[str, float]:
         flat_ctx = ctx.unsqueeze(1).expand(*lead, ctx.shape[-1]).reshape(-1, ctx.shape[-1])
         return _fwd_bwd(lambda a, c: selection_weights(vsn, a, c), (x.reshape(-1, x.shape[-1]), flat_ctx))
 
-    def module(name: str) -> Callable[[], None]:
-        return _fwd_bwd(getattr(net, name), captured[name])
+    def modules(*names: str) -> Callable[[], None]:
+        runs = [_fwd_bwd(getattr(net, name), captured[name]) for name in names]
+        return lambda: [run() for run in runs] and None
 
-    def lstm() -> None:
-        module("lstm_encoder")()
-        module("lstm_decoder")()
+    def both(*runs: Callable[[], None]) -> Callable[[], None]:
+        return lambda: [run() for run in runs] and None
 
     pieces: dict[str, Callable[[], None]] = {
-        "variable selection, whole (encoder + decoder)": lambda: (module("encoder_selection")(), module("decoder_selection")()),
-        "  of which the scoring GRNs (flattened GRN + softmax)": lambda: (scoring("encoder_selection")(), scoring("decoder_selection")()),
-        "LSTM encoder + decoder": lstm,
-        "post-LSTM gate + static enrichment GRN": lambda: (module("post_lstm_gate")(), module("static_enrichment")()),
-        "interpretable attention": module("attention"),
-        "post-attention gate, position-wise GRN, output gate, head": lambda: [module(n)() for n in (
-            "post_attention_gate", "positionwise_grn", "pre_output_gate", "quantile_head")],
+        "variable selection, whole (encoder + decoder)": modules("encoder_selection", "decoder_selection"),
+        "  of which the scoring GRNs (flattened GRN + softmax)": both(scoring("encoder_selection"), scoring("decoder_selection")),
+        "LSTM encoder + decoder": modules("lstm_encoder", "lstm_decoder"),
+        "post-LSTM gate + static enrichment GRN": modules("post_lstm_gate", "static_enrichment"),
+        "interpretable attention": modules("attention"),
+        "post-attention gate, position-wise GRN, output gate, head": modules(
+            "post_attention_gate", "positionwise_grn", "pre_output_gate", "quantile_head"),
     }
     del out
     opt_config = member.configure_optimizers()

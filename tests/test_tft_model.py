@@ -147,9 +147,11 @@ def test_vsn_fused_gradients_match_reference(e: int, d: int, pairs: int) -> None
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("keep_bytes", [0, 2**30])
 @pytest.mark.parametrize("rows", [3, 4, 10])
-def test_chunked_variable_grns_gradcheck_with_dropout(rows: int) -> None:
-    """Finite differences (float64) through the chunked GRNs with dropout on: the kept masks are the ones used."""
+def test_chunked_variable_grns_gradcheck_with_dropout(rows: int, keep_bytes: int) -> None:
+    """Finite differences (float64) through the chunked GRNs with dropout on: the kept masks are the ones used, with
+    activations recomputed in backward (keep_bytes=0) and kept from forward."""
     v, n, h, d = 3, 10, 4, 6
     x, w = torch.randn(v, n, dtype=torch.float64), torch.rand(v, n, dtype=torch.float64)
     shapes = [(v, h), (v, h), (v, h, h), (v, h), (v, h, 2 * d), (v, 2 * d), (v, d), (v, d), (v, d), (v, d)]
@@ -157,10 +159,31 @@ def test_chunked_variable_grns_gradcheck_with_dropout(rows: int) -> None:
 
     def fn(*args: torch.Tensor) -> torch.Tensor:
         torch.manual_seed(1)  # same dropout masks at every evaluation
-        return ChunkedVariableGRNs.apply(args[0], args[1], 0.3, rows, *args[2:])
+        return ChunkedVariableGRNs.apply(args[0], args[1], 0.3, rows, keep_bytes, *args[2:])
 
     inputs = [t.requires_grad_(True) for t in (x, w, *params)]
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("pairs", [8192, 7])
+def test_vsn_kept_activations_equal_recomputed(pairs: int) -> None:
+    """Keeping the chunks' activations for backward gives exactly the outputs and gradients of recomputing them
+    (same weights and drops from the same seed); a second backward through the retained graph recomputes them."""
+    results = []
+    for keep_bytes in (0, 2**30):
+        torch.manual_seed(0)
+        vsn = VariableSelectionNetwork(5, 4, 8, context_size=8, dropout=0.3, pairs_per_chunk=pairs, keep_bytes=keep_bytes)
+        x, ctx = torch.randn(3, 6, 5, requires_grad=True), torch.randn(3, 8)
+        out = vsn.train()(x, ctx)[0]
+        loss = out.square().sum()
+        loss.backward(retain_graph=True)
+        first = [out.detach(), x.grad.clone(), *(p.grad.clone() for p in vsn.parameters())]
+        loss.backward()
+        for a, b in zip(first[1:], [x.grad, *(p.grad for p in vsn.parameters())]):
+            torch.testing.assert_close(b, 2 * a)
+        results.append(first)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])

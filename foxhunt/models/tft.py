@@ -167,8 +167,9 @@ class VariableSelectionNetwork(nn.Module):
 
     ``fused`` chooses how continuous inputs are computed, with the same parameters: True, the fused path of
     ``foxhunt.models.variable_selection_fused`` (embeddings composed into the layers, per-variable GRNs in row chunks
-    of ``pairs_per_chunk`` (row, variable) pairs on CPU, one chunk on CUDA); False, the reference path
-    ``forward_embedded(embed(x))``. Pre-embedded inputs always take the reference path.
+    of ``pairs_per_chunk`` (row, variable) pairs on CPU, one chunk on CUDA; their activations kept for backward when
+    they fit in ``keep_bytes``, recomputed there otherwise); False, the reference path ``forward_embedded(embed(x))``.
+    Pre-embedded inputs always take the reference path.
     """
 
     no_decay_params: ClassVar[tuple[str, ...]] = ("embed_bias",)  # the per-variable embeddings' biases
@@ -183,12 +184,14 @@ class VariableSelectionNetwork(nn.Module):
         continuous: bool = True,
         pairs_per_chunk: int = 8192,
         fused: bool = True,
+        keep_bytes: int = 32 * 2**20,
     ) -> None:
         super().__init__()
         if n_variables < 1:
             raise ValueError(f"a variable selection network needs at least one variable, got {n_variables}")
         self.n_variables, self.input_size, self.hidden_size, self.continuous = n_variables, input_size, hidden_size, continuous
         self.pairs_per_chunk = pairs_per_chunk  # (row, variable) pairs per chunk of the fused per-variable GRNs on CPU
+        self.keep_bytes = keep_bytes  # the fused path keeps its activations for backward up to this size, else recomputes
         self._fused = fused
         if continuous:
             self.embed_weight = nn.Parameter(torch.empty(n_variables, input_size))

@@ -69,7 +69,7 @@ def fused_variable_selection(
     n = flat_x.shape[0]
     rows = min(n, max(1, vsn.pairs_per_chunk // v)) if x.device.type == "cpu" else n  # CUDA: one chunk
     params = (a2, b2, g.fc1_weight, g.fc1_bias, glu_weight, g.glu_bias, a_s, b_s, g.norm_weight, g.norm_bias)
-    combined = _selected_variable_grns(flat_x.t(), weights.t(), params, p, rows)
+    combined = _selected_variable_grns(flat_x.t(), weights.t(), params, p, rows, vsn.keep_bytes)
     return combined.reshape(*lead, vsn.hidden_size), weights.reshape(*lead, v)
 
 
@@ -105,11 +105,13 @@ def _flatten_context(context: Tensor, lead: torch.Size) -> Tensor:
 
 
 @torch.compiler.disable  # a loop over row chunks: compiling would unroll it, and it is already fused by hand
-def _selected_variable_grns(x: Tensor, weights: Tensor, params: tuple[Tensor, ...], p: float, rows: int) -> Tensor:
+def _selected_variable_grns(
+    x: Tensor, weights: Tensor, params: tuple[Tensor, ...], p: float, rows: int, keep_bytes: int
+) -> Tensor:
     """sum_v weights[v, n] * GRN_v(x[v, n]) in float32 (autocast off: the GRNs end in a float32 LayerNorm anyway)."""
     with torch.autocast(x.device.type, enabled=False):
         x, weights = x.float().contiguous(), weights.float().contiguous()  # [V, N]: chunks are row slices
-        return ChunkedVariableGRNs.apply(x, weights, p, rows, *(t.float().contiguous() for t in params))
+        return ChunkedVariableGRNs.apply(x, weights, p, rows, keep_bytes, *(t.float().contiguous() for t in params))
 
 
 class ChunkedVariableGRNs(torch.autograd.Function):
@@ -127,33 +129,41 @@ class ChunkedVariableGRNs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weights: Tensor, p: float, rows: int, *params: Tensor) -> Tensor:  # type: ignore[override]
-        """x [V, N] scalars, weights [V, N] -> [N, d]."""
+    def forward(ctx, x: Tensor, weights: Tensor, p: float, rows: int, keep_bytes: int, *params: Tensor) -> Tensor:  # type: ignore[override]
+        """x [V, N] scalars, weights [V, N] -> [N, d]; activations kept for backward if they fit in ``keep_bytes``."""
         (v, n), h, d = x.shape, params[2].shape[-1], params[8].shape[-1]
         gamma, beta, a_s, b_s = params[8].unsqueeze(1), params[9], params[6].unsqueeze(1), params[7].unsqueeze(1)
         out = x.new_empty(n, d)
         mean, rstd = x.new_empty(v * n), x.new_empty(v * n)  # chunk r0:r1 at [v r0, v r1), variable-major
         avg = x.new_full((d, 1), 1.0 / d)
         drops = _chunk_drops(dropout_drops(v * n * h, p, x.device), v * h * rows) if p > 0.0 else None
-        aug, bufs = _augmented(params), _chunk_buffers(x, v, rows, h)
+        # Small problems keep each chunk's activations for backward instead of recomputing them there.
+        keep = v * n * (2 * h + 2 + 2 * d) * x.element_size() <= keep_bytes
+        chunks: list[tuple[Tensor, Tensor, Tensor]] = []
+        aug, elu_buf = _augmented(params), _elu_buffer(x, v, rows, h)
         for c, r0 in enumerate(range(0, n, rows)):
             r1 = min(n, r0 + rows)
-            mask = _chunk_mask(drops, bufs, c, r1 - r0)
             wc, xc = weights[:, r0:r1], x[:, r0:r1].unsqueeze(-1)
-            ab = _grn_chunk(xc, mask, params, aug, bufs)[-1]
+            e_buf = _elu_buffer(x, v, r1 - r0, h) if keep else elu_buf
+            act = _grn_chunk(xc, _chunk_drop_positions(drops, c), params, aug, e_buf)
+            ab = act[-1]
+            if keep:
+                chunks.append(act)
             z = torch.addcmul(b_s, xc, a_s).addcmul_(ab[..., :d], ab[..., d:])  # skip(embed(x)) + GLU
             # LayerNorm statistics as matrix-vector products (two-pass: mean, then the centred variance), faster
             # than aten's layer_norm over a 32-wide last dim on CPU.
             flat = z.view(-1, d)
             mu, rs = mean[v * r0 : v * r1].view(-1, 1), rstd[v * r0 : v * r1].view(-1, 1)
             centred = flat.sub_(torch.mm(flat, avg, out=mu))
-            torch.mm(torch.mul(centred, centred, out=ab.view(-1, 2 * d)[:, :d]), avg, out=rs).add_(1e-5).rsqrt_()
+            square = torch.mul(centred, centred) if keep else torch.mul(centred, centred, out=ab.view(-1, 2 * d)[:, :d])
+            torch.mm(square, avg, out=rs).add_(1e-5).rsqrt_()
             # sum_v w (LN(z) gamma + beta) = sum_v (centred * rstd * w) gamma + w^T beta
             scaled = z.mul_(rs.view(v, -1, 1) * wc.unsqueeze(-1)).mul_(gamma)
             torch.sum(scaled, 0, out=out[r0:r1])
         out.addmm_(weights.t(), beta)
         ctx.save_for_backward(x, weights, mean, rstd, *params)
         ctx.drops, ctx.rows = drops, rows
+        ctx.chunks = chunks if keep else None  # intermediates, not inputs or outputs: held on ctx, used once
         return out
 
     @staticmethod
@@ -178,7 +188,8 @@ class ChunkedVariableGRNs(torch.autograd.Function):
         dw1_aug, dwg_sw = x.new_zeros(v, h + 1, h), x.new_zeros(v, h + 1, 2 * d)
         # rank-1 layers' (a, b) grads, accumulated by one product per chunk: fc2's (dELU wide) and the skip's
         dab2, dab_s = x.new_zeros(v, 2, h + 1), x.new_zeros(v, 2, d)
-        aug, bufs = _augmented(params), _chunk_buffers(x, v, ctx.rows, h)
+        aug, elu_buf = _augmented(params), _elu_buffer(x, v, ctx.rows, h)
+        chunks, ctx.chunks = ctx.chunks, None  # kept activations are consumed (in place): a second backward recomputes
         dx = torch.empty_like(x) if need_x else None
         dweights = torch.empty_like(weights) if need_w else None
         grad_out = grad_out.contiguous()
@@ -203,8 +214,8 @@ class ChunkedVariableGRNs(torch.autograd.Function):
             torch.neg(mean[v * r0 : v * r1].view(v, rr), out=x1m[:, 2, r0:r1])
             xm = x1m[:, :, r0:r1].transpose(1, 2)  # [V, R, 3]: (x, 1, -mean)
             rs = rstd[v * r0 : v * r1].view(v, rr, 1)
-            mask = _chunk_mask(ctx.drops, bufs, c, rr)
-            e, eta, ab = _grn_chunk(xc, mask, params, aug, bufs)
+            drop = _chunk_drop_positions(ctx.drops, c)
+            e, eta, ab = chunks[c] if chunks is not None else _grn_chunk(xc, drop, params, aug, elu_buf)
             glu_a, gate = ab[..., :d], ab[..., d:]
             ln = torch.bmm(xm, sw).addcmul_(glu_a, gate).mul_(rs)  # LN(z) before its affine
             u = ln * gc  # [V, R, d]
@@ -223,8 +234,8 @@ class ChunkedVariableGRNs(torch.autograd.Function):
             gate.mul_(dz)
             dwg_sw.baddbmm_(eta.transpose(1, 2), ab)
             deta = torch.bmm(ab, wg_sw_t)  # [V, R, h]
-            if mask is not None:
-                deta.mul_(mask)
+            if drop is not None:
+                deta.view(-1).index_fill_(0, drop, 0.0)
             dw1_aug.baddbmm_(e.transpose(1, 2), deta)  # e's constant column gives db1's row
             df2 = torch.bmm(deta, w1_aug_t)
             torch.ops.aten.elu_backward.grad_input(df2, 1.0, 1, 1, True, e, grad_input=df2)
@@ -236,14 +247,14 @@ class ChunkedVariableGRNs(torch.autograd.Function):
         grads[2], grads[3] = dw1_aug[:, :h], dw1_aug[:, h]
         grads[4] = torch.cat([dwg_sw[:, :h, d:], dwg_sw[:, :h, :d]], dim=-1)
         grads[5] = torch.cat([dwg_sw[:, h, d:], dwg_sw[:, h, :d]], dim=-1)
-        return (dx, dweights, None, None, *grads)
+        return (dx, dweights, None, None, None, *grads)
 
 
-def _chunk_buffers(x: Tensor, v: int, rows: int, h: int) -> tuple[Tensor, Tensor]:
-    """Reused per chunk: the dropout mask [V, rows, h] and the ELU output [V, rows, h+1] with a constant-1 last column."""
+def _elu_buffer(x: Tensor, v: int, rows: int, h: int) -> Tensor:
+    """The ELU output of a chunk [V, rows, h+1], its constant-1 last column set (reused per chunk unless kept)."""
     e = x.new_empty(v, rows, h + 1)
     e[..., h] = 1.0
-    return x.new_empty(v * rows * h), e
+    return e
 
 
 def _chunk_drops(drops: Tensor, per_chunk: int) -> tuple[Tensor, list[int], int]:
@@ -254,17 +265,14 @@ def _chunk_drops(drops: Tensor, per_chunk: int) -> tuple[Tensor, list[int], int]
     return drops, offsets, per_chunk
 
 
-def _chunk_mask(drops: tuple[Tensor, list[int], int] | None, bufs: tuple[Tensor, Tensor], c: int, r: int) -> Tensor | None:
-    """Chunk c's (r rows) keep mask [V, r, h] (1 = kept) from its drops, in the reused buffer."""
+def _chunk_drop_positions(drops: tuple[Tensor, list[int], int] | None, c: int) -> Tensor | None:
+    """Chunk c's drops as positions in its [V, r, h] entries (None: no dropout or no drop in this chunk)."""
     if drops is None:
         return None
     pos, offsets, per_chunk = drops
-    buf, e = bufs
-    v, h = e.shape[0], e.shape[-1] - 1
-    mask = buf[: v * r * h].fill_(1.0)
-    if c + 1 < len(offsets) and offsets[c + 1] > offsets[c]:
-        mask.index_fill_(0, pos[offsets[c] : offsets[c + 1]] - c * per_chunk, 0.0)
-    return mask.view(v, r, h)
+    if c + 1 >= len(offsets) or offsets[c + 1] == offsets[c]:
+        return None
+    return pos[offsets[c] : offsets[c + 1]] - c * per_chunk
 
 
 def dropout_drops(n: int, p: float, device: torch.device) -> Tensor:
@@ -306,21 +314,22 @@ def _augmented(params: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
 
 
 def _grn_chunk(
-    xc: Tensor, mask: Tensor | None, params: tuple[Tensor, ...], aug: tuple[Tensor, Tensor], bufs: tuple[Tensor, Tensor]
+    xc: Tensor, drop: Tensor | None, params: tuple[Tensor, ...], aug: tuple[Tensor, Tensor], e_buf: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One chunk of the per-variable GRNs up to the GLU, xc [V, R, 1] -> ([ELU, 1], [eta1, 1] (both [V, R, h+1]),
     [V, R, 2d] = [GLU value | sigmoid(GLU gate logit)]): biases ride in the products on the constant-1 column,
-    one product gives both GLU halves, the gate's sigmoid runs in place."""
+    one product gives both GLU halves, the gate's sigmoid runs in place, and the drops (positions in [V, R, h]) are
+    zeroed in eta1 directly (their 1/(1-p) is on the GLU weights)."""
     a2, b2 = params[:2]
     w1_aug, wg_aug = aug
     r, h = xc.shape[1], a2.shape[-1]
     d = wg_aug.shape[-1] // 2
     f2 = torch.addcmul(b2.unsqueeze(1), xc, a2.unsqueeze(1))  # W2 embed(x) + b2, rank-1 in x
-    e = bufs[1][:, :r]
+    e = e_buf[:, :r]
     torch.maximum(f2, f2.clamp(max=0.0).exp_().sub_(1.0), out=e[..., :h])  # ELU: max(x, e^min(x,0) - 1), 2x aten's
     eta = torch.bmm(e, w1_aug)  # [eta1, 1]
-    if mask is not None:
-        eta[..., :h].mul_(mask)
+    if drop is not None:
+        eta.view(-1).index_fill_(0, drop + drop.div(h, rounding_mode="floor"), 0.0)  # [V, R, h] -> [V, R, h+1]
     ab = torch.bmm(eta, wg_aug)
     ab[..., d:].sigmoid_()
     return e, eta, ab
