@@ -21,8 +21,10 @@ Printed per lookback L: the largest difference of the three Mamba-2 versions' ou
 output, absolute and relative to the largest) and of their parameter gradients (relative to each gradient's largest
 entry); samples/s of the training step (median of the timed repeats; the versions interleaved, one step of each per
 round, so that load from other processes hits all alike); the factored scan's speed-up over each other; the peak
-resident memory of one step of each (VmHWM reset through /proc/self/clear_refs before each) and its rise above the
-memory before the step; the load average (``os.getloadavg``) when each lookback's timing ended. Then, per version,
+resident memory during a timed step of each (VmHWM reset through /proc/self/clear_refs before each step, outside
+its timing) and its rise above the memory before the step; the load average (``os.getloadavg``) before and after
+each lookback's timing. The outputs are compared on the first ``--check-rows`` sequences (equality does not depend on
+the batch; the reference's full-batch forward at L = 4096 alone costs a step). Then, per version,
 its step time at each L over its step time at the smallest L (linear: L / L_min) and the memory rise likewise.
 
     python scripts/bench_mamba2.py                                   # 64, 512, 4096; ~15 min on a quiet core
@@ -145,27 +147,27 @@ def reset_peak() -> bool:
         return False
 
 
-def peak_rss_mib(fn: Callable[[], object]) -> tuple[float, float]:
-    """(peak RSS during one call of fn, and its rise above the RSS before the call), MiB."""
-    reset_peak()
-    before = _status_kib("VmRSS")
-    fn()
-    peak = _status_kib("VmHWM")
-    return peak / 1024, (peak - before) / 1024
-
-
-def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median wall time (s) of each function over ``repeats`` rounds, one call of each per round, after one warm-up
-    call of each."""
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int,
+                warmup: bool) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """Median wall time (s) of each function over ``repeats`` rounds, one call of each per round (after one warm-up
+    call of each if ``warmup``), and the largest peak RSS during a call and its largest rise above the RSS before it
+    (MiB; the peak is reset before every call, outside the timing)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
+    peak = dict.fromkeys(fns, 0.0)
+    rise = dict.fromkeys(fns, 0.0)
+    if warmup:
+        for fn in fns.values():
+            fn()
     for _ in range(repeats):
         for name, fn in fns.items():
+            reset_peak()
+            before = _status_kib("VmRSS")
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            top = _status_kib("VmHWM")
+            peak[name], rise[name] = max(peak[name], top / 1024), max(rise[name], (top - before) / 1024)
+    return {name: statistics.median(ts) for name, ts in times.items()}, peak, rise
 
 
 # ------------------------------------------------------------------------------------------------------- networks
@@ -208,9 +210,11 @@ def pinball(pred: Tensor, y: Tensor) -> Tensor:
     return torch.maximum(qs * err, (qs - 1) * err).mean()
 
 
-def agreement(nets: dict[str, nn.Module], data: dict[str, Tensor]) -> dict[str, float]:
-    """Largest differences between the Mamba-2 versions: every row of the stack's output, and every parameter's
-    gradient of the loss (relative to its largest entry), against the first version."""
+def agreement(nets: dict[str, nn.Module], data: dict[str, Tensor], rows: int) -> dict[str, float]:
+    """Largest differences between the Mamba-2 versions on the first ``rows`` sequences of the batch: every step of
+    the stack's output, and every parameter's gradient of the loss (relative to its largest entry), against the
+    first version."""
+    data = {k: v[:rows] for k, v in data.items()}
     names = [n for n in nets if n in MAMBA_VARIANTS]
     outs, grads = {}, {}
     for name in names:
@@ -236,7 +240,7 @@ def bench_lookback(length: int, variants: list[str], args: argparse.Namespace,
     data = batch(length, args)
     row: dict[str, object] = {"L": length, "batch": args.batch}
     if sum(v in MAMBA_VARIANTS for v in variants) > 1:
-        row["agreement"] = agreement(nets, data)
+        row["agreement"] = agreement(nets, data, args.check_rows)
     steps = {}
     for name, net in nets.items():
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
@@ -248,12 +252,12 @@ def bench_lookback(length: int, variants: list[str], args: argparse.Namespace,
             opt.step()
 
         steps[name] = step
-    seconds = interleaved(steps, args.repeats)
+    row["load_before"] = os.getloadavg()
+    seconds, peak, rise = interleaved(steps, args.repeats, not args.no_warmup)
     row["load"] = os.getloadavg()
-    for name, step in steps.items():
-        peak, rise = peak_rss_mib(step)
-        row[name] = {"step_s": seconds[name], "samples_per_s": args.batch / seconds[name], "peak_rss_mib": peak,
-                     "rss_rise_mib": rise}
+    for name in steps:
+        row[name] = {"step_s": seconds[name], "samples_per_s": args.batch / seconds[name], "peak_rss_mib": peak[name],
+                     "rss_rise_mib": rise[name]}
     if "factored" in seconds:
         row["factored_speedup"] = {n: seconds[n] / seconds["factored"] for n in seconds if n != "factored"}
     return row
@@ -272,7 +276,9 @@ def main() -> None:
     parser.add_argument("--headdim", type=int, default=8)
     parser.add_argument("--expand", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=16, help="chunk length of every scan")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds after one warm-up round")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (after one warm-up round)")
+    parser.add_argument("--no-warmup", action="store_true", help="no warm-up round (for the long lookbacks)")
+    parser.add_argument("--check-rows", type=int, default=16, help="sequences of the batch the outputs are compared on")
     parser.add_argument("--reference", type=Path, default=None, help="a local ssd_minimal.py (default: download)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
@@ -302,12 +308,12 @@ def main() -> None:
           f"chunk {args.chunk}) and the TFT (hidden {args.d_model}), batch {args.batch}, {args.inputs} inputs, "
           f"{args.threads} thread(s), median of {args.repeats} interleaved rounds:")
     print(f"{'L':>6} | " + " | ".join(f"{v + ' /s':>13} {'MiB rise':>8}" for v in variants)
-          + " | factored over: " + " ".join(f"{v:>9}" for v in variants if v != "factored") + " | load (1, 5 min)")
+          + " | factored over: " + " ".join(f"{v:>9}" for v in variants if v != "factored") + " | 1-min load before -> after")
     for r in rows:
         cells = " | ".join(f"{r[v]['samples_per_s']:>13.1f} {r[v]['rss_rise_mib']:>8.0f}" for v in variants)
         speed = " ".join(f"{r['factored_speedup'][v]:>9.2f}" for v in variants if v != "factored") \
             if "factored_speedup" in r else ""
-        print(f"{r['L']:>6} | {cells} | {'':15}{speed} | {r['load'][0]:.1f}, {r['load'][1]:.1f}")
+        print(f"{r['L']:>6} | {cells} | {'':15}{speed} | {r['load_before'][0]:.1f} -> {r['load'][0]:.1f}")
     print("\nOutputs of the Mamba-2 versions against the first (max |diff| relative to the largest output; gradients "
           "relative to each parameter's largest):")
     for r in rows:

@@ -248,13 +248,15 @@ class _SSDFactored(torch.autograd.Function):
         n_heads, length, padded = g * r, x.shape[1], c * q
         e_pos, e_neg = s.exp(), (-s).exp()
         gy = gy.contiguous()
-        gD = (gy * x).sum((0, 1, 3)) if D is not None and ctx.needs_input_grad[5] else None
-        g_epos = F.pad((gy * y_raw_h[:, :length]).sum(-1), (0, 0, 0, padded - length))  # d/d exp(s) of exp(s) y_raw
-        g_epos = g_epos.view(b, c, q, n_heads)
-        g_raw = gy.new_empty(b, padded, n_heads, p)
-        torch.mul(gy, e_pos.view(b, padded, n_heads, 1)[:, :length], out=g_raw[:, :length])
-        g_raw[:, length:].zero_()
-        g_raw = g_raw.view(b, c, q, g, r * p).transpose(2, 3).reshape(b * c * g, q, r * p)
+        # (reductions over the outer dimensions first, and row dots over P as batched products: both vectorise over
+        # more than P elements)
+        gD = (gy * x).sum((0, 1)).sum(-1) if D is not None and ctx.needs_input_grad[5] else None
+        g_raw_h = gy.new_empty(b, padded, n_heads, p)  # d/d y_raw = exp(s) gy, zero in the padding
+        torch.mul(gy, e_pos.view(b, padded, n_heads, 1)[:, :length], out=g_raw_h[:, :length])
+        g_raw_h[:, length:].zero_()
+        # exp(s) d/d exp(s) of y = exp(s) y_raw: the row dot of d/d y_raw with y_raw
+        gs_pos = torch.bmm(g_raw_h.view(-1, 1, p), y_raw_h.view(-1, p, 1)).view(b, c, q, n_heads)
+        g_raw = g_raw_h.view(b, c, q, g, r * p).transpose(2, 3).reshape(b * c * g, q, r * p)
         gM = torch.bmm(g_raw, xs_g.transpose(1, 2)).tril_()
         gxs = torch.bmm(M.transpose(1, 2), g_raw)
         gC = torch.bmm(gM, Bg).baddbmm_(g_raw, entering.view(b * c * g, r * p, n))
@@ -284,7 +286,7 @@ class _SSDFactored(torch.autograd.Function):
             gx = gx.addcmul_(gy, D[:, None])
         gw = F.pad((gxs_h * x).sum(-1), (0, 0, 0, padded - length)).view(b, c, q, n_heads)
         gdt = (gw * e_neg).view(b, padded, n_heads)
-        gs = g_epos * e_pos - gw * w
+        gs = gs_pos - gw * w
         gs[:, :, -1] += g_eend * e_end.view(b, c, n_heads)
         gB = gB.view(b, c, g, q, n).transpose(2, 3).reshape(b, padded, g, n)
         gC = gC.view(b, c, g, q, n).transpose(2, 3).reshape(b, padded, g, n)
