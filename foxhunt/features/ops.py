@@ -14,6 +14,7 @@ the block carries, uint8 ages), returned as tensors sharing the numpy memory. Te
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -223,11 +224,6 @@ class Prefix:
 
     def __init__(self, x: Tensor, start: int = 0, squares: bool = False) -> None:
         self.shape, self.start = tuple(x.shape), start
-        self._k = K.Prefix(_np(x), start, squares) if fast_path(x) else None  # the CPU kernels' twin, same sums
-        if self._k is not None:
-            self.cs = torch.from_numpy(self._k.cs)
-            self.cs2 = None if self._k.cs2 is None else torch.from_numpy(self._k.cs2)
-            return
         xs = x[..., start:]
         self.cs = _running_sum0(xs)  # cs[:, k] = sum of the first k values
         self.cs2 = _running_sum0(xs * xs) if squares else None
@@ -238,40 +234,55 @@ class Prefix:
         k = at - self.start + 1
         return cs[..., k:], cs[..., k - n : cs.shape[-1] - n]
 
-    def _window(self, cs: Tensor, n: int) -> Tensor:
+    def sum(self, n: int, squares: bool = False) -> Tensor:
+        """Sum of x[t-n+1..t] (of x^2 with ``squares``); NaN before start + n - 1."""
         a = self.start + n - 1
-        out = torch.empty(self.shape, dtype=cs.dtype, device=cs.device)
-        out[..., :a] = NAN
+        out = self._blank(a)
         if a < self.shape[-1]:
-            torch.sub(cs[..., n:], cs[..., :-n], out=out[..., a:])
+            torch.sub(*self.parts(n, a, squares), out=out[..., a:])
         return out
-
-    def sum(self, n: int) -> Tensor:
-        """Sum of x[t-n+1..t]; NaN before start + n - 1."""
-        return self._window(self.cs, n)
 
     def mean_var(self, n: int) -> tuple[Tensor, Tensor]:
         """Rolling mean and population variance over n bars."""
         if self.cs2 is None:
             raise ValueError("Prefix built without squares")
-        if self._k is not None:
-            return tuple(torch.from_numpy(a) for a in self._k.mean_var(n))
-        mean, var = self._window(self.cs, n) / n, self._window(self.cs2, n) / n
-        var = torch.clamp_min(var - mean * mean, 0.0)
-        return mean, var
+        mean = self.sum(n).div_(n)
+        return mean, self.sum(n, squares=True).div_(n).sub_(mean * mean).clamp_(min=0.0)
 
     def std(self, n: int) -> Tensor:
-        """Rolling population standard deviation over n bars (as :meth:`mean_var`)."""
-        if self._k is not None and self.cs2 is not None:
-            return torch.from_numpy(self._k.std(n))
-        return torch.sqrt(self.mean_var(n)[1])
+        """Rolling population standard deviation over n bars (as :meth:`mean_var`), run by run."""
+        a = self.start + n - 1
+        out = self._blank(a)
+        if a < self.shape[-1]:
+            blockwise(functools.partial(_std_block, n=n), out[..., a:], *self._both_parts(n, a))
+        return out
+
+    def _blank(self, a: int) -> Tensor:
+        """An output over the series' bars, NaN before bar a (the caller fills the rest)."""
+        out = self.cs.new_empty(self.shape)
+        out[..., :a] = NAN
+        return out
+
+    def _both_parts(self, n: int, at: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        if self.cs2 is None:
+            raise ValueError("Prefix built without squares")
+        return (*self.parts(n, at), *self.parts(n, at, squares=True))
+
+
+def _std_block(hi: Tensor, lo: Tensor, hi2: Tensor, lo2: Tensor, out: Tensor, n: int) -> None:
+    """sqrt(max(E[x^2] - E[x]^2, 0)) from window sums (hi - lo) of x and x^2."""
+    m = torch.sub(hi, lo).div_(n)
+    torch.sub(hi2, lo2, out=out).div_(n).sub_(m.mul_(m)).clamp_(min=0.0).sqrt_()
 
 
 def _running_sum0(x: Tensor) -> Tensor:
     """Running sums along the last axis after a leading 0 (so a window sum is always one subtraction)."""
     out = x.new_empty(x.shape[:-1] + (x.shape[-1] + 1,))
     out[..., 0] = 0.0
-    out[..., 1:] = cumsum(x)
+    if fast_path(x):  # written in place, with no temporary
+        K.cumsum(_np(x), out=_np(out)[..., 1:])
+    else:
+        out[..., 1:] = cumsum(x)
     return out
 
 
