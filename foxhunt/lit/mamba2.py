@@ -50,7 +50,7 @@ class Mamba2Module(Forecaster):
         expand: int = 2,
         headdim: int = 16,
         ngroups: int = 1,
-        chunk_size: int = 64,
+        chunk_size: int = 16,
         A_init_range: tuple[float, float] = (1.0, 16.0),
         dt_min: float = 0.001,
         dt_max: float = 0.1,
@@ -92,7 +92,9 @@ class Mamba2Module(Forecaster):
             expand: inner width E = expand * d_model.
             headdim: channels per SSM head P (E must divide by it; heads H = E / P).
             ngroups: groups G of B and C shared by heads (H must divide by it).
-            chunk_size: longest chunk of the SSD scan; a speed setting only (outputs do not depend on it).
+            chunk_size: longest chunk of the SSD scan; a speed setting only (outputs do not depend on it). 16 keeps
+                the factored scan in range: at step sizes near dt_max = 0.1 and |A| <= 16 a chunk decays by about
+                exp(-25.6), against its limit exp(-60) (past it a call runs the plain scan).
             A_init_range: A = -U(range) at initialisation.
             dt_min: smallest step size dt at initialisation (log-uniform in [dt_min, dt_max]).
             dt_max: largest step size dt at initialisation.
