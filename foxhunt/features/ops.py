@@ -204,15 +204,15 @@ def rolling_sum(x: Tensor, n: int, start: int = 0) -> Tensor:
 def rolling_mean(x: Tensor, n: int, start: int = 0) -> Tensor:
     """TA-Lib SMA of a series near zero or of a small window (up to 4 bars: shifted adds, exact as numpy's)."""
     if n > 4:
-        return rolling_sum(x, n, start) / n
+        return rolling_sum(x, n, start).div_(n)
     T = x.shape[-1]
     a = start + n - 1
     out = nans(x, a)
     if a < T:
-        acc = x[..., a:].clone()
+        acc = out[..., a:].copy_(x[..., a:])
         for k in range(1, n):
             acc += x[..., a - k : T - k]
-        out[..., a:] = acc / n
+        acc /= n
     return out
 
 

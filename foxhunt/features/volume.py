@@ -103,8 +103,14 @@ def vwap_distance(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     tp = p.typical_price()
     pv = p.prefix("tp_volume", lambda: tp * p.volume).sum(n)
     vol = volume_prefix(p).sum(n)
-    vwap = torch.where(vol == 0, tp, O.safe_div(pv, vol))
-    return p.per_atr(p.close - vwap, out)
+    return O.blockwise(_vwap_distance_block, pv if out is None else out, pv, vol, tp, p.close, p.inv_atr())
+
+
+def _vwap_distance_block(pv: Tensor, vol: Tensor, tp: Tensor, close: Tensor, inv_atr: Tensor, out: Tensor) -> None:
+    """(C - sum(TP V) / sum(V)) / ATR, with TP itself as the VWAP where the window's volume is 0."""
+    zero = vol == 0
+    vwap = torch.div(pv, vol).masked_fill_(zero, 0.0).addcmul_(tp, zero)
+    torch.mul(vwap.neg_().add_(close), inv_atr, out=out)
 
 
 def amihud(p: Panel, n: int) -> Tensor:
