@@ -310,16 +310,19 @@ def test_tft_fused_and_reference_share_state_dict() -> None:
     fused.load_state_dict(reference.state_dict())
 
 
+@pytest.mark.parametrize("keep_bytes", [0, 2**30])
 @pytest.mark.parametrize("pairs", [8192, 7])
 @pytest.mark.parametrize("mode", ["eval", "train_without_dropout"])
-def test_tft_fused_equals_reference(mode: str, pairs: int) -> None:
+def test_tft_fused_equals_reference(mode: str, pairs: int, keep_bytes: int) -> None:
     """With the same weights, the fused and the reference variable selection give the same outputs and the same
-    gradients for every parameter and input (one chunk, and chunks of one row of the encoder's 6 variables)."""
+    gradients for every parameter and input (one chunk, and chunks of one row of the encoder's 6 variables; the
+    chunks' activations recomputed in backward, and kept from forward)."""
     if mode == "eval":
         fused = _model(fused=True).eval()  # dropout 0.1, off in eval mode
     else:
         fused = _model(fused=True, dropout=0.0).train()
     fused.encoder_selection.pairs_per_chunk = fused.decoder_selection.pairs_per_chunk = pairs
+    fused.encoder_selection.keep_bytes = fused.decoder_selection.keep_bytes = keep_bytes
     with torch.no_grad():  # LayerNorm affines away from (1, 0), so their gradients are checked in general position
         for vsn in (fused.encoder_selection, fused.decoder_selection):
             vsn.variable_grns.norm_weight.uniform_(0.5, 1.5)

@@ -67,6 +67,7 @@ class TFTModule(Forecaster):
         log_figures: bool = True,
         compile_network: bool = False,
         fused: bool = True,
+        keep_activations_mib: int = 512,
         fused_adamw: bool = True,
         policy_interval: tuple[float, float] = (0.1, 0.9),
         updates_per_step: int = 1,
@@ -111,6 +112,8 @@ class TFTModule(Forecaster):
             compile_network: torch.compile the network in place at fit start.
             fused: run the per-variable GRNs of variable selection as the chunked fused kernel (False: the plain
                 reference path; both compute the same function with the same parameters).
+            keep_activations_mib: per variable selection, the fused path keeps activations for backward up to this
+                size (MiB) rather than recompute them there (~400 MiB with ~125 inputs at batch 128 x 64 bars); 0: never.
             fused_adamw: step AdamW with PyTorch's fused kernel where the parameters' device supports it (one kernel
                 over all the network's ~150 tensors instead of a loop over them); False, the plain AdamW.
             policy_interval: the forecast quantiles whose interval must clear the cost for the member's policy to take
@@ -176,6 +179,7 @@ class TFTModule(Forecaster):
             n_quantiles=len(self.quantiles),
             add_relative_time=hp.add_relative_time,
             fused=hp.fused,
+            keep_activations_mib=hp.keep_activations_mib,
         )
         self.spec = spec
 

@@ -10,24 +10,26 @@ h the per-variable GRNs' hidden width (``min(e, d)``), d ``hidden_size``.
    the [N, V, e] embeddings never exist, on any device.
 2. The per-variable GRNs and their selection-weighted sum run as one autograd Function, ``ChunkedVariableGRNs``,
    over chunks of R rows on a variable-major layout (grouped matrix products, never a Python loop over variables).
-   Backward recomputes each chunk's forward and applies the chain rule by hand, so autograd keeps only O(V N)
-   between forward and backward: the inputs and selection weights [V, N], each pair's LayerNorm mean and 1/std
-   ([V, N] each), the composed parameters and, with dropout on, the sorted positions of the drops (int64, about
-   p V N h of them: the one tensor that grows with V N h).
+   Backward applies the chain rule by hand. Between forward and backward autograd keeps O(V N): the inputs and
+   selection weights [V, N], each pair's LayerNorm mean and 1/std ([V, N] each), the composed parameters and, with
+   dropout on, the sorted positions of the drops (int64, about p V N h of them). Each chunk's activations (ELU
+   output, eta1, GLU: V N (2h + 2 + 2d) floats in all) are kept too when they fit in ``keep_bytes``
+   (``VariableSelectionNetwork.keep_bytes``, 512 MiB by default: ~400 MiB with ~125 inputs at batch 128 x 64 bars,
+   20 MiB with 5), and recomputed chunk by chunk in backward otherwise (about a fifth of the time at ~125 inputs).
 
 What one chunk allocates, forward: the first layer [V, R, h] (and a same-sized temporary inside the ELU), the ELU
-output and eta1 [V, R, h+1] each (a constant-1 column carries the biases), the GLU [V, R, 2d], the pre-norm sum
-[V, R, d], and a dropout-mask buffer of V R h floats (allocated even at p = 0, written only with dropout);
-backward adds LN(z) and its gradient [V, R, d] each, d eta1 [V, R, h] and d fc2 [V, R, h+1].
+output and eta1 [V, R, h+1] each (a constant-1 column carries the biases), the GLU [V, R, 2d] and the pre-norm sum
+[V, R, d]; the drops are zeroed in eta1 in place (their 1/(1-p) rides on the GLU weights). Backward adds LN(z) and
+its gradient [V, R, d] each, d eta1 [V, R, h] and d fc2 [V, R, h+1].
 
 - CPU: R = min(N, max(1, ``pairs_per_chunk`` // V)) (8192 (row, variable) pairs by default), so a chunk's buffers stay
-  in cache and nothing of size [V, N, h] or [V, N, d] is allocated (the largest whole-batch tensors are [V, 3, N]
-  in backward and the output [N, d]). With ~125 inputs those [V, N, d] intermediates were the whole cost of a step.
+  in cache; with ``keep_bytes=0`` nothing of size [V, N, h] or [V, N, d] is allocated (the largest whole-batch
+  tensors are [V, 3, N] in backward and the output [N, d]). Kept activations are written chunk by chunk and read
+  back once in backward.
 - CUDA (any device but the CPU): R = N, one chunk, so every buffer above is allocated at full size, [V, N, h],
-  [V, N, h+1], [V, N, 2d], [V, N, d] and the V N h mask buffer, once in forward and again in backward. They are
-  freed when each pass ends (nothing [V, N, d] is kept for backward): on CUDA the saving is in what autograd stores
-  between the passes, while within a pass a handful of [V, N, *] buffers are live at once. The reference path
-  keeps every layer's [N, V, *] activations and dropout masks from forward to backward.
+  [V, N, h+1], [V, N, 2d] and [V, N, d], in forward (and, when not kept, again in backward). Only kept activations
+  outlive a pass. The reference path keeps every layer's [N, V, *] activations and dropout masks from forward to
+  backward.
 """
 
 from __future__ import annotations
@@ -117,12 +119,11 @@ def _selected_variable_grns(
 class ChunkedVariableGRNs(torch.autograd.Function):
     """Per-variable GRNs on scalar inputs and their selection-weighted sum, ``rows`` rows at a time.
 
-    Forward saves nothing of size [V, N, d] for backward: each chunk's [V, rows, *] intermediates are reduced over
-    variables at once and dropped (with rows = N on CUDA they are [V, N, *] while they live, see the module
-    docstring); it saves each pair's LayerNorm mean and 1/std ([V, N] each). Backward recomputes a
-    chunk's forward up to the centred LayerNorm input (one product of (x, 1, -mean) with (a_s, b_s, 1) instead of
-    the statistics' passes) and applies the chain rule by hand (the same maths as autograd through the layers, with
-    the forward pass's dropout drops, kept as positions and laid out per chunk in a reused mask). Biases of fc1 and
+    Each chunk's [V, rows, *] intermediates are reduced over variables at once; forward saves each pair's LayerNorm
+    mean and 1/std ([V, N] each) and, when they fit in ``keep_bytes``, the chunks' activations up to the GLU (else
+    backward recomputes them). Backward rebuilds the centred LayerNorm input (one product of (x, 1, -mean) with
+    (a_s, b_s, 1) instead of the statistics' passes) and applies the chain rule by hand (the same maths as autograd
+    through the layers, with the forward pass's dropout drops, kept as positions). Biases of fc1 and
     the GLU ride in their products on a constant-1 column. Parameters (variable-major): a2, b2 [V, h]
     (embedding composed with fc2), fc1 [V, h, h] and [V, h], glu [V, h, 2d] (already divided by 1-p) and [V, 2d],
     a_s, b_s [V, d] (embedding composed with skip), norm [V, d] x2.
