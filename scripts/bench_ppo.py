@@ -19,6 +19,8 @@ turn; figures are medians over repeats (ratios: medians of per-repeat ratios). T
 batch (foxhunt) or at the start of ``learn`` (SB3) and ends with the last update. Each learner's time is split into
 rollout (acting, the critic's values, GAE) and update (minibatch losses, backward, clipping, optimizer steps; for
 foxhunt also the Trainer's per-step bookkeeping); updates/s is counted over the update time, env steps/s over the whole.
+Both clocks are reported: wall time, and the process's CPU time (``time.process_time``), which on a shared, loaded
+machine counts only the time the learner actually ran (the wall clock then also counts time waiting for a core).
 
     pip install 'stable-baselines3>=2.3' 'gymnasium>=0.29'      # the optional "bench" extra
     python scripts/bench_ppo.py --env-steps 65536 --repeats 3
@@ -58,10 +60,16 @@ class Run:
     updates: int
     wall: float  # training seconds
     rollout: float  # of which collecting rollouts
+    cpu: float  # the same two in CPU seconds of the process
+    cpu_rollout: float
 
     @property
     def update_time(self) -> float:
         return self.wall - self.rollout
+
+    def on_cpu(self) -> Run:
+        """The same run measured in CPU time."""
+        return Run(self.env_steps, self.updates, self.cpu, self.cpu_rollout, self.cpu, self.cpu_rollout)
 
     @property
     def env_steps_per_s(self) -> float:
@@ -91,12 +99,20 @@ def run_foxhunt(data, env_steps: int, window: int, episode_length: int, override
     updates = rollouts * per_rollout
     model = EnsembleModule(members={"ppo": member}, cost_bps=COST_BPS)
     dm = MarketDataModule(data.train, steps_per_epoch=-(-updates // member.updates_per_step))
-    mark: dict[str, float] = {}
+    mark: dict[str, float] = {"cpu_rollout": 0.0}
+    collect = member.collect_rollout
+
+    def timed_collect() -> None:  # the member counts its rollouts' wall time itself; CPU time is counted here
+        t0 = time.process_time()
+        collect()
+        mark["cpu_rollout"] += time.process_time() - t0
+
+    member.collect_rollout = timed_collect  # type: ignore[method-assign]
 
     class Mark(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            if not mark:
-                mark["wall"] = time.perf_counter()
+            if "wall" not in mark:
+                mark["wall"], mark["cpu"] = time.perf_counter(), time.process_time()
 
     trainer = L.Trainer(max_steps=updates, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -104,9 +120,9 @@ def run_foxhunt(data, env_steps: int, window: int, episode_length: int, override
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         trainer.fit(model, datamodule=dm)
-    wall = time.perf_counter() - mark["wall"]
+    wall, cpu = time.perf_counter() - mark["wall"], time.process_time() - mark["cpu"]
     assert model.updates["ppo"] == trainer.global_step >= updates, (model.updates, updates)
-    return Run(member.env_steps, model.updates["ppo"], wall, member.counters.rollout_seconds)
+    return Run(member.env_steps, model.updates["ppo"], wall, member.counters.rollout_seconds, cpu, mark["cpu_rollout"])
 
 
 def run_sb3(train: MarketTensors, env_steps: int, episode_length: int, seed: int) -> Run:
@@ -114,25 +130,26 @@ def run_sb3(train: MarketTensors, env_steps: int, episode_length: int, seed: int
     from stable_baselines3.common.callbacks import BaseCallback
 
     model = PPO("MlpPolicy", make_gym_env(train, episode_length, seed), seed=seed, device="cpu")
-    clock = {"rollout": 0.0}
+    clock = {"rollout": 0.0, "cpu_rollout": 0.0}
 
     class Mark(BaseCallback):
         def _on_training_start(self) -> None:
-            clock["start"] = time.perf_counter()
+            clock["start"], clock["cpu"] = time.perf_counter(), time.process_time()
 
         def _on_rollout_start(self) -> None:
-            clock["began"] = time.perf_counter()
+            clock["began"], clock["cpu_began"] = time.perf_counter(), time.process_time()
 
         def _on_rollout_end(self) -> None:
             clock["rollout"] += time.perf_counter() - clock["began"]
+            clock["cpu_rollout"] += time.process_time() - clock["cpu_began"]
 
         def _on_step(self) -> bool:
             return True
 
     model.learn(total_timesteps=env_steps, callback=Mark())
-    wall = time.perf_counter() - clock["start"]
+    wall, cpu = time.perf_counter() - clock["start"], time.process_time() - clock["cpu"]
     updates = model.n_epochs * (model.num_timesteps // model.batch_size)
-    return Run(model.num_timesteps, updates, wall, clock["rollout"])
+    return Run(model.num_timesteps, updates, wall, clock["rollout"], cpu, clock["cpu_rollout"])
 
 
 def main() -> None:
@@ -170,13 +187,24 @@ def main() -> None:
             else:
                 r = run_foxhunt(data, args.env_steps, args.window, episode, ROWS[name.split("/", 1)[1]], args.seed)
             runs[name].append(r)
+            c = r.on_cpu()
             print(f"repeat {rep + 1}/{args.repeats} {name:22s} {r.env_steps_per_s:10.0f} env steps/s "
-                  f"{r.updates_per_s:8.0f} updates/s (update time)  rollout {r.rollout_fraction:5.1%}", flush=True)
+                  f"{r.updates_per_s:8.0f} updates/s (update time)  rollout {r.rollout_fraction:5.1%}  | CPU time: "
+                  f"{c.env_steps_per_s:10.0f} env steps/s {c.updates_per_s:8.0f} updates/s rollout {c.rollout_fraction:5.1%}",
+                  flush=True)
+    for clock in ("wall", "CPU"):
+        table = runs if clock == "wall" else {n: [r.on_cpu() for r in rs] for n, rs in runs.items()}
+        report(table, names, args, episode, clock)
+
+
+def report(runs: dict[str, list[Run]], names: list[str], args: argparse.Namespace, episode: int, clock: str) -> None:
+    """The table and the ratios to SB3 of one clock's figures."""
+    from foxhunt.lit.ppo import PPOModule
 
     def med(name: str, f) -> float:
         return statistics.median(f(r) for r in runs[name])
 
-    print(f"\nAR(1) phi={args.phi} window={args.window} episode_length={episode} env steps={args.env_steps} "
+    print(f"\n[{clock} time] AR(1) phi={args.phi} window={args.window} episode_length={episode} env steps={args.env_steps} "
           f"threads={args.threads} repeats={args.repeats} (medians)")
     print(f"{'learner':24s}{'rollout':>14s}{'minibatch':>10s}{'env steps':>10s}{'updates':>9s}{'train s':>9s}"
           f"{'rollout s':>10s}{'update s':>9s}{'rollout %':>10s}{'env steps/s':>13s}{'updates/s':>11s}")
@@ -210,7 +238,8 @@ def main() -> None:
     ):
         if name in runs:
             x = statistics.median(key(a) / key(b) for a, b in zip(runs[name], sb3, strict=True))
-            print(f"target >= {target:g}x SB3's {label}: {name} x{x:.2f} -> {'met' if x >= target else 'NOT met'}")
+            print(f"[{clock} time] target >= {target:g}x SB3's {label}: {name} x{x:.2f} -> "
+                  f"{'met' if x >= target else 'NOT met'}")
 
 
 if __name__ == "__main__":

@@ -1,28 +1,31 @@
-"""PPO quality on a synthetic market with a planted signal, against foxhunt's DQN and Stable-Baselines3's PPO at its
-defaults, all given the same number of environment steps; scored out of sample as a fraction of the oracle.
+"""PPO's out-of-sample quality on the agents' task family (foxhunt.lit.agent_tasks, issue 16's), next to
+Stable-Baselines3's PPO at its defaults given the same number of environment steps.
 
-The market is scripts/dqn_quality.py's (foxhunt.lit.agent_quality): AR(1) log returns r_t = φ·r_{t−1} + noise (one
-symbol, 1-minute bars), causal features (last return, mean of the last 8, last return over an EWMA volatility)
-z-scored on the training split, chronological train | val | test with purge gaps. ``--market synthetic`` uses
-foxhunt.data.synthetic's generator (GARCH volatility, fat tails, sessions; φ is its signal_strength).
-The yardstick is the better causal oracle's reward per bar after costs on the test bars; nothing is selected on the
-validation split (the last weights are tested).
+Tasks: AR(1)-in-returns with GARCH(1,1) volatility at strengths ``--phis`` and seeds ``--seeds`` (300,000 one-minute
+bars, 60% train | 20% val | 20% test, chronological with purge gaps), and the real series ``--real`` (a CSV with
+timestamp and close columns, 70% | 15% | 15%). Observation: 32 bars x 3 simple causal features (z-scored on train)
+plus the held position; 1 bp cost per unit traded. Per learner, task and seed, on the test split: the fraction of the
+best causal oracle's reward per bar after costs (synthetic tasks), the test log return and the turnover
+(``agent_quality.task_scores``, the DQN benchmark's scoring).
 
-Learners, each trained on the training split for ``--env-steps`` single-agent environment steps:
+Learners (``--learners``), each trained on the training split for ``--env-steps`` single-agent environment steps:
 
-- ``ppo``: PPOModule as the only member of the coordinator (``EnsembleModule`` + ``MarketDataModule`` + Trainer), at
-  its defaults (discrete actions) except ``window`` (``--window``) and any ``--ppo key=value`` overrides;
-  ``ppo_continuous`` the same with ``action_space="continuous"`` (``--continuous``);
-- ``dqn``: foxhunt's DQN at the configuration of scripts/dqn_quality.py (agent_quality.default_dqn_kwargs), with as
-  many updates as make the same environment steps (256 agents stepped per update, after the replay warm-up);
+- ``ppo``: PPOModule at its defaults (discrete short/flat/long) with a 32-bar window, trained as the one member of the
+  coordinator (foxhunt.lit.ppo_quality.train_ppo); ``ppo_continuous`` the same with ``action_space="continuous"``.
+  Scored twice: the member's own deterministic policy (``ppo``), and after the coordinator's do-no-harm rule on the
+  validation split (``ppo+rule``: held flat unless P(validation edge after costs > 0) >= ``--min-edge-confidence``),
+  the rule the DQN benchmark applies;
 - ``sb3_ppo``: Stable-Baselines3's PPO at its defaults (MlpPolicy 64-64 tanh, n_steps 2048, batch 64, 10 epochs,
-  lr 3e-4, γ 0.99, λ 0.95, clip 0.2, one environment), on a gymnasium copy of the same market (scripts/bench_dqn.py's
-  ``make_gym_env``: same observation, actions, reward scale, episode length; time limits bootstrapped by both).
-  Its deterministic policy (argmax of its logits) is rolled out over the test split exactly like foxhunt's.
+  lr 3e-4, γ 0.99, λ 0.95, clip 0.2, one environment) on a gymnasium copy of the same market (scripts/bench_dqn.py's
+  ``make_gym_env``: same observation, actions, reward scale, 16-bar episodes, time limits bootstrapped); its
+  deterministic policy (argmax) is rolled out over the test split exactly like foxhunt's.
+
+Results are appended as JSON lines to ``--out`` and printed as a table; ``--table FILE ...`` prints earlier results.
+Runs one thread.
 
     pip install 'stable-baselines3>=2.3' 'gymnasium>=0.29'      # the optional "bench" extra, for sb3_ppo
-    python scripts/ppo_quality.py --phi 0.1 0.3 0.0 --env-steps 500000
-    python scripts/ppo_quality.py --phi 0.3 --env-steps 200000 --skip-sb3 --continuous
+    python scripts/ppo_quality.py --phis 0 0.05 0.1 0.3 --seeds 0 1 --env-steps 131072 --real spy_daily.csv --out q.jsonl
+    python scripts/ppo_quality.py --table q.jsonl
 """
 
 from __future__ import annotations
@@ -32,61 +35,46 @@ import json
 import math
 import sys
 import time
-import warnings
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-from foxhunt.lit.agent_quality import (
-    BARS_PER_YEAR,
-    SyntheticMarket,
-    ar1_market,
-    baseline_metrics,
-    best_causal_oracle,
-    generator_market,
-    train_dqn,
-    updates_per_step_for,
-)
-from foxhunt.rl.env import MarketTensors, greedy_positions
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from foxhunt.lit.agent_quality import task_scores
+from foxhunt.lit.agent_tasks import SyntheticMarket, real_market, task_market
+from foxhunt.lit.ppo_quality import train_ppo, updates_for_env_steps
+from foxhunt.rl.env import MarketTensors, greedy_positions, reward_scale_for
+
+WINDOW = 32
 COST_BPS = 1.0
-KEYS = ("reward_per_bar", "sharpe", "turnover", "total_log_return", "max_drawdown", "exposure")
+LEARNERS = ("ppo", "ppo_continuous", "sb3_ppo")
 
 
-def train_ppo(data: SyntheticMarket, env_steps: int, seed: int = 0, **overrides):
-    """PPOModule for about ``env_steps`` environment steps (whole rollouts) on ``data.train`` through the coordinator;
-    returns (the trained member, seconds)."""
-    import lightning as L
-
-    from foxhunt.data.datamodule import MarketDataModule
-    from foxhunt.lit.ensemble import EnsembleModule
-    from foxhunt.lit.ppo import PPOModule
-
-    probe = PPOModule(**overrides)
-    hp = probe.hparams
-    rollouts = max(1, round(env_steps / (hp.n_envs * hp.n_steps)))
-    updates = rollouts * hp.n_epochs * hp.n_minibatches
-    overrides.setdefault("updates_per_step", updates_per_step_for(updates))
-    member = PPOModule(seed=seed, **overrides)
-    model = EnsembleModule(members={"ppo": member}, cost_bps=COST_BPS)
-    dm = MarketDataModule(data.train, None, data.test, steps_per_epoch=math.ceil(updates / member.updates_per_step))
-    trainer = L.Trainer(max_steps=updates, max_epochs=-1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
-                        limit_val_batches=0, num_sanity_val_steps=0)
-    t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", ".*does not have many workers.*")
-        trainer.fit(model, datamodule=dm)
-    return member, time.perf_counter() - t0
+def run_ppo(data: SyntheticMarket, env_steps: int, seed: int, space: str, confidence: float | None,
+            overrides: dict) -> list[tuple[str, dict]]:
+    """PPO through the coordinator: the member's policy, and the same after the do-no-harm rule on validation."""
+    kwargs = {"window": WINDOW, "action_space": space, **overrides}
+    updates = updates_for_env_steps(env_steps, **kwargs)
+    ensemble, member, seconds = train_ppo(data, updates, seed=seed, cost_bps=COST_BPS, validate=True,
+                                          min_edge_confidence=confidence, **kwargs)
+    common = {"seconds": seconds, "env_steps": member.env_steps, "updates": ensemble.updates["ppo"]}
+    own = task_scores(member.positions(data.test), data, COST_BPS, WINDOW)
+    ruled = task_scores(ensemble.positions(data.test)["ppo"], data, COST_BPS, WINDOW)
+    ruled.update(held_flat=bool(ensemble.held_flat[0]), edge_confidence=float(ensemble.edge_confidence[0]))
+    name = "ppo" if space == "discrete" else "ppo_continuous"
+    return [(name, {**own, **common}), (f"{name}+rule", {**ruled, **common})]
 
 
-def train_sb3_ppo(train: MarketTensors, env_steps: int, episode_length: int, seed: int = 0):
-    """Stable-Baselines3's PPO at its defaults for ``env_steps`` steps; returns (a logits function for
-    greedy_positions, seconds)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+def run_sb3(data: SyntheticMarket, env_steps: int, seed: int, episode_length: int = 16) -> dict:
+    """Stable-Baselines3's PPO at its defaults for ``env_steps`` steps, scored by its deterministic policy."""
     from bench_dqn import make_gym_env
     from stable_baselines3 import PPO
 
+    train = MarketTensors(data.train, WINDOW, (-1.0, 0.0, 1.0), COST_BPS)
+    train.reward_scale = reward_scale_for(train)  # the members' own rule, given to SB3
+    test = MarketTensors(data.test, WINDOW, (-1.0, 0.0, 1.0), COST_BPS)
     model = PPO("MlpPolicy", make_gym_env(train, episode_length, seed), seed=seed, device="cpu")
     t0 = time.perf_counter()
     model.learn(total_timesteps=env_steps)
@@ -94,87 +82,77 @@ def train_sb3_ppo(train: MarketTensors, env_steps: int, episode_length: int, see
     policy = model.policy.eval()
 
     def logits(windows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        latent = policy.mlp_extractor.forward_actor(torch.cat([windows.flatten(1), positions], 1))
-        return policy.action_net(latent)
+        return policy.action_net(policy.mlp_extractor.forward_actor(torch.cat([windows.flatten(1), positions], 1)))
 
-    return logits, seconds
-
-
-def score(positions: torch.Tensor, market: MarketTensors) -> dict[str, float]:
-    from foxhunt.evaluation.trading import trading_metrics
-
-    m = trading_metrics(positions, market.returns, market.cost_bps, BARS_PER_YEAR, mask=market.decision,
-                        reset=market.reset_mask)
-    return {k: float(v) for k, v in m.as_dict().items()}
+    with torch.no_grad():
+        positions = greedy_positions(logits, test)
+    return {**task_scores(positions, data, COST_BPS, WINDOW), "seconds": seconds, "env_steps": int(model.num_timesteps)}
 
 
-def run(phi: float, args: argparse.Namespace, overrides: dict) -> dict:
-    data = (ar1_market(n_bars=args.n_bars, phi=phi, seed=args.seed) if args.market == "ar1"
-            else generator_market(n_bars=args.n_bars, signal_strength=phi, seed=args.seed))
-    test = MarketTensors(data.test, args.window, (-1.0, 0.0, 1.0), COST_BPS)
-    base = baseline_metrics(test, data.expected["test"], seed=args.seed)
-    oracle = best_causal_oracle(base)
-    rows: dict[str, dict] = {}
-    spaces = ["discrete"] + (["continuous"] if args.continuous else [])
-    for space in spaces:
-        member, seconds = train_ppo(data, args.env_steps, args.seed, window=args.window, action_space=space, **overrides)
-        name = "ppo" if space == "discrete" else "ppo_continuous"
-        rows[name] = {**member.evaluate(data.test, BARS_PER_YEAR), "seconds": seconds, "env_steps": member.env_steps}
-    if not args.skip_dqn:
-        updates = max(16, (args.env_steps - 16_384) // 256 // 16 * 16)
-        dqn, seconds = train_dqn(data, updates, seed=args.seed, window=args.window)
-        rows["dqn"] = {**dqn.evaluate(data.test, BARS_PER_YEAR), "seconds": seconds, "env_steps": dqn.env_steps}
-    if not args.skip_sb3:
-        train = MarketTensors(data.train, args.window, (-1.0, 0.0, 1.0), COST_BPS)
-        train.reward_scale = 1.0 / float(train.signal[train.decision].std())  # the members' own rule, given to SB3
-        episode = overrides.get("episode_length", 16)
-        logits, seconds = train_sb3_ppo(train, args.env_steps, episode, args.seed)
-        with torch.no_grad():
-            positions = greedy_positions(logits, test)
-        rows["sb3_ppo"] = {**score(positions, test), "seconds": seconds, "env_steps": args.env_steps}
-    for name in rows:
-        rows[name]["fraction_of_oracle"] = rows[name]["reward_per_bar"] / oracle if oracle > 0 else float("nan")
-    return {"phi": phi, "market": args.market, "env_steps": args.env_steps, "oracle": oracle, "rows": rows, **base}
+def print_table(rows: list[dict]) -> None:
+    """One line per task and seed, the learners side by side (fraction of oracle, test log return, turnover)."""
+    order = ["ppo", "ppo+rule", "ppo_continuous", "ppo_continuous+rule", "sb3_ppo"]
+    learners = sorted({r["learner"] for r in rows}, key=lambda n: order.index(n) if n in order else len(order))
+    by_task: dict[tuple[str, int, int], dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        by_task[(r["task"], r["seed"], r["env_steps_asked"])][r["learner"]] = r
+    print("| task | seed | env steps | " + " | ".join(learners) + " |")
+    print("|" + "---|" * (3 + len(learners)))
+
+    def cell(r: dict | None) -> str:
+        if r is None:
+            return "-"
+        frac = "" if math.isnan(r["fraction_of_oracle"]) else f"{r['fraction_of_oracle']:+.2f}, "
+        flat = " (flat)" if r.get("held_flat") else ""
+        return f"{frac}{r['log_return']:+.4f}, {r['turnover']:.4f}{flat}"
+
+    for (task, seed, steps), got in sorted(by_task.items()):
+        print(f"| {task} | {seed} | {steps:,} | " + " | ".join(cell(got.get(n)) for n in learners) + " |")
+    print("\ncells: fraction of the causal oracle's test reward after costs (synthetic tasks), test log return, turnover"
+          " per bar; (flat): held flat by the do-no-harm rule")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--phi", type=float, nargs="+", default=[0.1, 0.3, 0.0])
-    p.add_argument("--env-steps", type=int, default=500_000, help="environment steps of every learner")
-    p.add_argument("--n-bars", type=int, default=500_000)
-    p.add_argument("--window", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--market", choices=["ar1", "synthetic"], default="ar1")
-    p.add_argument("--continuous", action="store_true", help="also train the continuous-action PPO")
-    p.add_argument("--skip-dqn", action="store_true")
-    p.add_argument("--skip-sb3", action="store_true")
-    p.add_argument("--ppo", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="PPOModule overrides, e.g. gamma=0.9 n_envs=256 (values parsed as JSON, else strings)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", action="store_true", help="print the full result dicts as JSON")
+    p.add_argument("--phis", type=float, nargs="*", default=[0.0, 0.05, 0.1, 0.3])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--real", type=str, default=None, help="CSV of a real series (timestamp, close)")
+    p.add_argument("--env-steps", type=int, default=131_072, help="environment steps of every learner")
+    p.add_argument("--n-bars", type=int, default=300_000)
+    p.add_argument("--learners", nargs="+", choices=LEARNERS, default=list(LEARNERS))
+    p.add_argument("--min-edge-confidence", type=float, default=0.95, help="the coordinator's rule (-1: off)")
+    p.add_argument("--ppo", type=json.loads, default={}, help="JSON of PPOModule overrides")
+    p.add_argument("--out", type=str, default=None, help="append JSON lines here")
+    p.add_argument("--table", nargs="+", default=None, help="print the table of these JSON-lines files and exit")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    overrides = {}
-    for item in args.ppo:
-        key, _, value = item.partition("=")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
-    for phi in args.phi:
-        res = run(phi, args, overrides)
-        if args.json:
-            print(json.dumps(res, indent=1))
-        print(f"\nmarket={args.market} phi={phi} env_steps={args.env_steps} cost={COST_BPS}bp oracle reward/bar="
-              f"{res['oracle']:.3e} overrides={overrides}")
-        print(f"{'policy':16s}{'frac oracle':>12s}" + "".join(f"{k:>17s}" for k in KEYS) + f"{'env steps':>11s}{'train s':>9s}")
-        for name, row in res["rows"].items():
-            print(f"{name:16s}{row['fraction_of_oracle']:12.3f}" + "".join(f"{row[k]:17.6g}" for k in KEYS)
-                  + f"{row['env_steps']:11d}{row['seconds']:9.0f}")
-        for name in ("oracle_markov", "oracle_myopic", "flat", "random", "buy_and_hold"):
-            row = res[name]
-            frac = row["reward_per_bar"] / res["oracle"] if res["oracle"] > 0 else float("nan")
-            print(f"{name:16s}{frac:12.3f}" + "".join(f"{row[k]:17.6g}" for k in KEYS))
+    if args.table:
+        print_table([json.loads(line) for f in args.table for line in Path(f).read_text().splitlines() if line.strip()])
+        return
+    torch.set_num_threads(1)
+    confidence = None if args.min_edge_confidence < 0 else args.min_edge_confidence
+    tasks: list[tuple[str, int]] = [(f"AR {phi:g}", s) for phi in args.phis for s in args.seeds]
+    if args.real:
+        tasks.append((f"real {Path(args.real).stem}", 0))
+    rows = []
+    for task, seed in tasks:
+        data = real_market(args.real) if task.startswith("real") else task_market(float(task.split()[1]), seed,
+                                                                                  n_bars=args.n_bars)
+        for learner in args.learners:
+            torch.manual_seed(seed)
+            if learner == "sb3_ppo":
+                results = [("sb3_ppo", run_sb3(data, args.env_steps, seed))]
+            else:
+                space = "continuous" if learner == "ppo_continuous" else "discrete"
+                results = run_ppo(data, args.env_steps, seed, space, confidence, dict(args.ppo))
+            for name, res in results:
+                row = {"learner": name, "task": task, "seed": seed, "env_steps_asked": args.env_steps,
+                       "ppo": args.ppo if name.startswith("ppo") else {}, **res}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if args.out:
+                    with open(args.out, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+    print_table(rows)
 
 
 if __name__ == "__main__":

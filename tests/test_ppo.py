@@ -23,6 +23,7 @@ from foxhunt.evaluation.trading import strategy_log_returns
 from foxhunt.lit import agent_quality as quality
 from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.lit.ppo import LinearDecay, PPOModule, clipped_surrogate_loss, value_loss
+from foxhunt.lit.ppo_quality import train_ppo
 from foxhunt.models.actor_critic import (
     ActorCritic,
     squashed_normal_entropy,
@@ -151,6 +152,38 @@ def test_squashed_gaussian_log_prob_and_entropy() -> None:
     estimate = squashed_normal_entropy(torch.full((400_000,), m), torch.full((400_000,), -0.5), noise).mean()
     assert estimate.item() == pytest.approx(exact.item(), abs=3e-3)
     assert estimate.item() < Normal(m, s).entropy().item()  # squashing removes entropy
+
+
+@pytest.mark.parametrize("space", ["discrete", "continuous"])
+@pytest.mark.parametrize("clip_vloss", [True, False])
+def test_fused_loss_equals_the_plain_autograd_path(market, space, clip_vloss) -> None:
+    """The hand-written backward (models/actor_critic_fused.py) gives the plain path's loss, logged parts and
+    gradients, on a minibatch whose ratios are partly clipped (weights moved away from the rollout's policy) and with
+    an upstream gradient other than 1."""
+    results = {}
+    for fused in (False, True):
+        member = PPOModule(**{**SMALL, "action_space": space, "fused_loss": fused, "clip_vloss": clip_vloss,
+                              "ent_coef": 0.05, "clip_coef": 0.1, "n_envs": 64, "n_minibatches": 2,
+                              "mean_reg_coef": 0.3 if space == "continuous" else 0.0})
+        member.attach_market(market.train)
+        member.start()
+        member.collect_rollout()
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in member.net.parameters():
+                p.add_(0.08 * torch.randn(p.shape, generator=g))
+        loss = member.training_loss(None, 0)
+        (2.5 * loss).backward()
+        results[fused] = (loss.detach(), [p.grad for p in member.net.parameters()], dict(member.counters.last),
+                          member.ratio_statistics(member.counters.last["logratio"]))
+    (loss_a, grads_a, parts_a, stats), (loss_b, grads_b, parts_b, _) = results[False], results[True]
+    assert 0.1 < stats["clipfrac"] < 0.9, stats  # both branches of the clipped surrogate are exercised
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
+    for k in parts_a:
+        assert not parts_b[k].requires_grad
+        torch.testing.assert_close(parts_b[k], parts_a[k], rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6 * float(a.abs().max()))
 
 
 def test_linear_decay_and_constructor_checks() -> None:
@@ -302,6 +335,32 @@ def test_rollout_schedule_epochs_minibatches_and_kl_stop() -> None:
     assert buf.exhausted
 
 
+def test_rollout_minibatches_gathered_per_epoch_equal_the_rows_they_index() -> None:
+    """next_minibatch serves, from the epoch's gathered tables, exactly the rows of its indices: fields, the stored
+    network inputs, and advantages normalised over the minibatch (norm_adv) as CleanRL normalises them."""
+    g = torch.Generator().manual_seed(0)
+    for continuous in (False, True):
+        buf = RolloutBuffer(4, 6, continuous=continuous, seed=3)
+        for t in range(4):
+            held = torch.randn(6, generator=g) if continuous else torch.randint(0, 3, (6,), generator=g)
+            act = torch.randn(6, generator=g) if continuous else torch.randint(0, 3, (6,), generator=g)
+            buf.add(t, torch.arange(6) + 10 * t, held, act, torch.randn(6, generator=g), torch.randn(6, generator=g),
+                    torch.zeros(6, dtype=torch.bool), torch.randn(6, generator=g))
+        inputs = torch.randn(24, 5, generator=g)
+        buf.finish(torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g), 0.9, 0.95, n_epochs=2,
+                   n_minibatches=3, norm_adv=True, inputs=inputs)
+        twin = RolloutBuffer(4, 6, continuous=continuous, seed=3)
+        twin.load_state_dict(buf.state_dict())
+        twin.set_inputs(inputs)
+        for _ in range(6):
+            idx = twin.next_indices()
+            mb, ref = buf.next_minibatch(), twin.minibatch(idx)
+            for name in ("bars", "held", "actions", "noise", "log_probs", "values", "returns", "inputs"):
+                assert torch.equal(getattr(mb, name), getattr(ref, name)), name
+            std, mean = torch.std_mean(ref.advantages)
+            torch.testing.assert_close(mb.advantages, (ref.advantages - mean) / (std + 1e-8))
+
+
 # ------------------------------------------------------------------------------------------------ through the coordinator
 @pytest.mark.parametrize("space", ["discrete", "continuous"])
 def test_fit_logs_training_and_validation_metrics(tmp_path, market, space) -> None:
@@ -340,11 +399,11 @@ def test_nonfinite_loss_skips_and_the_minibatch_is_consumed(tmp_path, market, mo
     original = PPOModule._log_prob_and_entropy
 
     def nan_once(self, x, mb):
-        lp, ent = original(self, x, mb)
-        return (lp * float("nan"), ent) if self.rollout.cursor == 1 and self.rollout.epoch == 1 else (lp, ent)
+        lp, ent, out = original(self, x, mb)
+        return (lp * float("nan"), ent, out) if self.rollout.cursor == 1 and self.rollout.epoch == 1 else (lp, ent, out)
 
     monkeypatch.setattr(PPOModule, "_log_prob_and_entropy", nan_once)
-    module = PPOModule(nonfinite="skip", **SMALL)
+    module = PPOModule(nonfinite="skip", fused_loss=False, **SMALL)  # the plain path computes _log_prob_and_entropy
     model = fit(module, market, trainer(tmp_path, max_steps=8))
     # three coordinator steps of 4 attempts, one skipped: 11 updates, and the 12 minibatches were all taken
     assert module.guard.skipped_loss == 1 and model.updates["ppo"] == 11
@@ -392,20 +451,12 @@ def test_resume_from_checkpoint_is_exact(tmp_path, market, space) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ learning
-LEARN = {"window": 4, "log_grad_norm_every": 0}  # otherwise PPOModule's defaults
+LEARN = {"window": 4}  # otherwise PPOModule's defaults
 
 
-def train_ppo(data, updates: int, seed: int = 0, **overrides) -> PPOModule:
-    """Train PPO for ``updates`` minibatch updates on ``data.train`` through the coordinator (cost 1 bp)."""
-    member = PPOModule(seed=seed, **{**LEARN, **overrides})
-    model = EnsembleModule(members={"ppo": member}, cost_bps=1.0)
-    dm = MarketDataModule(data.train, None, data.test, steps_per_epoch=math.ceil(updates / member.updates_per_step))
-    t = L.Trainer(max_steps=updates, max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                  enable_model_summary=False, accelerator="cpu", devices=1, limit_val_batches=0, num_sanity_val_steps=0)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", ".*does not have many workers.*")
-        t.fit(model, datamodule=dm)
-    return member
+def learn(data, updates: int, seed: int = 0, **overrides) -> PPOModule:
+    """PPO trained through the coordinator (cost 1 bp) by the one train_ppo of the tests and the quality script."""
+    return train_ppo(data, updates, seed=seed, **{**LEARN, **overrides})[1]
 
 
 def t_stat(positions: torch.Tensor, market: MarketTensors) -> float:
@@ -416,7 +467,7 @@ def t_stat(positions: torch.Tensor, market: MarketTensors) -> float:
 def test_ppo_learns_a_planted_signal_out_of_sample() -> None:
     """φ = 0.3, 320 updates (~160k environment steps): profitable after costs on unseen bars, near the oracle."""
     data = quality.ar1_market(n_bars=60_000, phi=0.3, seed=3)
-    member = train_ppo(data, 320)
+    member = learn(data, 320)
     positions, test = member.deterministic_positions(data.test)
     base = quality.baseline_metrics(test, data.expected["test"])
     oracle = quality.best_causal_oracle(base)
@@ -430,7 +481,7 @@ def test_ppo_stays_flat_on_a_martingale() -> None:
     """φ = 0: nothing to earn, so the deterministic policy must not trade: small turnover, and no loss beyond one
     round trip of costs over the whole test split (measured: flat on every bar for seeds 0-2)."""
     data = quality.ar1_market(n_bars=60_000, phi=0.0, seed=4)
-    member = train_ppo(data, 960, seed=1)
+    member = learn(data, 960, seed=1)
     ppo = member.evaluate(data.test)
     assert ppo["turnover"] < 1e-3, ppo
     assert ppo["total_log_return"] > -2 * 1e-4, ppo
@@ -441,11 +492,11 @@ def test_ppo_stays_flat_on_a_martingale() -> None:
 def test_ppo_learning_over_seeds(space) -> None:
     for seed in (0, 1, 2):
         data = quality.ar1_market(n_bars=60_000, phi=0.3, seed=seed + 3)
-        member = train_ppo(data, 640, seed=seed, action_space=space)
+        member = learn(data, 640, seed=seed, action_space=space)
         test = MarketTensors(data.test, 4, (-1.0, 0.0, 1.0), 1.0)
         oracle = quality.best_causal_oracle(quality.baseline_metrics(test, data.expected["test"]))
         assert member.evaluate(data.test)["reward_per_bar"] >= 0.8 * oracle, (space, seed)
-        flat = train_ppo(quality.ar1_market(n_bars=60_000, phi=0.0, seed=seed + 3), 960, seed=seed, action_space=space)
+        flat = learn(quality.ar1_market(n_bars=60_000, phi=0.0, seed=seed + 3), 960, seed=seed, action_space=space)
         res = flat.evaluate(data.test)
         assert res["turnover"] < (1e-3 if space == "discrete" else 0.05), (space, seed, res)
 
@@ -481,3 +532,32 @@ def test_fit_export_load_through_the_cli(tmp_path, space) -> None:
         torch.testing.assert_close(theirs[who].cpu(), mine[who].cpu())
     table = loaded.model.evaluate(split).metrics
     assert table["ppo"]["sharpe"] == pytest.approx(cli.results["backtest"]["ppo"]["sharpe"], abs=1e-9)
+
+
+def test_an_ensemble_with_a_ppo_member_trains_exports_and_reloads(tmp_path) -> None:
+    """tests/configs/tiny.yaml's TFT and DQN with a PPO member beside them, through ``python -m foxhunt.fit``: every
+    member updates, the export holds PPO's weights, and ``foxhunt.load`` gives every member's and the ensemble's
+    positions back."""
+    import yaml
+
+    import foxhunt
+    from foxhunt.fit import main
+
+    tiny = Path(__file__).parent / "configs" / "tiny.yaml"
+    members = yaml.safe_load(tiny.read_text())["model"]["members"]
+    ppo = {**PPO_ONLY, "init_args": {**PPO_ONLY["init_args"], "start_step": 2, "updates_per_step": 2}}
+    members["ppo"] = ppo
+    cli = main(["--config", str(tiny), "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
+                "--trainer.default_root_dir", str(tmp_path), "--export_dir", str(tmp_path / "export"),
+                "--model.members", json.dumps(members), "--log_figures", "false"])
+    model = cli.model
+    assert set(model.member_names) == {"tft", "dqn", "ppo"}
+    assert model.updates["ppo"] == (2 * 6 - 2) * 2 and model.updates["tft"] > 0 and model.updates["dqn"] > 0
+    assert {"ppo", "ensemble"} <= set(cli.results["backtest"])
+    assert (tmp_path / "export" / "ppo.safetensors").is_file()
+    loaded = foxhunt.load(tmp_path / "export")
+    split = model.split("test")
+    mine, theirs = model.positions(split), loaded.model.positions(split)
+    assert set(mine) >= {"tft", "dqn", "ppo", "ensemble"}
+    for who in mine:
+        torch.testing.assert_close(theirs[who].cpu(), mine[who].cpu())

@@ -43,6 +43,7 @@ from foxhunt.models.actor_critic import (
     squashed_normal_entropy,
     squashed_normal_log_prob,
 )
+from foxhunt.models.actor_critic_fused import fused_ppo_loss
 from foxhunt.rl.env import (
     ContinuousMarketEnv,
     MarketEnv,
@@ -57,6 +58,7 @@ from foxhunt.training.guard import GuardPolicy, NonFiniteGuard
 from foxhunt.training.optim import configure_adamw, prefer_fused
 
 PPOScheduler = Literal["none", "linear", "step", "cosine", "plateau"]
+INPUTS_BYTES = 128 << 20  # largest rollout of network inputs kept for minibatches to select from (else gathered)
 
 
 def clipped_surrogate_loss(ratio: Tensor, advantages: Tensor, clip_coef: float) -> Tensor:
@@ -137,10 +139,13 @@ class PPOModule(Agent):
         target_kl: float | None = None,
         hidden: tuple[int, ...] = (64, 64),
         log_std_init: float = 0.0,
+        no_trade_band: float = 0.0,
+        mean_reg_coef: float = 0.0,
         lr: float = 3e-4,
         adam_eps: float = 1e-5,
         weight_decay: float = 0.0,
         fused_adamw: bool = True,
+        fused_loss: bool = True,
         scheduler: PPOScheduler = "linear",
         total_steps: int | None = None,
         warmup_steps: int = 0,
@@ -181,10 +186,20 @@ class PPOModule(Agent):
                 (None: never stop early).
             hidden: widths of the actor's and the critic's hidden layers (tanh).
             log_std_init: initial log standard deviation of the continuous policy's Gaussian (state-independent).
+            no_trade_band: continuous positions: a target within this distance of the held position is not traded, in
+                training and in the deterministic policy (a no-trade region, as proportional costs call for; see
+                docs/PPO.md).
+            mean_reg_coef: continuous policy: weight of a penalty on the squared pre-squash mean, mean(μ²) (rlkit's
+                ``policy_mean_reg_weight``): without a signal it pulls the position toward flat instead of letting the
+                policy saturate at ±1, where the exploration noise costs least (see docs/PPO.md).
             lr: AdamW learning rate (its start, with a schedule).
             adam_eps: AdamW's epsilon (1e-5, as in CleanRL and the "37 implementation details").
             weight_decay: AdamW decoupled weight decay (weight matrices only).
             fused_adamw: use PyTorch's fused AdamW kernel where the parameters' device supports it.
+            fused_loss: compute the minibatch loss and its gradient by the hand-written backward of
+                :mod:`foxhunt.models.actor_critic_fused` (the same loss as the plain autograd path, tested equal; a
+                CPU update at small minibatches is mostly autograd bookkeeping); False: the plain path. Mixed
+                precision always takes the plain path.
             scheduler: learning-rate schedule: "linear" (to 0 at ``total_steps``, CleanRL's annealing), "none",
                 "step", "cosine", or "plateau" (on the validation reward).
             total_steps: updates the linear or cosine schedule spans (defaults to the Trainer's estimate).
@@ -225,6 +240,10 @@ class PPOModule(Agent):
             raise ValueError(f"start_step must be >= 0, got {start_step}")
         if cost_bps is not None and cost_bps < 0:
             raise ValueError(f"cost_bps must be >= 0, got {cost_bps}")
+        if mean_reg_coef < 0:
+            raise ValueError(f"mean_reg_coef must be >= 0, got {mean_reg_coef}")
+        if not 0.0 <= no_trade_band < 2.0:
+            raise ValueError(f"no_trade_band must be in [0, 2), got {no_trade_band}")
         if gradient_clip_val is not None and not gradient_clip_val >= 0:
             raise ValueError(f"gradient_clip_val must be >= 0 or None, got {gradient_clip_val}")
         self.updates_per_step = int(updates_per_step)
@@ -308,8 +327,11 @@ class PPOModule(Agent):
         if self.reward_scale_used is None:
             self.reward_scale_used = reward_scale_for(market, hp.reward_scale)
         market.reward_scale = self.reward_scale_used
-        env_cls = ContinuousMarketEnv if self.continuous else MarketEnv
-        self.env = env_cls(market, hp.n_envs, hp.episode_length, seed=self.seed)
+        if self.continuous:
+            self.env = ContinuousMarketEnv(market, hp.n_envs, hp.episode_length, seed=self.seed,
+                                           no_trade_band=hp.no_trade_band)
+        else:
+            self.env = MarketEnv(market, hp.n_envs, hp.episode_length, seed=self.seed)
         self.rollout = RolloutBuffer(hp.n_steps, hp.n_envs, self.continuous, device=self.device, seed=self.seed + 1)
         self.sample_rng = torch.Generator(device=self.device)
         self.sample_rng.manual_seed(self.seed + 2)
@@ -343,6 +365,7 @@ class PPOModule(Agent):
         t0 = time.perf_counter()
         market, n = env.market, env.n_envs
         reward_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        taken = torch.zeros((hp.n_steps, n), device=self.device) if self.continuous else None  # after the band
         for t in range(hp.n_steps):
             held = env.positions
             out = net.actor_out(net.inputs(market.windows(env.bars, flat=True), self.position_features(market, held)))
@@ -351,6 +374,7 @@ class PPOModule(Agent):
                 u = out + net.actor_logstd.exp() * noise
                 log_prob = squashed_normal_log_prob(u, out, net.actor_logstd)
                 tr = env.step(torch.tanh(u))
+                taken[t] = tr.actions  # type: ignore[index]
                 buf.add(t, tr.bars, held, u, log_prob, tr.rewards, tr.last, noise)
             else:
                 logp = torch.log_softmax(out.float(), 1)
@@ -359,13 +383,17 @@ class PPOModule(Agent):
                 tr = env.step(action)
                 buf.add(t, tr.bars, held, action, logp.gather(1, action.unsqueeze(1)).squeeze(1), tr.rewards, tr.last)
             reward_sum += tr.raw_rewards.sum(dtype=torch.float64)
-        values = self._values(market, buf.bars.view(-1), buf.held.view(-1)).view_as(buf.rewards)
+        inputs = self._rollout_inputs()
+        if inputs is not None:
+            values = torch.cat([net.value(x).float() for x in inputs.split(16_384)]).view_as(buf.rewards)
+        else:
+            values = self._values(market, buf.bars.view(-1), buf.held.view(-1)).view_as(buf.rewards)
         ends = buf.last.clone()
         ends[-1] = True  # the rollout's last step bootstraps from the state it stopped in
-        next_positions = torch.tanh(buf.actions[ends]) if self.continuous else buf.actions[ends]
+        next_positions = taken[ends] if taken is not None else buf.actions[ends]
         next_values = torch.cat([values[1:], values[:1]], 0)  # V of the next step's state (the last row is an end)
         next_values[ends] = self._values(market, buf.bars[ends] + 1, next_positions)
-        buf.finish(values, next_values, hp.gamma, hp.gae_lambda, hp.n_epochs, hp.n_minibatches)
+        buf.finish(values, next_values, hp.gamma, hp.gae_lambda, hp.n_epochs, hp.n_minibatches, hp.norm_adv, inputs)
         c = self.counters
         c.env_steps += n * hp.n_steps
         c.rollouts += 1
@@ -373,6 +401,17 @@ class PPOModule(Agent):
         c.reward_count += n * hp.n_steps
         c.explained_variance = buf.explained_variance()
         c.rollout_seconds += time.perf_counter() - t0
+
+    def _rollout_inputs(self) -> Tensor | None:
+        """[T·N, W·F + P] the network inputs of every stored step, gathered once per rollout (its minibatches then
+        select rows instead of gathering windows), or None where they would pass ``INPUTS_BYTES``."""
+        assert self.env is not None and self.rollout is not None and self.net is not None
+        market, buf = self.env.market, self.rollout
+        width = market.window * market.n_features + (1 if self.continuous else market.n_actions)
+        if buf.size * width * 4 > INPUTS_BYTES:
+            return None
+        return self.net.inputs(market.windows(buf.bars.view(-1), flat=True),
+                               self.position_features(market, buf.held.view(-1)))
 
     def _values(self, market: MarketTensors, bars: Tensor, held: Tensor, chunk: int = 16_384) -> Tensor:
         """[B] the critic's values of states (bars, held positions), in chunks (a window gather is W·F per row)."""
@@ -396,37 +435,46 @@ class PPOModule(Agent):
             self.collect_rollout()
         mb = buf.next_minibatch()
         market = self.env.market
-        x = net.inputs(market.windows(mb.bars, flat=True), self.position_features(market, mb.held))
-        new_log_prob, entropy = self._log_prob_and_entropy(x, mb)
-        new_value = net.value(x).float()
-        logratio = new_log_prob - mb.log_probs
-        ratio = logratio.exp()
+        x = mb.inputs if mb.inputs is not None else net.inputs(market.windows(mb.bars, flat=True),
+                                                                self.position_features(market, mb.held))
+        advantages = mb.advantages  # normalised per minibatch (norm_adv) by the buffer when the epoch began
+        if hp.fused_loss and not torch.is_autocast_enabled(x.device.type):
+            # the same loss, one autograd node with the chain rule written out (models/actor_critic_fused.py)
+            loss, parts = fused_ppo_loss(net, x, mb.actions, mb.log_probs, mb.values, advantages, mb.returns, mb.noise,
+                                         hp.clip_coef, hp.clip_coef if hp.clip_vloss else None, hp.vf_coef, hp.ent_coef,
+                                         hp.mean_reg_coef)
+            logratio = parts["logratio"]
+        else:
+            new_log_prob, entropy, mean = self._log_prob_and_entropy(x, mb)
+            new_value = net.value(x).float()
+            logratio = new_log_prob - mb.log_probs
+            ratio = logratio.exp()
+            pg_loss = clipped_surrogate_loss(ratio, advantages, hp.clip_coef)
+            v_loss = value_loss(new_value, mb.values, mb.returns, hp.clip_coef if hp.clip_vloss else None)
+            entropy_loss = entropy.mean()
+            loss = pg_loss - hp.ent_coef * entropy_loss + hp.vf_coef * v_loss
+            if self.continuous and hp.mean_reg_coef > 0:
+                loss = loss + hp.mean_reg_coef * mean.square().mean()  # pulls the pre-squash mean toward flat
+            # the debug figures (approximate KL, clip fraction) come from this log-ratio when they are logged
+            parts = {"policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(), "entropy": entropy_loss.detach(),
+                     "logratio": logratio.detach()}
         if hp.target_kl is not None and buf.at_epoch_end and float(approx_kl(logratio.detach())) > hp.target_kl:
             buf.stop()  # this minibatch still steps; the next update collects a new rollout (CleanRL's epoch break)
             self.counters.kl_stops += 1
-        advantages = mb.advantages
-        if hp.norm_adv:
-            std, mean = torch.std_mean(advantages)
-            advantages = (advantages - mean) / (std + 1e-8)
-        pg_loss = clipped_surrogate_loss(ratio, advantages, hp.clip_coef)
-        v_loss = value_loss(new_value, mb.values, mb.returns, hp.clip_coef if hp.clip_vloss else None)
-        entropy_loss = entropy.mean()
-        loss = pg_loss - hp.ent_coef * entropy_loss + hp.vf_coef * v_loss
-        # the debug figures (approximate KL, clip fraction) come from this log-ratio when they are logged
-        self.counters.last = {"policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(),
-                              "entropy": entropy_loss.detach(), "logratio": logratio.detach()}
+        self.counters.last = parts
         return loss
 
-    def _log_prob_and_entropy(self, x: Tensor, mb: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """log π_new(stored action | state) and the policy's entropy at each state of a minibatch."""
+    def _log_prob_and_entropy(self, x: Tensor, mb: RolloutBatch) -> tuple[Tensor, Tensor, Tensor]:
+        """log π_new(stored action | state), the policy's entropy at each state of a minibatch, and the actor's output
+        (logits, or the Gaussian's mean)."""
         assert self.net is not None
         out = self.net.actor_out(x).float()
         if self.continuous:
             log_std = self.net.actor_logstd
             return (squashed_normal_log_prob(mb.actions, out, log_std),
-                    squashed_normal_entropy(out, log_std.expand_as(out), mb.noise))
+                    squashed_normal_entropy(out, log_std.expand_as(out), mb.noise), out)
         logp = torch.log_softmax(out, 1)
-        return logp.gather(1, mb.actions.unsqueeze(1)).squeeze(1), -(logp.exp() * logp).sum(1)
+        return logp.gather(1, mb.actions.unsqueeze(1)).squeeze(1), -(logp.exp() * logp).sum(1), out
 
     def training_metrics(self) -> dict[str, float]:
         """The last minibatch's losses, entropy, approximate KL and clip fraction; the last rollout's explained
@@ -503,8 +551,10 @@ class PPOModule(Agent):
         try:
             if not self.continuous:
                 return greedy_positions(net.deterministic, market), market
+            band = float(self.hparams.no_trade_band)
             positions = sequential_positions(
-                lambda bars: net.actor_prepare(market.windows(bars, flat=True)), net.deterministic_path, market
+                lambda bars: net.actor_prepare(market.windows(bars, flat=True)),
+                lambda prepared, decide, held: net.deterministic_path(prepared, decide, held, band), market,
             )
             return positions, market
         finally:
@@ -550,6 +600,8 @@ class PPOModule(Agent):
         assert self.env is not None and self.rollout is not None and self.sample_rng is not None
         self.env.load_state_dict(state["env"])
         self.rollout.load_state_dict(state["rollout"])
+        if self.rollout.filled:
+            self.rollout.set_inputs(self._rollout_inputs())
         self.sample_rng.set_state(state["sample_rng"].cpu())
         c = self.counters
         saved = state["counters"]

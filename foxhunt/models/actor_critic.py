@@ -134,9 +134,10 @@ class ActorCritic(nn.Module):
         return torch.tanh(_mlp(self.actor, x, start=2).squeeze(1))
 
     @torch.no_grad()
-    def deterministic_path(self, prepared: Tensor, decide: Tensor, held: Tensor) -> Tensor:
+    def deterministic_path(self, prepared: Tensor, decide: Tensor, held: Tensor, no_trade_band: float = 0.0) -> Tensor:
         """[L, S] continuous positions through S bars of L lanes: p_s = tanh(mean(s, p_{s-1})) where ``decide``, else
-        flat, from :meth:`actor_prepare`'s rows ``prepared`` [L, S, H] and the positions ``held`` [L] coming in.
+        flat, from :meth:`actor_prepare`'s rows ``prepared`` [L, S, H] and the positions ``held`` [L] coming in; a
+        target within ``no_trade_band`` of p_{s-1} keeps p_{s-1} (the environment's rule, ``apply_no_trade_band``).
 
         The fast path of :meth:`actor_step` applied bar by bar: a recurrence over bars cannot be batched, and per bar
         the work is a few [L, H] products, where a torch call's dispatch costs several times numpy's (about 5 µs a
@@ -160,10 +161,12 @@ class ActorCritic(nn.Module):
                 h = h @ w
                 h += b
                 np.tanh(h, out=h)
-            p = h @ w_head
-            p += b_head
-            np.tanh(p, out=p)
-            p *= ok[j]  # flat where no decision is possible
+            target = h @ w_head
+            target += b_head
+            np.tanh(target, out=target)
+            if no_trade_band > 0.0:
+                np.copyto(target, p, where=np.abs(target - p) < no_trade_band)
+            p = target * ok[j]  # flat where no decision is possible
             out[j] = p
         return torch.from_numpy(out[:, :, 0].T.copy()).to(prepared.device)
 

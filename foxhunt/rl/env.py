@@ -356,9 +356,19 @@ class ContinuousMarketEnv(MarketEnv):
     """:class:`MarketEnv` whose agents choose a position value (e.g. in [-1, 1]) instead of an action index.
 
     Same episodes, starts and RNG draws as the discrete environment; the held position is a float (flat, 0.0, at every
-    episode start) and the reward is ``position_t * r_t - cost * |position_t - position_{t-1}|``. A step's
-    :class:`Transition` holds position values in ``positions`` (held) and ``actions`` (chosen).
+    episode start) and the reward is ``position_t * r_t - cost * |position_t - position_{t-1}|``. A target within
+    ``no_trade_band`` of the held position is not traded (:func:`apply_no_trade_band`: under proportional costs the
+    optimal policy has a no-trade region, and a continuous policy's small corrections would otherwise pay the cost
+    every bar). A step's :class:`Transition` holds position values in ``positions`` (held) and ``actions`` (the
+    position taken, after the band).
     """
+
+    def __init__(self, market: MarketTensors, n_envs: int = 256, episode_length: int = 256, seed: int = 0,
+                 no_trade_band: float = 0.0) -> None:
+        if not 0.0 <= no_trade_band < 2.0:
+            raise ValueError(f"no_trade_band must be in [0, 2), got {no_trade_band}")
+        self.no_trade_band = float(no_trade_band)
+        super().__init__(market, n_envs, episode_length, seed)
 
     def reset(self) -> None:
         super().reset()
@@ -369,9 +379,10 @@ class ContinuousMarketEnv(MarketEnv):
         return self.market.windows(self.bars), self.positions.unsqueeze(1)
 
     def step(self, actions: Tensor) -> Transition:
-        """Move every agent to the position ``actions[i]`` (values); episodes that reach their length restart flat."""
+        """Move every agent to the target position ``actions[i]`` (values; not traded within the no-trade band);
+        episodes that reach their length restart flat."""
         bars, held = self.bars, self.positions
-        actions = actions.to(torch.float32)
+        actions = apply_no_trade_band(actions.to(torch.float32), held, self.no_trade_band)
         rewards = self.market.position_rewards(bars, held, actions)
         raw = self.market.raw_position_rewards(bars, held, actions)
         steps = self.steps + 1
@@ -383,3 +394,10 @@ class ContinuousMarketEnv(MarketEnv):
         self.steps = torch.where(last, torch.zeros_like(steps), steps)
         self.episode_returns = torch.where(last, torch.zeros_like(self.episode_returns), self.episode_returns)
         return Transition(bars, held, actions, rewards, raw, last)
+
+
+def apply_no_trade_band(targets: Tensor, held: Tensor, band: float) -> Tensor:
+    """The positions taken: the held position where the target is within ``band`` of it, else the target."""
+    if band <= 0.0:
+        return targets
+    return torch.where((targets - held).abs() < band, held, targets)

@@ -7,6 +7,10 @@ episode's last step bootstraps from the value of the state after it, and the GAE
 
 One rollout is used for ``n_epochs`` passes of ``n_minibatches`` shuffled minibatches (a fresh permutation of the N·T
 steps per epoch, drawn from the buffer's own generator), unless the caller stops it early (PPO's approximate-KL stop).
+Each epoch's minibatches are gathered at once when the epoch begins (and, with ``norm_adv``, their advantages
+normalised per minibatch), so taking a minibatch is a row select: at minibatches of 64 steps an update is a few
+hundred microseconds, and per-minibatch gathers were a measurable part of it. The caller may also store the network
+inputs of every step (:meth:`RolloutBuffer.set_inputs`), gathered with the rest.
 """
 
 from __future__ import annotations
@@ -54,8 +58,9 @@ class RolloutBatch:
     noise: Tensor  # continuous: the standard normal draw behind u (u = mean + std·noise); discrete: zeros
     log_probs: Tensor  # log π_old(action | state)
     values: Tensor  # V_old(state)
-    advantages: Tensor
+    advantages: Tensor  # normalised per minibatch when the rollout was finished with norm_adv
     returns: Tensor  # λ-returns: the critic's targets
+    inputs: Tensor | None = None  # the network inputs of the steps, if the caller stored them (set_inputs)
 
 
 class RolloutBuffer:
@@ -85,6 +90,9 @@ class RolloutBuffer:
         self.cursor = 0  # minibatches taken in the current epoch
         self.permutation: Tensor | None = None
         self.stopped = False  # the caller ended the rollout's use early
+        self.norm_adv = False
+        self.inputs: Tensor | None = None  # [T·N, D] network inputs of the stored steps (derived, never saved)
+        self._epoch: tuple[Tensor, Tensor, Tensor | None] | None = None  # this epoch's minibatches, gathered
 
     @property
     def size(self) -> int:
@@ -104,18 +112,27 @@ class RolloutBuffer:
         self.filled = False
 
     def finish(self, values: Tensor, next_values: Tensor, gamma: float, lam: float, n_epochs: int,
-               n_minibatches: int) -> None:
+               n_minibatches: int, norm_adv: bool = False, inputs: Tensor | None = None) -> None:
         """Advantages and returns from the critic's values of every state and successor ([T, N] each); the rollout is
-        then served as ``n_epochs`` epochs of ``n_minibatches`` shuffled minibatches."""
+        then served as ``n_epochs`` epochs of ``n_minibatches`` shuffled minibatches, their advantages normalised
+        per minibatch if ``norm_adv``, with the steps' network ``inputs`` ([T·N, D], optional) beside them."""
         if self.size % n_minibatches:
             raise ValueError(f"{self.size} rollout steps do not split into {n_minibatches} equal minibatches")
         self.values = values.float()
         self.advantages, self.returns = generalized_advantages(self.rewards, self.values, next_values.float(),
                                                                self.last, gamma, lam)
-        self.n_epochs, self.n_minibatches = int(n_epochs), int(n_minibatches)
+        self.n_epochs, self.n_minibatches, self.norm_adv = int(n_epochs), int(n_minibatches), bool(norm_adv)
         self.epoch, self.cursor, self.permutation, self.stopped = 0, 0, None, False
         self.filled = True
         self._pack()
+        self.set_inputs(inputs)
+
+    def set_inputs(self, inputs: Tensor | None) -> None:
+        """Store the network inputs of every step (row i of the flattened rollout), or None to have none."""
+        if inputs is not None and inputs.shape[0] != self.size:
+            raise ValueError(f"inputs have {inputs.shape[0]} rows, the rollout {self.size} steps")
+        self.inputs = inputs
+        self._gather_epoch()
 
     def _pack(self) -> None:
         """The minibatch fields as two row tables, integer and float: a minibatch is two gathers, not eight (an update
@@ -141,28 +158,54 @@ class RolloutBuffer:
         self.stopped = True
 
     def next_indices(self) -> Tensor:
-        """Flat step indices of the next minibatch; a new epoch draws a new permutation."""
+        """Flat step indices of the next minibatch; a new epoch draws a new permutation (and gathers its minibatches)."""
         if self.exhausted:
             raise RuntimeError("the rollout is used up: collect a new one")
         if self.at_epoch_end:
             self.permutation = torch.randperm(self.size, generator=self.generator, device=self.device)
             self.epoch += 1
             self.cursor = 0
+            self._gather_epoch()
         size = self.size // self.n_minibatches
         idx = self.permutation[self.cursor * size : (self.cursor + 1) * size]  # type: ignore[index]
         self.cursor += 1
         return idx
 
-    def minibatch(self, idx: Tensor) -> RolloutBatch:
-        """The stored steps at flat indices ``idx``."""
+    def _gather_epoch(self) -> None:
+        """This epoch's minibatches as [n_minibatches, size, ...] tables in permutation order (advantages normalised
+        per minibatch with ``norm_adv``): one gather per table an epoch instead of one per minibatch."""
+        if self.permutation is None or not self.filled:
+            self._epoch = None
+            return
+        shape = (self.n_minibatches, self.size // self.n_minibatches)
+        ints = self._ints[self.permutation].view(*shape, -1)
+        floats = self._floats[self.permutation].view(*shape, -1)
+        if self.norm_adv:
+            adv = floats[..., self._ADVANTAGES]
+            std, mean = torch.std_mean(adv, dim=1, keepdim=True)
+            floats[..., self._ADVANTAGES] = (adv - mean) / (std + 1e-8)
+        inputs = None if self.inputs is None else self.inputs[self.permutation].view(*shape, -1)
+        self._epoch = (ints, floats, inputs)
 
-        ints, floats = self._ints[idx].unbind(1), self._floats[idx].unbind(1)
-        noise, log_probs, values, advantages, returns = floats[:5]
-        bars, held, actions = (ints[0], *floats[5:]) if self.continuous else ints
-        return RolloutBatch(bars, held, actions, noise, log_probs, values, advantages, returns)
+    _ADVANTAGES = 3  # the advantages' column in the float table
+
+    def _batch(self, ints: Tensor, floats: Tensor, inputs: Tensor | None) -> RolloutBatch:
+        int_cols, float_cols = ints.unbind(-1), floats.unbind(-1)
+        noise, log_probs, values, advantages, returns = float_cols[:5]
+        bars, held, actions = (int_cols[0], *float_cols[5:]) if self.continuous else int_cols
+        return RolloutBatch(bars, held, actions, noise, log_probs, values, advantages, returns, inputs)
+
+    def minibatch(self, idx: Tensor) -> RolloutBatch:
+        """The stored steps at flat indices ``idx`` (advantages as stored: not normalised)."""
+        return self._batch(self._ints[idx], self._floats[idx], None if self.inputs is None else self.inputs[idx])
 
     def next_minibatch(self) -> RolloutBatch:
-        return self.minibatch(self.next_indices())
+        """The next minibatch of the schedule, from the epoch's gathered tables."""
+        self.next_indices()
+        assert self._epoch is not None
+        k = self.cursor - 1
+        ints, floats, inputs = self._epoch
+        return self._batch(ints[k], floats[k], None if inputs is None else inputs[k])
 
     def explained_variance(self) -> float:
         """1 − Var(returns − values) / Var(returns) of the stored rollout (how much of the return the critic explains)."""
@@ -176,6 +219,7 @@ class RolloutBuffer:
                                                                                 *self._FLOATS)}
         state.update({
             "filled": self.filled, "n_epochs": self.n_epochs, "n_minibatches": self.n_minibatches, "epoch": self.epoch,
+            "norm_adv": self.norm_adv,
             "cursor": self.cursor, "stopped": self.stopped, "rng_state": self.generator.get_state(),
             "permutation": None if self.permutation is None else self.permutation.clone(),
         })
@@ -190,8 +234,11 @@ class RolloutBuffer:
             setattr(self, name, state[name].to(dev))
         self.filled, self.stopped = bool(state["filled"]), bool(state["stopped"])
         self.n_epochs, self.n_minibatches = int(state["n_epochs"]), int(state["n_minibatches"])
+        self.norm_adv = bool(state.get("norm_adv", False))
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self.permutation = None if state["permutation"] is None else state["permutation"].to(dev)
         self.generator.set_state(state["rng_state"].cpu())
+        self.inputs = None  # derived: the caller stores them again (set_inputs)
         if self.filled:
             self._pack()
+        self._gather_epoch()
