@@ -376,6 +376,53 @@ def test_ddp_two_processes_on_cpu(tmp_path: Path) -> None:
     assert (tmp_path / "export" / "ensemble.safetensors").exists()
 
 
+def _replay_tensor(checkpoint: dict) -> torch.Tensor:
+    """The largest tensor of the DQN's replay buffer in a fit checkpoint (the bar indices of its transitions)."""
+    found: list[torch.Tensor] = []
+
+    def walk(x, inside: bool) -> None:
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, inside or k == "replay")
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v, inside)
+        elif inside and isinstance(x, torch.Tensor):
+            found.append(x)
+
+    walk(checkpoint, False)
+    return max(found, key=lambda t: t.numel() * t.element_size())
+
+
+def test_flipped_bytes_in_a_checkpoint_replay_buffer_are_refused_naming_the_file(tiny_run, tmp_path: Path) -> None:
+    """The issue's drill: 16 bytes flipped inside the replay buffer of last.ckpt loaded, trained, then failed with an
+    IndexError far away. The checkpoint's SHA-256 catches it: one line naming the file, and --ckpt_path last skips it."""
+    import shutil
+
+    from foxhunt.training.checkpoint_io import CheckpointError, checkpoint_problem
+
+    src, _ = tiny_run
+    last = next((src / "runs").rglob("last.ckpt"))
+    bad = tmp_path / "runs" / "foxhunt" / "version_0" / "checkpoints" / "last.ckpt"
+    bad.parent.mkdir(parents=True)
+    shutil.copy(last, bad)
+    replay = _replay_tensor(torch.load(bad, map_location="cpu", weights_only=True))
+    raw = replay.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    data = bytearray(bad.read_bytes())
+    # a stretch of the buffer's filled part that occurs once in the file
+    stretch = next(raw[i:i + 64] for i in range(0, len(raw) - 64, 64)
+                   if raw[i:i + 64].count(0) < 56 and bytes(data).count(raw[i:i + 64]) == 1)
+    at = bytes(data).find(stretch)
+    for i in range(16):
+        data[at + i] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    torch.load(bad, map_location="cpu", weights_only=True)  # torch itself reads it without a word
+    assert checkpoint_problem(last) is None
+    assert "differ from the SHA-256 recorded when it was saved" in (checkpoint_problem(bad) or "")
+    with pytest.raises(CheckpointError, match=rf"^{bad}: not a checkpoint to resume from: its contents differ"):
+        _fit(tmp_path, "--ckpt_path", str(bad), "--trainer.max_epochs", "3", "--backtest", "false")
+
+
 def test_ckpt_path_last_resumes_the_newest_run(tiny_run, caplog) -> None:
     tmp, first = tiny_run
     with caplog.at_level("INFO", logger="foxhunt.fit"):
