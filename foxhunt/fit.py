@@ -114,49 +114,14 @@ class FoxhuntCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         """Build the data module, the model with its members and the Trainer (no data is loaded yet); a value a
         constructor refuses becomes one ``ConfigError`` naming the config file and the key of the object."""
-        from foxhunt.training.optim import validate_lr
-
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
         try:
             super().instantiate_classes()
         except UserError:
             raise
         except (ValueError, TypeError) as e:
-            raise ConfigError(f"{self._config_source()}{self._config_key(e)}: {e}") from e
-        for name, member in self.model.members.items():  # the agents check theirs only when their optimiser is built
-            try:
-                validate_lr(member.hparams.get("lr", 1e-3))
-            except ValueError as e:
-                raise ConfigError(f"{self._config_source()}model.members.{name} ({type(member).__name__}): {e}") from e
-
-    def _config_source(self) -> str:
-        config = self.config.get(self.subcommand) if self.subcommand else self.config
-        files = [str(c) for c in (config.get("config") or [])] if config is not None else []
-        return f"{files[-1]}: " if files else ""
-
-    def _config_key(self, error: BaseException) -> str:
-        """The config key of the object whose constructor raised ``error`` (its innermost ``__init__`` frame)."""
-        owner = None
-        tb: types.TracebackType | None = error.__traceback__
-        while tb is not None:
-            frame = tb.tb_frame
-            candidate = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
-            if candidate is not None and type(candidate).__module__.startswith(("foxhunt.", "lightning.")):
-                owner = candidate
-            tb = tb.tb_next
-        if isinstance(owner, BarDataModule):
-            return "data"
-        if isinstance(owner, Trainer):
-            return "trainer"
-        from foxhunt.lit.member import Member
-
-        if isinstance(owner, Member):
-            config = self.config.get(self.subcommand) if self.subcommand else self.config
-            members = (config.get("model") or {}).get("members") or {}
-            names = [n for n, m in members.items()
-                     if str(getattr(m, "class_path", None) or (m.get("class_path") if hasattr(m, "get") else "")).rsplit(".", 1)[-1] == type(owner).__name__]
-            where = f"model.members.{names[0]}" if len(names) == 1 else f"model.members.{{{','.join(names)}}}"
-            return f"{where} ({type(owner).__name__})"
-        return "model"
+            raise ConfigError(f"{config_source(config)}{constructor_key(e, config)}: {e}") from e
+        check_members(self.model, config)
 
     def fit(self) -> dict[str, Any]:
         """Train, then export the best weights and back-test them on the test split."""
@@ -220,6 +185,50 @@ class FoxhuntCLI(LightningCLI):
         print("\nBack-test after costs, on the test split (untouched by training, weights and checkpoint choice):\n"
               + format_table(table, split="test"))
         return {"export": meta, "backtest": table}
+
+
+def config_source(config: Any) -> str:
+    """``<the last config file>: `` of a parsed fit config (empty when it came from the command line alone)."""
+    files = [str(c) for c in (config.get("config") or [])] if config is not None else []
+    return f"{files[-1]}: " if files else ""
+
+
+def constructor_key(error: BaseException, config: Any) -> str:
+    """The config key of the object whose constructor raised ``error`` (its innermost foxhunt or Lightning
+    ``__init__`` frame): ``data``, ``trainer``, ``model`` or ``model.members.<name> (<class>)``."""
+    owner = None
+    tb: types.TracebackType | None = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        candidate = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
+        if candidate is not None and type(candidate).__module__.startswith(("foxhunt.", "lightning.")):
+            owner = candidate
+        tb = tb.tb_next
+    if isinstance(owner, BarDataModule):
+        return "data"
+    if isinstance(owner, Trainer):
+        return "trainer"
+    from foxhunt.lit.member import Member
+
+    if isinstance(owner, Member):
+        members = (config.get("model") or {}).get("members") or {}
+        names = [n for n, m in members.items()
+                 if str(getattr(m, "class_path", None) or (m.get("class_path") if hasattr(m, "get") else "")).rsplit(".", 1)[-1] == type(owner).__name__]
+        where = f"model.members.{names[0]}" if len(names) == 1 else f"model.members.{{{','.join(names)}}}"
+        return f"{where} ({type(owner).__name__})"
+    return "model"
+
+
+def check_members(model: EnsembleModule, config: Any) -> None:
+    """What the members' constructors leave to later: every learning rate in (0, 1] (the agents check theirs only when
+    their optimiser is built, after the data is loaded)."""
+    from foxhunt.training.optim import validate_lr
+
+    for name, member in model.members.items():
+        try:
+            validate_lr(member.hparams.get("lr", 1e-3))
+        except ValueError as e:
+            raise ConfigError(f"{config_source(config)}model.members.{name} ({type(member).__name__}): {e}") from e
 
 
 def _is_default_checkpoint(cb: ModelCheckpoint) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -348,6 +349,22 @@ def test_config_errors_name_file_and_field(tmp_path: Path, capsys) -> None:
 def test_search_space_keys_are_checked_by_the_fit_parser(tmp_path: Path) -> None:
     path = _config(tmp_path, search_space={"model.members.tft.hidden_sise": {"type": "int", "low": 4, "high": 8}})
     with pytest.raises(TuneConfigError, match="hidden_sise"):
+        run_study(load_tune_config(path), n_trials=1)
+    assert not (tmp_path / "runs" / "optuna.db").exists() or not _study(tmp_path).trials
+
+
+@pytest.mark.parametrize("space, expected", [
+    ({"model.members.dqn.lr": {"type": "float", "low": 1e-4, "high": 5.0, "log": True}},
+     "model.members.dqn (DQNModule): learning rate must be in (0, 1], got 5.0"),
+    ({"model.members.dqn.gamma": {"type": "float", "low": 0.9, "high": 1.0}}, "gamma must be in [0, 1), got 1.0"),
+    ({"model.combine": ["sharpe_weighted", "stack", "mean"]}, "model.combine"),
+], ids=["dqn_lr_high_end", "gamma_high_end", "bad_choice"])
+def test_every_value_of_the_search_space_is_checked_by_the_constructors_before_any_trial(
+        tmp_path: Path, space: dict, expected: str) -> None:
+    """The members' ranges too (the DQN checked its learning rate only after loading the data): the high end of
+    every range and every choice is built, without data, before the first trial."""
+    path = _config(tmp_path, search_space=space)
+    with pytest.raises(TuneConfigError, match=re.escape(expected)):
         run_study(load_tune_config(path), n_trials=1)
     assert not (tmp_path / "runs" / "optuna.db").exists() or not _study(tmp_path).trials
 

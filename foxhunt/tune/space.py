@@ -357,7 +357,8 @@ def write_fit_config(config: Mapping[str, Any], path: Path, header: str = "") ->
 
 
 class FitConfigParser:
-    """foxhunt.fit's own parser, for checking configs without building data or models."""
+    """foxhunt.fit's own parser, for checking configs without loading data or training: ``check`` parses a config and
+    builds its data module and model (their constructors check every value), as foxhunt.fit would."""
 
     def __init__(self, first: Path) -> None:
         """Build the parser by parsing ``first`` (LightningCLI parses as it builds); check() reuses it."""
@@ -371,9 +372,10 @@ class FitConfigParser:
 
         with warnings.catch_warnings(), self._errors(first):
             warnings.simplefilter("ignore")
-            self.parser = _ParseOnly(EnsembleModule, BarDataModule, subclass_mode_model=False, subclass_mode_data=False,
-                                     trainer_defaults=default_trainer_kwargs(), args=["--config", str(first)],
-                                     run=False).parser
+            cli = _ParseOnly(EnsembleModule, BarDataModule, subclass_mode_model=False, subclass_mode_data=False,
+                             trainer_defaults=default_trainer_kwargs(), args=["--config", str(first)], run=False)
+        self.parser = cli.parser
+        self._build(cli.config, first)
 
     @staticmethod
     @contextlib.contextmanager
@@ -400,19 +402,38 @@ class FitConfigParser:
 
     def check(self, path: Path) -> None:
         with self._errors(path):
-            self.parser.parse_args(["--config", str(path)])
+            config = self.parser.parse_args(["--config", str(path)])
+        self._build(config, path)
+
+    def _build(self, config: Any, path: Path) -> None:
+        """The config's data module and model, built as foxhunt.fit builds them (no data is loaded, no Trainer)."""
+        from foxhunt.fit import check_members, constructor_key
+
+        with warnings.catch_warnings(), self._errors(path):
+            warnings.simplefilter("ignore")
+            try:
+                built = self.parser.instantiate_classes(config)
+                check_members(built.model, config)
+            except UserError:
+                raise
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"{constructor_key(e, config)}: {e}") from e
 
 
 def _check_search_space(cfg: TuneConfig) -> None:
-    """Every searched key at its low end, and every categorical choice, must give a config foxhunt.fit accepts."""
+    """Every searched key at its low end, at its high end, and every categorical choice, must give a config that
+    foxhunt.fit parses and whose data module and model it builds (every constructor checks its values)."""
     import tempfile
 
-    corners: list[dict[str, Any]] = [{}]
+    def end(p: SearchParam, value: float | None) -> Any:
+        return int(value) if p.kind == "int" else value
+
+    highs = {p.key: end(p, p.high) for p in cfg.search_space if p.kind != "categorical"}
+    corners: list[dict[str, Any]] = [{}, highs] if highs else [{}]
     for p in cfg.search_space:
         if p.kind == "categorical":
             corners += [{p.key: c} for c in p.choices[1:]]
-    first = {p.key: (p.choices[0] if p.kind == "categorical" else (int(p.low) if p.kind == "int" else p.low))
-             for p in cfg.search_space}
+    first = {p.key: (p.choices[0] if p.kind == "categorical" else end(p, p.low)) for p in cfg.search_space}
     parser: FitConfigParser | None = None
     with tempfile.TemporaryDirectory() as tmp:
         for i, corner in enumerate(corners):
