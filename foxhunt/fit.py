@@ -127,10 +127,11 @@ class FoxhuntCLI(LightningCLI):
         """Train, then export the best weights and back-test them on the test split."""
         cfg = self.config
         trainer, model, dm = self.trainer, self.model, self.datamodule
+        ckpt_path = self._resolve_ckpt_path(cfg.get("ckpt_path"))  # before the logger writes: a refusal leaves no run
         if cfg.get("hparams_tab", True):  # every hyperparameter, against the metrics filled in when the fit is over
             for lg in trainer.loggers:
                 lg.log_hyperparams(model.hparam_params(), dict.fromkeys(model.hparam_metric_names(), float("nan")))
-        trainer.fit(model, datamodule=dm, ckpt_path=self._resolve_ckpt_path(cfg.get("ckpt_path")))
+        trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
         return self.export_and_backtest()
 
     def _resolve_ckpt_path(self, ckpt_path: str | None) -> str | None:

@@ -124,3 +124,18 @@ def test_python_m_foxhunt_fit_prints_one_line_and_exits_2(tmp_path: Path) -> Non
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: {TINY}: model.members.dqn (DQNModule): learning rate must be in (0, 1], got -1.0")
+
+
+def test_ckpt_path_last_with_only_a_corrupt_checkpoint_is_one_line_and_leaves_no_empty_run(tmp_path: Path, capsys,
+                                                                                          no_data_loading) -> None:
+    """The issue's drill left an empty version folder behind; now the run stops before its logger writes anything."""
+    from foxhunt.fit import main
+
+    ckpts = tmp_path / "runs" / "foxhunt" / "version_0" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    (ckpts / "last.ckpt").write_bytes(b"PK\x03\x04 truncated")
+    code = run_command(main, ["--config", TINY, "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
+                              "--trainer.default_root_dir", str(tmp_path), "--ckpt_path", "last"])
+    line = _one_error_line(capsys)
+    assert code == 2 and line.startswith("error: --ckpt_path last: none of the 1 last*.ckpt under "), line
+    assert sorted(p.name for p in (tmp_path / "runs" / "foxhunt").iterdir()) == ["version_0"]
