@@ -160,7 +160,7 @@ def aroon(p: Panel, n: int) -> tuple[Tensor, Tensor]:
     def f():
         up = ops.bars_since_extreme(p.high, n, highest=True)
         down = ops.bars_since_extreme(p.low, n, highest=False)
-        return (n - up) * 100.0 / n, (n - down) * 100.0 / n
+        return up.neg_().add_(n).mul_(100.0 / n), down.neg_().add_(n).mul_(100.0 / n)  # TA-Lib: (100 / n) (n - age)
 
     return p.memo(("aroon", n), f)
 

@@ -175,7 +175,7 @@ def multiply(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
 
 def log_ratio(num: Tensor, den: Tensor, out: Tensor | None = None) -> Tensor:
     """ln(num / den), into ``out`` when given."""
-    q = num / den
+    q = torch.div(num, den, out=empty(tuple(num.shape), num))
     if out is not None and fast_path(q):
         np.log(_np(q), out=_np(out))
         return out

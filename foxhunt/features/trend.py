@@ -36,8 +36,8 @@ def kama(p: Panel, n: int) -> Tensor:
         out = ops.nans(c, n)
         if c.shape[1] <= n:
             return out
-        a = torch.empty_like(c[:, n:])
-        b = ops.blockwise(_kama_block, torch.empty_like(a), c[:, n:], c[:, :-n], *_abs_change_prefix(p).parts(n, n), a)
+        a = ops.empty((c.shape[0], c.shape[1] - n), c)
+        b = ops.blockwise(_kama_block, ops.empty(tuple(a.shape), c), c[:, n:], c[:, :-n], *_abs_change_prefix(p).parts(n, n), a)
         out[:, n:] = ops.linear_recurrence(a, b, c[:, n - 1], a_min=1.0 - _FASTEST**2)
         return out
 
