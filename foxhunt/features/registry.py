@@ -31,11 +31,7 @@ class Feature:
     fn: Callable[..., Tensor]
     talib: str | None = None
     known_future: bool = False
-
-    @property
-    def writes_out(self) -> bool:
-        """Whether ``fn`` takes ``out`` (a destination for its last step)."""
-        return "out" in inspect.signature(self.fn).parameters
+    writes_out: bool = False  # whether ``fn`` takes ``out`` (a destination for its last step)
 
 
 class FeatureList:
@@ -48,7 +44,8 @@ class FeatureList:
         self.features: list[Feature] = []
 
     def add(self, name: str, definition: str, warmup: int, fn: Callable[..., Tensor], talib: str | None = None, known_future: bool = False) -> None:
-        self.features.append(Feature(name, self.family, definition, int(warmup), fn, talib, known_future))
+        writes_out = "out" in inspect.signature(fn).parameters
+        self.features.append(Feature(name, self.family, definition, int(warmup), fn, talib, known_future, writes_out))
 
 
 def build_registry(lists: Iterable[FeatureList]) -> dict[str, Feature]:
