@@ -149,14 +149,14 @@ def test_rolling_extremes(rng, reference):
             got = ops.bars_since_extreme(t(x), n, highest)
             if n < 128:
                 want = F.bars_since_extreme(x, n, highest)
-            else:  # filters.py refuses windows over 128 bars; the loop leaves windows with padding undefined
+            else:  # the CPU kernel refuses windows over 128 bars; the loop leaves windows with padding undefined
                 want = _bars_since_loop(x, n, highest)
                 got[torch.from_numpy(np.isnan(want))] = np.nan
             close(got, want, tol=0.0)
 
 
 def _bars_since_loop(x: np.ndarray, n: int, highest: bool) -> np.ndarray:
-    """Bars since the extreme of x[t-n..t], ties to the latest (a plain loop, for windows filters.py refuses)."""
+    """Bars since the extreme of x[t-n..t], ties to the latest (a plain loop, for windows the CPU kernel refuses)."""
     S, T = x.shape
     out = np.full((S, T), np.nan)
     for s in range(S):

@@ -1,12 +1,12 @@
-"""Causal building blocks on [S, T] float64 panels (one row per symbol, time on the last axis).
+"""The CPU fast paths of :mod:`foxhunt.features.ops`: numpy/scipy kernels on [S, T] float64 arrays, tuned for one core.
 
-Every function here reads bar t only from bars <= t: recursive filters run as blocked scans (blocks at
-fixed offsets from the first bar, carries passed forward), rolling sums as differences of prefix sums
-(sequential running sums, so a sum at t never depends on later bars; rolling variance of price levels
-takes its prefix sums inside blocks, centred on a past value, so float64 error stays relative to the
-local spread rather than to a million squared prices), rolling extrema and arg-extrema by doubling
-(log2(n) vectorised passes, exact). No Python loop runs over bars.
-Rows that an indicator has not yet filled are NaN.
+``ops`` hands a CPU tensor's zero-copy numpy view here (the switch ``ops.fast_path``); each kernel computes what its
+torch reference in ``ops`` computes. Every function reads bar t only from bars <= t: the first-order scan runs in
+fixed blocks with scipy's ``lfilter`` for the carries, rolling variance of price levels takes its prefix sums inside
+blocks centred on a past value (float64 error relative to the local spread, not to a million squared prices),
+rolling extrema and arg-extrema double (log2(n) passes, exact; ages in uint8), and elementwise tails run in
+cache-sized blocks with a float32 destination written once. No Python loop runs over bars; rows that an indicator
+has not yet filled are NaN.
 """
 
 from __future__ import annotations

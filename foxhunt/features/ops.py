@@ -298,7 +298,7 @@ class BlockPrefix:
     Each block of ``block`` output bars carries the max_window - 1 bars before it and is centred on r, x at
     the block's first output bar (a past value for every bar of the block): rounding error scales with the
     local spread of x, not with its level times the series length, and a sum at t depends only on bars <= t.
-    The same layout and arithmetic as ``filters.BlockPrefix``.
+    The same layout and arithmetic as ``cpu_kernels.BlockPrefix`` (the CPU fast path).
     """
 
     def __init__(self, x: Tensor, max_window: int, start: int = 0, squares: bool = False, block: int = 512) -> None:
