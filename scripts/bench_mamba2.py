@@ -148,11 +148,13 @@ def reset_peak() -> bool:
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int,
-                warmup: bool) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+                warmup: bool) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:
     """Median wall time (s) of each function over ``repeats`` rounds, one call of each per round (after one warm-up
-    call of each if ``warmup``), and the largest peak RSS during a call and its largest rise above the RSS before it
-    (MiB; the peak is reset before every call, outside the timing)."""
+    call of each if ``warmup``), its median CPU time (s, ``time.process_time``: on a machine with more runnable
+    processes than cores the wall time includes waiting, the CPU time does not), and the largest peak RSS during a call
+    and its largest rise above the RSS before it (MiB; the peak is reset before every call, outside the timing)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
     peak = dict.fromkeys(fns, 0.0)
     rise = dict.fromkeys(fns, 0.0)
     if warmup:
@@ -162,12 +164,14 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int,
         for name, fn in fns.items():
             reset_peak()
             before = _status_kib("VmRSS")
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
             top = _status_kib("VmHWM")
             peak[name], rise[name] = max(peak[name], top / 1024), max(rise[name], (top - before) / 1024)
-    return {name: statistics.median(ts) for name, ts in times.items()}, peak, rise
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    return median, {name: statistics.median(ts) for name, ts in cpu.items()}, peak, rise
 
 
 # ------------------------------------------------------------------------------------------------------- networks
@@ -253,13 +257,15 @@ def bench_lookback(length: int, variants: list[str], args: argparse.Namespace,
 
         steps[name] = step
     row["load_before"] = os.getloadavg()
-    seconds, peak, rise = interleaved(steps, args.repeats, not args.no_warmup)
+    seconds, cpu, peak, rise = interleaved(steps, args.repeats, not args.no_warmup)
     row["load"] = os.getloadavg()
     for name in steps:
-        row[name] = {"step_s": seconds[name], "samples_per_s": args.batch / seconds[name], "peak_rss_mib": peak[name],
+        row[name] = {"step_s": seconds[name], "step_cpu_s": cpu[name], "samples_per_s": args.batch / seconds[name],
+                     "cpu_samples_per_s": args.batch / cpu[name], "peak_rss_mib": peak[name],
                      "rss_rise_mib": rise[name]}
     if "factored" in seconds:
         row["factored_speedup"] = {n: seconds[n] / seconds["factored"] for n in seconds if n != "factored"}
+        row["factored_speedup_cpu"] = {n: cpu[n] / cpu["factored"] for n in cpu if n != "factored"}
     return row
 
 
@@ -307,12 +313,15 @@ def main() -> None:
           f"{args.d_model}, {args.layers} layers, d_state {args.d_state}, headdim {args.headdim}, expand {args.expand}, "
           f"chunk {args.chunk}) and the TFT (hidden {args.d_model}), batch {args.batch}, {args.inputs} inputs, "
           f"{args.threads} thread(s), median of {args.repeats} interleaved rounds:")
-    print(f"{'L':>6} | " + " | ".join(f"{v + ' /s':>13} {'MiB rise':>8}" for v in variants)
-          + " | factored over: " + " ".join(f"{v:>9}" for v in variants if v != "factored") + " | 1-min load before -> after")
+    print("(samples/s by wall time, and by CPU time in brackets; x: the factored version's speed-up, wall (CPU))")
+    print(f"{'L':>6} | " + " | ".join(f"{v + ' /s (cpu)':>22} {'MiB rise':>8}" for v in variants)
+          + " | factored over: " + " ".join(f"{v:>13}" for v in variants if v != "factored")
+          + " | 1-min load before -> after")
     for r in rows:
-        cells = " | ".join(f"{r[v]['samples_per_s']:>13.1f} {r[v]['rss_rise_mib']:>8.0f}" for v in variants)
-        speed = " ".join(f"{r['factored_speedup'][v]:>9.2f}" for v in variants if v != "factored") \
-            if "factored_speedup" in r else ""
+        cells = " | ".join(f"{r[v]['samples_per_s']:>12.2f} ({r[v]['cpu_samples_per_s']:>7.2f}) {r[v]['rss_rise_mib']:>8.0f}"
+                           for v in variants)
+        speed = " ".join(f"{r['factored_speedup'][v]:>6.2f} ({r['factored_speedup_cpu'][v]:>4.2f})"
+                         for v in variants if v != "factored") if "factored_speedup" in r else ""
         print(f"{r['L']:>6} | {cells} | {'':15}{speed} | {r['load_before'][0]:.1f} -> {r['load'][0]:.1f}")
     print("\nOutputs of the Mamba-2 versions against the first (max |diff| relative to the largest output; gradients "
           "relative to each parameter's largest):")
@@ -320,9 +329,10 @@ def main() -> None:
         if "agreement" in r:
             print(f"{r['L']:>6} | " + ", ".join(f"{k} {v:.1e}" for k, v in r["agreement"].items()))
     base = rows[0]
-    print(f"\nScaling against L = {base['L']} (step time ratio, memory-rise ratio; linear would be L / {base['L']}):")
+    print(f"\nScaling against L = {base['L']} (CPU-time ratio of a step, memory-rise ratio; linear would be "
+          f"L / {base['L']}):")
     for r in rows[1:]:
-        cells = ", ".join(f"{v} x{r[v]['step_s'] / base[v]['step_s']:.1f} time, "
+        cells = ", ".join(f"{v} x{r[v]['step_cpu_s'] / base[v]['step_cpu_s']:.1f} time, "
                           f"x{r[v]['rss_rise_mib'] / max(base[v]['rss_rise_mib'], 1.0):.1f} memory" for v in variants)
         print(f"{r['L']:>6} (x{r['L'] / base['L']:.0f}) | {cells}")
 
