@@ -234,7 +234,7 @@ def test_registry_warmup_is_talibs(tag, bars):
 
     feats = [f for f in REGISTRY.values() if f.talib == tag]
     n = bars.shape[0]
-    vals, _ = _compute(feats, torch.from_numpy(bars), torch.arange(n), torch.zeros(n, dtype=torch.int64), dtype=torch.float64)
+    vals, _ = _compute(feats, torch.tensor(bars), torch.arange(n), torch.zeros(n, dtype=torch.int64), dtype=torch.float64)
     for j, f in enumerate(feats):
         col = vals[j].numpy()
         assert np.isnan(col[: f.warmup]).all(), f"{f.name}: values inside its warm-up"
