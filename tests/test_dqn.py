@@ -33,6 +33,8 @@ def market():
 SMALL = {
     "window": 4, "n_envs": 32, "episode_length": 64, "hidden": (32, 32), "batch_size": 32, "replay_capacity": 4096,
     "learning_starts": 256, "epsilon_steps": 50, "log_grad_norm_every": 5, "updates_per_step": 4,
+    # deterministic networks for the TD arithmetic (the regularisers and the selection: test_dqn_generalisation.py)
+    "dropout": 0.0, "obs_noise": 0.0, "select_every": 0,
 }
 UPDATES_PER_EPOCH = 20
 
@@ -251,6 +253,8 @@ def test_resume_from_checkpoint_is_exact(tmp_path, market, env_step_every) -> No
     carries the unused one.
     """
     kwargs = dict(env_step_every=env_step_every, **SMALL)
+    if env_step_every == 3:  # dropout masks and observation noise come from the member's own saved stream
+        kwargs.update(dropout=0.2, obs_noise=0.5)
 
     straight = DQNModule(**kwargs)
     straight_model = fit(straight, market, trainer(tmp_path / "a", max_epochs=2))

@@ -115,7 +115,7 @@ def default_dqn_kwargs(steps: int) -> dict:
         "replay_capacity": 262_144, "learning_starts": 16_384, "target_update": "polyak", "tau": 0.005,
         "epsilon_start": 1.0, "epsilon_end": 0.05, "epsilon_steps": max(1, steps // 4), "exogenous": "all_actions",
         "lr": 3e-4, "weight_decay": 1e-4, "scheduler": "cosine", "total_steps": steps, "updates_per_epoch": min(steps, 1000),
-        "log_grad_norm_every": 0,
+        "log_grad_norm_every": 0, "dropout": 0.0, "obs_noise": 0.0, "select_every": 0, "patience": 0,
     }
 
 
@@ -175,9 +175,10 @@ def run_quality(phi: float, steps: int, n_bars: int, seed: int = 0, market: str 
 # ----------------------------------------------------------------------------------------------- generalisation tasks
 def task_dqn_kwargs(updates: int) -> dict:
     """The DQN of the generalisation benchmark (foxhunt.lit.agent_tasks): the member's defaults (the measured ones),
-    a 32-bar window and batches of 64; ``updates`` sets the exploration and the cosine schedule's length."""
+    a 32-bar window, batches of 64 and the environment stepped every 4 updates (64 transitions per update);
+    ``updates`` sets the exploration and the cosine schedule's length."""
     return {
-        "window": 32, "batch_size": 64, "epsilon_steps": max(1, updates // 10), "scheduler": "cosine",
+        "window": 32, "batch_size": 64, "env_step_every": 4, "epsilon_steps": max(1, updates // 10), "scheduler": "cosine",
         "total_steps": updates, "log_grad_norm_every": 0,
     }
 

@@ -121,11 +121,11 @@ class DQNModule(Agent):
         env_step_every: int = 1,
         exogenous: ExogenousMode = "all_actions",
         huber_delta: float = 1.0,
-        dropout: float = 0.0,
-        obs_noise: float = 0.0,
+        dropout: float = 0.2,
+        obs_noise: float = 0.5,
         turnover_penalty_bps: float = 0.0,
-        select_every: int = 0,
-        patience: int = 0,
+        select_every: int = 1000,
+        patience: int = 10,
         lr: float = 3e-4,
         weight_decay: float = 0.0,
         fused_adamw: bool = True,
@@ -343,6 +343,9 @@ class DQNModule(Agent):
         self.explore_rng.manual_seed(self.seed + 2)
         self.noise_rng = torch.Generator(device=self.device)
         self.noise_rng.manual_seed(self.seed + 3)
+        for net in (self.q_net, self.target_net):  # dropout masks from the member's own stream, not the global one
+            if net is not None:
+                net.generator = self.noise_rng
         if hp.select_every and self.val_split is None:
             rank_zero_warn("DQNModule: select_every > 0 but the data has no validation split: the last weights trade")
         if self._pending_state is not None:
@@ -418,12 +421,13 @@ class DQNModule(Agent):
 
     # ----------------------------------------------------------------------------------------------- selection
     def _held_out_markets(self) -> tuple[MarketTensors, MarketTensors]:
-        """(the last stretch of the training split as long as the validation split, the validation split): the
-        markets the greedy policy is scored on, with real costs (the train one measures the generalisation gap)."""
+        """(the last stretch of the training split, at most 16,384 bars and no longer than the validation split, the
+        validation split): the markets the greedy policy is scored on, with real costs (the train one measures the
+        generalisation gap; shorter than validation because it is not what chooses)."""
         if self._held_out is None:
             assert self.train_split is not None and self.val_split is not None
             train = self.train_split
-            n = min(len(self.val_split), len(train))
+            n = min(len(self.val_split), len(train), 16_384)
             tail = torch.zeros(len(train), dtype=torch.bool)
             tail[len(train) - n :] = True
             self._held_out = (self.market_tensors(train.select(tail)), self.market_tensors(self.val_split))

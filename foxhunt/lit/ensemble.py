@@ -45,12 +45,27 @@ from torch import Tensor, nn
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.evaluation.backtest import BACKTEST_KEYS, PolicyEvaluation, oracle_split_positions, policy_metrics
 from foxhunt.evaluation.policies import Combine, forecast_policy, sharpe_weights, vote, weighted
-from foxhunt.evaluation.significance import deflated_sharpe_ratio, psr_from_moments, sharpe_moments
+from foxhunt.evaluation.significance import expected_max_sharpe, psr_from_moments, sharpe_moments
 from foxhunt.evaluation.trading import strategy_log_returns
 from foxhunt.lit.member import Agent, Forecaster, Member
 from foxhunt.training.gradnorm import grad_norms
 
 _BACKWARD_HOOKS = ("on_before_backward", "on_after_backward")
+
+
+def null_max_sharpe(n_candidates: int, n_bars: int) -> float:
+    """Per-bar Sharpe the best of ``n_candidates`` policies without edge shows on ``n_bars`` bars, in expectation.
+
+    Bailey & Lopez de Prado's expected maximum (``expected_max_sharpe``) with the null's own sampling variance
+    1 / (n_bars - 1) in place of the candidates' spread: a member's candidates are successive checkpoints of one
+    learning run, whose spread measures learning, not luck, and independent candidates bound correlated ones from
+    above. 0 for a single candidate (or none).
+    """
+    if n_candidates <= 1 or n_bars < 3:
+        return 0.0
+    unit = torch.linspace(-1.0, 1.0, n_candidates, dtype=torch.float64)
+    unit = unit / unit.std()  # N trials of unit spread: expected_max_sharpe returns E[max of N] in units of the spread
+    return expected_max_sharpe(unit) / math.sqrt(n_bars - 1)
 
 
 @dataclass
@@ -93,9 +108,10 @@ class EnsembleModule(pl.LightningModule):
                 (one device, no GradScaler, no callback hooking backward), which costs a small network's update
                 about a tenth; False always goes through ``manual_backward`` (the reference path; same gradients).
             min_edge_confidence: do no harm: a member trades only when the probability that its validation edge after
-                costs is real reaches this level: the PSR against flat of its validation P&L, deflated (DSR) for the
-                candidates it compared when it chose its weights on validation. Otherwise it is held flat (in every
-                table and in the combination) until a later validation clears it. None: every member trades.
+                costs is real reaches this level: the PSR of its validation P&L against flat, or, when it chose its
+                weights among N candidates on validation, against the Sharpe the best of N would show without edge
+                (:func:`null_max_sharpe`). Otherwise it is held flat (in every table and in the combination) until a
+                later validation clears it. None: every member trades.
         """
         super().__init__()
         if not members:
@@ -476,8 +492,9 @@ class EnsembleModule(pl.LightningModule):
 
     def _choose_flat(self, pos: dict[str, Tensor], split: MarketSplit) -> None:
         """Do no harm: each member's confidence that its edge on ``split`` (validation) after costs is real; members
-        below ``min_edge_confidence`` are held flat. PSR against flat, or the DSR over the candidates the member
-        compared when it chose its weights on this split (selection inflates the best candidate's Sharpe)."""
+        below ``min_edge_confidence`` are held flat. The PSR of its validation P&L against the Sharpe the best of the
+        candidates it compared on this split would show with no edge at all (:func:`null_max_sharpe`; 0 without a
+        choice), since choosing the best of N on the same bars inflates its Sharpe."""
         threshold = self.hparams.min_edge_confidence
         if threshold is None:
             return
@@ -488,9 +505,8 @@ class EnsembleModule(pl.LightningModule):
                 continue
             pnl = strategy_log_returns(pos[name], returns, self.hparams.cost_bps, split.first_bar.to(decision.device))
             m = sharpe_moments(pnl[decision & torch.isfinite(returns)])
-            trials = self.member(name).selection_sharpes()
-            conf = (deflated_sharpe_ratio(m.sr_per_bar, m.n_bars, m.skew, m.kurtosis, trials) if len(trials) > 1
-                    else psr_from_moments(m.sr_per_bar, m.n_bars, m.skew, m.kurtosis, 0.0))
+            sr0 = null_max_sharpe(len(self.member(name).selection_sharpes()), m.n_bars)
+            conf = psr_from_moments(m.sr_per_bar, m.n_bars, m.skew, m.kurtosis, sr0)
             conf = 0.0 if math.isnan(conf) else conf  # no variance (e.g. a flat member): no evidence of an edge
             self.edge_confidence[i] = conf
             self.held_flat[i] = conf < threshold

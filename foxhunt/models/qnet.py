@@ -70,6 +70,7 @@ class QNetwork(nn.Module):
         widths = (n_enc + n_position_features, *hidden)
         self.body = nn.Sequential(*(mlp_block(a, b, layer_norm) for a, b in itertools.pairwise(widths)))
         self.layer_norm, self.flat, self.dropout = layer_norm, encoder == "flat", float(dropout)
+        self.generator: torch.Generator | None = None  # the owner's seeded stream for dropout masks (None: global)
         # One-hot rows of every held position (forward_positions); not saved, it moves with the module's device.
         self.register_buffer("position_eye", torch.eye(n_position_features), persistent=False)
         self.dueling = dueling
@@ -108,6 +109,14 @@ class QNetwork(nn.Module):
             return window.flatten(1) if window.dim() == 3 else window
         return self.encoder(window.reshape(-1, self.window, self.n_features))
 
+    def _dropout(self, x: Tensor) -> Tensor:
+        """Inverted dropout, its mask drawn from ``generator`` when one is set (a seeded run stays reproducible)."""
+        if self.generator is None:
+            return F.dropout(x, self.dropout, True)
+        keep = 1.0 - self.dropout
+        mask = torch.rand(x.shape, generator=self.generator, device=x.device) < keep
+        return x * mask / keep
+
     def mlp(self, x: Tensor) -> Tensor:
         """Body and head by functional calls: the DQN update runs this network several times on small batches, where
         per-module call overhead (hooks, Sequential dispatch) costs as much as the arithmetic. Same parameters."""
@@ -119,7 +128,7 @@ class QNetwork(nn.Module):
                 x = F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
             x = torch.relu(x)
             if self.dropout and self.training:  # after each hidden layer, training only (evaluation is greedy)
-                x = F.dropout(x, self.dropout, True)
+                x = self._dropout(x)
         if self.dueling:
             adv = F.linear(x, self.advantage_head.weight, self.advantage_head.bias)
             return F.linear(x, self.value_head.weight, self.value_head.bias) + adv - adv.mean(-1, keepdim=True)
