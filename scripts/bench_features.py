@@ -11,9 +11,9 @@ Targets (issue 19): the whole set in <= 1.5 s on one core, <= 1.5x TA-Lib's time
 features, peak memory <= 1.5x the float32 output.
 
 Measured 2026-12-01 (1,000,000 bars, one thread, a 2-core machine shared with other jobs at load 14-20, so wall
-times are 3-6x CPU times and CPU times move by ~15%): whole set 1.40-1.57 s CPU (the former numpy path 1.47-1.52 s
-in the same session); TA-Lib-derived features 2.1-2.6x TA-Lib's CPU time per feature (the former numpy path 1.8-1.9x
-in the same runs: the difference is page faults on torch's freed temporaries); peak memory 1.02-1.17x the output.
+times are 3-6x CPU times and CPU times move by ~15%): whole set 1.40-1.62 s CPU (the former numpy path 1.28-1.52 s,
+interleaved); TA-Lib-derived features 2.1-2.6x TA-Lib's CPU time per feature (the former numpy path 1.8-1.9x in the
+same runs: the difference is page faults on torch's freed temporaries); peak memory 1.02-1.17x the output.
 """
 
 from __future__ import annotations
