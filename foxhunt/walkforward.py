@@ -24,6 +24,7 @@ import logging
 import math
 import shutil
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -146,9 +147,11 @@ class _FitConfig:
         # (an override ``--backtest true`` turns it back on)
         self.args = ["--config", str(config), "--backtest", "false", *overrides]
         try:
-            cli = _ParseOnly(EnsembleModule, BarDataModule, subclass_mode_model=False, subclass_mode_data=False,
-                             trainer_defaults=default_trainer_kwargs(), args=self.args, run=False,
-                             parser_kwargs={"exit_on_error": False})
+            with warnings.catch_warnings():  # the command's own argv differs from the fit arguments on purpose
+                warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+                cli = _ParseOnly(EnsembleModule, BarDataModule, subclass_mode_model=False, subclass_mode_data=False,
+                                 trainer_defaults=default_trainer_kwargs(), args=self.args, run=False,
+                                 parser_kwargs={"exit_on_error": False})
         except argparse.ArgumentError as e:
             raise WalkForwardError(f"{config}: foxhunt.fit rejects this config: {one_line(e)}") from e
         self.config = cli.config
