@@ -103,7 +103,7 @@ class Turns:
     hits every model alike, a step apart."""
 
     def __init__(self, names: list[str]) -> None:
-        self.names, self.turn, self.done = list(names), 0, set()
+        self.names, self.turn, self.done, self.arrived = list(names), 0, set(), set()
         self.cond = threading.Condition()
 
     def _advance(self) -> None:  # the caller holds the condition
@@ -114,11 +114,14 @@ class Turns:
         self.cond.notify_all()
 
     def take(self, name: str, passing: bool) -> None:
-        """Hand the turn on (``passing``: this fit has just finished a step), then wait for this fit's next turn."""
+        """Hand the turn on (``passing``: this fit has just finished a step), then wait for this fit's next turn; the
+        first steps wait until every fit has reached its first batch (its setup no longer competes)."""
         with self.cond:
+            self.arrived.add(name)
             if passing and self.names[self.turn] == name:
                 self._advance()
-            self.cond.wait_for(lambda: self.names[self.turn] == name)
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.names[self.turn] == name and self.arrived | self.done >= set(self.names))
 
     def finish(self, name: str) -> None:
         """This fit is over (or failed): the rotation goes on without it."""
@@ -127,6 +130,7 @@ class Turns:
                 self.done.add(name)
                 if self.names[self.turn] == name:
                     self._advance()
+                self.cond.notify_all()
 
 
 class StepClock(pl.Callback):
@@ -186,13 +190,13 @@ def fit_steps(run: Callable[[pl.Trainer], None], loader_seconds: Callable[[], li
     return Timing(steps * batch_size / elapsed, elapsed / steps * 1e3, statistics.median(draws) * 1e3, (load0, load1))
 
 
-def in_turns(fits: dict[str, Callable[[Turns], Timing]]) -> dict[str, Timing]:
-    """Run the fits in threads, a step each in turn (in the dict's order); their timings, or the first error."""
+def in_turns(fits: dict[str, Callable[[Turns], Any]]) -> dict[str, Any]:
+    """Run the fits in threads, a step each in turn (in the dict's order); their results, or the first error."""
     turns = Turns(list(fits))
-    results: dict[str, Timing] = {}
+    results: dict[str, Any] = {}
     errors: list[BaseException] = []
 
-    def work(name: str, fit: Callable[[Turns], Timing]) -> None:
+    def work(name: str, fit: Callable[[Turns], Any]) -> None:
         try:
             results[name] = fit(turns)
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
@@ -477,8 +481,8 @@ def profile_width(width: int, args: argparse.Namespace) -> dict[str, float]:
 
     data = bench_data(width, args)
     ours = Ours(data, args)
-    net, member = ours.net, ours.member
-    fits = [ours.fit(args.steps, args.warmup) for _ in range(args.repeats)]
+    member = ours.member
+    net = copy.deepcopy(ours.net)  # the pieces run on a copy, in turn with the fit's steps (the same machine load)
     batch = next(iter(windows(data, "train", args.batch_size, shuffle=True)))
     captured: dict[str, tuple[Any, ...]] = {}
 
@@ -511,18 +515,9 @@ def profile_width(width: int, args: argparse.Namespace) -> dict[str, float]:
     def both(*runs: Callable[[], None]) -> Callable[[], None]:
         return lambda: [run() for run in runs] and None
 
-    pieces: dict[str, Callable[[], None]] = {
-        "variable selection, whole (encoder + decoder)": modules("encoder_selection", "decoder_selection"),
-        "  of which the scoring GRNs (flattened GRN + softmax)": both(scoring("encoder_selection"), scoring("decoder_selection")),
-        "LSTM encoder + decoder": modules("lstm_encoder", "lstm_decoder"),
-        "post-LSTM gate + static enrichment GRN": modules("post_lstm_gate", "static_enrichment"),
-        "interpretable attention": modules("attention"),
-        "post-attention gate, position-wise GRN, output gate, head": modules(
-            "post_attention_gate", "positionwise_grn", "pre_output_gate", "quantile_head"),
-    }
     del out
-    opt_config = member.configure_optimizers()
-    opt = opt_config["optimizer"] if isinstance(opt_config, dict) else opt_config
+    params = list(net.parameters())
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=bool(member.hparams.fused_adamw))
 
     def whole() -> None:
         pred = net(batch["x_past"], batch["x_future"], batch["symbol"]).prediction
@@ -534,20 +529,37 @@ def profile_width(width: int, args: argparse.Namespace) -> dict[str, float]:
         for p in params:
             p.grad = None
 
-    params = list(net.parameters())
-    whole()
-    pieces = {"network forward + loss + backward, whole": whole, **pieces}
+    pieces: dict[str, Callable[[], None]] = {
+        "network forward + loss + backward, whole": whole,
+        "variable selection, whole (encoder + decoder)": modules("encoder_selection", "decoder_selection"),
+        "  of which the scoring GRNs (flattened GRN + softmax)": both(scoring("encoder_selection"), scoring("decoder_selection")),
+        "LSTM encoder + decoder": modules("lstm_encoder", "lstm_decoder"),
+        "post-LSTM gate + static enrichment GRN": modules("post_lstm_gate", "static_enrichment"),
+        "interpretable attention": modules("attention"),
+        "post-attention gate, position-wise GRN, output gate, head": modules(
+            "post_attention_gate", "positionwise_grn", "pre_output_gate", "quantile_head"),
+    }
     times: dict[str, list[float]] = {k: [] for k in (*pieces, "guard + clip + AdamW step")}
-    for _ in range(args.steps):
-        for name, fn in pieces.items():
-            net.zero_grad(set_to_none=True)
+
+    def rounds(turns: Turns) -> None:
+        """One round of every piece per turn, as many rounds as the fit has steps; the warm-up ones untimed."""
+        for r in range(args.warmup + args.steps + 1):
+            turns.take("pieces", passing=r > 0)
+            for name, fn in pieces.items():
+                net.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                fn()
+                if r >= args.warmup:
+                    times[name].append(time.perf_counter() - t0)
+            whole()
             t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-        whole()
-        t0 = time.perf_counter()
-        optimizer()
-        times["guard + clip + AdamW step"].append(time.perf_counter() - t0)
+            optimizer()
+            if r >= args.warmup:
+                times["guard + clip + AdamW step"].append(time.perf_counter() - t0)
+        turns.finish("pieces")
+
+    fits = [in_turns({ours.name: lambda turns: ours.fit(args.steps, args.warmup, turns), "pieces": rounds})[ours.name]
+            for _ in range(args.repeats)]
     ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     step, loader = statistics.median(f.step_ms for f in fits), statistics.median(f.loader_ms for f in fits)
     parts = sum(v for k, v in ms.items() if not k.startswith(("network", " ", "guard")))
@@ -560,7 +572,7 @@ def profile_width(width: int, args: argparse.Namespace) -> dict[str, float]:
     }
     n_in = data.splits["train"].n_features
     print(f"\n{n_in} inputs, foxhunt ({args.path}), 1 thread, load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; ms per step, "
-          f"median of {args.repeats} fits x {args.steps} steps and {args.steps} rounds of pieces\n")
+          f"medians over {args.repeats} fits x {args.steps} steps, each piece timed in turn with the fit's steps\n")
     print("| piece | ms | share of end-to-end |\n|---|---|---|")
     for k, v in report.items():
         print(f"| {k} | {v:.1f} | {v / step:.0%} |")
