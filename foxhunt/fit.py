@@ -3,8 +3,9 @@
 Everything is a typed constructor argument of ``EnsembleModule`` (with its named ``members``, each a
 ``class_path``/``init_args`` entry), ``BarDataModule`` or ``Trainer``, so the usual LightningCLI conventions hold:
 ``--print_config``, overrides such as ``--trainer.max_epochs 3`` or ``--model.members.tft.init_args.hidden_size 64``,
-``--ckpt_path last`` to resume (from the newest checkpoint that loads, ``--checkpoint_every_n_steps`` ones included). Sizes that follow from the data (feature counts, names, symbols, windows) reach the
-members when the coordinator binds them to the data, so configs never write them. After training, the best
+``--ckpt_path last`` to resume (from the newest checkpoint that loads, ``--checkpoint_every_n_steps`` ones
+included). Sizes that follow from the data (feature counts, names, symbols, windows) reach the members when the
+coordinator binds them to the data, so configs never write them. After training, the best
 checkpoint is exported as safetensors with JSON metadata and back-tested on the test split.
 
 A mistake in the config, the data or a path is one line, ``error: <file/field>: <reason>``, and exit status 2
@@ -135,8 +136,8 @@ class FoxhuntCLI(LightningCLI):
         return self.export_and_backtest()
 
     def _resolve_ckpt_path(self, ckpt_path: str | None) -> str | None:
-        """'last' means the newest last.ckpt or last-steps.ckpt (``--checkpoint_every_n_steps``) of any earlier version of this logger's runs (a new run has its own
-        version directory, where Lightning alone would find nothing and silently start over) that loads: an empty,
+        """'last' means the newest last.ckpt or last-steps.ckpt (``--checkpoint_every_n_steps``) of any earlier
+        version of this logger's runs (a new run has its own version directory, where Lightning alone would find nothing and silently start over) that loads: an empty,
         truncated or unreadable one (a crash while it was written by another writer) is skipped with a warning that
         says why, in favour of the next newest."""
         from foxhunt.training.checkpoint_io import CheckpointError, checkpoint_problem
@@ -213,8 +214,11 @@ def constructor_key(error: BaseException, config: Any) -> str:
 
     if isinstance(owner, Member):
         members = (config.get("model") or {}).get("members") or {}
-        names = [n for n, m in members.items()
-                 if str(getattr(m, "class_path", None) or (m.get("class_path") if hasattr(m, "get") else "")).rsplit(".", 1)[-1] == type(owner).__name__]
+        def class_name(m: Any) -> str:
+            path = getattr(m, "class_path", None) or (m.get("class_path") if hasattr(m, "get") else "")
+            return str(path).rsplit(".", 1)[-1]
+
+        names = [n for n, m in members.items() if class_name(m) == type(owner).__name__]
         where = f"model.members.{names[0]}" if len(names) == 1 else f"model.members.{{{','.join(names)}}}"
         return f"{where} ({type(owner).__name__})"
     return "model"

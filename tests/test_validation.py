@@ -225,3 +225,22 @@ def test_symbols_whose_dates_do_not_overlap_are_one_error_naming_symbol_and_spli
         dm.setup()
     BarDataModule(path=str(tmp_path), symbols=["BBB"], lookback=4, horizon=1, features=["logret_1"], known_future=[],
                   cache_dir=None).setup()
+
+
+def test_returns_without_spread_give_no_jump_scale_and_no_false_alarm(tmp_path: Path) -> None:
+    """A close growing by the same factor every bar (a deviation of 0) or moving mostly by one tick: no jump is
+    invented from a zero scale, while a real spike among one-tick moves is still caught."""
+    steady = make_bars(100)
+    steady["close"] = 100.0 * 1.001 ** np.arange(100)
+    steady["open"] = np.r_[100.0, steady["close"].to_numpy()[:-1]]
+    steady["high"] = steady[["open", "close"]].max(axis=1)
+    steady["low"] = steady[["open", "close"]].min(axis=1)
+    assert len(load_bars(_write(tmp_path, steady, "steady.parquet"))) == 100
+    ticks = steady.copy()
+    ticks["close"] = 100.0 + 0.25 * (np.arange(100) % 3 == 0)  # mostly +-1 tick, so the median deviation is 0
+    ticks.loc[50, "close"] = 1000.0
+    ticks["open"] = np.r_[100.0, ticks["close"].to_numpy()[:-1]]
+    ticks["high"] = ticks[["open", "close"]].max(axis=1)
+    ticks["low"] = ticks[["open", "close"]].min(axis=1)
+    with pytest.raises(BadBarError, match=r"ticks\.parquet: row 50 .*close jumped from 100\.0 to 1000\.0"):
+        load_bars(_write(tmp_path, ticks, "ticks.parquet"))

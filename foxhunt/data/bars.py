@@ -28,12 +28,12 @@ Validation policies (``on_bad_bar``):
 ``frame.attrs["foxhunt_validation"]``. Missing columns, empty files and unreadable or corrupt files always raise.
 
 Two checks catch what breaks models rather than the schema: values outside float32's range (the tensors' dtype: a
-price of 1e39 would become inf) are treated like non-finite ones, and a **jump check** flags a bar whose close moved
-from the previous bar's by more than ``jump_sigmas`` robust standard deviations of its symbol's log returns (1.4826 x
-the median absolute deviation of the non-zero ones; ``None`` turns the check off). Under ``drop`` the bar that starts
-a jump is removed and under ``repair`` it becomes a flat bar at the previous close with volume 0; the next bar is then
-compared with the bar before it, so a one-bar spike costs one bar (a lasting level shift, e.g. an unadjusted split, is
-left after a few rounds, with a warning).
+price of 1e39 would become inf) are treated like non-finite ones, and a **jump check** flags a bar whose close's log
+return from the previous bar lies more than ``jump_sigmas`` robust standard deviations from its symbol's median log
+return (1.4826 x the median absolute deviation of the non-zero ones; ``None`` turns the check off). Under ``drop``
+the bar that starts a jump is removed and under ``repair`` it becomes a flat bar at the previous close with volume 0;
+the next bar is then compared with the bar before it, so a one-bar spike costs one bar (a lasting level shift, e.g.
+an unadjusted split, is left after a few rounds, with a warning).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ ROW_COLUMN = "_row"  # position of the bar in its source file; dropped before th
 DEFAULT_JUMP_SIGMAS = 100.0  # a 1000x spike is thousands of robust std on any bar spacing; real crashes stay below
 JUMP_MIN_RETURNS = 20  # a symbol with fewer non-zero returns has no robust scale to judge jumps by
 JUMP_ROUNDS = 5  # drop/repair rounds (each fixes the first bar of every jump left)
+_JUMP_SCALE_FLOOR = 1e-9  # returns that do not vary (rounding noise only) must not make every bar a jump
 _F32_MAX = float(np.finfo(np.float32).max)
 _F32_TINY = float(np.finfo(np.float32).tiny)
 
@@ -161,12 +162,17 @@ def _group_by_symbol(frame: pd.DataFrame) -> pd.DataFrame:
 
 def check_jump_sigmas(jump_sigmas: float | None) -> float | None:
     if jump_sigmas is not None and (isinstance(jump_sigmas, bool) or not np.isfinite(jump_sigmas) or jump_sigmas <= 0):
-        raise ValueError(f"jump_sigmas must be a positive number of robust standard deviations or None, got {jump_sigmas!r}")
+        raise ValueError(
+            f"jump_sigmas must be a positive number of robust standard deviations or None, got {jump_sigmas!r}"
+        )
     return None if jump_sigmas is None else float(jump_sigmas)
 
 
 def validate_bars(
-    frame: pd.DataFrame, source: str, on_bad_bar: BadBarPolicy = "raise", jump_sigmas: float | None = DEFAULT_JUMP_SIGMAS
+    frame: pd.DataFrame,
+    source: str,
+    on_bad_bar: BadBarPolicy = "raise",
+    jump_sigmas: float | None = DEFAULT_JUMP_SIGMAS,
 ) -> pd.DataFrame:
     """Apply the bar checks to one file's rows (schema columns plus ``_row``) and return the cleaned frame."""
     policy = check_policy(on_bad_bar)
@@ -322,35 +328,41 @@ def _check_time(frame: pd.DataFrame, source: str, policy: BadBarPolicy, report: 
     return frame[~dup_sorted]
 
 
-def _robust_scale(r: np.ndarray, seg: np.ndarray) -> np.ndarray:
-    """Per row, 1.4826 x the median absolute deviation of its symbol's non-zero log returns (the mean absolute
-    deviation x 1.2533 where that median is 0; NaN: fewer than ``JUMP_MIN_RETURNS`` of them). Rows are grouped by
-    symbol, so each symbol is one slice."""
+def _robust_scale(r: np.ndarray, seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the median of its symbol's non-zero log returns and 1.4826 x their median absolute deviation (the
+    mean absolute deviation x 1.2533 where that median is 0; at least ``_JUMP_SCALE_FLOOR``; NaN, no check: fewer
+    than ``JUMP_MIN_RETURNS`` of them). Rows are grouped by symbol, so each symbol is one slice."""
     starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])
+    center = np.zeros(len(seg))
     scale = np.full(len(seg), np.nan)
     for a, b in zip(starts, np.r_[starts[1:], len(seg)], strict=True):
         x = r[a:b]
         x = x[np.isfinite(x) & (x != 0)]
         if len(x) < JUMP_MIN_RETURNS:
             continue
-        dev = np.abs(x - np.median(x))
+        med = float(np.median(x))
+        dev = np.abs(x - med)
         mad = float(np.median(dev))
-        scale[a:b] = 1.4826 * mad if mad > 0 else 1.2533 * float(dev.mean())
-    return scale
+        center[a:b] = med
+        scale[a:b] = max(1.4826 * mad if mad > 0 else 1.2533 * float(dev.mean()), _JUMP_SCALE_FLOOR)
+    return center, scale
 
 
-def _jumps(close: np.ndarray, seg: np.ndarray, keep: np.ndarray, scale: np.ndarray, k: float) -> tuple[np.ndarray, np.ndarray]:
-    """(rows whose close jumped from the previous kept bar of its symbol, |log return| in robust std) among kept rows."""
+def _jumps(close: np.ndarray, seg: np.ndarray, keep: np.ndarray, center: np.ndarray, scale: np.ndarray,
+           k: float) -> tuple[np.ndarray, np.ndarray]:
+    """(rows whose close jumped from the previous kept bar of its symbol, the jump in robust std) among kept rows."""
     rows = np.flatnonzero(keep)
     with np.errstate(divide="ignore", invalid="ignore"):
         r = np.diff(np.log(close[rows]))
-        z = np.abs(r) / scale[rows[1:]]
+        z = np.abs(r - center[rows[1:]]) / scale[rows[1:]]
     same = seg[rows[1:]] == seg[rows[:-1]]
     jump = same & (z > k)
     return rows[1:][jump], z[jump]
 
 
-def _check_jumps(frame: pd.DataFrame, source: str, policy: BadBarPolicy, report: ValidationReport, k: float) -> pd.DataFrame:
+def _check_jumps(
+    frame: pd.DataFrame, source: str, policy: BadBarPolicy, report: ValidationReport, k: float
+) -> pd.DataFrame:
     if len(frame) < 3:
         return frame
     close = frame["close"].to_numpy(dtype=np.float64).copy()
@@ -358,9 +370,9 @@ def _check_jumps(frame: pd.DataFrame, source: str, policy: BadBarPolicy, report:
     with np.errstate(divide="ignore", invalid="ignore"):
         r_all = np.r_[np.nan, np.diff(np.log(close))]
     r_all[np.r_[True, seg[1:] != seg[:-1]]] = np.nan
-    scale = _robust_scale(r_all, seg)
+    center, scale = _robust_scale(r_all, seg)
     keep = np.ones(len(frame), dtype=bool)
-    rows, z = _jumps(close, seg, keep, scale, k)
+    rows, z = _jumps(close, seg, keep, center, scale, k)
     if not len(rows):
         return frame
     if policy == "raise":
@@ -389,7 +401,7 @@ def _check_jumps(frame: pd.DataFrame, source: str, policy: BadBarPolicy, report:
             close[start] = close[kept[np.searchsorted(kept, start) - 1]]
             flat[start] = True
         fixed += len(start)
-        rows, z = _jumps(close, seg, keep, scale, k)
+        rows, z = _jumps(close, seg, keep, center, scale, k)
     report.add(f"price jumps above {k:g} robust standard deviations", fixed)
     if len(rows):
         log.warning("%s: %d jump(s) of the close are left after %d rounds of %s: a lasting level shift (an unadjusted "

@@ -163,7 +163,8 @@ def load_tune_config(path: str | Path) -> TuneConfig:
     timeout = raw.get("timeout")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise TuneConfigError(f"{where}: 'timeout' must be a positive number of seconds or null, got {timeout!r}")
-    beat = {k: raw.get(k, d) for k, d in (("heartbeat_interval", HEARTBEAT_INTERVAL_S), ("heartbeat_grace", HEARTBEAT_GRACE_S))}
+    beat = {"heartbeat_interval": raw.get("heartbeat_interval", HEARTBEAT_INTERVAL_S),
+            "heartbeat_grace": raw.get("heartbeat_grace", HEARTBEAT_GRACE_S)}
     for k, v in beat.items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise TuneConfigError(f"{where}: '{k}' must be a positive whole number of seconds, got {v!r}")
