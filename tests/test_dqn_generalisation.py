@@ -73,11 +73,12 @@ def test_weights_chosen_on_validation_and_the_agent_beats_flat(planted) -> None:
     assert not bool(ensemble.held_flat[0]) and float(ensemble.edge_confidence[0]) > 0.99
     test = MarketTensors(planted.test, member.hparams.window, (-1.0, 0.0, 1.0), 1.0)
     positions = ensemble.positions(planted.test)["dqn"]
-    assert t_stat(positions, test) > 5.0  # measured about 15
+    assert t_stat(positions, test) > 5.0  # clearly beats flat after costs on unseen bars
     scores = quality.task_scores(positions, planted, window=member.hparams.window)
     assert scores["fraction_of_oracle"] > 0.5, scores
 
 
+@pytest.mark.slow
 def test_patience_stops_learning_early(planted) -> None:
     ensemble, member, _ = quality.train_on_task(planted, 4_000, seed=0, select_every=100, patience=1, **SMALL)
     assert member.finished and ensemble.updates["dqn"] < 4_000
