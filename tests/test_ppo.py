@@ -30,7 +30,7 @@ from foxhunt.models.actor_critic import (
     squashed_normal_log_prob,
     tanh_log_det,
 )
-from foxhunt.rl.env import ContinuousMarketEnv, MarketEnv, MarketTensors, sequential_positions
+from foxhunt.rl.env import ContinuousMarketEnv, MarketEnv, MarketTensors, apply_no_trade_band, sequential_positions
 from foxhunt.rl.rollout import RolloutBuffer, generalized_advantages
 
 
@@ -237,6 +237,13 @@ def test_continuous_env_rewards_episodes_and_state() -> None:
     torch.testing.assert_close(second.raw_rewards, -2e-4 * torch.where(tr.last, torch.zeros(5), moves).abs())
     env.load_state_dict(state)
     assert torch.equal(env.step(moves).rewards, tr.rewards)
+    # the no-trade band: a target within 0.3 of the held position (flat here) is not traded, and pays nothing
+    banded = ContinuousMarketEnv(m, n_envs=5, episode_length=7, seed=1, no_trade_band=0.3)
+    taken = banded.step(moves)
+    assert torch.equal(taken.actions, torch.tensor([0.5, -1.0, 0.0, 0.0, 1.0]))
+    torch.testing.assert_close(taken.raw_rewards, taken.actions * m.returns[bars] - 2e-4 * taken.actions.abs())
+    with pytest.raises(ValueError, match="no_trade_band"):
+        ContinuousMarketEnv(m, n_envs=5, episode_length=7, no_trade_band=2.0)
 
 
 def test_deterministic_positions_equal_a_bar_by_bar_loop() -> None:
@@ -244,10 +251,12 @@ def test_deterministic_positions_equal_a_bar_by_bar_loop() -> None:
     symbol by symbol from flat, flat where no decision can be taken."""
     split = make_split((300, 200, 150))
     for space in ("discrete", "continuous"):
-        member = PPOModule(window=4, action_space=space, hidden=(16, 16), seed=3, log_std_init=0.0)
+        band = 0.05
+        member = PPOModule(window=4, action_space=space, hidden=(16, 16), seed=3, log_std_init=0.0, no_trade_band=band)
         member.attach_market(split)
-        with torch.no_grad():  # a policy that depends visibly on the held position
+        with torch.no_grad():  # a policy that depends visibly on the held position, with targets across [-1, 1]
             member.net.actor[0].weight.mul_(30.0)
+            member.net.actor[-1].weight.mul_(50.0)
         positions, m = member.deterministic_positions(split)
         want = torch.zeros(m.n_bars)
         held = 0.0
@@ -263,7 +272,8 @@ def test_deterministic_positions_equal_a_bar_by_bar_loop() -> None:
                     held = float(m.actions[logits.argmax(1)])
                 else:
                     with torch.no_grad():
-                        held = float(member.net.deterministic(m.windows(torch.tensor([t])), torch.tensor([[held]])))
+                        target = float(member.net.deterministic(m.windows(torch.tensor([t])), torch.tensor([[held]])))
+                    held = held if abs(target - held) < band else target  # the no-trade band
             want[t] = held
         torch.testing.assert_close(positions, want, atol=1e-5, rtol=0)
         assert (positions[~m.decision] == 0).all() and positions[m.decision].abs().sum() > 0
@@ -299,7 +309,8 @@ def test_rollout_values_bootstrap_from_final_states(market, space) -> None:
     member.collect_rollout()
     buf, m, net = member.rollout, member.env.market, member.net
     assert buf.last.any()  # episodes of 16 steps: time limits inside the rollout
-    nxt = torch.tanh(buf.actions) if space == "continuous" else buf.actions
+    # the position taken: the target tanh(u), or the held one where the target is within the no-trade band
+    nxt = apply_no_trade_band(torch.tanh(buf.actions), buf.held, 0.1) if space == "continuous" else buf.actions
     inner = ~buf.last[:-1]
     assert torch.equal(buf.bars[1:][inner], (buf.bars[:-1] + 1)[inner])
     assert torch.allclose(buf.held[1:][inner].float(), nxt[:-1][inner].float())
@@ -487,6 +498,26 @@ def test_ppo_stays_flat_on_a_martingale() -> None:
     assert ppo["total_log_return"] > -2 * 1e-4, ppo
 
 
+def test_continuous_ppo_beats_flat_on_a_signal_and_stays_near_flat_on_a_martingale() -> None:
+    """The continuous position at its defaults (no-trade band 0.1, mean penalty 0.1): φ = 0.3 clearly beats flat
+    after costs out of sample (measured 0.66 of the oracle); φ = 0 keeps small positions and almost never trades
+    (measured: mean |position| 0.045, turnover 0.0032 a bar, log return +0.0012 over 12k test bars). Without the
+    band and the penalty the same run sat at |position| 0.94 on the martingale (docs/PPO.md)."""
+    signal = quality.ar1_market(n_bars=60_000, phi=0.3, seed=3)
+    member = learn(signal, 640, action_space="continuous")
+    positions, test = member.deterministic_positions(signal.test)
+    oracle = quality.best_causal_oracle(quality.baseline_metrics(test, signal.expected["test"]))
+    assert t_stat(positions, test) > 8.0
+    assert member.evaluate(signal.test)["reward_per_bar"] >= 0.5 * oracle
+    martingale = quality.ar1_market(n_bars=60_000, phi=0.0, seed=3)
+    member = learn(martingale, 960, action_space="continuous")
+    positions, test = member.deterministic_positions(martingale.test)
+    res = member.evaluate(martingale.test)
+    assert float(positions[test.decision].abs().mean()) < 0.1, res
+    assert res["turnover"] < 0.01, res
+    assert res["total_log_return"] > -0.01, res
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("space", ["discrete", "continuous"])
 def test_ppo_learning_over_seeds(space) -> None:
@@ -495,10 +526,13 @@ def test_ppo_learning_over_seeds(space) -> None:
         member = learn(data, 640, seed=seed, action_space=space)
         test = MarketTensors(data.test, 4, (-1.0, 0.0, 1.0), 1.0)
         oracle = quality.best_causal_oracle(quality.baseline_metrics(test, data.expected["test"]))
-        assert member.evaluate(data.test)["reward_per_bar"] >= 0.8 * oracle, (space, seed)
-        flat = learn(quality.ar1_market(n_bars=60_000, phi=0.0, seed=seed + 3), 960, seed=seed, action_space=space)
-        res = flat.evaluate(data.test)
-        assert res["turnover"] < (1e-3 if space == "discrete" else 0.05), (space, seed, res)
+        # continuous: its mean penalty caps a strong signal's positions (measured 0.66 of the oracle, seed 0)
+        share = 0.8 if space == "discrete" else 0.5
+        assert member.evaluate(data.test)["reward_per_bar"] >= share * oracle, (space, seed)
+        martingale = quality.ar1_market(n_bars=60_000, phi=0.0, seed=seed + 3)
+        flat = learn(martingale, 960, seed=seed, action_space=space)
+        res = flat.evaluate(martingale.test)
+        assert res["turnover"] < (1e-3 if space == "discrete" else 0.01), (space, seed, res)
 
 
 # ------------------------------------------------------------------------------------------------ fit, export, load
