@@ -58,8 +58,11 @@ def train_mamba2(data: QualityData, *, steps: int, batch_size: int = 128, seed: 
 
 
 def report_of(module: object, data: QualityData) -> dict[str, float]:
-    """forecaster_quality.evaluate's figures, with the model's keys named ``model_*``."""
-    return {k.replace("tft_", "model_"): v for k, v in evaluate(module, data, "test").items()}  # type: ignore[arg-type]
+    """forecaster_quality.evaluate's figures, with the model's keys named ``model_*`` (windows in batches of about
+    64k bars: 1024 windows at lookback 64, 16 at 4096, so a long lookback's forward fits in memory)."""
+    batch = max(8, 65536 // data.lookback)
+    return {k.replace("tft_", "model_"): v  # type: ignore[arg-type]
+            for k, v in evaluate(module, data, "test", batch_size=batch).items()}
 
 
 def long_memory_data(n_bars: int, *, window: int, strength: float, seed: int, lookback: int, horizon: int = 1,
@@ -105,13 +108,18 @@ def long_memory_data(n_bars: int, *, window: int, strength: float, seed: int, lo
                        FeatureNormalizer())
 
 
-def at_lookback(data: QualityData, lookback: int) -> QualityData:
+def at_lookback(data: QualityData, lookback: int, test_windows: int = 0) -> QualityData:
     """``data`` read with a shorter lookback on the same windows: each split loses its first (data.lookback -
-    lookback) rows, so its first full window ends at the same row as with the longest lookback."""
+    lookback) rows, so its first full window ends at the same row as with the longest lookback. ``test_windows`` > 0
+    keeps only the test split's last rows, those that the last ``test_windows`` windows need (the same for every
+    lookback)."""
     drop = data.lookback - lookback
     if drop < 0:
         raise ValueError(f"lookback {lookback} is longer than the data's {data.lookback}")
     keep = {name: torch.arange(len(split)) >= drop for name, split in data.splits.items()}
+    if test_windows > 0:
+        n_test = len(data.splits["test"])
+        keep["test"] = torch.arange(n_test) >= max(drop, n_test - (test_windows + lookback - 1 + data.horizon))
     return replace(data, lookback=lookback,
                    splits={name: split.select(keep[name]) for name, split in data.splits.items()},
                    target_scale={name: sc[keep[name]] for name, sc in data.target_scale.items()},
@@ -153,6 +161,10 @@ def main() -> None:
     parser.add_argument("--table-steps", type=int, default=150)
     parser.add_argument("--table-batch-size", type=int, default=16)
     parser.add_argument("--table-bars", type=int, default=200_000)
+    parser.add_argument("--table-test-windows", type=int, default=0,
+                        help="evaluate on the last N test windows only (0: all; a 4096-bar forward is costly)")
+    parser.add_argument("--table-longest", type=int, default=0,
+                        help="build the windows for this lookback at least (to split one table over processes)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     args = parser.parse_args()
     if args.threads:
@@ -190,13 +202,13 @@ def main() -> None:
     table = [("mamba2", int(v)) for v in args.table.split(",") if v]
     table += [("tft", int(v)) for v in args.tft_table.split(",") if v]
     if table:
-        longest = max(lb for _, lb in table)
+        longest = max(args.table_longest, *(lb for _, lb in table))
         full = build_quality_data(args.table_bars, seed=args.seed, signal_strength=args.signal, lookback=longest,
                                   horizon=args.horizon)
         print(f"\nlookback table: weak signal {args.signal}, {args.table_bars} bars, windows of the longest lookback "
               f"({longest}), {args.table_steps} steps of batch {args.table_batch_size}", flush=True)
         for name, lb in table:
-            data = at_lookback(full, lb)
+            data = at_lookback(full, lb, args.table_test_windows)
             t2 = time.perf_counter()
             warm = min(100, args.table_steps // 10)
             if name == "mamba2":
