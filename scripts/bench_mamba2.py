@@ -27,7 +27,9 @@ each lookback's timing. The outputs are compared on the first ``--check-rows`` s
 the batch; the reference's full-batch forward at L = 4096 alone costs a step). Then, per version,
 its step time at each L over its step time at the smallest L (linear: L / L_min) and the memory rise likewise.
 
-    python scripts/bench_mamba2.py                                   # 64, 512, 4096; ~15 min on a quiet core
+    python scripts/bench_mamba2.py                                   # 64, 512, 4096 at batch 128 (the reference
+                                                                     # needs ~10 GiB at 4096; ~15 min on a quiet core)
+    python scripts/bench_mamba2.py --lookbacks 64,512,4096 --repeats 3 --no-warmup --batch 32   # docs/MAMBA2.md's run
     python scripts/bench_mamba2.py --lookbacks 64,512 --repeats 5
     python scripts/bench_mamba2.py --variants factored,tft --lookbacks 512,4096,16384
     python scripts/bench_mamba2.py --reference /path/to/mamba_ssm/modules/ssd_minimal.py   # no download
