@@ -289,6 +289,21 @@ def test_a_stale_trial_is_retried_once_with_its_parameters_and_the_reason(tmp_pa
     assert retry.user_attrs["worker"] != "lost-host:1"
 
 
+def test_a_worker_waits_for_other_workers_running_trials_and_gives_up_on_ones_without_heartbeat(tmp_path: Path) -> None:
+    """The rest of the budget held by another worker's running trial: wait for it to end or go stale (then retry it);
+    a trial that never sent a heartbeat can do neither, so the wait ends after two grace periods."""
+    from foxhunt.tune import open_study
+
+    path = _config(tmp_path, n_trials=1, heartbeat_interval=1, heartbeat_grace=2)
+    cfg = load_tune_config(path)
+    storage = f"sqlite:///{tmp_path / 'runs' / 'optuna.db'}"
+    study = open_study(cfg, storage, cfg.study_name)
+    study.ask()  # another worker's trial, killed before its first heartbeat
+    run = run_study(cfg, storage=storage, check=False)
+    assert run.waited and run.ran == []
+    assert [t.state for t in _study(tmp_path).get_trials()] == [TrialState.RUNNING]
+
+
 def test_a_retry_that_goes_stale_is_not_retried_again(tmp_path: Path) -> None:
     from foxhunt.tune import RetryStaleTrial
 

@@ -300,6 +300,8 @@ def run_study(
     start = time.monotonic()
     log.info("study %r in %s: %s", name, storage, "until interrupted" if n_trials is None and timeout is None else
              f"n_trials={n_trials} (study total), timeout={timeout}")
+    waiting_on: set[int] = set()
+    waiting_since = start
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _terminate)
@@ -320,9 +322,17 @@ def run_study(
                         log.info("study %r holds %d of %d trials: done", name, used, n_trials)
                         break
                     # the rest of the budget is other workers' running trials: wait for them to end, or to go stale
-                    # (a killed worker's), when their parameters are retried here
-                    if not run.waited:
-                        log.info("study %r: waiting for the running trials of other workers", name)
+                    # (a killed worker's), when their parameters are retried here; give up on trials that do
+                    # neither (killed before their first heartbeat) after two grace periods
+                    running = {t.number for t in trials if t.state == TrialState.RUNNING}
+                    if running != waiting_on:
+                        waiting_on, waiting_since = running, time.monotonic()
+                        log.info("study %r: waiting for the running trials %s of other workers", name, sorted(running))
+                    elif time.monotonic() - waiting_since > 2 * cfg.heartbeat_grace:
+                        log.warning("study %r: trials %s neither end nor go stale (killed before their first "
+                                    "heartbeat?): stopping; they hold the budget until failed (or raise --n-trials)",
+                                    name, sorted(running))
+                        break
                     run.waited = True
                     time.sleep(cfg.heartbeat_interval)
                     continue
