@@ -12,7 +12,8 @@ Rows (``--rows``):
 - ``ppo-defaults``: PPOModule's defaults (``n_envs`` agents x ``n_steps`` per rollout, 4 epochs of 4 minibatches):
   the vectorised learner as shipped, compared on environment steps per second (target >= 20x SB3's);
 - ``ppo-mb64``: SB3's own schedule (2048 steps per rollout, here 16 agents x 128 steps, 10 epochs of minibatches of 64:
-  320 updates per rollout), compared on minibatch updates per second at the same minibatch size (target >= 2x SB3's).
+  320 updates per rollout), compared on minibatch updates per second at the same minibatch size (target >= 2x SB3's);
+- ``ppo-mb64-plain``: the same with ``fused_loss=False`` (the plain autograd loss), to show what the fused path buys.
 
 Every learner runs on one thread (``torch.set_num_threads(1)``), interleaved: every repeat runs every learner once, in
 turn; figures are medians over repeats (ratios: medians of per-repeat ratios). Timing starts at the first training
@@ -51,6 +52,7 @@ COST_BPS = 1.0
 ROWS = {
     "ppo-defaults": {},
     "ppo-mb64": {"n_envs": 16, "n_steps": 128, "n_minibatches": 32, "n_epochs": 10},
+    "ppo-mb64-plain": {"n_envs": 16, "n_steps": 128, "n_minibatches": 32, "n_epochs": 10, "fused_loss": False},
 }
 
 
@@ -157,7 +159,7 @@ def main() -> None:
     p.add_argument("--env-steps", type=int, default=65_536, help="environment steps of every learner (SB3: whole "
                    "rollouts of 2048; foxhunt: whole rollouts, at least one)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--rows", default=",".join(ROWS), help=f"foxhunt configurations, of {', '.join(ROWS)}")
+    p.add_argument("--rows", default="ppo-defaults,ppo-mb64", help=f"foxhunt configurations, of {', '.join(ROWS)}")
     p.add_argument("--skip-sb3", action="store_true")
     p.add_argument("--phi", type=float, default=0.1)
     p.add_argument("--n-bars", type=int, default=200_000)
