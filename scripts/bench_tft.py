@@ -39,6 +39,8 @@ quiet 0.8, so absolute times are inflated; ratios are per repeat, the two fits s
                                     (loader 0.4 vs 258 ms), memory x0.65, test loss x0.998
     125 inputs, --steps 6 --no-memory (load 8-14): throughput x3.39 median of 5 (x2.98-x3.54, spread 16.4%), whole
                                     step 1920 vs 6794 ms (loader 1.6 vs 268 ms), test loss x1.005 after 45 steps
+    125 inputs, --steps 10 --no-memory (load 3-8): throughput x3.55 median of 5 (x2.98-x3.62, spread 18.1%), whole
+                                    step 1492 vs 5218 ms (loader 1.5 vs 189 ms), test loss x1.001 after 65 steps
     125 inputs, memory (mem125 probe in the issue-22 notes): foxhunt 491 MiB (104 with keep_activations_mib=0);
                                     pytorch-forecasting 1464 MiB (earlier runs), so about x0.34 (x0.07)
 Before issue 22 (manual loop, no Lightning, back-to-back steps): x2.72 at 125 and x1.74 at 5 on a quiet box.
