@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import statistics
@@ -427,7 +428,13 @@ def bench_width(width: int, args: argparse.Namespace) -> dict[str, Any]:
     ratios: list[float] = []
     for r in range(args.repeats):
         order = impls if r % 2 == 0 else impls[::-1]  # alternate who goes first
-        timings = in_turns({impl.name: lambda turns, impl=impl: impl.fit(args.steps, args.warmup, turns) for impl in order})
+        gc.collect()
+        if args.no_gc:  # like timeit: no cyclic collection inside the timed fits (collected between repeats)
+            gc.disable()
+        try:
+            timings = in_turns({impl.name: lambda turns, impl=impl: impl.fit(args.steps, args.warmup, turns) for impl in order})
+        finally:
+            gc.enable()
         for impl in impls:
             runs[impl.name].append(timings[impl.name])
         ratios.append(runs["foxhunt"][-1].samples_per_s / runs["pytorch-forecasting"][-1].samples_per_s)
@@ -608,6 +615,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile foxhunt's network")
     parser.add_argument("--compile-peer", action="store_true", help="torch.compile pytorch-forecasting's model")
     parser.add_argument("--profile", action="store_true", help="print where foxhunt's step goes instead of comparing")
+    parser.add_argument("--no-gc", action="store_true", help="disable Python's cyclic GC during each repeat's fits (timeit-style)")
     parser.add_argument("--no-memory", action="store_true",
                         help="skip the peak-memory probe (MemTracker scans every live tensor at every op: minutes at 125 inputs)")
     args = parser.parse_args()
