@@ -28,7 +28,8 @@ of one training step (torch's MemTracker, on a copy of each network), the test q
 horizons, the same test windows for both) after all repeats, and the 1-minute load average (os.getloadavg) seen
 before and after every fit. ``--profile`` prints where foxhunt's step goes instead.
 
-    python scripts/bench_tft.py --widths 125,5 --repeats 5        # needs: pip install pytorch-forecasting
+    python scripts/bench_tft.py --widths 5 --repeats 5 --no-gc                          # needs pytorch-forecasting
+    python scripts/bench_tft.py --widths 125 --repeats 5 --steps 10 --no-gc --no-memory
     python scripts/bench_tft.py --widths 5 --profile              # foxhunt's step, piece by piece
 
 Measured (issue 22; the shared 2-core box at a 1-minute load average of 8-27 from other jobs, 5-30x the issue's
@@ -41,6 +42,11 @@ quiet 0.8, so absolute times are inflated; ratios are per repeat, the two fits s
                                     step 1920 vs 6794 ms (loader 1.6 vs 268 ms), test loss x1.005 after 45 steps
     125 inputs, --steps 10 --no-memory (load 3-8): throughput x3.55 median of 5 (x2.98-x3.62, spread 18.1%), whole
                                     step 1492 vs 5218 ms (loader 1.5 vs 189 ms), test loss x1.001 after 65 steps
+    with --no-gc (cyclic GC off inside each repeat's fits, as timeit does), a quieter box (load 1-6):
+    125 inputs, --steps 10 --no-memory --no-gc: throughput x3.53 median of 5 (x3.38-x3.71, spread 9.3%), whole step
+                                    911 vs 3199 ms (loader 1.2 vs 110 ms), test loss x1.001 after 65 steps
+    5 inputs, --no-gc:              throughput x2.27 median of 5 (x2.26-x2.29, spread 1.5%), whole step 246 vs 563 ms
+                                    (loader 0.4 vs 103 ms), memory x0.65 (70 vs 107 MiB), test loss x0.996
     125 inputs, memory (mem125 probe in the issue-22 notes): foxhunt 491 MiB (104 with keep_activations_mib=0);
                                     pytorch-forecasting 1464 MiB (earlier runs), so about x0.34 (x0.07)
 Before issue 22 (manual loop, no Lightning, back-to-back steps): x2.72 at 125 and x1.74 at 5 on a quiet box.
