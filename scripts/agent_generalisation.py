@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections import defaultdict
@@ -41,7 +40,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from foxhunt.lit.agent_quality import task_scores, train_on_task
-from foxhunt.lit.agent_tasks import SyntheticMarket, real_market, task_market
+from foxhunt.lit.agent_tasks import (
+    SyntheticMarket,
+    add_task_family_arguments,
+    read_rows,
+    record_row,
+    score_cell,
+    task_family,
+)
 from foxhunt.rl.env import MarketTensors, greedy_positions, reward_scale_for
 
 WINDOW = 32
@@ -93,45 +99,25 @@ def print_table(rows: list[dict]) -> None:
     print(head)
     print("|" + "---|" * (2 + len(learners)))
 
-    def cell(r: dict | None) -> str:
-        if r is None:
-            return "-"
-        frac = "" if math.isnan(r["fraction_of_oracle"]) else f"{r['fraction_of_oracle']:+.2f}, "
-        flat = " (held flat)" if r.get("held_flat") else ""
-        return f"{frac}{r['log_return']:+.4f}, {r['turnover']:.4f}{flat}"
-
     for (task, seed), got in sorted(by_task.items()):
-        print(f"| {task} | {seed} | " + " | ".join(cell(got.get(n)) for n in learners) + " |")
+        print(f"| {task} | {seed} | " + " | ".join(score_cell(got.get(n)) for n in learners) + " |")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--phis", type=float, nargs="*", default=[0.0, 0.05, 0.1, 0.3])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--real", type=str, default=None, help="CSV of a real series (timestamp, close)")
+    add_task_family_arguments(p)
     p.add_argument("--updates", type=int, default=50_000)
-    p.add_argument("--n-bars", type=int, default=300_000)
     p.add_argument("--learners", nargs="+", choices=["foxhunt", "sb3"], default=["foxhunt", "sb3"])
-    p.add_argument("--min-edge-confidence", type=float, default=0.95, help="the coordinator's rule (-1: off)")
     p.add_argument("--dqn", type=json.loads, default={}, help="JSON of DQNModule overrides (ablations)")
     p.add_argument("--name", type=str, default=None, help="the foxhunt learner's name in the table")
-    p.add_argument("--out", type=str, default=None, help="append JSON lines here")
-    p.add_argument("--table", nargs="+", default=None, help="print the table of these JSON-lines files and exit")
     args = p.parse_args()
     if args.table:
-        print_table([json.loads(line) for f in args.table for line in Path(f).read_text().splitlines() if line.strip()])
+        print_table(read_rows(args.table))
         return
     torch.set_num_threads(1)
     confidence = None if args.min_edge_confidence < 0 else args.min_edge_confidence
-    tasks: list[tuple[str, int]] = [(f"AR {phi:g}", s) for phi in args.phis for s in args.seeds]
-    if args.real:
-        tasks.append((f"real {Path(args.real).stem}", 0))
     rows = []
-    for task, seed in tasks:
-        if task.startswith("real"):
-            data = real_market(args.real)
-        else:
-            data = task_market(float(task.split()[1]), seed, n_bars=args.n_bars)
+    for task, seed, data in task_family(args):
         for learner in args.learners:
             torch.manual_seed(seed)
             if learner == "foxhunt":
@@ -142,12 +128,8 @@ def main() -> None:
                 name = "sb3"
             row = {"learner": name, "task": task, "seed": seed, "dqn": args.dqn if learner == "foxhunt" else {}, **res}
             rows.append(row)
-            print(json.dumps(row), flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            record_row(row, args.out)
     print_table(rows)
-
 
 if __name__ == "__main__":
     main()

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections import defaultdict
@@ -43,7 +42,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from foxhunt.lit.agent_quality import task_scores
-from foxhunt.lit.agent_tasks import SyntheticMarket, real_market, task_market
+from foxhunt.lit.agent_tasks import (
+    SyntheticMarket,
+    add_task_family_arguments,
+    read_rows,
+    record_row,
+    score_cell,
+    task_family,
+)
 from foxhunt.lit.ppo_quality import train_ppo, updates_for_env_steps
 from foxhunt.rl.env import MarketTensors, greedy_positions, reward_scale_for
 
@@ -99,44 +105,26 @@ def print_table(rows: list[dict]) -> None:
     print("| task | seed | env steps | " + " | ".join(learners) + " |")
     print("|" + "---|" * (3 + len(learners)))
 
-    def cell(r: dict | None) -> str:
-        if r is None:
-            return "-"
-        frac = "" if math.isnan(r["fraction_of_oracle"]) else f"{r['fraction_of_oracle']:+.2f}, "
-        flat = " (flat)" if r.get("held_flat") else ""
-        return f"{frac}{r['log_return']:+.4f}, {r['turnover']:.4f}{flat}"
-
     for (task, seed, steps), got in sorted(by_task.items()):
-        print(f"| {task} | {seed} | {steps:,} | " + " | ".join(cell(got.get(n)) for n in learners) + " |")
+        print(f"| {task} | {seed} | {steps:,} | " + " | ".join(score_cell(got.get(n), " (flat)") for n in learners) + " |")
     print("\ncells: fraction of the causal oracle's test reward after costs (synthetic tasks), test log return, turnover"
           " per bar; (flat): held flat by the do-no-harm rule")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--phis", type=float, nargs="*", default=[0.0, 0.05, 0.1, 0.3])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--real", type=str, default=None, help="CSV of a real series (timestamp, close)")
+    add_task_family_arguments(p)
     p.add_argument("--env-steps", type=int, default=131_072, help="environment steps of every learner")
-    p.add_argument("--n-bars", type=int, default=300_000)
     p.add_argument("--learners", nargs="+", choices=LEARNERS, default=list(LEARNERS))
-    p.add_argument("--min-edge-confidence", type=float, default=0.95, help="the coordinator's rule (-1: off)")
     p.add_argument("--ppo", type=json.loads, default={}, help="JSON of PPOModule overrides")
-    p.add_argument("--out", type=str, default=None, help="append JSON lines here")
-    p.add_argument("--table", nargs="+", default=None, help="print the table of these JSON-lines files and exit")
     args = p.parse_args()
     if args.table:
-        print_table([json.loads(line) for f in args.table for line in Path(f).read_text().splitlines() if line.strip()])
+        print_table(read_rows(args.table))
         return
     torch.set_num_threads(1)
     confidence = None if args.min_edge_confidence < 0 else args.min_edge_confidence
-    tasks: list[tuple[str, int]] = [(f"AR {phi:g}", s) for phi in args.phis for s in args.seeds]
-    if args.real:
-        tasks.append((f"real {Path(args.real).stem}", 0))
     rows = []
-    for task, seed in tasks:
-        data = real_market(args.real) if task.startswith("real") else task_market(float(task.split()[1]), seed,
-                                                                                  n_bars=args.n_bars)
+    for task, seed, data in task_family(args):
         for learner in args.learners:
             torch.manual_seed(seed)
             if learner == "sb3_ppo":
@@ -148,12 +136,8 @@ def main() -> None:
                 row = {"learner": name, "task": task, "seed": seed, "env_steps_asked": args.env_steps,
                        "ppo": args.ppo if name.startswith("ppo") else {}, **res}
                 rows.append(row)
-                print(json.dumps(row), flush=True)
-                if args.out:
-                    with open(args.out, "a") as f:
-                        f.write(json.dumps(row) + "\n")
+                record_row(row, args.out)
     print_table(rows)
-
 
 if __name__ == "__main__":
     main()

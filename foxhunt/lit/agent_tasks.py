@@ -19,7 +19,10 @@ quality table uses the same API.
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,3 +163,48 @@ def real_market(
     symbol = str(df["symbol"].iloc[0]) if "symbol" in df.columns else path.stem
     return split_market(r, np.full(r.shape[0], np.nan), simple_features(r, vol_bars), TASK_FEATURES, ts, fractions,
                         purge, symbol=symbol)
+
+
+# --- what every task-family benchmark script shares (scripts/agent_generalisation.py, scripts/ppo_quality.py) -----
+
+
+def add_task_family_arguments(p: argparse.ArgumentParser) -> None:
+    """The task-family options of the agent benchmarks: tasks, seeds, the real series, the rule, output."""
+    p.add_argument("--phis", type=float, nargs="*", default=[0.0, 0.05, 0.1, 0.3])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--real", type=str, default=None, help="CSV of a real series (timestamp, close)")
+    p.add_argument("--n-bars", type=int, default=300_000)
+    p.add_argument("--min-edge-confidence", type=float, default=0.95, help="the coordinator's rule (-1: off)")
+    p.add_argument("--out", type=str, default=None, help="append JSON lines here")
+    p.add_argument("--table", nargs="+", default=None, help="print the table of these JSON-lines files and exit")
+
+
+def task_family(args: argparse.Namespace) -> Iterator[tuple[str, int, SyntheticMarket]]:
+    """(task name, seed, market) of every AR strength and seed asked for, then the real series (seed 0)."""
+    for phi in args.phis:
+        for seed in args.seeds:
+            yield f"AR {phi:g}", seed, task_market(phi, seed, n_bars=args.n_bars)
+    if args.real:
+        yield f"real {Path(args.real).stem}", 0, real_market(args.real)
+
+
+def read_rows(paths: list[str]) -> list[dict]:
+    """The JSON-lines result rows of earlier runs."""
+    return [json.loads(line) for f in paths for line in Path(f).read_text().splitlines() if line.strip()]
+
+
+def record_row(row: dict, out: str | None) -> None:
+    """Print a result row as JSON and append it to ``out`` (when given), so a killed sweep keeps what it ran."""
+    print(json.dumps(row), flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def score_cell(row: dict | None, flat_mark: str = " (held flat)") -> str:
+    """A table cell: fraction of the oracle (synthetic tasks), test log return and turnover, and the rule's mark."""
+    if row is None:
+        return "-"
+    frac = "" if math.isnan(row["fraction_of_oracle"]) else f"{row['fraction_of_oracle']:+.2f}, "
+    flat = flat_mark if row.get("held_flat") else ""
+    return f"{frac}{row['log_return']:+.4f}, {row['turnover']:.4f}{flat}"
