@@ -27,6 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from foxhunt.data.market import MarketSpec, MarketSplit
+from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
+from foxhunt.evaluation.trading import trading_metrics
 from foxhunt.rl.env import MarketTensors
 from foxhunt.training.guard import NonFiniteGuard
 from foxhunt.training.optim import configure_adamw
@@ -193,10 +195,21 @@ class Agent(Member):
         """Before the first update: build the environment on the member's device and warm up (e.g. fill replay)."""
         raise NotImplementedError
 
+    def policy_positions(self, split: MarketSplit | MarketTensors) -> tuple[Tensor, MarketTensors]:
+        """[T] positions of the policy it trades (greedy, deterministic) over ``split``, and the market they are on."""
+        raise NotImplementedError
+
     @torch.no_grad()
     def positions(self, split: MarketSplit) -> Tensor:
-        """[T] positions of the greedy policy over ``split`` (flat where no decision can be taken)."""
-        raise NotImplementedError
+        """[T] positions of the traded policy over ``split`` (flat where no decision can be taken)."""
+        return self.policy_positions(split)[0].float()
+
+    def evaluate(self, split: MarketSplit, bars_per_year: float | None = None) -> dict[str, float]:
+        """Back-test metrics of the traded policy on ``split`` (raw returns, raw costs)."""
+        positions, market = self.policy_positions(split)
+        bpy = bars_per_year or infer_bars_per_year(split.timestamps, split.symbol_index)
+        m = trading_metrics(positions, market.returns, market.cost_bps, bpy, mask=market.decision, reset=market.reset_mask)
+        return {k: float(v) for k, v in m.as_dict().items()}
 
     # The market and exported values every agent keeps the same way (a window of features, its actions, the cost it
     # was bound with, the reward scale fitted on its training split).

@@ -34,8 +34,6 @@ import torch
 from torch import Tensor, nn
 
 from foxhunt.data.market import MarketSpec, MarketSplit
-from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
-from foxhunt.evaluation.trading import trading_metrics
 from foxhunt.lit.member import Agent
 from foxhunt.models.actor_critic import (
     ActionSpace,
@@ -560,16 +558,7 @@ class PPOModule(Agent):
         finally:
             net.train(was_training)
 
-    @torch.no_grad()
-    def positions(self, split: MarketSplit) -> Tensor:
-        return self.deterministic_positions(split)[0].float()
-
-    def evaluate(self, split: MarketSplit, bars_per_year: float | None = None) -> dict[str, float]:
-        """Back-test metrics of the deterministic policy on ``split`` (raw returns, raw costs)."""
-        positions, market = self.deterministic_positions(split)
-        bpy = bars_per_year or infer_bars_per_year(split.timestamps, split.symbol_index)
-        m = trading_metrics(positions, market.returns, market.cost_bps, bpy, mask=market.decision, reset=market.reset_mask)
-        return {k: float(v) for k, v in m.as_dict().items()}
+    policy_positions = deterministic_positions  # what positions() and evaluate() of Agent trade
 
     # ----------------------------------------------------------------------------------------------- checkpoints
     def run_state(self) -> dict[str, Any]:
