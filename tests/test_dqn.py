@@ -89,6 +89,8 @@ def test_constructor_rejects_bad_configuration() -> None:
         DQNModule(cost_bps=-1.0)
     with pytest.raises(ValueError, match="gradient_clip_val"):
         DQNModule(gradient_clip_val=-1.0)
+    with pytest.raises(ValueError, match="learning rate"):
+        DQNModule(lr=0.0)
     m = DQNModule(n_features=2)
     with pytest.raises(RuntimeError, match="attach_market"):
         m._build_environment()

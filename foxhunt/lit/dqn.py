@@ -42,7 +42,7 @@ from foxhunt.rl.batches import PresampledBatches, TDBatch
 from foxhunt.rl.env import MarketEnv, MarketTensors, RewardSource, greedy_positions, reward_scale_for
 from foxhunt.rl.replay import ReplayBuffer, ReplaySample
 from foxhunt.training.guard import GuardPolicy, NonFiniteGuard
-from foxhunt.training.optim import SchedulerKind, configure_adamw, prefer_fused
+from foxhunt.training.optim import SchedulerKind, configure_adamw, prefer_fused, validate_lr
 
 TargetUpdate = Literal["hard", "polyak"]
 EpsilonSchedule = Literal["linear", "exponential"]
@@ -200,6 +200,7 @@ class DQNModule(Agent):
         """
         super().__init__()
         self.save_hyperparameters()
+        validate_lr(lr)
         if not 0.0 <= gamma < 1.0:
             raise ValueError(f"gamma must be in [0, 1), got {gamma}")
         if n_step < 1:

@@ -31,7 +31,6 @@ from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.data.windows import WindowBatches
 from foxhunt.evaluation.forecast_metrics import forecast_metrics, validate_quantiles
 from foxhunt.lit.member import Forecaster
-from foxhunt.lit.tft import TFTModule
 from foxhunt.models.mamba2 import Mamba2Forecaster, Mamba2Output
 from foxhunt.training.gradnorm import grad_norms
 from foxhunt.training.guard import NonFiniteGuard
@@ -261,17 +260,6 @@ class Mamba2Module(Forecaster):
     def run_state(self) -> dict[str, Any]:
         return {"guard": self.guard.state_dict()}
 
-    # ------------------------------------------------------------------------------------------------ inverse transform
-    # One implementation for every forecaster: the TFT member's (the data's target transform, per-row loc/scale).
-    target_transform = TFTModule.target_transform
-    to_return_scale = TFTModule.to_return_scale
-    quantile_loss = TFTModule.quantile_loss
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "target_transform":  # nn.Module would register it as a submodule and bypass the property
-            type(self).target_transform.fset(self, value)  # type: ignore[attr-defined]
-            return
-        super().__setattr__(name, value)
 
     # ----------------------------------------------------------------------------------------------------------- steps
     def _run(self, net: nn.Module, batch: dict[str, Tensor]) -> Mamba2Output:

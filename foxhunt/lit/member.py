@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from foxhunt.data.market import MarketSpec, MarketSplit
+from foxhunt.evaluation.forecast_metrics import pinball_loss
 from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
 from foxhunt.evaluation.trading import trading_metrics
 from foxhunt.rl.env import MarketTensors
@@ -120,7 +121,7 @@ class Forecaster(Member):
 
     kind: ClassVar[MemberKind] = "forecaster"
     quantiles: tuple[float, ...]
-    target_transform: nn.Module | None  # maps forecasts of the preprocessed target back to log returns (the data's)
+    quantile_levels: Tensor  # the quantiles as a buffer, for the pinball loss
     test_metrics: Any  # a torchmetrics collection of the forecast metrics, prefixed "test/"
     policy_interval: tuple[float, float]  # the quantiles whose interval must clear the cost to take a position
 
@@ -144,6 +145,63 @@ class Forecaster(Member):
     def test_update(self, batch: dict[str, Tensor]) -> None:
         """Add a test batch to ``test_metrics``."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------------------ inverse transform and loss (shared)
+    @property
+    def target_transform(self) -> nn.Module | None:
+        """Maps predictions of ``y`` back to log returns (``inverse(value, loc, scale)``); set by the data side.
+
+        Kept out of the state dict on purpose: the datamodule fits and saves it; a checkpoint loads without it.
+        """
+        return self._target_transform
+
+    @target_transform.setter
+    def target_transform(self, transform: nn.Module | None) -> None:
+        self.__dict__["_target_transform"] = transform
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "target_transform":  # nn.Module would register it as a submodule and bypass the property
+            Forecaster.target_transform.fset(self, value)  # type: ignore[attr-defined]
+            return
+        super().__setattr__(name, value)
+
+    def to_return_scale(self, prediction: Tensor, batch: dict[str, Tensor]) -> Tensor:
+        """Quantile forecasts [B, H, Q] on the original log-return scale (per-row loc/scale first, then the transform)."""
+        pred = prediction.float()
+        loc, scale = batch.get("y_loc"), batch.get("y_scale")
+        if loc is not None:
+            loc = _broadcast_rows(loc, pred)
+        if scale is not None:
+            scale = _broadcast_rows(scale, pred)
+        transform = self._target_transform
+        if transform is None and loc is None and scale is None:
+            raise ValueError(
+                f"{type(self).__name__}: the batch has no y_loc/y_scale and no target_transform is set, so predictions of the "
+                "preprocessed target cannot be mapped back to log returns (set module.target_transform, or give batches "
+                "with y_loc/y_scale)"
+            )
+        if transform is not None:
+            transform.to(pred.device)
+            inverse = getattr(transform, "inverse", None)
+            if inverse is None:
+                raise TypeError(f"target_transform {type(transform).__name__} has no inverse()")
+            if loc is not None or scale is not None:
+                return inverse(pred, loc, scale)
+            return inverse(pred)
+        if scale is not None:
+            pred = pred * scale
+        if loc is not None:
+            pred = pred + loc
+        return pred
+
+    def quantile_loss(self, prediction: Tensor, target: Tensor) -> Tensor:
+        """Mean pinball loss over finite targets, horizons and quantiles, in float32."""
+        loss = pinball_loss(prediction, target, self.quantile_levels)
+        finite = torch.isfinite(target)
+        if bool(finite.all()):
+            return loss.mean()
+        return loss[finite].mean()
+
 
     # The standalone-training pieces both quantile forecasters share (hyperparameters lr, weight_decay, scheduler,
     # betas, eps, total_steps, warmup_steps, step_size, gamma, min_lr_ratio, plateau_patience; metrics
@@ -228,3 +286,13 @@ class Agent(Member):
         if state.get("cost_bps") is not None:
             self.cost_bps = float(state["cost_bps"])
         self.reward_scale_used = state.get("reward_scale")
+
+
+def _broadcast_rows(stat: Tensor, pred: Tensor) -> Tensor:
+    """Per-row [B] or per-step [B, H] statistics shaped to broadcast against [B, H, Q]."""
+    stat = stat.to(device=pred.device, dtype=pred.dtype)
+    if stat.dim() == 1:
+        return stat.view(-1, 1, 1)
+    if stat.dim() == 2:
+        return stat.unsqueeze(-1)
+    raise ValueError(f"y_loc/y_scale must be [B] or [B, H], got {list(stat.shape)}")

@@ -22,7 +22,6 @@ from foxhunt.data.windows import WindowBatches
 from foxhunt.evaluation.figures import Interpretation, attention_figure, importance_figure
 from foxhunt.evaluation.forecast_metrics import (
     forecast_metrics,
-    pinball_loss,
     validate_quantiles,
 )
 from foxhunt.lit.member import Forecaster
@@ -249,65 +248,9 @@ class TFTModule(Forecaster):
     def run_state(self) -> dict[str, Any]:
         return {"guard": self.guard.state_dict()}
 
-    # ------------------------------------------------------------------------------------------------ inverse transform
-    @property
-    def target_transform(self) -> nn.Module | None:
-        """Maps predictions of ``y`` back to log returns (``inverse(value, loc, scale)``); set by the data side.
-
-        Kept out of the state dict on purpose: the datamodule fits and saves it; a checkpoint loads without it.
-        """
-        return self._target_transform
-
-    @target_transform.setter
-    def target_transform(self, transform: nn.Module | None) -> None:
-        self.__dict__["_target_transform"] = transform
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "target_transform":  # nn.Module would register it as a submodule and bypass the property
-            TFTModule.target_transform.fset(self, value)  # type: ignore[attr-defined]
-            return
-        super().__setattr__(name, value)
-
-    def to_return_scale(self, prediction: Tensor, batch: dict[str, Tensor]) -> Tensor:
-        """Quantile forecasts [B, H, Q] on the original log-return scale (per-row loc/scale first, then the transform)."""
-        pred = prediction.float()
-        loc, scale = batch.get("y_loc"), batch.get("y_scale")
-        if loc is not None:
-            loc = _broadcast_rows(loc, pred)
-        if scale is not None:
-            scale = _broadcast_rows(scale, pred)
-        transform = self._target_transform
-        if transform is None and loc is None and scale is None:
-            raise ValueError(
-                "TFTModule: the batch has no y_loc/y_scale and no target_transform is set, so predictions of the "
-                "preprocessed target cannot be mapped back to log returns (set module.target_transform, or give batches "
-                "with y_loc/y_scale)"
-            )
-        if transform is not None:
-            transform.to(pred.device)
-            inverse = getattr(transform, "inverse", None)
-            if inverse is None:
-                raise TypeError(f"target_transform {type(transform).__name__} has no inverse()")
-            if loc is not None or scale is not None:
-                return inverse(pred, loc, scale)
-            return inverse(pred)
-        if scale is not None:
-            pred = pred * scale
-        if loc is not None:
-            pred = pred + loc
-        return pred
-
     # ----------------------------------------------------------------------------------------------------------- steps
     def forward(self, batch: dict[str, Tensor]) -> TFTOutput:
         return self.network(batch["x_past"], batch.get("x_future"), batch.get("symbol"))
-
-    def quantile_loss(self, prediction: Tensor, target: Tensor) -> Tensor:
-        """Mean pinball loss over finite targets, horizons and quantiles, in float32."""
-        loss = pinball_loss(prediction, target, self.quantile_levels)
-        finite = torch.isfinite(target)
-        if bool(finite.all()):
-            return loss.mean()
-        return loss[finite].mean()
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor | None:
         out = self(batch)
@@ -419,13 +362,3 @@ class TFTModule(Forecaster):
         for lg in loggers:
             lg.experiment.add_figure("interpret/variable_importance", importance, self.global_step, close=False)
             lg.experiment.add_figure("interpret/attention", attention, self.global_step, close=False)
-
-
-def _broadcast_rows(stat: Tensor, pred: Tensor) -> Tensor:
-    """Per-row [B] or per-step [B, H] statistics shaped to broadcast against [B, H, Q]."""
-    stat = stat.to(device=pred.device, dtype=pred.dtype)
-    if stat.dim() == 1:
-        return stat.view(-1, 1, 1)
-    if stat.dim() == 2:
-        return stat.unsqueeze(-1)
-    raise ValueError(f"y_loc/y_scale must be [B] or [B, H], got {list(stat.shape)}")
