@@ -318,7 +318,8 @@ def test_last_step_into_the_output_rounds_once(bars3, path, monkeypatch):
 def test_reference_path_with_blocked_running_sums(bars3, fast, reference, monkeypatch):
     """The CUDA choice of two-level running sums for several long rows, forced on CPU, keeps the values."""
     plain = ops.cumsum
-    monkeypatch.setattr(ops, "cumsum", lambda x, block=256: ops.blocked_cumsum(x, block) if x.shape[-1] > block else plain(x))
+    monkeypatch.setattr(ops, "cumsum", lambda x, block=256, out=None: ops._put(ops.blocked_cumsum(x, block), out)
+                        if x.shape[-1] > block else plain(x, out=out))
     assert_same_features(every_feature(bars3), fast)
 
 

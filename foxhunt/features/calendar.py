@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from foxhunt.features import ops
 from foxhunt.features.registry import FeatureList
 
 if TYPE_CHECKING:
@@ -32,26 +33,33 @@ CALENDAR_DEFINITIONS = {  # name: (definition, phase, function)
 def phases(ts_ns: Tensor) -> dict[str, Tensor]:
     """Phases in [0, 1) of the day, week and year (float64) of int64 ns UTC timestamps; float64 days are exact
     to well under a second."""
-    days = ts_ns.to(torch.float64) * DAYS_PER_NS
-    whole = torch.floor(days)
-    weeks = (whole + 3.0) / 7.0  # 1970-01-01 was a Thursday; Monday = 0
-    years = days / _YEAR_DAYS
-    return {"tod": days - whole, "dow": weeks - torch.floor(weeks), "toy": years - torch.floor(years)}
+    days = torch.mul(ts_ns, DAYS_PER_NS, out=ops.empty(tuple(ts_ns.shape), ts_ns))  # int64 x float: float64
+    whole = torch.floor(days, out=ops.like(days))
+    weeks = torch.add(whole, 3.0, out=ops.like(days)).div_(7.0)  # 1970-01-01 was a Thursday; Monday = 0
+    years = torch.div(days, _YEAR_DAYS, out=ops.like(days))
+    tod = days.sub_(whole)
+    dow = weeks.sub_(torch.floor(weeks, out=whole))
+    return {"tod": tod, "dow": dow, "toy": years.sub_(torch.floor(years, out=whole))}
 
 
-def calendar_values(name: str, ph: dict[str, Tensor]) -> Tensor:
-    """One calendar feature from the phases, trigonometry in float32 (what the output keeps)."""
+def calendar_values(name: str, ph: dict[str, Tensor], out: Tensor | None = None) -> Tensor:
+    """One calendar feature from the phases, trigonometry in float32 (what the output keeps), into ``out`` when it
+    is a float32 tensor."""
     _, key, fn = CALENDAR_DEFINITIONS[name]
-    return fn((_TWO_PI * ph[key]).to(torch.float32))
+    angle = torch.mul(ph[key], _TWO_PI, out=ops.like(ph[key]))
+    if out is not None and out.dtype == torch.float32:
+        return fn(out.copy_(angle), out=out)
+    return fn(angle.to(torch.float32))
 
 
-def calendar_feature(p: Panel, name: str) -> Tensor:
-    """One calendar feature of the panel's timestamps, as float64 [S, T]."""
-    return calendar_values(name, p.memo("calendar_phases", lambda: phases(p.timestamps))).to(torch.float64)
+def calendar_feature(p: Panel, name: str, out: Tensor | None = None) -> Tensor:
+    """One calendar feature of the panel's timestamps, as float64 [S, T] (into ``out`` when given)."""
+    v = calendar_values(name, p.memo("calendar_phases", lambda: phases(p.timestamps)), out)
+    return v.to(torch.float64) if out is None else v if v is out else out.copy_(v)
 
 
 def features() -> FeatureList:
     fl = FeatureList("calendar")
     for name, (definition, _, _) in CALENDAR_DEFINITIONS.items():
-        fl.add(name, definition, 0, lambda p, name=name: calendar_feature(p, name), known_future=True)
+        fl.add(name, definition, 0, lambda p, out=None, name=name: calendar_feature(p, name, out), known_future=True)
     return fl

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from foxhunt.features import calendar
+from foxhunt.features import calendar, ops
 from foxhunt.features.catalog import KNOWN_FUTURE, REGISTRY
 from foxhunt.features.panel import Panel
 from foxhunt.features.registry import Feature, select
@@ -107,8 +107,8 @@ def _check_input(cols: torch.Tensor, timestamps: torch.Tensor, symbol_index: tor
 
 
 def _output_buffer(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised output; on the CPU a numpy array's memory, for which numpy asks for transparent huge pages
-    (first touching a ~500 MB output is then several times cheaper than 4 KiB page faults)."""
+    """An uninitialised output (or the bars' columns); on the CPU a numpy array's memory, for which numpy asks for
+    transparent huge pages (first touching a ~500 MB output is then several times cheaper than 4 KiB page faults)."""
     if device.type == "cpu":
         return torch.from_numpy(np.empty(shape, dtype=torch.empty(0, dtype=dtype).numpy().dtype))
     return torch.empty(shape, dtype=dtype, device=device)
@@ -125,7 +125,7 @@ def _compute(
     out = _output_buffer((len(selected), n), dtype, dev)
     if n == 0:
         return out, torch.zeros(0, dtype=torch.bool, device=dev)
-    cols = ohlcv.detach().T.to(torch.float64).contiguous()  # [5, N]: one contiguous row per field
+    cols = _output_buffer((5, n), torch.float64, dev).copy_(ohlcv.detach().T)  # [5, N]: one contiguous row per field
     ts = timestamps.detach().to(dev, torch.int64)
     sym = symbol_index.detach().to(dev)
     _check_input(cols, ts, sym)
@@ -140,19 +140,21 @@ def _compute(
         group = torch.cat((moved.new_zeros(1, dtype=torch.int64), torch.cumsum(moved, 0)))  # symbol row of each row
         pos = torch.arange(n, device=dev) - panel.starts[group]  # bar within its symbol
         flat = group * T + pos
-    for j, f in enumerate(selected):
-        dest = out[j].view(1, T) if S == 1 and f.writes_out else None  # one symbol: its output row, by the last step
-        v = f.fn(panel) if dest is None else f.fn(panel, out=dest)
-        if tuple(v.shape) != (S, T):
-            raise RuntimeError(f"feature {f.name!r} returned shape {tuple(v.shape)}, expected {(S, T)}")
-        if S == 1:
-            if v is not dest:
-                out[j].copy_(v[0])
-            out[j, : f.warmup] = float("nan")
-        else:
-            out[j].copy_(torch.take(v, flat).masked_fill_(pos < f.warmup, float("nan")))
-        del v
-        panel.forget(plan[j])
+    with ops.recycling():  # CPU intermediates reuse the memory of those already freed (released by the plan)
+        for j, f in enumerate(selected):
+            dest = out[j].view(1, T) if S == 1 and f.writes_out else None  # one symbol: its output row, by the last step
+            v = f.fn(panel) if dest is None else f.fn(panel, out=dest)
+            if tuple(v.shape) != (S, T):
+                raise RuntimeError(f"feature {f.name!r} returned shape {tuple(v.shape)}, expected {(S, T)}")
+            if S == 1:
+                if v is not dest:
+                    out[j].copy_(v[0])
+                out[j, : f.warmup] = float("nan")
+            else:
+                out[j].copy_(torch.take(v, flat).masked_fill_(pos < f.warmup, float("nan")))
+            del v
+            panel.forget(plan[j])
+        del panel
     warm = max((f.warmup for f in selected), default=0)
     return out, pos >= warm
 

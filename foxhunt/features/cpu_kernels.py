@@ -11,7 +11,11 @@ has not yet filled are NaN.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+import math
+import sys
 
 import numpy as np
 import torch
@@ -19,9 +23,77 @@ from numpy.lib.stride_tricks import as_strided
 from scipy.signal import lfilter
 
 
+class BufferPool:
+    """Float64 scratch buffers recycled within one computation, so that a freed 8 MB temporary is not handed back
+    to the OS and faulted in again (~2,000 page faults) by the next one.
+
+    A buffer is lent as a view of a flat array that the pool keeps; it is free again once nothing else refers to
+    that array (no view, tensor or numpy array built on it is alive: CPython's reference count says so, with no
+    bookkeeping by the borrower). Requests are rounded up to whole 2 MiB (huge) pages, so series of T, T + 1 or
+    T - n bars share buffers. Everything is released with the pool (the end of the computation).
+    """
+
+    GRANULE = 1 << 21  # bytes; also the transparent huge page size numpy asks for
+    MIN_BYTES = 1 << 20  # smaller requests go to malloc, which keeps them on its heap anyway
+
+    def __init__(self) -> None:
+        self._bufs: list[np.ndarray] = []
+        self._idle_refs = 0
+        self._bufs.append(np.empty(0))
+        self._idle_refs = self._refs(0)  # the count of a buffer only the pool holds, measured the same way
+        self._bufs.clear()
+
+    def _refs(self, i: int) -> int:
+        return sys.getrefcount(self._bufs[i])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool holds (lent or idle)."""
+        return sum(b.nbytes for b in self._bufs)
+
+    def empty(self, shape: tuple[int, ...]) -> np.ndarray:
+        """An uninitialised float64 array of ``shape``: an idle buffer of the same size class, or a new one."""
+        n = math.prod(shape)
+        if 8 * n < self.MIN_BYTES:
+            return np.empty(shape)
+        cap = -(-8 * n // self.GRANULE) * self.GRANULE // 8
+        for i in range(len(self._bufs)):  # by index: a loop variable would hold a reference itself
+            if self._bufs[i].size == cap and self._refs(i) == self._idle_refs:
+                return self._bufs[i][:n].reshape(shape)
+        self._bufs.append(np.empty(cap))
+        return self._bufs[-1][:n].reshape(shape)
+
+
+_POOL: contextvars.ContextVar[BufferPool | None] = contextvars.ContextVar("foxhunt_feature_buffer_pool", default=None)
+
+
+@contextlib.contextmanager
+def recycling():
+    """Within this block (one feature computation), :func:`empty` lends recycled buffers from one
+    :class:`BufferPool`, dropped on exit. A scoped mode, like ``torch.no_grad``: nothing outlives the block."""
+    token = _POOL.set(BufferPool())
+    try:
+        yield _POOL.get()
+    finally:
+        _POOL.reset(token)
+
+
+def empty(shape: tuple[int, ...]) -> np.ndarray:
+    """An uninitialised float64 array: from the active :class:`BufferPool` inside :func:`recycling`, else numpy's."""
+    pool = _POOL.get()
+    return np.empty(shape) if pool is None else pool.empty(tuple(shape))
+
+
+def zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """A float64 array of zeros, from :func:`empty`."""
+    out = empty(shape)
+    out.fill(0.0)
+    return out
+
+
 def nan_empty(shape: tuple[int, ...], filled: int, out: np.ndarray | None = None) -> np.ndarray:
     """An uninitialised float64 array (``out`` if given) whose first ``filled`` bars (last axis) are NaN."""
-    out = np.empty(shape) if out is None else out
+    out = empty(shape) if out is None else out
     out[..., :filled] = np.nan
     return out
 
@@ -29,7 +101,7 @@ def nan_empty(shape: tuple[int, ...], filled: int, out: np.ndarray | None = None
 def cumsum(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Running sum along the last axis: torch's sequential loop gives numpy's result bit for bit, ~4x faster."""
     if out is None:
-        out = np.empty(x.shape)
+        out = empty(x.shape)
     if not x.flags.writeable:
         x = x.copy()
     torch.cumsum(torch.from_numpy(x), dim=-1, out=torch.from_numpy(out))
@@ -52,12 +124,12 @@ def _sub_mul(a: np.ndarray, b: np.ndarray, c: np.ndarray, out: np.ndarray) -> np
 
 def diff_times(a: np.ndarray, b: np.ndarray, c: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """(a - b) * c, blockwise, into ``out`` when given."""
-    return blockwise(_sub_mul, np.empty(a.shape) if out is None else out, a, b, c)
+    return blockwise(_sub_mul, empty(a.shape) if out is None else out, a, b, c)
 
 
 def lag_diff_times(x: np.ndarray, k: int, c: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """(x[t] - x[t-k]) * c[t], NaN for the first k bars, blockwise, into ``out`` when given."""
-    out = np.empty(x.shape) if out is None else out
+    out = empty(x.shape) if out is None else out
     out[:, :k] = np.nan
     blockwise(_sub_mul, out[:, k:], x[:, k:], x[:, :-k], c[:, k:])
     return out
@@ -65,7 +137,7 @@ def lag_diff_times(x: np.ndarray, k: int, c: np.ndarray, out: np.ndarray | None 
 
 def pct_change(x: np.ndarray, k: int, out: np.ndarray | None = None) -> np.ndarray:
     """100 (x[t] / x[t-k] - 1), NaN for the first k bars, into ``out`` when given (TA-Lib ROC); blockwise."""
-    out = np.empty(x.shape) if out is None else out
+    out = empty(x.shape) if out is None else out
     out[:, :k] = np.nan
     blockwise(_pct_block, out[:, k:], x[:, k:], x[:, :-k])
     return out
@@ -81,7 +153,7 @@ def safe_div(num: np.ndarray, den: np.ndarray, fill: float = 0.0, out: np.ndarra
              scale: float = 1.0) -> np.ndarray:
     """scale * num / den with ``fill`` where den is 0 (TA-Lib's convention for flat ranges), into ``out`` if given
     (which may be num or den); blockwise, so the zero mask and the scaled numerator stay in cache."""
-    out = np.empty(num.shape) if out is None else out
+    out = empty(num.shape) if out is None else out
     with np.errstate(divide="ignore", invalid="ignore"):
         return blockwise(functools.partial(_safe_div_block, fill=fill, scale=scale), out, num, den)
 
@@ -96,7 +168,7 @@ def _safe_div_block(num: np.ndarray, den: np.ndarray, out: np.ndarray, fill: flo
 
 def _cumsum_of_squares(x: np.ndarray) -> np.ndarray:
     """Running sum of x^2 along the last axis, in one buffer."""
-    sq = np.square(x)
+    sq = np.square(x, out=empty(x.shape))
     return cumsum(sq, out=sq)
 
 
@@ -114,7 +186,7 @@ class BlockPrefix:
         W, B = max_window, max(block, max_window)
         nb = max(1, -(-T // B))
         self.shape, self.start, self.W, self.B, self.nb = (S, T), start, W, B, nb
-        xp = np.zeros((S, W - 1 + nb * B))
+        xp = zeros((S, W - 1 + nb * B))
         xp[:, W - 1 + start : W - 1 + T] = x[:, start:]
         st0, st1 = xp.strides
         view = as_strided(xp, shape=(S, nb, B + W - 1), strides=(st0, B * st1, st1), writeable=False)
@@ -122,7 +194,7 @@ class BlockPrefix:
         early = min(nb, -(-start // B))  # blocks that begin before ``start``: centre on x[start] instead
         if early and start < T:
             self.ref[:, :early, 0] = x[:, start : start + 1]
-        d = np.zeros((S, nb, B + W))
+        d = zeros((S, nb, B + W))
         np.subtract(view, self.ref, out=d[:, :, 1:])
         for k in range(min(nb, (start + W - 1) // B + 1)):  # bars before ``start`` (and the padding) add nothing
             d[:, k, 1 : 1 + max(0, start + W - 1 - k * B)] = 0.0
@@ -134,7 +206,7 @@ class BlockPrefix:
         if n > self.W:
             raise ValueError(f"window {n} exceeds this prefix's max_window {self.W}")
         W, B = self.W, self.B
-        return np.subtract(cs[:, :, W : W + B], cs[:, :, W - n : W - n + B])
+        return np.subtract(cs[:, :, W : W + B], cs[:, :, W - n : W - n + B], out=empty((self.shape[0], self.nb, B)))
 
     def _chunks(self, per: int = 32768) -> list[slice]:
         """Runs of blocks of about ``per`` bars: work on them stays in cache."""
@@ -164,7 +236,7 @@ class BlockPrefix:
     def mean(self, n: int) -> np.ndarray:
         """Mean of x[t-n+1..t] (TA-Lib SMA)."""
         S = self.shape[0]
-        w = np.empty((S, self.nb, self.B))
+        w = empty((S, self.nb, self.B))
         for j in self._chunks():
             m = np.subtract(*self._parts(self.cs, n, j), out=w[:, j])
             m /= n
@@ -176,7 +248,7 @@ class BlockPrefix:
         if self.cs2 is None:
             raise ValueError("BlockPrefix built without squares")
         S = self.shape[0]
-        mean, sd = np.empty((S, self.nb, self.B)), np.empty((S, self.nb, self.B))
+        mean, sd = empty((S, self.nb, self.B)), empty((S, self.nb, self.B))
         for j in self._chunks():
             m = np.subtract(*self._parts(self.cs, n, j), out=mean[:, j])
             m /= n
@@ -330,8 +402,10 @@ def first_order(x: np.ndarray, a: float, b: float, y0: np.ndarray, out: np.ndarr
 
 def linear_recurrence(a: np.ndarray, b: np.ndarray, y0: np.ndarray, a_min: float) -> np.ndarray:
     """y[t] = a[t] * y[t-1] + b[t] for t = 0..T-1 from y[-1] = y0, with a_min <= a <= 1 (blocked scan)."""
-    y = np.array(b, dtype=np.float64)
-    return linear_recurrence_inplace(np.array(a, dtype=np.float64), y, y0, a_min)
+    y, scratch = empty(b.shape), empty(a.shape)
+    np.copyto(y, b)
+    np.copyto(scratch, a)
+    return linear_recurrence_inplace(scratch, y, y0, a_min)
 
 
 def linear_recurrence_inplace(a: np.ndarray, y: np.ndarray, y0: np.ndarray, a_min: float) -> np.ndarray:

@@ -29,7 +29,7 @@ def _gains(p: Panel) -> tuple[Tensor, Tensor]:
 
     def f():
         d = p.close_change()
-        return torch.clamp_min(d, 0.0), torch.clamp_min(-d, 0.0)
+        return torch.clamp_min(d, 0.0, out=ops.like(d)), torch.neg(d, out=ops.like(d)).clamp_min_(0.0)
 
     return p.memo("gains_losses", f)
 
@@ -45,13 +45,14 @@ def _gain_loss_averages(p: Panel, n: int) -> tuple[Tensor, Tensor]:
 def rsi(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib RSI: 100 * avg gain / (avg gain + avg loss), Wilder-smoothed, seeded with the mean of n changes."""
     g, l = _gain_loss_averages(p, n)
-    return ops.safe_div(g, g + l, scale=100.0, out=out)
+    return ops.safe_div(g, torch.add(g, l, out=ops.like(g)), scale=100.0, out=out)
 
 
 def cmo(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib CMO: 100 * (avg gain - avg loss) / (avg gain + avg loss), Wilder-smoothed as TA-Lib does."""
     g, l = _gain_loss_averages(p, n)
-    return ops.safe_div(g - l, g + l, scale=100.0, out=out)
+    den = torch.add(g, l, out=ops.like(g))
+    return ops.safe_div(torch.sub(g, l, out=ops.like(g)), den, scale=100.0, out=out)
 
 
 def hh_ll(p: Panel, n: int) -> tuple[Tensor, Tensor]:
@@ -64,7 +65,8 @@ def stoch(p: Panel, fastk: int, slowk: int = 3, slowd: int = 3) -> tuple[Tensor,
 
     def f():
         hh, ll = hh_ll(p, fastk)
-        fk = ops.safe_div(p.close - ll, hh - ll, scale=100.0)
+        rng = torch.sub(hh, ll, out=ops.like(hh))
+        fk = ops.safe_div(torch.sub(p.close, ll, out=ops.like(ll)), rng, scale=100.0, out=rng)
         k = ops.rolling_mean(fk, slowk, start=fastk - 1)
         d = ops.rolling_mean(k, slowd, start=fastk + slowk - 2)
         k[:, : fastk + slowk + slowd - 3] = ops.NAN  # TA-Lib reports %K from %D's first bar
@@ -76,14 +78,16 @@ def stoch(p: Panel, fastk: int, slowk: int = 3, slowd: int = 3) -> tuple[Tensor,
 def willr(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib WILLR: -100 * (HH - C) / (HH - LL)."""
     hh, ll = hh_ll(p, n)
-    return ops.safe_div(hh - p.close, hh - ll, scale=-100.0, out=out)
+    rng = torch.sub(hh, ll, out=ops.like(hh))
+    return ops.safe_div(torch.sub(hh, p.close, out=ops.like(hh)), rng, scale=-100.0, out=rng if out is None else out)
 
 
 def macd_line_signal(p: Panel, fast: int, slow: int, signal: int) -> tuple[Tensor, Tensor]:
     """TA-Lib MACD line and signal: the fast EMA seeded at the slow EMA's first bar, signal = EMA of the line."""
 
     def f():
-        line = ops.ema(p.close, fast, start=slow - fast) - ops.ema(p.close, slow)
+        line = ops.ema(p.close, fast, start=slow - fast)
+        line -= ops.ema(p.close, slow)
         sig = ops.ema(line, signal, start=slow - 1)
         line[:, : slow + signal - 2] = ops.NAN  # TA-Lib reports all three from the signal's first bar
         return line, sig
@@ -113,7 +117,8 @@ def cci(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib CCI: (TP - SMA(TP)) / (0.015 * mean |TP - SMA(TP)|) over n bars."""
     tp = p.typical_price()
     sma = p.memo("tp_block_prefix", lambda: ops.block_prefix(tp, 20)).mean(n)
-    return ops.safe_div(tp - sma, _mean_abs_deviation(tp, sma, n), out=out)
+    mad = _mean_abs_deviation(tp, sma, n)
+    return ops.safe_div(torch.sub(tp, sma, out=sma), mad, out=mad if out is None else out)
 
 
 def _moves(p: Panel) -> tuple[Tensor, Tensor]:
@@ -167,7 +172,7 @@ def aroon(p: Panel, n: int) -> tuple[Tensor, Tensor]:
 
 def ultosc(p: Panel, n1: int = 7, n2: int = 14, n3: int = 28) -> Tensor:
     """TA-Lib ULTOSC: 100 * (4 A1 + 2 A2 + A3) / 7, A_k = sum(buying pressure) / sum(true range) over n_k."""
-    bp = torch.minimum(p.low, p.prev_close())
+    bp = torch.minimum(p.low, p.prev_close(), out=ops.like(p.low))
     bp = torch.sub(p.close, bp, out=bp)  # buying pressure C - min(L, C[t-1])
     bps, trs = ops.Prefix(bp, 1), ops.Prefix(p.true_range(), 1)
     del bp

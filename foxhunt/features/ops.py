@@ -52,12 +52,25 @@ def _np(x: Tensor):
     return x.numpy()
 
 
+def recycling():
+    """A context for one computation in which CPU intermediates from :func:`empty` are recycled through one
+    ``cpu_kernels.BufferPool`` (no page faults on memory just freed), released on exit; a GPU is unaffected."""
+    return K.recycling()
+
+
 def empty(shape: tuple[int, ...], like: Tensor) -> Tensor:
-    """An uninitialised float64 tensor on ``like``'s device. On the CPU its memory is a numpy array's, for which numpy
-    asks for transparent huge pages: a fresh 8 MB intermediate then costs a few page faults instead of ~2,000."""
+    """An uninitialised float64 tensor on ``like``'s device. On the CPU its memory is a numpy array's (for which numpy
+    asks for transparent huge pages), lent by the buffer pool inside :func:`recycling`: a recycled 8 MB intermediate
+    costs no page fault, a fresh one a few instead of ~2,000."""
     if fast_path(like):
-        return torch.from_numpy(np.empty(shape))
+        return torch.from_numpy(K.empty(shape))
     return torch.empty(shape, dtype=torch.float64, device=like.device)
+
+
+def like(x: Tensor) -> Tensor:
+    """An uninitialised float64 tensor shaped like x (:func:`empty`): the ``out`` of a torch op, so that its result
+    takes a recycled buffer on the CPU instead of fresh memory."""
+    return empty(tuple(x.shape), x)
 
 
 def nans(x: Tensor, defined_from: int | None = None) -> Tensor:
@@ -83,7 +96,7 @@ def pad_right(x: Tensor, k: int, value: float = 0.0) -> Tensor:
     return out
 
 
-def cumsum(x: Tensor, block: int = 4096) -> Tensor:
+def cumsum(x: Tensor, block: int = 4096, out: Tensor | None = None) -> Tensor:
     """Running sum along the last axis; on CUDA, several rows longer than ``block`` take :func:`blocked_cumsum`.
 
     torch scans a lone row with CUB but each row of a 2-D tensor within one thread block, chunk after chunk,
@@ -91,8 +104,8 @@ def cumsum(x: Tensor, block: int = 4096) -> Tensor:
     """
     T = x.shape[-1]
     if x.is_cuda and T > block and x.numel() != T:
-        return blocked_cumsum(x, block)
-    return torch.cumsum(x, dim=-1)
+        return _put(blocked_cumsum(x, block), out)
+    return torch.cumsum(x, dim=-1, out=like(x) if out is None else out)
 
 
 def blocked_cumsum(x: Tensor, block: int = 4096) -> Tensor:
@@ -111,7 +124,8 @@ def shift(x: Tensor, k: int, fill: float = NAN) -> Tensor:
     """x[t - k] (k > 0 looks back), padded with ``fill``."""
     if k <= 0:
         raise ValueError(f"shift: k must be positive (a look-back), got {k}")
-    out = torch.full(x.shape, fill, dtype=x.dtype, device=x.device)
+    out = like(x)
+    out[..., :k] = fill
     if k < x.shape[-1]:
         out[..., k:] = x[..., :-k]
     return out
@@ -232,7 +246,7 @@ class Prefix:
         self.shape, self.start = tuple(x.shape), start
         xs = x[..., start:]
         self.cs = _running_sum0(xs)  # cs[:, k] = sum of the first k values
-        self.cs2 = _running_sum0(xs * xs) if squares else None
+        self.cs2 = _running_sum0(xs, squares=True) if squares else None
 
     def parts(self, n: int, at: int, squares: bool = False) -> tuple[Tensor, Tensor]:
         """Views (hi, lo) aligned with bars at.. (at >= start + n - 1): the window sum over n bars is hi - lo."""
@@ -253,7 +267,7 @@ class Prefix:
         if self.cs2 is None:
             raise ValueError("Prefix built without squares")
         mean = self.sum(n).div_(n)
-        return mean, self.sum(n, squares=True).div_(n).sub_(mean * mean).clamp_(min=0.0)
+        return mean, self.sum(n, squares=True).div_(n).sub_(torch.mul(mean, mean, out=like(mean))).clamp_(min=0.0)
 
     def std(self, n: int) -> Tensor:
         """Rolling population standard deviation over n bars (as :meth:`mean_var`), run by run."""
@@ -281,10 +295,13 @@ def _std_block(hi: Tensor, lo: Tensor, hi2: Tensor, lo2: Tensor, out: Tensor, n:
     torch.sub(hi2, lo2, out=out).div_(n).sub_(m.mul_(m)).clamp_(min=0.0).sqrt_()
 
 
-def _running_sum0(x: Tensor) -> Tensor:
-    """Running sums along the last axis after a leading 0 (so a window sum is always one subtraction)."""
+def _running_sum0(x: Tensor, squares: bool = False) -> Tensor:
+    """Running sums of x (of x^2 with ``squares``) along the last axis after a leading 0 (so a window sum is always
+    one subtraction)."""
     out = empty(tuple(x.shape[:-1]) + (x.shape[-1] + 1,), x)
     out[..., 0] = 0.0
+    if squares:
+        x = torch.mul(x, x, out=out[..., 1:])
     if fast_path(x):  # written in place, with no temporary
         K.cumsum(_np(x), out=_np(out)[..., 1:])
     else:

@@ -100,7 +100,7 @@ class Panel:
 
     # shared intermediates used across families
     def log_close(self) -> Tensor:
-        return self.memo("log_close", lambda: torch.log(self.close))
+        return self.memo("log_close", lambda: torch.log(self.close, out=ops.like(self.close)))
 
     def log_return(self, k: int = 1, out: Tensor | None = None) -> Tensor:
         """ln C[t] - ln C[t-k], into ``out`` when given; only the 1-bar return is shared (memoised)."""
@@ -119,12 +119,7 @@ class Panel:
     def true_range(self) -> Tensor:
         """TA-Lib TRANGE: max(H, C[t-1]) - min(L, C[t-1]); undefined at the first bar."""
 
-        def f():
-            pc = self.prev_close()
-            tr = torch.maximum(self.high, pc)
-            return tr.sub_(torch.minimum(self.low, pc))
-
-        return self.memo("true_range", f)
+        return self.memo("true_range", lambda: ops.blockwise(_true_range, ops.like(self.high), self.high, self.low, self.prev_close()))
 
     def atr(self, n: int = 14) -> Tensor:
         """TA-Lib ATR: Wilder smoothing of the true range, seeded with its mean over bars 1..n."""
@@ -132,7 +127,7 @@ class Panel:
 
     def inv_atr(self) -> Tensor:
         """1 / ATR(14): features in ATR units multiply by it (a multiply is cheaper than a divide)."""
-        return self.memo("inv_atr_14", lambda: torch.reciprocal(self.atr(14)))
+        return self.memo("inv_atr_14", lambda: torch.reciprocal(self.atr(14), out=ops.like(self.close)))
 
     def per_atr(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         """x / ATR(14): price units to ATR units, into ``out`` when given."""
@@ -140,14 +135,19 @@ class Panel:
 
     def typical_price(self) -> Tensor:
         def f():
-            tp = self.high + self.low
+            tp = torch.add(self.high, self.low, out=ops.like(self.high))
             return tp.add_(self.close).div_(3.0)
 
         return self.memo("typical_price", f)
 
     def hl_range(self) -> Tensor:
-        return self.memo("hl_range", lambda: self.high - self.low)
+        return self.memo("hl_range", lambda: torch.sub(self.high, self.low, out=ops.like(self.high)))
 
     def volume_mean(self, n: int) -> Tensor:
         """SMA(n) of the volume."""
-        return self.prefix("volume", lambda: self.volume).sum(n) / n
+        return self.prefix("volume", lambda: self.volume).sum(n).div_(n)
+
+
+def _true_range(high: Tensor, low: Tensor, prev_close: Tensor, out: Tensor) -> None:
+    """max(H, C[t-1]) - min(L, C[t-1]) into out, run by run (:func:`ops.blockwise`)."""
+    torch.maximum(high, prev_close, out=out).sub_(torch.minimum(low, prev_close))

@@ -25,7 +25,7 @@ def ema(p: Panel, n: int) -> Tensor:
 
 def _abs_change_prefix(p: Panel) -> ops.Prefix:
     """Prefix sums of |C[t] - C[t-1]| from bar 1, shared by every KAMA window."""
-    return p.prefix("abs_close_change", lambda: torch.abs(p.close_change()), 1)
+    return p.prefix("abs_close_change", lambda: torch.abs(p.close_change(), out=ops.like(p.close)), 1)
 
 
 def kama(p: Panel, n: int) -> Tensor:

@@ -25,27 +25,28 @@ def volume_prefix(p: Panel, start: int = 0) -> O.Prefix:
 
 
 def _log_volume(p: Panel) -> Tensor:
-    return p.memo("log1p_volume", lambda: torch.log1p(p.volume))
+    return p.memo("log1p_volume", lambda: torch.log1p(p.volume, out=O.like(p.volume)))
 
 
 def volume_z(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """z-score of ln(1 + V) against its trailing n-bar mean and population std (0 when the std is 0)."""
     x = _log_volume(p)
     x0 = x[:, :1]  # a past value for every bar: centring keeps the prefix sums of squares small
-    mean, var = p.prefix("log1p_volume_centred", lambda: x - x0, 0, True).mean_var(n)
-    dev = x - x0
+    mean, var = p.prefix("log1p_volume_centred", lambda: torch.sub(x, x0, out=O.like(x)), 0, True).mean_var(n)
+    dev = torch.sub(x, x0, out=O.like(x))
     dev -= mean
     return O.safe_div(dev, var.sqrt_(), out=out)
 
 
 def rel_volume(p: Panel, n: int) -> Tensor:
     """ln(1 + V) - ln(1 + SMA(n) of V)."""
-    return _log_volume(p) - torch.log1p(p.volume_mean(n))
+    m = p.volume_mean(n).log1p_()
+    return torch.sub(_log_volume(p), m, out=m)
 
 
 def _signed_volume(p: Panel) -> Tensor:
     def f() -> Tensor:
-        sv = torch.sign(O.diff(p.close, 1))
+        sv = O.diff(p.close, 1).sign_()
         sv *= p.volume
         sv[:, 0] = p.volume[:, 0]  # TA-Lib's OBV starts at the first bar's volume
         return sv
@@ -55,7 +56,7 @@ def _signed_volume(p: Panel) -> Tensor:
 
 def obv(p: Panel) -> Tensor:
     """TA-Lib OBV: running sum of volume signed by the close's direction, starting at V[0]."""
-    return torch.cumsum(_signed_volume(p), dim=1)
+    return O.cumsum(_signed_volume(p))
 
 
 def obv_change(p: Panel, n: int) -> Tensor:
@@ -64,7 +65,8 @@ def obv_change(p: Panel, n: int) -> Tensor:
     if n < p.shape[1]:
         s_hi, s_lo = p.prefix("signed_volume", lambda: _signed_volume(p), 1).parts(n, n)
         v_hi, v_lo = volume_prefix(p, 1).parts(n, n)
-        O.safe_div(torch.sub(s_hi, s_lo, out=out[:, n:]), v_hi - v_lo, out=out[:, n:])
+        vol = torch.sub(v_hi, v_lo, out=O.empty(tuple(v_hi.shape), v_hi))
+        O.safe_div(torch.sub(s_hi, s_lo, out=out[:, n:]), vol, out=out[:, n:])
     return out
 
 
@@ -74,8 +76,9 @@ def _money_flows(p: Panel) -> tuple[Tensor, Tensor]:
     def f() -> tuple[Tensor, Tensor]:
         tp = p.typical_price()
         d = O.diff(tp, 1)
-        mf = tp * p.volume
-        return mf * (d > 0), mf * (d < 0)
+        mf = torch.mul(tp, p.volume, out=O.like(tp))
+        up = torch.mul(mf, d > 0, out=O.like(tp))
+        return up, mf.mul_(d < 0)
 
     return p.memo("money_flows", f)
 
@@ -101,7 +104,7 @@ def _mfi_block(u_hi: Tensor, u_lo: Tensor, d_hi: Tensor, d_lo: Tensor, out: Tens
 def vwap_distance(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """(C - VWAP over n bars) / ATR(14), VWAP = sum(TP V) / sum(V) (TP itself where the volume is 0)."""
     tp = p.typical_price()
-    pv = p.prefix("tp_volume", lambda: tp * p.volume).sum(n)
+    pv = p.prefix("tp_volume", lambda: torch.mul(tp, p.volume, out=O.like(tp))).sum(n)
     vol = volume_prefix(p).sum(n)
     return O.blockwise(_vwap_distance_block, pv if out is None else out, pv, vol, tp, p.close, p.inv_atr())
 
@@ -115,27 +118,33 @@ def _vwap_distance_block(pv: Tensor, vol: Tensor, tp: Tensor, close: Tensor, inv
 
 def amihud(p: Panel, n: int) -> Tensor:
     """ln of Amihud's illiquidity: mean over n bars of |log return| / (C V), V floored at 1."""
-    illiq = p.memo("illiq", lambda: p.log_return(1).abs() / (p.close * p.volume.clamp(min=1.0)))
+    illiq = p.memo("illiq", lambda: O.blockwise(_illiq, O.like(p.close), p.log_return(1), p.close, p.volume))
     m = p.prefix("illiq", lambda: illiq, 1).sum(n)
     m /= n
     m += 1e-30
     return m.log_()
 
 
+def _illiq(r: Tensor, close: Tensor, volume: Tensor, out: Tensor) -> None:
+    """|r| / (C max(V, 1)), run by run."""
+    torch.div(r.abs(), close * volume.clamp(min=1.0), out=out)
+
+
 def _clv(p: Panel) -> Tensor:
     """Close location value ((C - L) - (H - C)) / (H - L), 0 on a flat bar."""
 
     def f() -> Tensor:
-        num = p.close - p.low
-        num -= p.high - p.close
-        return O.safe_div(num, p.hl_range())
+        num = torch.sub(p.close, p.low, out=O.like(p.close))
+        num -= torch.sub(p.high, p.close, out=O.like(p.close))
+        return O.safe_div(num, p.hl_range(), out=num)
 
     return p.memo("clv", f)
 
 
 def ad(p: Panel) -> Tensor:
     """TA-Lib AD: Chaikin accumulation/distribution line, the running sum of CLV * V."""
-    return torch.cumsum(_clv(p) * p.volume, dim=1)
+    flow = torch.mul(_clv(p), p.volume, out=O.like(p.volume))
+    return O.cumsum(flow, out=flow)
 
 
 def adosc(p: Panel, fast: int = 3, slow: int = 10) -> Tensor:
@@ -154,16 +163,16 @@ def adosc_per_volume(p: Panel, fast: int, slow: int) -> Tensor:
     out = O.nans(line)
     if a < p.shape[1]:
         hi, lo = volume_prefix(p).parts(slow, a)
-        mean = hi - lo
+        mean = torch.sub(hi, lo, out=O.empty(tuple(hi.shape), hi))
         mean /= slow
-        out[:, a:] = O.safe_div(line[:, a:], mean)
+        O.safe_div(line[:, a:], mean, out=out[:, a:])
     return out
 
 
 def cmf(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """Chaikin money flow: sum(CLV V) / sum(V) over n bars."""
-    flow = p.prefix("clv_volume", lambda: _clv(p) * p.volume).sum(n)
-    return O.safe_div(flow, p.volume_mean(n) * n, out=out)
+    flow = p.prefix("clv_volume", lambda: torch.mul(_clv(p), p.volume, out=O.like(p.volume))).sum(n)
+    return O.safe_div(flow, p.volume_mean(n).mul_(n), out=out)
 
 
 def features() -> FeatureList:
