@@ -20,6 +20,7 @@
     python scripts/mamba2_quality.py --threads 1                       # 1: weak signal, 200k bars, 800 steps
     python scripts/mamba2_quality.py --n-bars 40000 --steps 300 --tft  # quick look, with the TFT beside it
     python scripts/mamba2_quality.py --skip-weak --long-memory --window 128 --lm-lookbacks 32,64,128,256
+    python scripts/mamba2_quality.py --skip-weak --long-memory --lm-lookbacks 128,512 --lm-tft-lookbacks 64
     python scripts/mamba2_quality.py --skip-weak --table 64,512,4096 --tft-table 64,512 --table-steps 150
 """
 
@@ -156,6 +157,8 @@ def main() -> None:
     parser.add_argument("--lm-steps", type=int, default=400)
     parser.add_argument("--lm-batch-size", type=int, default=64)
     parser.add_argument("--lm-lookbacks", default="32,64,128,256")
+    parser.add_argument("--lm-tft-lookbacks", default="",
+                        help="section 3: TFT lookbacks on the same windows, e.g. 64 (the issue's yardstick)")
     parser.add_argument("--table", default="", help="section 4: Mamba-2 lookbacks, e.g. 64,512,4096")
     parser.add_argument("--tft-table", default="", help="section 4: TFT lookbacks, e.g. 64,512")
     parser.add_argument("--table-steps", type=int, default=150)
@@ -233,17 +236,24 @@ def main() -> None:
                                 lookback=max(lookbacks))
         print(f"\nlong memory: W={args.window}, s={args.strength}, {args.lm_bars} bars, {args.lm_steps} steps, "
               f"batch {args.lm_batch_size}, data lookback {max(lookbacks)}", flush=True)
-        for lb in lookbacks:
+        warm = min(100, args.lm_steps // 10)
+        runs = [("mamba2", lb) for lb in lookbacks] + [("tft", int(v)) for v in args.lm_tft_lookbacks.split(",") if v]
+        for name, lb in runs:
             t2 = time.perf_counter()
-            m = train_mamba2(data, steps=args.lm_steps, batch_size=args.lm_batch_size, seed=args.seed, lookback=lb,
-                             **{**hp, "warmup_steps": min(100, args.lm_steps // 10)})
-            r = report_of(m, data)
-            print(json.dumps({"lookback": lb, **r}), flush=True)
-            print(f"lookback {lb:>4}: loss ratio {r['loss_ratio']:.4f} (no-skill {r['unconditional_loss_ratio']:.4f}), "
-                  f"gap closed {r['gap_closed']:.2f} "
+            if name == "mamba2":
+                m = train_mamba2(data, steps=args.lm_steps, batch_size=args.lm_batch_size, seed=args.seed,
+                                 lookback=lb, **{**hp, "warmup_steps": warm})
+                r = report_of(m, data)
+            else:  # the TFT reads the same windows cut to its lookback (they end at the same rows)
+                short = at_lookback(data, lb)
+                m, _ = train_tft(short, steps=args.lm_steps, batch_size=args.lm_batch_size, seed=args.seed,
+                                 lr=args.lr, hidden_size=args.d_model, warmup_steps=warm)
+                r = report_of(m, short)
+            print(json.dumps({"model": name, "lookback": lb, **r}), flush=True)
+            print(f"{name:>6} lookback {lb:>4}: loss ratio {r['loss_ratio']:.4f} "
+                  f"(no-skill {r['unconditional_loss_ratio']:.4f}), gap closed {r['gap_closed']:.2f} "
                   f"(expected at best {best_gap(lb, args.window, args.strength):.2f}), "
                   f"coverage {r['model_coverage']:.4f}, {time.perf_counter() - t2:.1f} s", flush=True)
-
 
 if __name__ == "__main__":
     main()
