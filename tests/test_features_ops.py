@@ -402,3 +402,26 @@ def test_block_prefix_matches_direct_sums():
         np.testing.assert_allclose(m, ref_m, rtol=1e-12)
         np.testing.assert_allclose(v, ref_v, rtol=1e-7, atol=1e-7)
         np.testing.assert_allclose(bp.sum(n), n * ref_m, rtol=1e-12)
+
+
+def test_buffer_pool_lends_only_free_buffers():
+    """A pooled buffer is lent again only once no array or tensor built on it is alive; trim keeps a few idle."""
+    from foxhunt.features import cpu_kernels as K
+
+    with K.recycling() as pool:
+        a = K.empty((2, 300_000))
+        t = torch.from_numpy(K.empty((2, 299_000)))
+        view = t[:, 5:].numpy()  # a numpy view of a tensor view keeps the buffer lent
+        assert len(pool._bufs) == 2 and a.ctypes.data % K.BufferPool.GRANULE == 0
+        del a
+        b = K.empty((2, 300_001))  # a's buffer, same size class
+        del t
+        c = K.empty((2, 300_000))  # view still holds t's buffer: a new one
+        assert len(pool._bufs) == 3
+        c[:] = 1.0
+        assert not np.shares_memory(b, c) and not np.shares_memory(c, view)
+        del b, c, view
+        pool.trim(keep=1)
+        assert len(pool._bufs) == 1
+        assert K.empty((10,)).base is None  # small arrays are not pooled
+    assert K._POOL.get() is None

@@ -140,7 +140,7 @@ def _compute(
         group = torch.cat((moved.new_zeros(1, dtype=torch.int64), torch.cumsum(moved, 0)))  # symbol row of each row
         pos = torch.arange(n, device=dev) - panel.starts[group]  # bar within its symbol
         flat = group * T + pos
-    with ops.recycling():  # CPU intermediates reuse the memory of those already freed (released by the plan)
+    with ops.recycling() as pool:  # CPU intermediates reuse the memory of those already freed (released by the plan)
         for j, f in enumerate(selected):
             dest = out[j].view(1, T) if S == 1 and f.writes_out else None  # one symbol: its output row, by the last step
             v = f.fn(panel) if dest is None else f.fn(panel, out=dest)
@@ -154,6 +154,7 @@ def _compute(
                 out[j].copy_(torch.take(v, flat).masked_fill_(pos < f.warmup, float("nan")))
             del v
             panel.forget(plan[j])
+            pool.trim()  # a few idle buffers stay for the next feature: peak memory stays near the live set
         del panel
     warm = max((f.warmup for f in selected), default=0)
     return out, pos >= warm
