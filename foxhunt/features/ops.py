@@ -633,14 +633,18 @@ def _seeded_scan(x: Tensor, s: int, y0: Tensor, a: float, b: float) -> Tensor:
     return out
 
 
-def linear_recurrence(a: Tensor, b: Tensor, y0: Tensor | float, a_min: float) -> Tensor:
+def linear_recurrence(a: Tensor, b: Tensor, y0: Tensor | float, a_min: float, overwrite: bool = False) -> Tensor:
     """y[t] = a[t] y[t-1] + b[t] for t = 0..T-1 from y[-1] = y0, with a_min <= a <= 1 (blocked scan).
 
     Within a block of B bars y = A (y_in + cumsum(b / A)), A the running product of a; B comes from the
     caller's bound ``a_min`` (never from the data) and keeps A above float64 underflow. The block carries
     y_in[j+1] = A_end[j] (y_in[j] + P_end[j]) are solved by a doubling scan over the blocks, on the device.
+    With ``overwrite`` the CPU kernel may use a as scratch and write y over b (returned): two copies fewer.
     """
     if fast_path(a):
+        if overwrite:
+            K.linear_recurrence_inplace(_np(a), _np(b), _np(rows(y0, a)), a_min)
+            return b
         return torch.from_numpy(K.linear_recurrence(_np(a), _np(b), _np(rows(y0, a)), a_min))
     S, T = a.shape
     if not 0.0 < a_min <= 1.0:

@@ -37,8 +37,10 @@ def kama(p: Panel, n: int) -> Tensor:
         if c.shape[1] <= n:
             return out
         a = ops.empty((c.shape[0], c.shape[1] - n), c)
-        b = ops.blockwise(_kama_block, ops.empty(tuple(a.shape), c), c[:, n:], c[:, :-n], *_abs_change_prefix(p).parts(n, n), a)
-        out[:, n:] = ops.linear_recurrence(a, b, c[:, n - 1], a_min=1.0 - _FASTEST**2)
+        b = ops.blockwise(_kama_block, out[:, n:], c[:, n:], c[:, :-n], *_abs_change_prefix(p).parts(n, n), a)
+        y = ops.linear_recurrence(a, b, c[:, n - 1], a_min=1.0 - _FASTEST**2, overwrite=True)
+        if y is not b:
+            out[:, n:] = y
         return out
 
     return p.memo(("kama", n), f)
@@ -49,9 +51,9 @@ def _kama_block(now: Tensor, then: Tensor, hi: Tensor, lo: Tensor, a: Tensor, ou
     and the prefix sums (hi - lo) of |C[t] - C[t-1]| over the window."""
     er = torch.sub(now, then).abs_()
     # |change| <= noise, with equality exactly when TA-Lib sets ER = 1; a flat window (0 / 0) gives 1 too:
-    # fmin takes 1 over NaN
+    # min(ER, 1) with 1 for NaN (what fmin gives, several times faster on a CPU)
     er.div_(hi - lo)
-    torch.fmin(er, er.new_ones(()), out=er)
+    er.clamp_(max=1.0).nan_to_num_(nan=1.0)
     sc = er.mul_(_FASTEST - _SLOWEST).add_(_SLOWEST).square_()
     torch.sub(1.0, sc, out=a)
     torch.mul(sc, now, out=out)
