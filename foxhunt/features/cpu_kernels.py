@@ -374,14 +374,12 @@ def _scan_block(a: float) -> int:
     return int(min(2048, max(16, 500.0 / -np.log2(a))))
 
 
-def first_order(x: np.ndarray, a: float, b: float, y0: np.ndarray, out: np.ndarray, per: int = 32768) -> np.ndarray:
+def first_order(x: np.ndarray, a: float, b: float, y0: np.ndarray, out: np.ndarray) -> np.ndarray:
     """y[t] = a y[t-1] + b x[t] along the last axis from y[-1] = y0, written into ``out`` (a blocked scan).
 
     Inside a block of B bars, y[k] = a^k (a y_in + b sum_{j<=k} a^-j x[j]): a multiply, a block sum (for
     the carries), a sequential running sum and a multiply, about twice as fast as scipy's lfilter. Blocks start at fixed
-    offsets from the first bar and carry y from block to block, so bar t only sees bars <= t. The multiply and the
-    block sums, then the running sums and the last multiply, go over runs of about ``per`` bars that stay in cache
-    (two passes over memory instead of five).
+    offsets from the first bar and carry y from block to block, so bar t only sees bars <= t.
     """
     S, L = x.shape
     if L == 0:
@@ -396,20 +394,13 @@ def first_order(x: np.ndarray, a: float, b: float, y0: np.ndarray, out: np.ndarr
     carry = np.asarray(y0, dtype=np.float64)
     if nf:
         V = out[:, : nf * B].reshape(S, nf, B, copy=False)
-        X = x[:, : nf * B].reshape(S, nf, B)
-        sums = np.empty((S, nf))
-        step = max(1, per // B)
-        for j in range(0, nf, step):  # runs of blocks that stay in cache: a^-k x and the block sums
-            np.multiply(X[:, j : j + step], g, out=V[:, j : j + step]).sum(axis=2, out=sums[:, j : j + step])
+        np.multiply(x[:, : nf * B].reshape(S, nf, B), g, out=V)
         # y entering each block, from the block sums (y at a block's end = a^B y_in + a^(B-1) sum)
-        sums *= h[-1]
-        ends = lfilter([1.0], [1.0, -(a**B)], sums, axis=-1, zi=(a**B * carry)[:, None])[0]
+        ends = lfilter([1.0], [1.0, -(a**B)], h[-1] * V.sum(axis=2), axis=-1, zi=(a**B * carry)[:, None])[0]
         V[:, 0, 0] += a * carry
         V[:, 1:, 0] += a * ends[:, :-1]
-        for j in range(0, nf, step):  # then the running sums and a^k, run by run
-            v = V[:, j : j + step]
-            cumsum(v, out=v)
-            v *= h
+        cumsum(V, out=V)
+        V *= h
         carry = ends[:, -1]
     if r:
         V = out[:, nf * B :]
