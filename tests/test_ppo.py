@@ -211,9 +211,47 @@ def test_orthogonal_init_is_seeded_and_leaves_the_global_rng_alone() -> None:
     assert torch.rand(1) == before
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
     net = ActorCritic(3, 4, 3, 3, hidden=(8, 8))
-    w = net.actor[0].weight  # orthogonal rows scaled by sqrt(2)
-    torch.testing.assert_close(w @ w.T, 2.0 * torch.eye(8), atol=1e-5, rtol=0)
-    assert net.actor[-1].weight.norm() < 0.05 and torch.all(net.critic[-1].bias == 0)  # near-uniform initial policy
+    for tower in (0, 1):
+        w = net.tower[0].weight[tower]  # orthogonal rows scaled by sqrt(2), the actor's and the critic's
+        torch.testing.assert_close(w @ w.T, 2.0 * torch.eye(8), atol=1e-5, rtol=0)
+    assert net.actor_head.weight.norm() < 0.05 and torch.all(net.critic_head.bias == 0)  # near-uniform initial policy
+
+
+@pytest.mark.parametrize("space", ["discrete", "continuous"])
+def test_grouped_towers_are_the_two_mlps_and_load_their_layout(space) -> None:
+    """The grouped layout (both networks' hidden layers as [2, out, in] weights) is two plain tanh MLPs: the same
+    initial values as ``tanh_mlp`` actor then critic from the same seed, the same outputs by the per-network path and
+    by the fused loss's batched products, and state dicts of the former two-MLP layout load into it exactly."""
+    from foxhunt.models.actor_critic import tanh_mlp
+    from foxhunt.models.actor_critic_fused import _forward
+
+    n_out = 3 if space == "discrete" else 1
+    torch.manual_seed(4)
+    net = ActorCritic(3, 4, 1 if space == "continuous" else 3, 3, action_space=space, hidden=(8, 6))
+    torch.manual_seed(4)
+    actor, critic = tanh_mlp(net.tower[0].weight.shape[2], (8, 6), n_out, 0.01), tanh_mlp(net.tower[0].weight.shape[2], (8, 6), 1, 1.0)
+    x = torch.randn(7, net.tower[0].weight.shape[2])
+    with torch.no_grad():
+        torch.testing.assert_close(net.actor_out(x), actor(x).squeeze(1) if space == "continuous" else actor(x), rtol=0, atol=0)
+        torch.testing.assert_close(net.value(x), critic(x).squeeze(1), rtol=0, atol=0)
+        tower = tuple(t for layer in net.tower for t in (layer.weight, layer.bias))
+        heads = (net.actor_head.weight, net.actor_head.bias, net.critic_head.weight, net.critic_head.bias)
+        acts = _forward(x, tower, heads)
+        torch.testing.assert_close(acts[-2], actor(x))
+        torch.testing.assert_close(acts[-1], critic(x))
+        a2, c2 = net.two_mlps()
+        torch.testing.assert_close(a2(x), actor(x), rtol=0, atol=0)
+        torch.testing.assert_close(c2(x), critic(x), rtol=0, atol=0)
+    old = {**{f"actor.{k}": v for k, v in actor.state_dict().items()}, **{f"critic.{k}": v for k, v in critic.state_dict().items()}}
+    if space == "continuous":
+        old["actor_logstd"] = torch.tensor([-0.3])
+    twin = ActorCritic(3, 4, 1 if space == "continuous" else 3, 3, action_space=space, hidden=(8, 6))
+    twin.load_state_dict(old)
+    for (ka, a), (kb, b) in zip(net.state_dict().items(), twin.state_dict().items(), strict=True):
+        assert ka == kb
+        if ka != "actor_logstd":
+            assert torch.equal(a, b), ka
+    assert len(list(net.parameters())) == 8 + (space == "continuous")
 
 
 # ------------------------------------------------------------------------------------------------ environment
@@ -255,8 +293,8 @@ def test_deterministic_positions_equal_a_bar_by_bar_loop() -> None:
         member = PPOModule(window=4, action_space=space, hidden=(16, 16), seed=3, log_std_init=0.0, no_trade_band=band)
         member.attach_market(split)
         with torch.no_grad():  # a policy that depends visibly on the held position, with targets across [-1, 1]
-            member.net.actor[0].weight.mul_(30.0)
-            member.net.actor[-1].weight.mul_(50.0)
+            member.net.tower[0].weight[0].mul_(30.0)  # the actor's first layer
+            member.net.actor_head.weight.mul_(50.0)
         positions, m = member.deterministic_positions(split)
         want = torch.zeros(m.n_bars)
         held = 0.0
@@ -384,7 +422,8 @@ def test_fit_logs_training_and_validation_metrics(tmp_path, market, space) -> No
                                        "explained_variance", "reward_per_bar", "env_steps", "env_steps_per_s",
                                        "rollout_time_fraction", "rollouts", "kl_stops", "nonfinite_skipped", "updates")]
     keys += [f"val/ppo/{k}" for k in ("sharpe", "reward_per_bar", "turnover", "max_drawdown")]
-    keys += ["lr/ppo", "val/sharpe", "grad_norm/ppo/total", "grad_norm/ppo/actor", "grad_norm/ppo/critic"]
+    keys += ["lr/ppo", "val/sharpe", "grad_norm/ppo/total", "grad_norm/ppo/tower", "grad_norm/ppo/actor_head",
+             "grad_norm/ppo/critic_head"]
     keys += ["train/ppo/std", "grad_norm/ppo/actor_logstd"] if space == "continuous" else []
     for key in keys:
         assert key in logged, key

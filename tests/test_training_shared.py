@@ -236,6 +236,36 @@ def test_guard_gradient_skip_counts_and_leaves_params_unchanged() -> None:
     assert not torch.equal(model.head.weight, before["head.weight"])
 
 
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_guard_clip_gradients_clips_like_torch_and_catches_nonfinite(policy: str) -> None:
+    """clip_gradients: torch's clip_grad_norm_ result on finite gradients (above and below the limit), finite gradients
+    whose squares overflow float32 clipped rather than taken for NaN, and NaN/Inf gradients raised or skipped."""
+    model, twin = TwoBlocks(), TwoBlocks()
+    guard = NonFiniteGuard(policy)  # type: ignore[arg-type]
+    for max_norm in (0.05, 1e3):
+        torch.manual_seed(1)
+        _backward(model)
+        torch.manual_seed(1)
+        _backward(twin)
+        assert guard.clip_gradients(model, max_norm, step=0)
+        torch.nn.utils.clip_grad_norm_(twin.parameters(), max_norm)
+        for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad)
+    _backward(model)
+    with torch.no_grad():
+        model.head.weight.grad.fill_(1e30)  # finite, but its square overflows
+    assert guard.clip_gradients(model, 1.0, step=1)
+    assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    assert float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], 2.0)) == pytest.approx(1.0, rel=1e-4)
+    _backward(model, poison="head")
+    if policy == "raise":
+        with pytest.raises(NonFiniteError, match="step 2.*head"):
+            guard.clip_gradients(model, 1.0, step=2)
+    else:
+        assert not guard.clip_gradients(model, 1.0, step=2)
+        assert guard.skipped_gradients == 1 and all(p.grad is None for p in model.parameters())
+
+
 def test_guard_rejects_bad_policy() -> None:
     with pytest.raises(ValueError, match="ignore"):
         NonFiniteGuard("ignore")  # type: ignore[arg-type]

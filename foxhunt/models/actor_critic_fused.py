@@ -31,51 +31,58 @@ from torch import Tensor
 from foxhunt.models.actor_critic import LOG_SQRT_2PI, ActorCritic, tanh_log_det
 
 
-def _linears(seq: torch.nn.Sequential) -> list[torch.nn.Linear]:
-    return [m for m in seq if isinstance(m, torch.nn.Linear)]
-
-
-def _forward(x: Tensor, params: tuple[Tensor, ...]) -> list[Tensor]:
-    """[h_0 = x, h_1, ..., h_{L-1}, out]: activations of a tanh MLP given as (W_1, b_1, ..., W_L, b_L)."""
-    acts = [x]
-    h = x
-    n = len(params) // 2
+def _forward(x: Tensor, tower: tuple[Tensor, ...], heads: tuple[Tensor, Tensor, Tensor, Tensor]) -> list[Tensor]:
+    """[h_1, ..., h_L, actor output, value]: the towers' activations [2, B, H_l] (both networks in one batched
+    product per layer, (W_1, b_1, ..., W_L, b_L) of [2, out, in] and [2, out]) and the heads' outputs."""
+    n = len(tower) // 2
+    acts: list[Tensor] = []
+    h = x.expand(2, *x.shape)
     for i in range(n):
-        h = torch.addmm(params[2 * i + 1], h, params[2 * i].t())
-        if i < n - 1:
-            h = torch.tanh(h)
+        # tanh(a) = 2·σ(2a) − 1, the 2a from the product's own scalars: torch's CPU tanh costs about four sigmoids
+        h = torch.baddbmm(tower[2 * i + 1].unsqueeze(1), h, tower[2 * i].transpose(1, 2), beta=2.0, alpha=2.0)
+        h = h.sigmoid_().mul_(2.0).sub_(1.0)
         acts.append(h)
+    w_a, b_a, w_c, b_c = heads
+    acts.append(torch.addmm(b_a, h[0], w_a.t()))
+    acts.append(torch.addmm(b_c, h[1], w_c.t()))
     return acts
 
 
-def _backward(delta: Tensor, acts: list[Tensor], params: tuple[Tensor, ...]) -> list[Tensor]:
-    """Gradients (dW_1, db_1, ..., dW_L, db_L) of a tanh MLP from δ at its output and its activations h_0..h_{L-1}."""
-    n = len(params) // 2
+def _backward(delta_a: Tensor, delta_c: Tensor, x: Tensor, acts: list[Tensor], tower: tuple[Tensor, ...],
+              heads: tuple[Tensor, Tensor, Tensor, Tensor]) -> list[Tensor]:
+    """Gradients (dW_1, db_1, ..., dW_L, db_L, dW_actor, db_actor, dW_critic, db_critic) from δ at the actor's and the
+    critic's outputs: heads, then both towers at once, ``δ_{l-1} = (δ_l W_l) ⊙ (1 − h_{l-1}²)``."""
+    n = len(tower) // 2
+    w_a, _, w_c, _ = heads
+    h = acts[n - 1]
+    head_grads = [delta_a.t().mm(h[0]), delta_a.sum(0), delta_c.t().mm(h[1]), delta_c.sum(0)]
+    delta = torch.stack([delta_a.mm(w_a), delta_c.mm(w_c)])  # [2, B, H_L]
     grads: list[Tensor] = [delta] * (2 * n)
     for i in range(n - 1, -1, -1):
-        h_in = acts[i]
-        grads[2 * i] = delta.t().mm(h_in)
-        grads[2 * i + 1] = delta.sum(0)
+        delta = torch.ops.aten.tanh_backward(delta, acts[i])  # through h_i = tanh(a_i)
+        h_in = acts[i - 1] if i > 0 else x.expand(2, *x.shape)
+        grads[2 * i] = torch.bmm(delta.transpose(1, 2), h_in)
+        grads[2 * i + 1] = delta.sum(1)
         if i > 0:
-            delta = torch.ops.aten.tanh_backward(delta.mm(params[2 * i]), h_in)  # (δ W) ⊙ (1 − h²)
-    return grads
+            delta = torch.bmm(delta, tower[2 * i])
+    return grads + head_grads
 
 
 class _FusedPPOLoss(torch.autograd.Function):
     """PPO's total loss of one minibatch as one autograd node (see the module docstring). Written for few kernel
-    calls: Python scalars are folded into ``alpha`` arguments, masks multiply instead of selecting."""
+    calls: the per-row terms are stacked and reduced once, the loss is one dot product with their coefficients,
+    Python scalars are folded into ``alpha`` arguments and masks select by ``masked_fill``."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, actions: Tensor, old_log_probs: Tensor, old_values: Tensor, advantages: Tensor,
                 returns: Tensor, noise: Tensor, coefs: tuple[float, float | None, float, float, float], continuous: bool,
-                n_actor: int, *params: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                n_tower: int, *params: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         clip_coef, vclip, vf_coef, ent_coef, mean_reg = coefs
         ctx.set_materialize_grads(False)
-        actor_p = params[:n_actor]
-        critic_p = params[n_actor : len(params) - 1] if continuous else params[n_actor:]
-        a_acts = _forward(x, actor_p)
-        c_acts = _forward(x, critic_p)
-        out, value = a_acts[-1], c_acts[-1].view(-1)
+        tower, heads = params[:n_tower], params[n_tower : n_tower + 4]
+        acts = _forward(x, tower, heads)
+        out, value = acts[-2], acts[-1].view(-1)
+        b = x.shape[0]
         if continuous:
             log_std = params[-1]
             std = log_std.exp()
@@ -86,53 +93,62 @@ class _FusedPPOLoss(torch.autograd.Function):
             y = torch.addcmul(out.view(-1), std, noise)  # μ + σ·noise
             entropy = tanh_log_det(y).add_(log_std).add_(0.5 + LOG_SQRT_2PI)
             saved: tuple[Tensor, ...] = (z, y, out)
+            ent_sign = 1.0  # the entropy row is H itself
         else:
             logp = torch.log_softmax(out, 1)
             log_prob = logp.gather(1, actions.view(-1, 1)).view(-1)
             p = logp.exp()
-            entropy = (p * logp).sum(1).neg_()
+            entropy = (p * logp).sum(1)  # −H: the sign goes into the row's scale
             saved = (logp, p, entropy)
+            ent_sign = -1.0
         logratio = log_prob - old_log_probs
         ratio = logratio.exp()
         surrogate = advantages * ratio  # the objective is min(Â·ρ, Â·clip(ρ)); its gradient reaches ρ where Â·ρ is it
         surrogate_clipped = advantages * ratio.clamp(1.0 - clip_coef, 1.0 + clip_coef)
-        pg_loss = torch.minimum(surrogate, surrogate_clipped).mean().neg_()
-        g_logp = surrogate.mul((surrogate <= surrogate_clipped).to(surrogate.dtype))  # −d pg/d log π, times B
+        objective = torch.minimum(surrogate, surrogate_clipped)
+        g_logp = surrogate.masked_fill(surrogate > surrogate_clipped, 0.0)  # −d pg/d log π, times B
         err = value - returns
         if vclip is None:
-            v_loss = err.square().mean().mul_(0.5)
+            v_rows = err.square()
             g_value = err
         else:
             moved = value - old_values
             err_c = (old_values - returns).add_(moved.clamp(-vclip, vclip))
             sq, sq_c = err.square(), err_c.square()
-            v_loss = torch.maximum(sq, sq_c).mean().mul_(0.5)
+            v_rows = torch.maximum(sq, sq_c)
             # where the clipped error is the larger and v moved past the clip, no gradient; inside the clip the two
             # errors are equal (to rounding) and so are their gradients
-            g_value = err.mul(((sq >= sq_c) | (moved.abs() <= vclip)).to(err.dtype))
-        entropy_mean = entropy.mean()
-        loss = torch.add(pg_loss, entropy_mean, alpha=-ent_coef).add_(v_loss, alpha=vf_coef)
+            g_value = err.masked_fill((sq < sq_c) & (moved.abs() > vclip), 0.0)
+        rows = [objective, v_rows, entropy]
+        scale = [-1.0 / b, 0.5 / b, ent_sign / b]  # row sums to (policy loss, value loss, entropy, mean(μ²))
+        weight = [1.0, vf_coef, -ent_coef]  # the loss's coefficients of those
         if continuous and mean_reg > 0:
-            loss = loss.add_(out.square().mean(), alpha=mean_reg)  # the pre-squash mean's penalty
-        ctx.save_for_backward(actions, noise, g_logp, g_value, *saved, *a_acts[:-1], *c_acts[:-1], *params)
-        ctx.meta = (x.shape[0], n_actor, continuous, vf_coef, ent_coef, mean_reg, len(a_acts) - 1, len(saved))
-        ctx.mark_non_differentiable(pg_loss, v_loss, entropy_mean, logratio)
-        return loss, pg_loss, v_loss, entropy_mean, logratio
+            rows.append(out.view(-1).square())  # the pre-squash mean's penalty
+            scale.append(1.0 / b)
+            weight.append(mean_reg)
+        coef = torch.tensor([scale, weight], dtype=x.dtype, device=x.device)
+        parts = torch.stack(rows).sum(1).mul_(coef[0])
+        loss = torch.dot(parts, coef[1])
+        ctx.save_for_backward(x, actions, noise, g_logp, g_value, *saved, *acts[:-2], *params)
+        ctx.meta = (b, n_tower, continuous, vf_coef, ent_coef, mean_reg, len(acts) - 2, len(saved))
+        ctx.mark_non_differentiable(parts, logratio)
+        return loss, parts, logratio
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor | None, *_: Any) -> tuple[Tensor | None, ...]:
-        b, n_actor, continuous, vf_coef, ent_coef, mean_reg, n_layers, n_saved = ctx.meta
+        b, n_tower, continuous, vf_coef, ent_coef, mean_reg, n_layers, n_saved = ctx.meta
         saved = ctx.saved_tensors
-        actions, noise, g_logp, g_value = saved[:4]
-        extra = saved[4 : 4 + n_saved]
-        a_acts = list(saved[4 + n_saved : 4 + n_saved + n_layers])
-        c_acts = list(saved[4 + n_saved + n_layers : 4 + n_saved + 2 * n_layers])
-        params = saved[4 + n_saved + 2 * n_layers :]
+        x, actions, noise, g_logp, g_value = saved[:5]
+        extra = saved[5 : 5 + n_saved]
+        acts = list(saved[5 + n_saved : 5 + n_saved + n_layers])
+        params = saved[5 + n_saved + n_layers :]
         if grad is None:
             return (None,) * (10 + len(params))
+        tower, heads = params[:n_tower], params[n_tower : n_tower + 4]
         scale = grad / b
         d_logp = g_logp * scale.neg()  # d loss / d log π, per row
         ent = scale * ent_coef  # d loss / dH_i = −ent_coef/B
+        delta_c = (g_value * (scale * vf_coef)).view(-1, 1)
         if continuous:
             z, y, mean = extra
             log_std = params[-1]
@@ -143,16 +159,14 @@ class _FusedPPOLoss(torch.autograd.Function):
                 delta = delta.add_(mean * (scale * (2.0 * mean_reg)))  # d(β·mean(μ²))/dμ = 2βμ/B
             # d log π/d log σ = z² − 1; dH/d log σ = 1 − 2 tanh(y)·σ·noise
             d_log_std = (d_logp * (z * z - 1.0)).sum() - ent * (b - 2.0 * (t * noise).sum() * log_std.exp())
-            grads = _backward(delta, a_acts, params[:n_actor])
-            grads += _backward((g_value * (scale * vf_coef)).view(-1, 1), c_acts, params[n_actor:-1])
+            grads = _backward(delta, delta_c, x, acts, tower, heads)
             grads.append(d_log_std.view(1))
         else:
-            logp, p, entropy = extra
+            logp, p, neg_entropy = extra
             # d log π(a)/dz = onehot(a) − p; dH/dz = −p ⊙ (log p + H)
-            delta = (logp + entropy.view(-1, 1)).mul_(ent).sub_(d_logp.view(-1, 1)).mul_(p)
+            delta = (logp - neg_entropy.view(-1, 1)).mul_(ent).sub_(d_logp.view(-1, 1)).mul_(p)
             delta.scatter_add_(1, actions.view(-1, 1), d_logp.view(-1, 1))
-            grads = _backward(delta, a_acts, params[:n_actor])
-            grads += _backward((g_value * (scale * vf_coef)).view(-1, 1), c_acts, params[n_actor:])
+            grads = _backward(delta, delta_c, x, acts, tower, heads)
         return (None,) * 10 + tuple(grads)
 
 
@@ -166,12 +180,13 @@ def fused_ppo_loss(
     (``policy_loss``, ``value_loss``, ``entropy``, ``logratio``); its gradient reaches ``net``'s parameters through
     one hand-written backward. ``advantages`` are already normalised; ``actions`` are indices (discrete) or the
     pre-squash samples u (continuous), ``noise`` the standard normal draws behind them (continuous)."""
-    actor = [t for lin in _linears(net.actor) for t in (lin.weight, lin.bias)]
-    critic = [t for lin in _linears(net.critic) for t in (lin.weight, lin.bias)]
-    params = [*actor, *critic] + ([net.actor_logstd] if net.continuous else [])
-    loss, pg, vl, ent, logratio = _FusedPPOLoss.apply(
+    tower = [t for layer in net.tower for t in (layer.weight, layer.bias)]
+    heads = [net.actor_head.weight, net.actor_head.bias, net.critic_head.weight, net.critic_head.bias]
+    params = [*tower, *heads] + ([net.actor_logstd] if net.continuous else [])
+    loss, parts, logratio = _FusedPPOLoss.apply(
         x, actions, old_log_probs, old_values, advantages, returns, noise,
-        (float(clip_coef), value_clip, float(vf_coef), float(ent_coef), float(mean_reg_coef)), net.continuous, len(actor), *params,
+        (float(clip_coef), value_clip, float(vf_coef), float(ent_coef), float(mean_reg_coef)), net.continuous,
+        len(tower), *params,
     )
+    pg, vl, ent = parts.unbind()[:3]
     return loss, {"policy_loss": pg, "value_loss": vl, "entropy": ent, "logratio": logratio}
-
