@@ -165,6 +165,16 @@ def test_known_future_features_match_calendar_columns(bars, feats):
         known_future_features(ts[:3], ["rsi_14"])
 
 
+def test_calendar_phases_keep_float64_precision():
+    """Phases of ns timestamps are computed in float64 (an int64 x float multiply would round them in float32)."""
+    from foxhunt.features.calendar import phases
+
+    t = pd.Timestamp("2024-03-04 12:34:56.789", tz="UTC")
+    ph = phases(torch.tensor([t.value]))
+    assert abs(float(ph["tod"][0]) - (12 * 3600 + 34 * 60 + 56.789) / 86400) < 1e-9
+    assert float(ph["dow"][0]) == 0.0  # a Monday
+
+
 def test_tensor_path_matches_dataframe_path(bars):
     fs = FeatureSet(families=["trend", "shape", "calendar"])
     ohlcv = torch.tensor(bars[["open", "high", "low", "close", "volume"]].to_numpy(), dtype=torch.float64)

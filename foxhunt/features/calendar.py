@@ -33,7 +33,7 @@ CALENDAR_DEFINITIONS = {  # name: (definition, phase, function)
 def phases(ts_ns: Tensor) -> dict[str, Tensor]:
     """Phases in [0, 1) of the day, week and year (float64) of int64 ns UTC timestamps; float64 days are exact
     to well under a second."""
-    days = torch.mul(ts_ns, DAYS_PER_NS, out=ops.empty(tuple(ts_ns.shape), ts_ns))  # int64 x float: float64
+    days = ops.empty(tuple(ts_ns.shape), ts_ns).copy_(ts_ns).mul_(DAYS_PER_NS)  # float64 before the multiply
     whole = torch.floor(days, out=ops.like(days))
     weeks = torch.add(whole, 3.0, out=ops.like(days)).div_(7.0)  # 1970-01-01 was a Thursday; Monday = 0
     years = torch.div(days, _YEAR_DAYS, out=ops.like(days))
