@@ -105,7 +105,9 @@ def cumsum(x: Tensor, block: int = 4096, out: Tensor | None = None) -> Tensor:
     T = x.shape[-1]
     if x.is_cuda and T > block and x.numel() != T:
         return _put(blocked_cumsum(x, block), out)
-    return torch.cumsum(x, dim=-1, out=like(x) if out is None else out)
+    if out is None and x.dtype == torch.float64:
+        out = like(x)  # a pooled buffer on the CPU
+    return torch.cumsum(x, dim=-1, out=out)
 
 
 def blocked_cumsum(x: Tensor, block: int = 4096) -> Tensor:
