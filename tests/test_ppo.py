@@ -212,16 +212,17 @@ def test_orthogonal_init_is_seeded_and_leaves_the_global_rng_alone() -> None:
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
     net = ActorCritic(3, 4, 3, 3, hidden=(8, 8))
     for tower in (0, 1):
-        w = net.tower[0].weight[tower]  # orthogonal rows scaled by sqrt(2), the actor's and the critic's
+        w = net.tensor("tower.0.weight")[tower]  # orthogonal rows scaled by sqrt(2), the actor's and the critic's
         torch.testing.assert_close(w @ w.T, 2.0 * torch.eye(8), atol=1e-5, rtol=0)
-    assert net.actor_head.weight.norm() < 0.05 and torch.all(net.critic_head.bias == 0)  # near-uniform initial policy
+    assert net.tensor("actor_head.weight").norm() < 0.05 and torch.all(net.tensor("critic_head.bias") == 0)
 
 
 @pytest.mark.parametrize("space", ["discrete", "continuous"])
 def test_grouped_towers_are_the_two_mlps_and_load_their_layout(space) -> None:
-    """The grouped layout (both networks' hidden layers as [2, out, in] weights) is two plain tanh MLPs: the same
-    initial values as ``tanh_mlp`` actor then critic from the same seed, the same outputs by the per-network path and
-    by the fused loss's batched products, and state dicts of the former two-MLP layout load into it exactly."""
+    """The grouped layout (both networks' hidden layers as [2, out, in] weights, views of two flat parameters) is two
+    plain tanh MLPs: the same initial values as ``tanh_mlp`` actor then critic from the same seed, the same outputs by
+    the per-network path and by the fused loss's batched products; its state dict is the named tensors (no shared
+    storage), it loads back, and state dicts of the former two-MLP layout load into it exactly."""
     from foxhunt.models.actor_critic import tanh_mlp
     from foxhunt.models.actor_critic_fused import _forward
 
@@ -229,14 +230,14 @@ def test_grouped_towers_are_the_two_mlps_and_load_their_layout(space) -> None:
     torch.manual_seed(4)
     net = ActorCritic(3, 4, 1 if space == "continuous" else 3, 3, action_space=space, hidden=(8, 6))
     torch.manual_seed(4)
-    actor, critic = tanh_mlp(net.tower[0].weight.shape[2], (8, 6), n_out, 0.01), tanh_mlp(net.tower[0].weight.shape[2], (8, 6), 1, 1.0)
-    x = torch.randn(7, net.tower[0].weight.shape[2])
+    n_in = net.tensor("tower.0.weight").shape[2]
+    actor, critic = tanh_mlp(n_in, (8, 6), n_out, 0.01), tanh_mlp(n_in, (8, 6), 1, 1.0)
+    x = torch.randn(7, n_in)
     with torch.no_grad():
         torch.testing.assert_close(net.actor_out(x), actor(x).squeeze(1) if space == "continuous" else actor(x), rtol=0, atol=0)
         torch.testing.assert_close(net.value(x), critic(x).squeeze(1), rtol=0, atol=0)
-        tower = tuple(t for layer in net.tower for t in (layer.weight, layer.bias))
-        heads = (net.actor_head.weight, net.actor_head.bias, net.critic_head.weight, net.critic_head.bias)
-        acts = _forward(x, tower, heads)
+        views = net.detached_tensors()
+        acts = _forward(x, views[:4], views[4:8])
         torch.testing.assert_close(acts[-2], actor(x))
         torch.testing.assert_close(acts[-1], critic(x))
         a2, c2 = net.two_mlps()
@@ -247,11 +248,20 @@ def test_grouped_towers_are_the_two_mlps_and_load_their_layout(space) -> None:
         old["actor_logstd"] = torch.tensor([-0.3])
     twin = ActorCritic(3, 4, 1 if space == "continuous" else 3, 3, action_space=space, hidden=(8, 6))
     twin.load_state_dict(old)
-    for (ka, a), (kb, b) in zip(net.state_dict().items(), twin.state_dict().items(), strict=True):
+    state = net.state_dict()
+    for (ka, a), (kb, b) in zip(state.items(), twin.state_dict().items(), strict=True):
         assert ka == kb
         if ka != "actor_logstd":
             assert torch.equal(a, b), ka
-    assert len(list(net.parameters())) == 8 + (space == "continuous")
+    assert [n for n, _ in net.named_parameters()] == ["weights", "biases"]
+    assert len({t.untyped_storage().data_ptr() for t in state.values()}) == len(state)  # safetensors-safe
+    assert state["tower.1.weight"].shape == (2, 6, 8) and state["actor_head.weight"].shape == (n_out, 6)
+    twin.load_state_dict(state)
+    assert torch.equal(twin.weights, net.weights) and torch.equal(twin.biases, net.biases)
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        twin.load_state_dict({**state, "extra": torch.zeros(1)})
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        twin.load_state_dict({**state, "critic_head.bias": torch.zeros(2)})
 
 
 # ------------------------------------------------------------------------------------------------ environment
@@ -293,8 +303,8 @@ def test_deterministic_positions_equal_a_bar_by_bar_loop() -> None:
         member = PPOModule(window=4, action_space=space, hidden=(16, 16), seed=3, log_std_init=0.0, no_trade_band=band)
         member.attach_market(split)
         with torch.no_grad():  # a policy that depends visibly on the held position, with targets across [-1, 1]
-            member.net.tower[0].weight[0].mul_(30.0)  # the actor's first layer
-            member.net.actor_head.weight.mul_(50.0)
+            member.net.tensor("tower.0.weight")[0].mul_(30.0)  # the actor's first layer
+            member.net.tensor("actor_head.weight").mul_(50.0)
         positions, m = member.deterministic_positions(split)
         want = torch.zeros(m.n_bars)
         held = 0.0
@@ -422,9 +432,8 @@ def test_fit_logs_training_and_validation_metrics(tmp_path, market, space) -> No
                                        "explained_variance", "reward_per_bar", "env_steps", "env_steps_per_s",
                                        "rollout_time_fraction", "rollouts", "kl_stops", "nonfinite_skipped", "updates")]
     keys += [f"val/ppo/{k}" for k in ("sharpe", "reward_per_bar", "turnover", "max_drawdown")]
-    keys += ["lr/ppo", "val/sharpe", "grad_norm/ppo/total", "grad_norm/ppo/tower", "grad_norm/ppo/actor_head",
-             "grad_norm/ppo/critic_head"]
-    keys += ["train/ppo/std", "grad_norm/ppo/actor_logstd"] if space == "continuous" else []
+    keys += ["lr/ppo", "val/sharpe", "grad_norm/ppo/total", "grad_norm/ppo/weights", "grad_norm/ppo/biases"]
+    keys += ["train/ppo/std"] if space == "continuous" else []
     for key in keys:
         assert key in logged, key
         assert torch.isfinite(logged[key]), key

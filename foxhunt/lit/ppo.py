@@ -192,7 +192,7 @@ class PPOModule(Agent):
                 policy saturate at ±1, where the exploration noise costs least (see docs/PPO.md).
             lr: AdamW learning rate (its start, with a schedule).
             adam_eps: AdamW's epsilon (1e-5, as in CleanRL and the "37 implementation details").
-            weight_decay: AdamW decoupled weight decay (weight matrices only).
+            weight_decay: AdamW decoupled weight decay (weight matrices only: the network's flat ``weights``).
             fused_adamw: use PyTorch's fused AdamW kernel where the parameters' device supports it.
             fused_loss: compute the minibatch loss and its gradient by the hand-written backward of
                 :mod:`foxhunt.models.actor_critic_fused` (the same loss as the plain autograd path, tested equal; a
@@ -510,8 +510,13 @@ class PPOModule(Agent):
         total = hp.total_steps
         if hp.scheduler in ("linear", "cosine") and total is None:
             total = self.estimated_updates()
+        net = self.network
+        assert isinstance(net, ActorCritic)
+        # decay the matrices only: the flat ``weights``, not ``biases`` (biases and log σ)
+        params = ([{"params": [net.weights], "weight_decay": hp.weight_decay}, {"params": [net.biases], "weight_decay": 0.0}]
+                  if hp.weight_decay else [net.weights, net.biases])
         config = configure_adamw(
-            self.network, lr=hp.lr, weight_decay=hp.weight_decay, eps=hp.adam_eps,
+            params, lr=hp.lr, weight_decay=hp.weight_decay, eps=hp.adam_eps,
             scheduler="none" if hp.scheduler == "linear" else hp.scheduler, total_steps=total,
             warmup_steps=hp.warmup_steps, monitor="val/reward_per_bar_neg",
             interval="epoch" if hp.scheduler == "plateau" else "step",

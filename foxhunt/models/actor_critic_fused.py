@@ -3,7 +3,7 @@ path beside the plain autograd one (``PPOModule(fused_loss=...)``), tested equal
 
 Why: at CleanRL's and Stable-Baselines3's minibatch of 64 rows, an update of two small tanh MLPs is a few dozen tiny
 kernels, and on a CPU the autograd engine's bookkeeping (recording the graph, scheduling some forty backward nodes,
-accumulating twelve gradients) costs more than the arithmetic. Here the forward runs without recording, keeps the
+accumulating a gradient per parameter tensor) costs more than the arithmetic. Here the forward runs without recording, keeps the
 activations, and one backward node computes every parameter's gradient by the chain rule written out:
 
 - actor (logits z, or the Gaussian's mean μ) and critic (value v) are tanh MLPs, ``a_l = h_{l-1} W_lᵀ + b_l``,
@@ -76,9 +76,11 @@ class _FusedPPOLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, actions: Tensor, old_log_probs: Tensor, old_values: Tensor, advantages: Tensor,
                 returns: Tensor, noise: Tensor, coefs: tuple[float, float | None, float, float, float], continuous: bool,
-                n_tower: int, *params: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                params: tuple[Tensor, ...], weights: Tensor, biases: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``params``: :meth:`ActorCritic.detached_tensors` (views of ``weights`` and ``biases``, the parameters)."""
         clip_coef, vclip, vf_coef, ent_coef, mean_reg = coefs
         ctx.set_materialize_grads(False)
+        n_tower = len(params) - 4 - continuous
         tower, heads = params[:n_tower], params[n_tower : n_tower + 4]
         acts = _forward(x, tower, heads)
         out, value = acts[-2], acts[-1].view(-1)
@@ -129,7 +131,8 @@ class _FusedPPOLoss(torch.autograd.Function):
         coef = torch.tensor([scale, weight], dtype=x.dtype, device=x.device)
         parts = torch.stack(rows).sum(1).mul_(coef[0])
         loss = torch.dot(parts, coef[1])
-        ctx.save_for_backward(x, actions, noise, g_logp, g_value, *saved, *acts[:-2], *params)
+        ctx.save_for_backward(x, actions, noise, g_logp, g_value, *saved, *acts[:-2])
+        ctx.params = params  # views of the parameters, which only the optimizer changes, after backward
         ctx.meta = (b, n_tower, continuous, vf_coef, ent_coef, mean_reg, len(acts) - 2, len(saved))
         ctx.mark_non_differentiable(parts, logratio)
         return loss, parts, logratio
@@ -141,9 +144,9 @@ class _FusedPPOLoss(torch.autograd.Function):
         x, actions, noise, g_logp, g_value = saved[:5]
         extra = saved[5 : 5 + n_saved]
         acts = list(saved[5 + n_saved : 5 + n_saved + n_layers])
-        params = saved[5 + n_saved + n_layers :]
+        params = ctx.params
         if grad is None:
-            return (None,) * (10 + len(params))
+            return (None,) * 12
         tower, heads = params[:n_tower], params[n_tower : n_tower + 4]
         scale = grad / b
         d_logp = g_logp * scale.neg()  # d loss / d log π, per row
@@ -167,7 +170,10 @@ class _FusedPPOLoss(torch.autograd.Function):
             delta = (logp - neg_entropy.view(-1, 1)).mul_(ent).sub_(d_logp.view(-1, 1)).mul_(p)
             delta.scatter_add_(1, actions.view(-1, 1), d_logp.view(-1, 1))
             grads = _backward(delta, delta_c, x, acts, tower, heads)
-        return (None,) * 10 + tuple(grads)
+        # the flat parameters' gradients, in ActorCritic.tensor_names order: matrices, then biases (and log σ)
+        d_weights = torch.cat([g.reshape(-1) for g in (*grads[:n_tower:2], grads[n_tower], grads[n_tower + 2])])
+        d_biases = torch.cat([g.reshape(-1) for g in (*grads[1:n_tower:2], grads[n_tower + 1], *grads[n_tower + 3 :])])
+        return (None,) * 10 + (d_weights, d_biases)
 
 
 def fused_ppo_loss(
@@ -180,13 +186,10 @@ def fused_ppo_loss(
     (``policy_loss``, ``value_loss``, ``entropy``, ``logratio``); its gradient reaches ``net``'s parameters through
     one hand-written backward. ``advantages`` are already normalised; ``actions`` are indices (discrete) or the
     pre-squash samples u (continuous), ``noise`` the standard normal draws behind them (continuous)."""
-    tower = [t for layer in net.tower for t in (layer.weight, layer.bias)]
-    heads = [net.actor_head.weight, net.actor_head.bias, net.critic_head.weight, net.critic_head.bias]
-    params = [*tower, *heads] + ([net.actor_logstd] if net.continuous else [])
     loss, parts, logratio = _FusedPPOLoss.apply(
         x, actions, old_log_probs, old_values, advantages, returns, noise,
         (float(clip_coef), value_clip, float(vf_coef), float(ent_coef), float(mean_reg_coef)), net.continuous,
-        len(tower), *params,
+        net.detached_tensors(), net.weights, net.biases,
     )
     pg, vl, ent = parts.unbind()[:3]
     return loss, {"policy_loss": pg, "value_loss": vl, "entropy": ent, "logratio": logratio}
