@@ -10,10 +10,12 @@ One implementation serves every device (foxhunt.features.ops: CPU kernels on the
 Targets (issue 19): the whole set in <= 1.5 s on one core, <= 1.5x TA-Lib's time per feature on the TA-Lib-derived
 features, peak memory <= 1.5x the float32 output.
 
-Measured 2026-12-01 (1,000,000 bars, one thread, a 2-core machine shared with other jobs at load 14-20, so wall
-times are 3-6x CPU times and CPU times move by ~15%): whole set 1.40-1.62 s CPU (the former numpy path 1.28-1.52 s,
-interleaved); TA-Lib-derived features 2.1-2.6x TA-Lib's CPU time per feature (the former numpy path 1.8-1.9x in the
-same runs: the difference is page faults on torch's freed temporaries); peak memory 1.02-1.17x the output.
+Measured 2026-12-01 (1,000,000 bars, one thread, a 2-core machine shared with other jobs at load 5-8; six runs
+alternating with eeb8864, before the buffer pool, run through PYTHONPATH; best of 3 per run): whole set
+0.79-1.18 s CPU with 2.6-10k minor page faults (before: 0.85-1.68 s, 15-58k faults); TA-Lib-derived features
+1.65-2.14x TA-Lib's CPU time with 35-290 faults (before: 1.94-2.15x, 850-4,100 faults); peak memory 1.10-1.24x the
+output (before: 0.97-1.21x). The first call in a fresh process is slower for both (whole set 1.55-2.10 s CPU, before
+1.65-2.07 s): there the kernel first maps the output's and the pool's huge pages.
 """
 
 from __future__ import annotations
