@@ -30,8 +30,8 @@ class BufferPool:
     A buffer is lent as a view of a flat array that the pool keeps; it is free again once nothing else refers to
     that array (no view, tensor or numpy array built on it is alive: CPython's reference count says so, with no
     bookkeeping by the borrower). Requests are rounded up to whole 2 MiB (huge) pages, so series of T, T + 1 or
-    T - n bars share buffers, and start on one (a fresh 8 MB buffer then costs 4 page faults, not ~500). :meth:`trim` frees idle buffers beyond a few; everything goes with the pool (the end
-    of the computation).
+    T - n bars share buffers, and start on one (a fresh 8 MB buffer then costs 4 page faults, not ~500).
+    :meth:`trim` frees idle buffers beyond a few; everything goes with the pool (the end of the computation).
     """
 
     GRANULE = 1 << 21  # bytes; also the transparent huge page size numpy asks for

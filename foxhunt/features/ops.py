@@ -97,7 +97,8 @@ def pad_right(x: Tensor, k: int, value: float = 0.0) -> Tensor:
 
 
 def cumsum(x: Tensor, block: int = 4096, out: Tensor | None = None) -> Tensor:
-    """Running sum along the last axis; on CUDA, several rows longer than ``block`` take :func:`blocked_cumsum`.
+    """Running sum along the last axis (into ``out`` when given, which may be x; float64 results take a buffer from
+    :func:`like`); on CUDA, several rows longer than ``block`` take :func:`blocked_cumsum`.
 
     torch scans a lone row with CUB but each row of a 2-D tensor within one thread block, chunk after chunk,
     which leaves a GPU nearly idle for a few long symbols. On CPU the sequential sum is numpy's, bit for bit.
