@@ -170,14 +170,18 @@ def aroon(p: Panel, n: int) -> tuple[Tensor, Tensor]:
     return p.memo(("aroon", n), f)
 
 
-def ultosc(p: Panel, n1: int = 7, n2: int = 14, n3: int = 28) -> Tensor:
-    """TA-Lib ULTOSC: 100 * (4 A1 + 2 A2 + A3) / 7, A_k = sum(buying pressure) / sum(true range) over n_k."""
+def ultosc(p: Panel, n1: int = 7, n2: int = 14, n3: int = 28, out: Tensor | None = None) -> Tensor:
+    """TA-Lib ULTOSC: 100 * (4 A1 + 2 A2 + A3) / 7, A_k = sum(buying pressure) / sum(true range) over n_k, into
+    ``out`` when given."""
     bp = torch.minimum(p.low, p.prev_close(), out=ops.like(p.low))
     bp = torch.sub(p.close, bp, out=bp)  # buying pressure C - min(L, C[t-1])
     bps, trs = ops.Prefix(bp, 1), ops.Prefix(p.true_range(), 1)
     del bp
     a = max(n1, n2, n3)
-    out = ops.nans(p.close, a)
+    if out is None:
+        out = ops.nans(p.close, a)
+    else:
+        out[:, :a] = ops.NAN
     if a < p.shape[1]:
         views = [v for n in (n1, n2, n3) for v in (*bps.parts(n, a), *trs.parts(n, a))]
         ops.blockwise(_ultosc_block, out[:, a:], *views)
@@ -235,6 +239,6 @@ def features() -> FeatureList:
     fl.add("aroon_up_25", "TA-Lib AROON(25) up", 25, lambda p: aroon(p, 25)[0], talib="AROON")
     fl.add("aroon_down_25", "TA-Lib AROON(25) down", 25, lambda p: aroon(p, 25)[1], talib="AROON")
     fl.add("aroon_osc_25", "TA-Lib AROONOSC(25): Aroon up - Aroon down", 25, lambda p, out=None: torch.sub(*aroon(p, 25), out=out), talib="AROONOSC")
-    fl.add("ultosc_7_14_28", "TA-Lib ULTOSC(7,14,28)", 28, lambda p: ultosc(p, 7, 14, 28), talib="ULTOSC")
+    fl.add("ultosc_7_14_28", "TA-Lib ULTOSC(7,14,28)", 28, lambda p, out=None: ultosc(p, 7, 14, 28, out=out), talib="ULTOSC")
     fl.add("trix_15", "TA-Lib TRIX(15): 1-bar % change of a triple EMA", 43, lambda p, out=None: trix(p, 15, out), talib="TRIX")
     return fl

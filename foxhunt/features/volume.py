@@ -59,14 +59,21 @@ def obv(p: Panel) -> Tensor:
     return O.cumsum(_signed_volume(p))
 
 
-def obv_change(p: Panel, n: int) -> Tensor:
-    """(OBV[t] - OBV[t-n]) / sum of V over the last n bars: the net signed share of recent volume, in [-1, 1]."""
-    out = O.nans(p.close, n)
+def obv_change(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
+    """(OBV[t] - OBV[t-n]) / sum of V over the last n bars: the net signed share of recent volume, in [-1, 1]
+    (into ``out`` when given)."""
+    out = O.nans(p.close, n) if out is None else _nan_head(out, n)
     if n < p.shape[1]:
         s_hi, s_lo = p.prefix("signed_volume", lambda: _signed_volume(p), 1).parts(n, n)
         v_hi, v_lo = volume_prefix(p, 1).parts(n, n)
         vol = torch.sub(v_hi, v_lo, out=O.empty(tuple(v_hi.shape), v_hi))
-        O.safe_div(torch.sub(s_hi, s_lo, out=out[:, n:]), vol, out=out[:, n:])
+        O.safe_div(torch.sub(s_hi, s_lo, out=O.empty(tuple(s_hi.shape), s_hi)), vol, out=out[:, n:])
+    return out
+
+
+def _nan_head(out: Tensor, n: int) -> Tensor:
+    """out with NaN on its first n bars (the caller writes the rest)."""
+    out[:, :n] = _NAN
     return out
 
 
@@ -83,10 +90,11 @@ def _money_flows(p: Panel) -> tuple[Tensor, Tensor]:
     return p.memo("money_flows", f)
 
 
-def mfi(p: Panel, n: int) -> Tensor:
-    """TA-Lib MFI: 100 * positive money flow / total money flow over n bars (0 when the total is below 1)."""
+def mfi(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
+    """TA-Lib MFI: 100 * positive money flow / total money flow over n bars (0 when the total is below 1), into
+    ``out`` when given."""
     up, down = _money_flows(p)
-    out = O.nans(p.close, n)
+    out = O.nans(p.close, n) if out is None else _nan_head(out, n)
     if n < p.shape[1]:
         u_hi, u_lo = p.prefix("money_flow_up", lambda: up, 1).parts(n, n)
         d_hi, d_lo = p.prefix("money_flow_down", lambda: down, 1).parts(n, n)
@@ -182,9 +190,9 @@ def features() -> FeatureList:
     for n in (5, 20):
         fl.add(f"rel_volume_{n}", f"ln(1+V) - ln(1 + SMA({n}) of V)", n - 1, lambda p, n=n: rel_volume(p, n))
     for n in (10, 20, 50):
-        fl.add(f"obv_change_{n}", f"(TA-Lib OBV[t] - OBV[t-{n}]) / sum of V over {n} bars", n, lambda p, n=n: obv_change(p, n), talib="OBV")
+        fl.add(f"obv_change_{n}", f"(TA-Lib OBV[t] - OBV[t-{n}]) / sum of V over {n} bars", n, lambda p, out=None, n=n: obv_change(p, n, out), talib="OBV")
     for n in (14, 28):
-        fl.add(f"mfi_{n}", f"TA-Lib MFI({n}), 0..100", n, lambda p, n=n: mfi(p, n), talib="MFI")
+        fl.add(f"mfi_{n}", f"TA-Lib MFI({n}), 0..100", n, lambda p, out=None, n=n: mfi(p, n, out), talib="MFI")
     for n in (20, 50, 100):
         fl.add(f"vwap_dist_{n}", f"(C - rolling VWAP({n})) / ATR(14)", max(n - 1, 14), lambda p, out=None, n=n: vwap_distance(p, n, out))
     for n in (20, 50):
