@@ -110,8 +110,8 @@ class NonFiniteGuard:
                     [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))
                 torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
             return True
-        if max_norm and norm > max_norm:  # torch's clip functions take the parameters (they scale p.grad)
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm))
+        if max_norm and norm > max_norm:  # clip_grads_with_norm_'s factor, without its grouping (~30 µs a call)
+            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
         return True
 
     def state_dict(self) -> dict[str, int | str]:
