@@ -10,11 +10,11 @@ One implementation serves every device (foxhunt.features.ops: CPU kernels on the
 Targets (issue 19): the whole set in <= 1.5 s on one core, <= 1.5x TA-Lib's time per feature on the TA-Lib-derived
 features, peak memory <= 1.5x the float32 output.
 
-Measured 2026-12-01 (1,000,000 bars, one thread, a 2-core machine shared with other jobs at load 5-8; six runs
+Measured 2026-12-01 (1,000,000 bars, one thread, a 2-core machine shared with other jobs at load 5-8; eight runs
 alternating with eeb8864, before the buffer pool, run through PYTHONPATH; best of 3 per run): whole set
 0.79-1.18 s CPU with 2.6-10k minor page faults (before: 0.85-1.68 s, 15-58k faults); TA-Lib-derived features
-1.62-2.14x TA-Lib's CPU time with 35-290 faults (before: 1.94-2.15x, 850-4,100 faults); peak memory 1.10-1.28x the
-output (before: 0.97-1.21x). The first call in a fresh process is slower for both (whole set 1.55-2.10 s CPU, before
+1.62-2.14x TA-Lib's CPU time with 35-310 faults (before: 1.85-2.15x, 850-4,150 faults); peak memory 1.10-1.28x the
+output (before: 0.97-1.23x). The first call in a fresh process is slower for both (whole set 1.55-2.10 s CPU, before
 1.65-2.07 s): there the kernel first maps the output's and the pool's huge pages.
 """
 
