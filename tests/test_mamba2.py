@@ -259,6 +259,27 @@ def test_stack_step_equals_parallel_form() -> None:
     torch.testing.assert_close(torch.stack(steps, 1), y, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_stack_tail_equals_the_last_rows_of_the_full_output(fused: bool) -> None:
+    """``tail`` (the forecaster reads only its decoder rows) changes what is computed, not the values or gradients."""
+    torch.manual_seed(0)
+    stack = Mamba2Stack(8, n_layers=2, d_state=5, headdim=4, chunk_size=4, fused=fused).double()
+    u = torch.randn(2, 19, 8, dtype=torch.float64, requires_grad=True)
+    full = stack(u)[:, -3:]
+    grads_full = torch.autograd.grad(full.square().sum(), [u, *stack.parameters()])
+    tail, states = stack(u, return_state=True, tail=3)
+    _, states_full = stack(u, return_state=True)
+    torch.testing.assert_close(tail, full, rtol=1e-12, atol=1e-12)
+    for a, b in zip(states, states_full, strict=True):
+        torch.testing.assert_close(a.ssm, b.ssm, rtol=0, atol=0)
+        torch.testing.assert_close(a.conv, b.conv, rtol=0, atol=0)
+    grads_tail = torch.autograd.grad(tail.square().sum(), [u, *stack.parameters()], allow_unused=True)
+    for a, b in zip(grads_tail, grads_full, strict=True):
+        torch.testing.assert_close(a if a is not None else torch.zeros_like(b), b, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="tail"):
+        stack(u, tail=0)
+
+
 @pytest.mark.parametrize(("scan", "fused"), [("factored", True), ("chunked", False)])
 def test_block_and_forecaster_are_causal_bit_for_bit(scan: str, fused: bool) -> None:
     m = block(chunk_size=8, scan=scan, fused=fused)

@@ -591,14 +591,20 @@ class Mamba2Block(nn.Module):
 
     # ------------------------------------------------------------------------------------------------ parallel
     def forward(
-        self, u: Tensor, state: Mamba2State | None = None, return_state: bool = False
+        self, u: Tensor, state: Mamba2State | None = None, return_state: bool = False, tail: int | None = None
     ) -> Tensor | tuple[Tensor, Mamba2State]:
-        """[b, L, d] -> [b, L, d], every step at once (continuing from ``state`` if given)."""
+        """[b, L, d] -> [b, L, d], every step at once (continuing from ``state`` if given).
+
+        ``tail``: return only the last ``tail`` steps' outputs [b, tail, d] (the scan still runs over every step; the
+        gate, norm and output projection of the others, which nothing would read, are skipped).
+        """
         b, length, _ = u.shape
         if self.fused:
             proj = self.in_proj
             biases = (None,) * 3 if proj.bias is None else proj.bias.split(self.split_sizes)
-            z, xbc, dt = (F.linear(u, w, bi) for w, bi in zip(proj.weight.split(self.split_sizes), biases, strict=True))
+            rows = (u if tail is None else u[:, length - tail :], u, u)  # the gate z only where outputs are read
+            z, xbc, dt = (F.linear(r, w, bi) for r, w, bi in zip(rows, proj.weight.split(self.split_sizes), biases,
+                                                                  strict=True))
             past = (state.conv.transpose(1, 2).to(xbc.dtype) if state is not None
                     else xbc.new_zeros(b, self.d_conv - 1, self.conv_dim))
             padded = torch.cat([past, xbc], 1)  # [b, W - 1 + L, channels]; causal as below
@@ -615,7 +621,10 @@ class Mamba2Block(nn.Module):
         dt, A = self._dt(dt), -torch.exp(_up(self.A_log))
         out = self.ssd(x, dt, A, B, C, state.ssm if state is not None else None, return_state)
         y, final = out if return_state else (out, None)
-        y = self.out_proj(self.norm(y.reshape(b, length, self.d_inner), z))
+        y = y.reshape(b, length, self.d_inner)
+        if tail is not None:
+            y, z = y[:, length - tail :], z[:, z.shape[1] - tail :]
+        y = self.out_proj(self.norm(y, z))
         if not return_state:
             return y
         return y, Mamba2State(last_inputs, _up(final))
@@ -646,9 +655,11 @@ class ResidualBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(
-        self, h: Tensor, state: Mamba2State | None = None, return_state: bool = False
+        self, h: Tensor, state: Mamba2State | None = None, return_state: bool = False, tail: int | None = None
     ) -> Tensor | tuple[Tensor, Mamba2State]:
-        out = self.mixer(self.norm(h), state, return_state)
+        out = self.mixer(self.norm(h), state, return_state, tail)
+        if tail is not None:
+            h = h[:, h.shape[1] - tail :]
         if return_state:
             return h + self.dropout(out[0]), out[1]
         return h + self.dropout(out)
@@ -681,11 +692,15 @@ class Mamba2Stack(nn.Module):
         return [layer.mixer.init_state(batch_size, device) for layer in self.layers]
 
     def forward(
-        self, h: Tensor, states: list[Mamba2State] | None = None, return_state: bool = False
+        self, h: Tensor, states: list[Mamba2State] | None = None, return_state: bool = False, tail: int | None = None
     ) -> Tensor | tuple[Tensor, list[Mamba2State]]:
+        """``tail``: only the last ``tail`` steps' outputs [b, tail, d] (the last layer skips the others' outputs)."""
+        if tail is not None and not 1 <= tail <= h.shape[1]:
+            raise ValueError(f"tail must be in [1, {h.shape[1]}], got {tail}")
         new_states = []
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            out = layer(h, None if states is None else states[i], return_state)
+            out = layer(h, None if states is None else states[i], return_state, tail if i == last else None)
             h = out[0] if return_state else out
             if return_state:
                 new_states.append(out[1])
@@ -767,5 +782,5 @@ class Mamba2Forecaster(nn.Module):
 
     def forward(self, x_past: Tensor, x_future: Tensor | None = None, symbol: Tensor | None = None) -> Mamba2Output:
         """x_past [b, L, F], x_future [b, H, K], symbol [b] -> quantiles [b, H, Q]."""
-        h = self.backbone(self.embed(x_past, x_future, symbol))
-        return Mamba2Output(self.quantile_head(h[:, -self.horizon :]))
+        h = self.backbone(self.embed(x_past, x_future, symbol), tail=self.horizon)  # the decoder rows only
+        return Mamba2Output(self.quantile_head(h))
