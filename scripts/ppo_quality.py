@@ -35,6 +35,7 @@ import json
 import sys
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -58,16 +59,26 @@ COST_BPS = 1.0
 LEARNERS = ("ppo", "ppo_continuous", "sb3_ppo")
 
 
+def scored_on(data: SyntheticMarket, split: str) -> SyntheticMarket:
+    """The market with ``split``'s bars in the test slot, for ``task_scores`` (which scores the test split): schedules
+    and settings are chosen with ``--score-split val``, and only the chosen ones are scored on test."""
+    if split == "test":
+        return data
+    return replace(data, test=getattr(data, split), expected={**data.expected, "test": data.expected[split]})
+
+
 def run_ppo(data: SyntheticMarket, env_steps: int, seed: int, space: str, confidence: float | None,
-            overrides: dict) -> list[tuple[str, dict]]:
-    """PPO through the coordinator: the member's policy, and the same after the do-no-harm rule on validation."""
+            overrides: dict, split: str = "test") -> list[tuple[str, dict]]:
+    """PPO through the coordinator: the member's policy, and the same after the do-no-harm rule on validation, scored
+    on ``split``."""
     kwargs = {"window": WINDOW, "action_space": space, **overrides}
     updates = updates_for_env_steps(env_steps, **kwargs)
     ensemble, member, seconds = train_ppo(data, updates, seed=seed, cost_bps=COST_BPS, validate=True,
                                           min_edge_confidence=confidence, **kwargs)
-    common = {"seconds": seconds, "env_steps": member.env_steps, "updates": ensemble.updates["ppo"]}
-    own = task_scores(member.positions(data.test), data, COST_BPS, WINDOW)
-    ruled = task_scores(ensemble.positions(data.test)["ppo"], data, COST_BPS, WINDOW)
+    common = {"seconds": seconds, "env_steps": member.env_steps, "updates": ensemble.updates["ppo"], "split": split}
+    scored = scored_on(data, split)
+    own = task_scores(member.positions(scored.test), scored, COST_BPS, WINDOW)
+    ruled = task_scores(ensemble.positions(scored.test)["ppo"], scored, COST_BPS, WINDOW)
     ruled.update(held_flat=bool(ensemble.held_flat[0]), edge_confidence=float(ensemble.edge_confidence[0]))
     name = "ppo" if space == "discrete" else "ppo_continuous"
     return [(name, {**own, **common}), (f"{name}+rule", {**ruled, **common})]
@@ -117,6 +128,8 @@ def main() -> None:
     p.add_argument("--env-steps", type=int, default=131_072, help="environment steps of every learner")
     p.add_argument("--learners", nargs="+", choices=LEARNERS, default=list(LEARNERS))
     p.add_argument("--ppo", type=json.loads, default={}, help="JSON of PPOModule overrides")
+    p.add_argument("--score-split", choices=("test", "val"), default="test",
+                   help="the split PPO is scored on: val to choose settings, test to report the chosen ones")
     args = p.parse_args()
     if args.table:
         print_table(read_rows(args.table))
@@ -131,7 +144,7 @@ def main() -> None:
                 results = [("sb3_ppo", run_sb3(data, args.env_steps, seed))]
             else:
                 space = "continuous" if learner == "ppo_continuous" else "discrete"
-                results = run_ppo(data, args.env_steps, seed, space, confidence, dict(args.ppo))
+                results = run_ppo(data, args.env_steps, seed, space, confidence, dict(args.ppo), args.score_split)
             for name, res in results:
                 row = {"learner": name, "task": task, "seed": seed, "env_steps_asked": args.env_steps,
                        "ppo": args.ppo if name.startswith("ppo") else {}, **res}
