@@ -80,13 +80,33 @@ def _first_true(mask: torch.Tensor) -> torch.Tensor:
     return torch.cat((mask, mask.new_ones(1))).to(torch.uint8).argmax()
 
 
-def _check_input(cols: torch.Tensor, timestamps: torch.Tensor, symbol_index: torch.Tensor) -> None:
-    """Clear errors, naming the row, for input the features cannot be computed from (cols: ohlcv [5, N] float64).
+def _columns(ohlcv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The bars' columns [5, N] float64 (one contiguous row per field) and each field's lowest and highest value
+    (NaN if it holds one). On the CPU the transpose and the extremes run over cache-sized runs of rows (one pass
+    over memory instead of three: ~3 ms less at a million bars); on a GPU one copy and two reductions."""
+    n = ohlcv.shape[0]
+    cols = _output_buffer((5, n), torch.float64, ohlcv.device)
+    if not ops.fast_path(ohlcv):
+        cols.copy_(ohlcv.T)
+        return cols, cols.amin(dim=1), cols.amax(dim=1)
+    per = 16384
+    lo = torch.empty((-(-n // per), 5), dtype=torch.float64)
+    hi = torch.empty_like(lo)
+    for i, a in enumerate(range(0, n, per)):
+        run = cols[:, a : a + per].copy_(ohlcv[a : a + per].T)
+        torch.amin(run, dim=1, out=lo[i])
+        torch.amax(run, dim=1, out=hi[i])
+    return cols, lo.amin(dim=0), hi.amax(dim=0)
+
+
+def _check_input(cols: torch.Tensor, timestamps: torch.Tensor, symbol_index: torch.Tensor,
+                 lo: torch.Tensor, hi: torch.Tensor) -> None:
+    """Clear errors, naming the row, for input the features cannot be computed from (cols: ohlcv [5, N] float64,
+    lo and hi: each field's extremes from :func:`_columns`).
 
     Whole-row extremes first (a NaN fails every comparison; per-bar checks cost ~50 ms at a million bars on one
     core), then the bars only when something is wrong; one host synchronisation on a GPU.
     """
-    lo, hi = cols.amin(dim=1), cols.amax(dim=1)
     step = symbol_index[1:] - symbol_index[:-1]
     back_ts = (step == 0) & (timestamps[1:] <= timestamps[:-1])
     flags = torch.stack((lo[:4].min() > 0, hi.max() < float("inf"), lo[4] >= 0, (step < 0).any(), back_ts.any()))
@@ -125,10 +145,10 @@ def _compute(
     out = _output_buffer((len(selected), n), dtype, dev)
     if n == 0:
         return out, torch.zeros(0, dtype=torch.bool, device=dev)
-    cols = _output_buffer((5, n), torch.float64, dev).copy_(ohlcv.detach().T)  # [5, N]: one contiguous row per field
+    cols, lo, hi = _columns(ohlcv.detach())  # [5, N]: one contiguous row per field
     ts = timestamps.detach().to(dev, torch.int64)
     sym = symbol_index.detach().to(dev)
-    _check_input(cols, ts, sym)
+    _check_input(cols, ts, sym, lo, hi)
     panel = Panel.from_columns(cols, ts, sym)
     del cols
     S, T = panel.shape

@@ -315,8 +315,10 @@ def _extreme_tail(x: np.ndarray, n: int, op, dst: np.ndarray) -> None:
     op(m[:, n - 1 :], m[:, k - 1 : T - n + k], out=dst)
 
 
-def bars_since_extreme(x: np.ndarray, n: int, highest: bool, out: np.ndarray | None = None, chunk: int = 32768) -> np.ndarray:
-    """Bars since the highest (lowest) value of x[t-n..t], n+1 bars, ties to the latest bar (TA-Lib AROON).
+def bars_since_extreme(x: np.ndarray, n: int, highest: bool, out: np.ndarray | None = None, chunk: int = 32768,
+                       aroon: bool = False) -> np.ndarray:
+    """Bars since the highest (lowest) value of x[t-n..t], n+1 bars, ties to the latest bar (TA-Lib AROON); with
+    ``aroon``, TA-Lib's Aroon line (100 / n) (n - age) instead, written in the same pass.
 
     Doubling on (extreme, age) pairs, the age (bars since the window's extreme, < 256) in uint8 so that
     it costs little memory traffic: when two halves tie the later one wins. Runs of bars stay in cache.
@@ -328,12 +330,13 @@ def bars_since_extreme(x: np.ndarray, n: int, highest: bool, out: np.ndarray | N
         raise ValueError(f"bars_since_extreme: window {w} exceeds 128 bars")
     for a in range(w - 1, T, chunk):
         b = min(T, a + chunk)
-        _bars_since_tail(x[:, a - w + 1 : b], w, highest, out[:, a:b])
+        _bars_since_tail(x[:, a - w + 1 : b], w, highest, out[:, a:b], n if aroon else None)
     return out
 
 
-def _bars_since_tail(x: np.ndarray, w: int, highest: bool, dst: np.ndarray) -> None:
-    """Bars since the extreme of the last w bars at each bar w-1.. of x, into dst."""
+def _bars_since_tail(x: np.ndarray, w: int, highest: bool, dst: np.ndarray, aroon: int | None = None) -> None:
+    """Bars since the extreme of the last w bars at each bar w-1.. of x, into dst (the Aroon line of n = ``aroon``
+    bars instead when given: (n - age) times 100 / n, as the reference path rounds it)."""
     S, T = x.shape
     op, later_of = (np.maximum, np.greater_equal) if highest else (np.minimum, np.less_equal)
     m, age, k = x, np.zeros((S, T), np.uint8), 1  # extreme of x[t-k+1..t] and bars since it
@@ -349,7 +352,11 @@ def _bars_since_tail(x: np.ndarray, w: int, highest: bool, dst: np.ndarray) -> N
     a, b = slice(w - 1, None), slice(k - 1, T - w + k)
     res = ages[0] if age is not ages[0] else ages[1]
     _merge(m[:, a], age[:, a], m[:, b], age[:, b], w - k, op, later_of, None, res[:, a], later[:, a], d[:, a])
-    dst[...] = res[:, a]
+    if aroon is None:
+        dst[...] = res[:, a]
+    else:
+        np.subtract(float(aroon), res[:, a], out=dst)  # n - age, exact
+        dst *= 100.0 / aroon
 
 
 def _merge(m_new, age_new, m_old, age_old, lag, op, later_of, m_out, age_out, later, d) -> None:

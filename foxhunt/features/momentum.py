@@ -163,9 +163,7 @@ def aroon(p: Panel, n: int) -> tuple[Tensor, Tensor]:
     """TA-Lib AROON: 100 * (n - bars since the highest high / lowest low of the last n+1 bars) / n."""
 
     def f():
-        up = ops.bars_since_extreme(p.high, n, highest=True)
-        down = ops.bars_since_extreme(p.low, n, highest=False)
-        return up.neg_().add_(n).mul_(100.0 / n), down.neg_().add_(n).mul_(100.0 / n)  # TA-Lib: (100 / n) (n - age)
+        return ops.aroon_line(p.high, n, highest=True), ops.aroon_line(p.low, n, highest=False)
 
     return p.memo(("aroon", n), f)
 

@@ -520,6 +520,14 @@ def bars_since_extreme(x: Tensor, n: int, highest: bool) -> Tensor:
     return out
 
 
+def aroon_line(x: Tensor, n: int, highest: bool) -> Tensor:
+    """TA-Lib's Aroon up (down) line: (100 / n) (n - bars since the highest (lowest) of x[t-n..t]); on the CPU in the
+    kernel's last pass (three passes fewer)."""
+    if fast_path(x) and n < 128:
+        return torch.from_numpy(K.bars_since_extreme(_np(x), n, highest, aroon=True))
+    return bars_since_extreme(x, n, highest).neg_().add_(n).mul_(100.0 / n)
+
+
 def _merge(m_new: Tensor, age_new: Tensor, m_old: Tensor, age_old: Tensor, lag: int, op, later_of,
            m_out: Tensor | None, age_out: Tensor, later: Tensor) -> None:
     """Combine a recent window's (extreme, age) with an older one's ending ``lag`` bars back; ties go to the recent.

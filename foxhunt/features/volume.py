@@ -164,11 +164,14 @@ def adosc(p: Panel, fast: int = 3, slow: int = 10) -> Tensor:
     return out
 
 
-def adosc_per_volume(p: Panel, fast: int, slow: int) -> Tensor:
-    """ADOSC / SMA(slow) of V (0 where that mean is 0)."""
+def adosc_per_volume(p: Panel, fast: int, slow: int, out: Tensor | None = None) -> Tensor:
+    """ADOSC / SMA(slow) of V (0 where that mean is 0), into ``out`` when given (one rounding, no copy)."""
     line = adosc(p, fast, slow)
     a = slow - 1
-    out = O.nans(line)
+    if out is None:
+        out = O.nans(line)
+    else:
+        out[:, : min(a, p.shape[1])] = _NAN
     if a < p.shape[1]:
         hi, lo = volume_prefix(p).parts(slow, a)
         mean = torch.sub(hi, lo, out=O.empty(tuple(hi.shape), hi))
@@ -197,6 +200,6 @@ def features() -> FeatureList:
         fl.add(f"vwap_dist_{n}", f"(C - rolling VWAP({n})) / ATR(14)", max(n - 1, 14), lambda p, out=None, n=n: vwap_distance(p, n, out))
     for n in (20, 50):
         fl.add(f"amihud_{n}", f"ln mean(|r| / (C V)) over {n} bars", n, lambda p, n=n: amihud(p, n))
-    fl.add("adosc_3_10", "TA-Lib ADOSC(3,10) / SMA(10) of V", 9, lambda p: adosc_per_volume(p, 3, 10), talib="ADOSC")
+    fl.add("adosc_3_10", "TA-Lib ADOSC(3,10) / SMA(10) of V", 9, lambda p, out=None: adosc_per_volume(p, 3, 10, out), talib="ADOSC")
     fl.add("cmf_20", "Chaikin money flow: sum(CLV V) / sum(V) over 20 bars", 19, lambda p, out=None: cmf(p, 20, out))
     return fl
