@@ -352,3 +352,25 @@ def test_lightning_raise_policy_names_step() -> None:
     module = _GuardedRegressor("raise", poison_steps=(2,))
     with pytest.raises(NonFiniteError, match="step 2"):
         _trainer().fit(module, _loader())
+
+
+def test_guard_foreach_kernels_equal_the_public_path() -> None:
+    """The private foreach kernels the guard isolates give what torch's public functions give (finite, overflowing and
+    NaN gradients), so the fallback and the fast path are interchangeable."""
+    from foxhunt.training.guard import scale_, total_norm
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen), torch.randn(2, 2, 2, generator=gen)]
+    assert total_norm(grads, foreach=True) == pytest.approx(total_norm(grads, foreach=False), rel=1e-6)
+    assert total_norm(grads, foreach=False) == pytest.approx(float(torch.cat([g.flatten() for g in grads]).norm()),
+                                                             rel=1e-6)
+    a, b = [g.clone() for g in grads], [g.clone() for g in grads]
+    scale_(a, 0.25, foreach=True)
+    scale_(b, 0.25, foreach=False)
+    for x, y, g in zip(a, b, grads, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+        torch.testing.assert_close(x, g * 0.25, rtol=0, atol=0)
+    big = [g * 1e30 for g in grads]
+    assert math.isinf(total_norm(big, foreach=True)) and math.isinf(total_norm(big, foreach=False))
+    bad = [grads[0], torch.tensor([float("nan")])]
+    assert math.isnan(total_norm(bad, foreach=True)) and math.isnan(total_norm(bad, foreach=False))
