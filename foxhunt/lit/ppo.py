@@ -127,8 +127,8 @@ class PPOModule(Agent):
         reward_scale: float | None = None,
         gamma: float = 0.7,
         gae_lambda: float = 0.95,
-        n_epochs: int = 4,
-        n_minibatches: int = 4,
+        n_epochs: int = 10,
+        n_minibatches: int = 8,
         clip_coef: float = 0.2,
         clip_vloss: bool = True,
         vf_coef: float = 0.5,
@@ -174,7 +174,8 @@ class PPOModule(Agent):
             gae_lambda: GAE's λ.
             n_epochs: passes over each rollout (CleanRL's update_epochs).
             n_minibatches: shuffled minibatches per epoch; a gradient update takes n_envs x n_steps / n_minibatches
-                steps (must divide evenly).
+                steps (must divide evenly). The defaults, 10 x 8 (80 updates per 8,192-step rollout), were chosen among
+                six schedules on the validation splits of the agents' task family (docs/PPO.md).
             clip_coef: the surrogate's clipping ε (and the value clipping's, with ``clip_vloss``).
             clip_vloss: clip the value loss around the rollout's values.
             vf_coef: weight of the value loss.
