@@ -117,8 +117,7 @@ class NonFiniteGuard:
         Returns what :meth:`check_gradients` returns; a finite result clips to ``max_norm`` (None or 0: no clipping).
         ``params``: the module's parameters, if the caller keeps the list (walking the module costs per call).
         """
-        params = [p for p in (module.parameters() if params is None else params) if p.grad is not None]
-        grads = [p.grad for p in params]
+        grads = [p.grad for p in (module.parameters() if params is None else params) if p.grad is not None]
         if not grads:
             return True
         norm = total_norm(grads)
@@ -126,11 +125,9 @@ class NonFiniteGuard:
             # NaN/Inf gradients, or finite ones whose squares overflow: the max-abs check tells them apart.
             if not self.check_gradients(module, step):
                 return False
-            if max_norm:  # finite, so their squares overflowed float32: the norm in float64
-                total = torch.linalg.vector_norm(torch.stack(
-                    [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))
-                torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-            return True
+            # finite, so their squares overflowed float32: the norm again in float64
+            norm = torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads])).item()
         if max_norm and norm > max_norm:  # clip_grads_with_norm_'s factor
             scale_(grads, max_norm / (norm + 1e-6))
         return True
