@@ -264,7 +264,7 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> LoadedEn
                 f"data.feature_names lists {n_features} features"
             )
     for prefix, (module, what) in parts.items():
-        own = {k[len(prefix):]: v.to(map_location) for k, v in state.items() if k.startswith(prefix)}
+        own = _upgraded(module, {k[len(prefix):]: v.to(map_location) for k, v in state.items() if k.startswith(prefix)})
         _load_strict(module, own, what, tensor_file, shapes=module is not normalizer)
     for name, entry in meta["members"].items():
         member = model.member(name)
@@ -519,6 +519,16 @@ def _member(entry: dict[str, Any], meta_path: Path, name: str) -> Member:
             f"{meta_path}: members.{name}.class_path: {entry['class_path']!r} is not a foxhunt member class"
         )
     return _build(meta_path, f"members.{name}.init_args", lambda: cls(**entry["init_args"]))
+
+
+def _upgraded(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors of a former layout in the current one, by the submodules that know theirs (``upgrade_state_dict``:
+    PPO's ActorCritic reads its former two-MLP ``actor.*``/``critic.*`` keys), so older exports still load."""
+    for name, sub in module.named_modules():
+        upgrade = getattr(sub, "upgrade_state_dict", None)
+        if callable(upgrade):
+            state = upgrade(state, f"{name}." if name else "")
+    return state
 
 
 def _load_strict(

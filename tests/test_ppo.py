@@ -8,14 +8,17 @@ coordinator update is one minibatch gradient step, so ``trainer.global_step`` co
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import shutil
 import warnings
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from foxhunt.data.datamodule import MarketDataModule
 from foxhunt.data.market import MarketSplit
@@ -509,6 +512,30 @@ def test_resume_from_checkpoint_is_exact(tmp_path, market, space) -> None:
     assert torch.equal(straight.sample_rng.get_state(), resumed.sample_rng.get_state())
 
 
+def test_a_checkpoint_of_the_former_optimizer_layout_is_refused_in_one_line(tmp_path, market) -> None:
+    """A checkpoint written before the two flat parameters holds AdamW's state of 12 named tensors (the two MLPs and
+    the log std): resuming from it is refused with one line naming the reason, before torch's group-size mismatch."""
+    kwargs = {**SMALL, "action_space": "continuous"}
+    t1 = trainer(tmp_path / "a", max_epochs=1)
+    model = fit(PPOModule(**kwargs), market, t1)
+    ckpt = tmp_path / "a" / "one.ckpt"
+    t1.save_checkpoint(ckpt)
+    blob = torch.load(ckpt, map_location="cpu", weights_only=False)
+    assert sum(len(g["params"]) for g in blob["optimizer_states"][0]["param_groups"]) == 2
+    actor, critic = model.member("ppo").network.two_mlps()
+    old = [*actor.parameters(), *critic.parameters()]  # the actor's copy holds the log std
+    assert len(old) == 12
+    optimizer = torch.optim.AdamW(old, lr=3e-4, eps=1e-5)
+    for p in old:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    blob["optimizer_states"][0] = optimizer.state_dict()
+    torch.save(blob, tmp_path / "old.ckpt")
+    with pytest.raises(ValueError, match="holds 12 parameter tensors, the network now has 2") as info:
+        fit(PPOModule(**kwargs), market, trainer(tmp_path / "b", max_epochs=2), ckpt_path=str(tmp_path / "old.ckpt"))
+    assert "\n" not in str(info.value)
+
+
 # ------------------------------------------------------------------------------------------------ learning
 LEARN = {"window": 4, "n_epochs": 4, "n_minibatches": 4}  # the schedule these tests' thresholds were set with
 
@@ -621,6 +648,39 @@ def test_fit_export_load_through_the_cli(tmp_path, space) -> None:
         torch.testing.assert_close(theirs[who].cpu(), mine[who].cpu())
     table = loaded.model.evaluate(split).metrics
     assert table["ppo"]["sharpe"] == pytest.approx(cli.results["backtest"]["ppo"]["sharpe"], abs=1e-9)
+
+    # an export written before the grouped towers (the actor's and the critic's own MLPs: `actor.<i>`/`critic.<i>`
+    # keys) loads, converted, to the same positions
+    old = tmp_path / "old_export"
+    shutil.copytree(export, old)
+    tensors = load_file(old / "ensemble.safetensors")
+    nets = sorted(k[: -len("tower.0.weight")] for k in tensors if k.endswith("tower.0.weight"))
+    assert nets and all(p.startswith("model.") for p in nets)
+    for prefix in nets:
+        tensors = two_mlp_state(tensors, prefix)
+    assert any(".actor.0.weight" in k for k in tensors) and not any("tower." in k for k in tensors)
+    save_file(tensors, old / "ensemble.safetensors")
+    meta["sha256"]["ensemble"] = hashlib.sha256((old / "ensemble.safetensors").read_bytes()).hexdigest()
+    (old / "metadata.json").write_text(json.dumps(meta))
+    converted = foxhunt.load(old).model.positions(split)
+    for who in ("ppo", "ensemble"):
+        torch.testing.assert_close(converted[who].cpu(), mine[who].cpu(), rtol=0, atol=0)
+
+
+def two_mlp_state(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """An ActorCritic's tensors under ``prefix`` in the former layout: two MLPs, ``actor.<2l>``/``critic.<2l>``
+    (Linear, Tanh, ...; the head at the last even index), ``actor_logstd`` unchanged."""
+    out = {k: v for k, v in state.items()
+           if not k.startswith((f"{prefix}tower.", f"{prefix}actor_head.", f"{prefix}critic_head."))}
+    layers = sorted({int(k[len(prefix) + 6:].split(".")[0]) for k in state if k.startswith(f"{prefix}tower.")})
+    for i in layers:
+        for kind in ("weight", "bias"):
+            grouped = state[f"{prefix}tower.{i}.{kind}"]
+            out[f"{prefix}actor.{2 * i}.{kind}"], out[f"{prefix}critic.{2 * i}.{kind}"] = grouped[0], grouped[1]
+    for kind in ("weight", "bias"):
+        out[f"{prefix}actor.{2 * len(layers)}.{kind}"] = state[f"{prefix}actor_head.{kind}"]
+        out[f"{prefix}critic.{2 * len(layers)}.{kind}"] = state[f"{prefix}critic_head.{kind}"]
+    return {k: v.contiguous() for k, v in out.items()}
 
 
 def test_an_ensemble_with_a_ppo_member_trains_exports_and_reloads(tmp_path) -> None:

@@ -604,6 +604,8 @@ class EnsembleModule(pl.LightningModule):
         self.steps = int(state["steps"])
         for name, member_state in state["members"].items():
             self.member(name).load_run_state(member_state)
+        for name, optimizer_state in zip(self.member_names, checkpoint.get("optimizer_states") or [], strict=False):
+            self.member(name).check_optimizer_state(optimizer_state)  # one optimizer per member, in member order
         self._resume_started = list(state["started"])
         self._resume_rng = state["torch_rng"]
 

@@ -115,6 +115,10 @@ class Member(pl.LightningModule):
         if "guard" in state:
             self.guard.load_state_dict(state["guard"])
 
+    def check_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Raise ValueError (one line, the reason) for a checkpoint's optimizer state this member's optimizer cannot
+        take, before Lightning tries to load it (a layout change, not torch's size mismatch)."""
+
 
 class Forecaster(Member):
     """A member that forecasts quantiles of the next ``horizon`` log returns from window batches."""

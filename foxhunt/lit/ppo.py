@@ -591,6 +591,16 @@ class PPOModule(Agent):
             self._pending_state = state
             self.env = None  # rebuilt on the right device at start, then the state is applied
 
+    def check_optimizer_state(self, state: dict[str, Any]) -> None:
+        """AdamW's state over the network's two flat parameters (weights, biases); checkpoints written before them
+        (12 or 8 named tensors) cannot resume: refused with the reason instead of torch's group-size mismatch."""
+        n = sum(len(group["params"]) for group in state.get("param_groups", []))
+        if n != 2:
+            raise ValueError(
+                f"PPO member: the checkpoint's optimizer state holds {n} parameter tensors, the network "
+                "now has 2 (its flat weights and biases): it was written before that layout and cannot be resumed; "
+                "its weights still load (EnsembleModule.load_weights, export) - start a new fit from them")
+
     def _apply_run_state(self, state: dict[str, Any]) -> None:
         assert self.env is not None and self.rollout is not None and self.sample_rng is not None
         self.env.load_state_dict(state["env"])

@@ -125,6 +125,12 @@ class ActorCritic(nn.Module):
         self.biases = nn.Parameter(torch.cat(flats[1]))
         self._views: tuple[tuple[int, int], tuple[Tensor, ...]] | None = None
 
+    @staticmethod
+    def upgrade_state_dict(state: dict[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
+        """``state`` with this network's tensors of the former two-MLP layout (``actor.*``/``critic.*``, exports
+        written before the grouped towers) under their current names (``foxhunt.load`` checks names before loading)."""
+        return grouped_state_dict(state, prefix)
+
     def tensor_names(self) -> tuple[list[str], list[str]]:
         """The named tensors in ``weights`` and in ``biases``, in order: the hidden layers', then the heads'."""
         layers = range(self.n_hidden)
