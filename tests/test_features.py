@@ -284,6 +284,22 @@ def test_ready_mask_and_warmups_on_several_symbols():
         assert np.isnan(v[pos < w, j]).all() and np.isfinite(v[pos >= w, j]).all(), name
 
 
+@pytest.mark.parametrize("symbols", [("AAA",), ("AAA", "BBB", "CCC")])
+def test_compute_into_out_overwrites_every_value(symbols):
+    """out= (an earlier result's values, filled with junk) gets exactly the fresh result, NaN warm-ups included."""
+    args = tensors(make_bars(600, symbols))
+    fs = FeatureSet()
+    fresh = fs.compute(*args)
+    buf = torch.full((len(fs.names), len(args[0])), 12345.0).T  # the layout of values: [N, F], feature-major
+    again = fs.compute(*args, out=buf)
+    assert again.values.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(again.values, fresh.values, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(again.ready, fresh.ready)
+    for bad in (buf.contiguous(), buf.double(), buf[:-1]):
+        with pytest.raises(ValueError, match="out must be a float32"):
+            fs.compute(*args, out=bad)
+
+
 def test_selection_short_series_and_empty_input(bars):
     fs = FeatureSet(names=["bb_pctb_50", "adosc_3_10", "tod_sin"], families=["shape"])
     head = bars.groupby("symbol", sort=False).head(30).reset_index(drop=True)  # shorter than some warm-ups

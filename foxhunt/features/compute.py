@@ -136,13 +136,15 @@ def _output_buffer(shape: tuple[int, int], dtype: torch.dtype, device: torch.dev
 
 def _compute(
     selected: list[Feature], ohlcv: torch.Tensor, timestamps: torch.Tensor, symbol_index: torch.Tensor,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Feature-major values [F, N] and ready [N] on ohlcv's device from rows sorted by (symbol, time): each
-    feature's [S, T] values go to its flat output row, each symbol's warm-up is blanked with NaN."""
+    feature's [S, T] values go to its flat output row, each symbol's warm-up is blanked with NaN. Every element of
+    ``out`` (the caller's [F, N] buffer, else a fresh one) is written."""
     dev = ohlcv.device
     n = ohlcv.shape[0]
-    out = _output_buffer((len(selected), n), dtype, dev)
+    if out is None:
+        out = _output_buffer((len(selected), n), dtype, dev)
     if n == 0:
         return out, torch.zeros(0, dtype=torch.bool, device=dev)
     cols, lo, hi = _columns(ohlcv.detach())  # [5, N]: one contiguous row per field
@@ -200,8 +202,15 @@ class FeatureSet:
         """Bars each symbol needs before every selected feature is defined."""
         return max(self.warmup.values())
 
-    def compute(self, ohlcv: torch.Tensor, timestamps: torch.Tensor, symbol_index: torch.Tensor) -> FeatureOutput:
-        """Features of rows sorted by (symbol, time), computed and returned on ohlcv's device (float64 inside)."""
+    def compute(self, ohlcv: torch.Tensor, timestamps: torch.Tensor, symbol_index: torch.Tensor,
+                out: torch.Tensor | None = None) -> FeatureOutput:
+        """Features of rows sorted by (symbol, time), computed and returned on ohlcv's device (float64 inside).
+
+        ``out``: where to write the values instead of a fresh buffer (numpy's ``out=``), e.g. the ``values`` of an
+        earlier result for bars of the same length, which is then overwritten: repeated calls skip mapping and
+        zeroing ~4 bytes x features x bars of new memory each. A float32 [N, F] tensor on ohlcv's device whose
+        transpose is contiguous (the layout of ``values``).
+        """
         if ohlcv.ndim != 2 or ohlcv.shape[1] != 5:
             raise ValueError(f"FeatureSet.compute: ohlcv must be [T, 5] (open, high, low, close, volume), got {tuple(ohlcv.shape)}")
         if timestamps.shape != ohlcv.shape[:1] or symbol_index.shape != ohlcv.shape[:1]:
@@ -209,9 +218,21 @@ class FeatureSet:
                 f"FeatureSet.compute: timestamps {tuple(timestamps.shape)} and symbol_index {tuple(symbol_index.shape)} "
                 f"must both be [{ohlcv.shape[0]}]"
             )
+        dest = None if out is None else self._check_out(out, ohlcv)
         with torch.no_grad():
-            values, ready = _compute(self.features, ohlcv, timestamps, symbol_index)
+            values, ready = _compute(self.features, ohlcv, timestamps, symbol_index, out=dest)
         return FeatureOutput(values.T, list(self.names), ready)
+
+    def _check_out(self, out: torch.Tensor, ohlcv: torch.Tensor) -> torch.Tensor:
+        """The feature-major [F, N] buffer behind a caller's ``out`` ([N, F], the layout of ``values``)."""
+        want = (ohlcv.shape[0], len(self.names))
+        if tuple(out.shape) != want or out.dtype != torch.float32 or out.device != ohlcv.device or not out.T.is_contiguous():
+            raise ValueError(
+                f"FeatureSet.compute: out must be a float32 {list(want)} tensor on {ohlcv.device} whose transpose is "
+                f"contiguous (an earlier result's values), got {out.dtype} {list(out.shape)} on {out.device} "
+                f"(transpose contiguous: {out.T.is_contiguous()})"
+            )
+        return out.T
 
     def __repr__(self) -> str:
         return f"FeatureSet({len(self.names)} features, max warm-up {self.max_warmup})"
