@@ -24,7 +24,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from foxhunt.features.ops import rolling_moments
+from foxhunt.features.ops import BlockPrefix
 
 __all__ = [
     "FeatureNormalizer",
@@ -85,6 +85,15 @@ def next_log_returns(close: Tensor, dim: int = -1, segment: Tensor | None = None
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def _rolling_moments(x: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Count, mean and centred sum of squares of the finite values among the ``window`` rows ending at each row
+    (time first, any trailing shape, differentiable): the features' block-centred prefix sums, one block per window,
+    so rounding error grows with ``window``, not with T, and float32 stays accurate on long trending series."""
+    T, rest = x.shape[0], x.shape[1:]
+    bp = BlockPrefix(x.reshape(T, -1).T, window, squares=True, block=window, finite=True)
+    return tuple(a.T.reshape(T, *rest) for a in bp.moments(window))
+
+
 def _time_dim(x: Tensor) -> int:
     return 0 if x.ndim <= 2 else x.ndim - 2
 
@@ -143,7 +152,7 @@ class RollingZScore(nn.Module):
         n = x.shape[0]
         if n == 0:
             return torch.zeros_like(x), torch.ones_like(x), torch.zeros_like(x, dtype=torch.bool)
-        count, mean, m2 = rolling_moments(x, self.window)
+        count, mean, m2 = _rolling_moments(x, self.window)
         var = m2 / (count - self.ddof).clamp_min(1)
         std = torch.sqrt(var.clamp_min(self.eps * self.eps))
         full = count >= self.window

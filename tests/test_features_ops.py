@@ -406,6 +406,38 @@ def test_block_prefix_matches_direct_sums():
         np.testing.assert_allclose(bp.sum(n), n * ref_m, rtol=1e-12)
 
 
+@pytest.mark.parametrize("start", [0, 3])
+def test_block_prefix_finite_moments(start):
+    """finite=True (preprocessing's rolling moments): NaN/inf counted out, partial and empty windows finite, causal
+    to the bit, and differentiable."""
+    rng = np.random.default_rng(4)
+    x = 1000.0 + np.cumsum(rng.standard_normal((2, 700)), axis=1)
+    x[rng.random(x.shape) < 0.05] = np.nan
+    x[0, 10:40] = np.nan  # a window with no finite value
+    x[1, 50] = np.inf
+    for n, block in ((1, 512), (9, 9), (60, 64)):
+        count, mean, m2 = ops.BlockPrefix(t(x), n, start, squares=True, block=block, finite=True).moments(n)
+        assert torch.isfinite(count).all() and torch.isfinite(mean).all() and torch.isfinite(m2).all()
+        for s in range(2):
+            for j in range(x.shape[1]):
+                w = x[s, max(start, j - n + 1) : j + 1]
+                w = w[np.isfinite(w)]
+                assert count[s, j] == w.size
+                if w.size:
+                    np.testing.assert_allclose(mean[s, j].item(), w.mean(), rtol=1e-12)
+                    np.testing.assert_allclose(m2[s, j].item(), ((w - w.mean()) ** 2).sum(), rtol=1e-6, atol=1e-7)
+    base = ops.BlockPrefix(t(x), 60, start, squares=True, block=64, finite=True).moments(60)
+    y = x.copy()
+    y[:, 300:] = 7e5 * rng.standard_normal((2, 400))
+    moved = ops.BlockPrefix(t(y), 60, start, squares=True, block=64, finite=True).moments(60)
+    for a, b in zip(base, moved):
+        assert torch.equal(a[:, :300], b[:, :300])
+    xg = t(x).requires_grad_(True)
+    count, mean, m2 = ops.BlockPrefix(xg, 9, start, squares=True, block=9, finite=True).moments(9)
+    (mean.sum() + m2.sum()).backward()
+    assert torch.isfinite(xg.grad).all() and (xg.grad[~torch.isfinite(t(x))] == 0).all()
+
+
 def test_buffer_pool_lends_only_free_buffers():
     """A pooled buffer is lent again only once no array or tensor built on it is alive; trim keeps a few idle."""
     from foxhunt.features import cpu_kernels as K

@@ -319,22 +319,40 @@ class BlockPrefix:
     the block's first output bar (a past value for every bar of the block): rounding error scales with the
     local spread of x, not with its level times the series length, and a sum at t depends only on bars <= t.
     The same layout and arithmetic as ``cpu_kernels.BlockPrefix`` (the CPU fast path).
+
+    ``finite=True`` (the rolling moments of ``foxhunt.preprocessing``; any float dtype, torch only): values that are
+    not finite add nothing and are counted out (:meth:`moments`), a block is centred on the last finite value at or
+    before its first output bar (0 if there is none), and autograd can differentiate everything in x.
     """
 
-    def __init__(self, x: Tensor, max_window: int, start: int = 0, squares: bool = False, block: int = 512) -> None:
+    def __init__(self, x: Tensor, max_window: int, start: int = 0, squares: bool = False, block: int = 512,
+                 finite: bool = False) -> None:
         S, T = x.shape
         W, B = max_window, max(block, max_window)
         nb = max(1, -(-T // B))
         self.shape, self.start, self.W, self.B, self.nb = (S, T), start, W, B, nb
+        if finite:
+            ok = torch.isfinite(x)
+            ok[:, :start] = False
+            x = torch.where(ok, x, torch.zeros_like(x))
         xp = x.new_zeros((S, W - 1 + nb * B))
         xp[:, W - 1 + start : W - 1 + T] = x[:, start:]
         view = xp.unfold(-1, B + W - 1, B)  # [S, nb, B + W - 1], block j's bars j B - W + 1 .. (j + 1) B - 1
-        self.ref = view[:, :, W - 1 : W].clone()  # [S, nb, 1]
-        early = min(nb, -(-start // B))  # blocks that begin before ``start``: centre on x[start] instead
-        if early and start < T:
-            self.ref[:, :early, 0] = x[:, start : start + 1]
         d = x.new_zeros((S, nb, B + W))
-        torch.sub(view, self.ref, out=d[:, :, 1:])
+        if finite:
+            okp = torch.zeros(xp.shape, dtype=torch.bool, device=x.device)
+            okp[:, W - 1 :][:, :T] = ok
+            okv = okp.unfold(-1, B + W - 1, B)
+            self.ref = _last_finite_at(x.detach(), ok, B, nb)[:, :, None]  # [S, nb, 1]
+            d[:, :, 1:] = torch.where(okv, view - self.ref, torch.zeros_like(view))
+            self.cf = torch.cumsum(torch.cat((okv.new_zeros((S, nb, 1)), okv), dim=-1).to(x.dtype), dim=-1)
+        else:
+            self.cf = None
+            self.ref = view[:, :, W - 1 : W].clone()  # [S, nb, 1]
+            early = min(nb, -(-start // B))  # blocks that begin before ``start``: centre on x[start] instead
+            if early and start < T:
+                self.ref[:, :early, 0] = x[:, start : start + 1]
+            torch.sub(view, self.ref, out=d[:, :, 1:])
         for k in range(min(nb, (start + W - 1) // B + 1)):  # bars before ``start`` (and the padding) add nothing
             d[:, k, 1 : 1 + max(0, start + W - 1 - k * B)] = 0.0
         self.cs2 = torch.cumsum(d * d, dim=-1) if squares else None  # inside blocks: short rows, many of them
@@ -379,6 +397,25 @@ class BlockPrefix:
         m, var = self.mean_var(n)
         return m, torch.sqrt(var) * k
 
+    def moments(self, n: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Count, mean and centred sum of squares of the finite values among x[t-n+1..t], at every bar (``finite``
+        and ``squares`` only): windows cut by the start are partial, an empty one has count 0, mean r and sum 0,
+        so every value is finite and safe to differentiate; the caller decides from the count what is ready."""
+        if self.cs2 is None or self.cf is None:
+            raise ValueError("BlockPrefix.moments needs finite=True and squares=True")
+        S, T = self.shape
+        count, s1, s2 = (torch.sub(*self._parts(cs, n)) for cs in (self.cf, self.cs, self.cs2))
+        mean_c = s1 / count.clamp_min(1)
+        m2 = s2 - s1 * mean_c
+        return tuple(a.reshape(S, self.nb * self.B)[:, :T] for a in (count, mean_c + self.ref, m2))
+
+
+def _last_finite_at(x: Tensor, ok: Tensor, step: int, k: int) -> Tensor:
+    """[S, k]: the last value of x with ``ok`` at or before bars 0, step, 2 step, ..., 0 where there is none."""
+    idx = torch.arange(x.shape[1], device=x.device).expand_as(x)
+    last = torch.where(ok, idx, torch.full_like(idx, -1)).cummax(dim=1).values[:, ::step][:, :k]
+    return torch.where(last >= 0, x.gather(1, last.clamp_min(0)), torch.zeros_like(last, dtype=x.dtype))
+
 
 def block_prefix(x: Tensor, max_window: int, start: int = 0, squares: bool = False) -> BlockPrefix | HostBlockPrefix:
     """Block-centred prefix sums of x for windows up to ``max_window`` bars: :class:`BlockPrefix`, or on the CPU
@@ -405,58 +442,6 @@ class HostBlockPrefix:
 
     def mean_std(self, n: int, k: float = 1.0) -> tuple[Tensor, Tensor]:
         return tuple(torch.from_numpy(a) for a in self._k.mean_std(n, k))
-
-
-def rolling_moments(x: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Trailing-window count, mean and centred sum of squares of the finite values of ``x`` (time first, any dtype,
-    differentiable): the rolling moments of ``preprocessing.RollingZScore``, for series that may hold NaN.
-
-    Blocked prefix sums: rows are cut into blocks of ``window``, so a window ending at offset i of block b is the
-    prefix 0..i of block b plus the suffix i+1.. of block b-1. Each block's values are centred on the (detached)
-    mean of the block before it, which is causal and cancels exactly in the result; the suffix of block b-1 is
-    re-centred on block b's centre with the exact shift identity. Rounding error therefore grows with ``window``,
-    not with T, and float32 stays accurate on long, trending series. O(T) time and memory, no pair copies.
-    """
-    n, rest = x.shape[0], x.shape[1:]
-    w = window
-    finite = torch.isfinite(x)
-    xv = torch.where(finite, x, torch.zeros_like(x))
-    fv = finite.to(x.dtype)
-    nb = -(-n // w)
-    pad = nb * w - n
-    if pad:
-        xv = torch.cat([xv, xv.new_zeros((pad, *rest))])
-        fv = torch.cat([fv, fv.new_zeros((pad, *rest))])
-    xb = xv.view(nb, w, *rest)
-    fb = fv.view(nb, w, *rest)
-    with torch.no_grad():  # centre of block b: mean of block b-1's finite values; block 0: its first finite row
-        block_mean = xb.sum(1) / fb.sum(1).clamp_min(1)
-        first = torch.where(finite[0], x[0], torch.zeros_like(x[0])).detach()
-        centre = torch.cat([first.unsqueeze(0), block_mean[:-1]], dim=0).unsqueeze(1)  # [nb, 1, ...]
-        delta = centre - torch.cat([centre[:1], centre[:-1]], dim=0)  # c_b - c_{b-1}
-
-    def previous_block(t: Tensor) -> Tensor:
-        return torch.cat([t.new_zeros((1, *t.shape[1:])), t[:-1]], dim=0)
-
-    v = (xb - centre) * fb
-    p1 = torch.cumsum(v, dim=1)
-    p2 = torch.cumsum(v * v, dim=1)
-    pf = torch.cumsum(fb, dim=1)
-    # suffix i+1..w-1 of block b-1, still centred on c_{b-1}
-    q1 = previous_block(p1[:, -1:] - p1)
-    q2 = previous_block(p2[:, -1:] - p2)
-    qf = previous_block(pf[:, -1:] - pf)
-    # sum (x - c_b) = sum (x - c_{b-1}) - m delta ; sum (x - c_b)^2 = q2 - 2 delta q1 + m delta^2
-    s1 = p1 + q1 - qf * delta
-    s2 = p2 + q2 - 2 * delta * q1 + qf * delta * delta
-    count = (pf + qf).reshape(nb * w, *rest)[:n]
-    s1 = s1.reshape(nb * w, *rest)[:n]
-    s2 = s2.reshape(nb * w, *rest)[:n]
-    mean_c = s1 / count.clamp_min(1)
-    m2 = s2 - s1 * mean_c
-    mean = centre.expand(nb, w, *rest).reshape(nb * w, *rest)[:n] + mean_c
-    return count, mean, m2
-
 
 
 def rolling_max(x: Tensor, n: int) -> Tensor:
