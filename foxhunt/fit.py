@@ -31,6 +31,7 @@ from foxhunt.cli_errors import ConfigError, UserError, run_command
 from foxhunt.data.datamodule import BarDataModule
 from foxhunt.evaluation.figures import ValidationFigures
 from foxhunt.lit.ensemble import EnsembleModule
+from foxhunt.training.memory import retain_freed_memory
 
 log = logging.getLogger("foxhunt.fit")
 
@@ -42,6 +43,8 @@ class FoxhuntCLI(LightningCLI):
         parser.add_argument("--checkpoint_monitor", type=str, default="val/sharpe", help="metric the best checkpoint (and the export) is chosen by")
         parser.add_argument("--checkpoint_mode", type=str, default="max", help="'max' or 'min' for checkpoint_monitor")
         parser.add_argument("--torch_threads", type=int | None, default=None, help="intra-op CPU threads (small models on few cores train faster with 1)")
+        parser.add_argument("--retain_freed_memory", type=bool, default=True,
+                            help="keep freed memory in the process during the fit (glibc), so long-lookback steps do not fault in fresh pages every step; false: the system allocator")
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume from ('last': the newest that loads)")
         parser.add_argument("--checkpoint_every_n_steps", type=int | None, default=None,
                             help="also checkpoint every N training steps inside an epoch (last-steps.ckpt), so a crash loses at most N steps")
@@ -132,8 +135,9 @@ class FoxhuntCLI(LightningCLI):
         if cfg.get("hparams_tab", True):  # every hyperparameter, against the metrics filled in when the fit is over
             for lg in trainer.loggers:
                 lg.log_hyperparams(model.hparam_params(), dict.fromkeys(model.hparam_metric_names(), float("nan")))
-        trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
-        return self.export_and_backtest()
+        with retain_freed_memory(bool(cfg.get("retain_freed_memory", True))):
+            trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+            return self.export_and_backtest()
 
     def _resolve_ckpt_path(self, ckpt_path: str | None) -> str | None:
         """'last' means the newest last.ckpt or last-steps.ckpt (``--checkpoint_every_n_steps``) of any earlier

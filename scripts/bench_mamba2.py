@@ -64,6 +64,7 @@ from torch import Tensor, nn
 
 from foxhunt.models.mamba2 import Mamba2Forecaster
 from foxhunt.models.tft import TemporalFusionTransformer
+from foxhunt.training.memory import retain_freed_memory
 
 QUANTILES = (0.1, 0.5, 0.9)
 KNOWN, HORIZON = 3, 6
@@ -149,29 +150,42 @@ def reset_peak() -> bool:
         return False
 
 
-def interleaved(fns: dict[str, Callable[[], object]], repeats: int,
-                warmup: bool) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: bool,
+                retain: bool) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:
     """Median wall time (s) of each function over ``repeats`` rounds, one call of each per round (after one warm-up
     call of each if ``warmup``), its median CPU time (s, ``time.process_time``: on a machine with more runnable
     processes than cores the wall time includes waiting, the CPU time does not), and the largest peak RSS during a call
-    and its largest rise above the RSS before it (MiB; the peak is reset before every call, outside the timing)."""
+    and its largest rise above the RSS before it (MiB; the peak is reset, and freed memory given back, before the
+    call, outside the timing). With ``retain`` (freed memory kept, as in ``foxhunt.fit``) giving memory back would undo
+    what is measured, so the memory is taken in one untimed round of its own (which also warms up) and the timed
+    rounds run on the memory the process holds."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     cpu: dict[str, list[float]] = {name: [] for name in fns}
     peak = dict.fromkeys(fns, 0.0)
     rise = dict.fromkeys(fns, 0.0)
-    if warmup:
-        for fn in fns.values():
-            fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
+
+    def measured(name: str, fn: Callable[[], object], timed: bool) -> None:
+        if not retain or not timed:
             reset_peak()
-            before = _status_kib("VmRSS")
-            t0, c0 = time.perf_counter(), time.process_time()
-            fn()
+        before = _status_kib("VmRSS")
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        if timed:
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
+        if not retain or not timed:
             top = _status_kib("VmHWM")
             peak[name], rise[name] = max(peak[name], top / 1024), max(rise[name], (top - before) / 1024)
+
+    if warmup and not retain:
+        for fn in fns.values():
+            fn()
+    if retain:
+        for name, fn in fns.items():
+            measured(name, fn, timed=False)
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            measured(name, fn, timed=True)
     median = {name: statistics.median(ts) for name, ts in times.items()}
     return median, {name: statistics.median(ts) for name, ts in cpu.items()}, peak, rise
 
@@ -259,7 +273,7 @@ def bench_lookback(length: int, variants: list[str], args: argparse.Namespace,
 
         steps[name] = step
     row["load_before"] = os.getloadavg()
-    seconds, cpu, peak, rise = interleaved(steps, args.repeats, not args.no_warmup)
+    seconds, cpu, peak, rise = interleaved(steps, args.repeats, not args.no_warmup, args.allocator == "retain")
     row["load"] = os.getloadavg()
     for name in steps:
         row[name] = {"step_s": seconds[name], "step_cpu_s": cpu[name], "samples_per_s": args.batch / seconds[name],
@@ -290,6 +304,9 @@ def main() -> None:
     parser.add_argument("--reference", type=Path, default=None, help="a local ssd_minimal.py (default: download)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--allocator", choices=("retain", "system"), default="retain",
+                        help="retain: freed memory kept in the process, as foxhunt.fit does (foxhunt.training.memory); "
+                             "system: glibc's default (big blocks mapped and unmapped every step)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     lookbacks = [int(v) for v in args.lookbacks.split(",")]
@@ -300,7 +317,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {os.cpu_count()} CPUs; peak RSS reset: "
           f"{reset_peak()}; baseline RSS {_status_kib('VmRSS') / 1024:.0f} MiB; load {os.getloadavg()}", flush=True)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, retain_freed_memory(args.allocator == "retain") as retained:
+        print(f"allocator: {args.allocator} (freed memory retained: {retained})", flush=True)
         reference = None
         if "reference" in variants:
             path = args.reference or fetch_reference(Path(tmp))
@@ -314,7 +332,7 @@ def main() -> None:
     print(f"\nTraining step (forward, pinball loss, backward, AdamW) of the Mamba-2 forecaster network (d_model "
           f"{args.d_model}, {args.layers} layers, d_state {args.d_state}, headdim {args.headdim}, expand {args.expand}, "
           f"chunk {args.chunk}) and the TFT (hidden {args.d_model}), batch {args.batch}, {args.inputs} inputs, "
-          f"{args.threads} thread(s), median of {args.repeats} interleaved rounds:")
+          f"{args.threads} thread(s), allocator {args.allocator}, median of {args.repeats} interleaved rounds:")
     print("(samples/s by wall time, and by CPU time in brackets; x: the factored version's speed-up, wall (CPU))")
     print(f"{'L':>6} | " + " | ".join(f"{v + ' /s (cpu)':>22} {'MiB rise':>8}" for v in variants)
           + " | factored over: " + " ".join(f"{v:>13}" for v in variants if v != "factored")
