@@ -16,6 +16,14 @@ alternating with eeb8864, before the buffer pool, run through PYTHONPATH; best o
 1.62-2.14x TA-Lib's CPU time with 35-310 faults (before: 1.85-2.15x, 850-4,150 faults); peak memory 1.10-1.28x the
 output (before: 0.97-1.23x). The first call in a fresh process is slower for both (whole set 1.55-2.10 s CPU, before
 1.65-2.07 s): there the kernel first maps the output's and the pool's huge pages.
+
+The TA-Lib comparison times four things, interleaved: TA-Lib with its outputs kept (whether malloc hands the last
+repeat's freed 8 MB arrays back is luck: 0 or ~41k page faults, 0.31-1.0 s CPU), TA-Lib with each output dropped after
+its call (no faults: its compute alone, the conservative reference), foxhunt's plain compute() (a fresh ~400 MB
+output each call) and compute(out=) (an earlier result's values overwritten). "Reused memory, both" (out= against
+TA-Lib dropped) is the like-for-like figure; "fresh memory, both" swings with TA-Lib's luck. Measured 2026-12-01 at
+a78ca71 (four runs, load ~3): out= 0.60-0.71 s CPU against TA-Lib dropped 0.31-0.33 s, ratio 1.97-2.25x (not met);
+plain compute() 0.82-1.34 s.
 """
 
 from __future__ import annotations
