@@ -42,6 +42,7 @@ from foxhunt.lit.forecaster_quality import QualityData, build_quality_data, eval
 from foxhunt.lit.forecaster_quality import train as train_tft
 from foxhunt.lit.mamba2 import Mamba2Module
 from foxhunt.preprocessing import FeatureNormalizer
+from foxhunt.training.memory import retain_freed_memory
 
 
 def train_mamba2(data: QualityData, *, steps: int, batch_size: int = 128, seed: int = 0, **hparams) -> Mamba2Module:
@@ -137,6 +138,11 @@ def best_gap(lookback: int, window: int, strength: float) -> float:
 
 
 def main() -> None:
+    with retain_freed_memory():  # as foxhunt.fit trains (foxhunt/training/memory.py)
+        run()
+
+
+def run() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n-bars", type=int, default=200_000)
     parser.add_argument("--steps", type=int, default=800)
