@@ -20,10 +20,12 @@ output (before: 0.97-1.23x). The first call in a fresh process is slower for bot
 The TA-Lib comparison times four things, interleaved: TA-Lib with its outputs kept (whether malloc hands the last
 repeat's freed 8 MB arrays back is luck: 0 or ~41k page faults, 0.31-1.0 s CPU), TA-Lib with each output dropped after
 its call (no faults: its compute alone, the conservative reference), foxhunt's plain compute() (a fresh ~400 MB
-output each call) and compute(out=) (an earlier result's values overwritten). "Reused memory, both" (out= against
-TA-Lib dropped) is the like-for-like figure; "fresh memory, both" swings with TA-Lib's luck. Measured 2026-12-01 at
-a78ca71 (four runs, load ~3): out= 0.60-0.71 s CPU against TA-Lib dropped 0.31-0.33 s, ratio 1.97-2.25x (not met);
-plain compute() 0.82-1.34 s.
+output each call) and compute(out=) (an earlier result's values overwritten); then, inside
+foxhunt.training.memory.retain_freed_memory (glibc keeps freed memory, as during foxhunt.fit), plain compute() and
+TA-Lib with its outputs kept. "Reused memory, both" (out= against TA-Lib dropped) and "memory reused by the
+allocator, both" are the like-for-like figures; "fresh memory, both" swings with TA-Lib's luck. Measured 2026-12-01
+(seven runs, load ~3): out= 0.60-0.73 s CPU against TA-Lib dropped 0.31-0.34 s, ratio 1.97-2.25x; retained 1.92-2.19x
+(three runs); both not met. Plain compute() 0.82-1.34 s.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from foxhunt.features import trend as TR
 from foxhunt.features import volatility as V
 from foxhunt.features import volume as VO
 from foxhunt.features.panel import Panel
+from foxhunt.training.memory import retain_freed_memory
 
 TARGET_S, TARGET_RATIO, TARGET_MEMORY = 1.5, 1.5, 1.5
 
@@ -267,14 +270,21 @@ def main() -> None:
         "talib kept": lambda: [fn() for _, fn in calls],
         "talib dropped": lambda: [fn() is None for _, fn in calls],
     }
-    cpu = {k: [] for k in runs}
-    best = {k: [float("inf"), float("inf"), None] for k in runs}  # wall, CPU, faults
-    for _ in range(args.repeat):  # interleaved, so all see the same load on a shared machine
-        for k, fn in runs.items():
-            w, c, fl = timed_faults(fn, 1, dev)[:3]
-            cpu[k].append(c)
-            b = best[k]
-            b[0], b[1], b[2] = min(b[0], w), min(b[1], c), fl if b[2] is None else min(b[2], fl)
+    cpu = {k: [] for k in list(runs) + ["retained fresh", "retained talib kept"]}
+    best = {k: [float("inf"), float("inf"), None] for k in cpu}  # wall, CPU, faults
+
+    def interleaved(fns: dict, names: list[str]) -> None:
+        for _ in range(args.repeat):  # interleaved, so all see the same load on a shared machine
+            for k in names:
+                w, c, fl = timed_faults(fns[k.removeprefix("retained ")], 1, dev)[:3]
+                cpu[k].append(c)
+                b = best[k]
+                b[0], b[1], b[2] = min(b[0], w), min(b[1], c), fl if b[2] is None else min(b[2], fl)
+
+    interleaved(runs, ["fresh", "out", "talib kept", "talib dropped"])
+    with retain_freed_memory() as retained:  # the allocator of foxhunt.fit: freed memory stays for reuse
+        if retained:
+            interleaved(runs, ["retained fresh", "retained talib kept"])
     del runs, buf
     print(f"\nTA-Lib comparison on the {len(tagged)} TA-Lib-derived features (best of {args.repeat}, interleaved; "
           f"median CPU in brackets)" + (f": foxhunt on {dev} vs TA-Lib on CPU per feature" if cuda else ":"))
@@ -284,15 +294,27 @@ def main() -> None:
         "talib dropped": "TA-Lib, each output dropped after its call (malloc hands the same memory back: its best case)",
         "fresh": "foxhunt, plain compute() (a fresh output of 4 bytes x features x bars each call)",
         "out": "foxhunt, compute(out=) (the previous result's values overwritten: reused memory)",
+        "retained talib kept": "TA-Lib, outputs kept, inside retain_freed_memory (the allocator of foxhunt.fit)",
+        "retained fresh": "foxhunt, plain compute(), inside retain_freed_memory",
     }
     for k, label in labels.items():
+        if not cpu[k]:
+            print(f"  {label}: not run (not glibc)")
+            continue
         w, c, fl = best[k]
         print(f"  {label}:\n      {w:.3f} s wall ({c:.3f} s CPU [{np.median(cpu[k]):.3f}], {fl:,} minor faults), "
               f"{w / (n * len(tagged)) * 1e9:.1f} ns/bar/feature")
-    pairs = (("fresh", "talib kept", "fresh memory each call, both"), ("out", "talib dropped", "reused memory, both"))
+    pairs = (("fresh", "talib kept", "fresh memory each call, both"), ("out", "talib dropped", "reused memory, both"),
+             ("retained fresh", "retained talib kept", "memory reused by the allocator, both"))
     for ours, ta, what in pairs:
+        if not cpu[ours]:
+            continue
         (ow, oc, _), (tw, tc, _) = best[ours], best[ta]
-        if cuda:
+        if ours == "fresh" and not cuda:
+            print(f"  {what}: ratio foxhunt / TA-Lib per feature {ow / tw:.2f} wall, {oc / tc:.2f} CPU "
+                  f"[{np.median(cpu[ours]) / np.median(cpu[ta]):.2f} of the medians] (no verdict: both sides' page "
+                  "faults vary from run to run)")
+        elif cuda:
             print(f"  {what}: foxhunt on {dev} / TA-Lib on CPU per feature {ow / tw:.3f} wall "
                   f"[target: faster per feature than TA-Lib on CPU: {'met' if ow < tw else 'NOT met'}]")
         else:
