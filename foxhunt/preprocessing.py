@@ -90,7 +90,7 @@ def _rolling_moments(x: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor]:
     (time first, any trailing shape, differentiable): the features' block-centred prefix sums, one block per window,
     so rounding error grows with ``window``, not with T, and float32 stays accurate on long trending series."""
     T, rest = x.shape[0], x.shape[1:]
-    bp = BlockPrefix(x.reshape(T, -1).T, window, squares=True, block=window, finite=True)
+    bp = BlockPrefix(x.reshape(T, math.prod(rest)).T, window, squares=True, block=window, finite=True)
     return tuple(a.T.reshape(T, *rest) for a in bp.moments(window))
 
 
