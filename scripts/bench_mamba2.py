@@ -33,6 +33,13 @@ its step time at each L over its step time at the smallest L (linear: L / L_min)
     python scripts/bench_mamba2.py --lookbacks 64,512 --repeats 5
     python scripts/bench_mamba2.py --variants factored,tft --lookbacks 512,4096,16384
     python scripts/bench_mamba2.py --reference /path/to/mamba_ssm/modules/ssd_minimal.py   # no download
+    python scripts/bench_mamba2.py --trainer --lookbacks 64,512,4096 --trainer-steps 3   # the member modules in a Trainer
+
+``--trainer`` times the objects ``foxhunt.fit`` trains instead of the bare networks: ``Mamba2Module`` (with the
+reference scan patched into its blocks for the reference variant) and ``TFTModule`` at the same sizes, each in short
+``Trainer.fit`` runs on window batches of a synthetic market (the step as Lightning runs it: batch transfer,
+training_step, pinball loss, backward, clipping, AdamW, logging), the modules taking turns, medians over the rounds.
+Every run is under ``--allocator retain`` unless told otherwise: the fit's own setting (foxhunt/training/memory.py).
 
 The reference links chunks by a dense [chunks x chunks] decay matrix applied to every chunk's state (quadratic in
 L / Q), and builds its intra-chunk decay mask per head ([b, heads, chunks, Q, Q]) through a cumulative sum over a
@@ -48,6 +55,7 @@ import ctypes
 import gc
 import importlib.util
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -58,6 +66,7 @@ import types
 from collections.abc import Callable
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -190,6 +199,84 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: bool
     return median, {name: statistics.median(ts) for name, ts in cpu.items()}, peak, rise
 
 
+# --------------------------------------------------------------------------------------------- through a Trainer
+class StepClock(pl.Callback):
+    """Wall and CPU seconds of every training batch (forward, loss, backward, clipping, AdamW, logging)."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: object, idx: int) -> None:
+        self._t0, self._c0 = time.perf_counter(), time.process_time()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: object, batch: object,
+                           idx: int) -> None:
+        self.wall.append(time.perf_counter() - self._t0)
+        self.cpu.append(time.process_time() - self._c0)
+
+
+def member_modules(variants: list[str], data: object, args: argparse.Namespace,
+                   reference: Callable | None) -> dict[str, pl.LightningModule]:
+    """The member modules foxhunt.fit trains (``Mamba2Module``, ``TFTModule``), at the bench's sizes, bound to the
+    data; the reference variant is the Mamba2Module with the reference scan in every block."""
+    from foxhunt.data.market import MarketSpec
+    from foxhunt.lit.forecaster_quality import make_module
+    from foxhunt.lit.mamba2 import Mamba2Module
+
+    split = data.splits["train"]
+    spec = MarketSpec(list(split.feature_names), list(data.known_future), list(split.symbols), data.lookback,
+                      data.horizon)
+    modules: dict[str, pl.LightningModule] = {}
+    for name in variants:
+        torch.manual_seed(0)
+        if name == "tft":
+            modules[name] = make_module(data, hidden_size=args.d_model, attention_heads=4, hidden_continuous_size=16,
+                                        dropout=0.1, log_grad_norm_every=0)
+            continue
+        module = Mamba2Module(quantiles=QUANTILES, d_model=args.d_model, n_layers=args.layers, d_state=args.d_state,
+                              headdim=args.headdim, expand=args.expand, chunk_size=args.chunk, log_grad_norm_every=0,
+                              scan="chunked" if name == "chunked" else "factored",
+                              fused=name in ("factored", "reference_fused_block"))
+        module.bind(spec)
+        if name.startswith("reference"):
+            use_reference_scan(module.net, reference)  # type: ignore[arg-type]
+        modules[name] = module
+    return modules
+
+
+def bench_trainer(length: int, variants: list[str], args: argparse.Namespace,
+                  reference: Callable | None) -> dict[str, object]:
+    """Training steps of the member modules inside ``lightning.pytorch.Trainer.fit`` on window batches of a synthetic
+    market (8 features of which 3 known in advance, horizon 6): ``--repeats`` rounds, each a short fit of every
+    module in turn (``--trainer-steps`` steps; a fit's first step is dropped as its warm-up), medians over the rest."""
+    from foxhunt.lit.forecaster_quality import build_quality_data, windows
+
+    n_bars = max(20_000, int((length + HORIZON + args.batch * (args.trainer_steps + 1)) / 0.65))
+    data = build_quality_data(n_bars, lookback=length, horizon=HORIZON, quantiles=QUANTILES)
+    modules = member_modules(variants, data, args, reference)
+    clocks = {name: StepClock() for name in modules}
+    row: dict[str, object] = {"L": length, "batch": args.batch, "load_before": os.getloadavg()}
+    for _ in range(args.repeats):
+        for name, module in modules.items():
+            trainer = pl.Trainer(max_steps=args.trainer_steps, accelerator="cpu", gradient_clip_val=1.0, logger=False,
+                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                 limit_val_batches=0, num_sanity_val_steps=0, callbacks=[clocks[name]])
+            n_before = len(clocks[name].cpu)
+            trainer.fit(module, train_dataloaders=windows(data, "train", args.batch, shuffle=True))
+            del clocks[name].wall[n_before], clocks[name].cpu[n_before]  # the fit's first step
+    row["load"] = os.getloadavg()
+    for name, clock in clocks.items():
+        wall, cpu = statistics.median(clock.wall), statistics.median(clock.cpu)
+        row[name] = {"step_s": wall, "step_cpu_s": cpu, "samples_per_s": args.batch / wall,
+                     "cpu_samples_per_s": args.batch / cpu, "steps_timed": len(clock.cpu)}
+    if "factored" in clocks:
+        row["factored_speedup"] = {n: row[n]["step_s"] / row["factored"]["step_s"] for n in clocks if n != "factored"}
+        row["factored_speedup_cpu"] = {n: row[n]["step_cpu_s"] / row["factored"]["step_cpu_s"]
+                                       for n in clocks if n != "factored"}
+    return row
+
+
 # ------------------------------------------------------------------------------------------------------- networks
 def build(variants: list[str], length: int, args: argparse.Namespace, reference: Callable | None) -> dict[str, nn.Module]:
     """The networks to compare, the Mamba-2 versions sharing one set of initial weights."""
@@ -304,6 +391,10 @@ def main() -> None:
     parser.add_argument("--reference", type=Path, default=None, help="a local ssd_minimal.py (default: download)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--trainer", action="store_true",
+                        help="time the member modules (Mamba2Module, TFTModule) inside Lightning's Trainer.fit, the path "
+                             "foxhunt.fit runs, instead of the bare networks")
+    parser.add_argument("--trainer-steps", type=int, default=4, help="steps of each short fit in --trainer mode")
     parser.add_argument("--allocator", choices=("retain", "system"), default="retain",
                         help="retain: freed memory kept in the process, as foxhunt.fit does (foxhunt.training.memory); "
                              "system: glibc's default (big blocks mapped and unmapped every step)")
@@ -325,11 +416,13 @@ def main() -> None:
             reference = load_reference(path)
             print(f"reference: {path}", flush=True)
         for length in lookbacks:
-            rows.append(bench_lookback(length, variants, args, reference))
+            rows.append((bench_trainer if args.trainer else bench_lookback)(length, variants, args, reference))
             print(json.dumps(rows[-1]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
-    print(f"\nTraining step (forward, pinball loss, backward, AdamW) of the Mamba-2 forecaster network (d_model "
+    what = ("the member modules (Mamba2Module, TFTModule) inside Lightning's Trainer.fit" if args.trainer
+            else "the Mamba-2 forecaster network and the TFT's")
+    print(f"\nTraining step (forward, pinball loss, backward, AdamW) of {what} (d_model "
           f"{args.d_model}, {args.layers} layers, d_state {args.d_state}, headdim {args.headdim}, expand {args.expand}, "
           f"chunk {args.chunk}) and the TFT (hidden {args.d_model}), batch {args.batch}, {args.inputs} inputs, "
           f"{args.threads} thread(s), allocator {args.allocator}, median of {args.repeats} interleaved rounds:")
@@ -338,7 +431,7 @@ def main() -> None:
           + " | factored over: " + " ".join(f"{v:>13}" for v in variants if v != "factored")
           + " | 1-min load before -> after")
     for r in rows:
-        cells = " | ".join(f"{r[v]['samples_per_s']:>12.2f} ({r[v]['cpu_samples_per_s']:>7.2f}) {r[v]['rss_rise_mib']:>8.0f}"
+        cells = " | ".join(f"{r[v]['samples_per_s']:>12.2f} ({r[v]['cpu_samples_per_s']:>7.2f}) {r[v].get('rss_rise_mib', float('nan')):>8.0f}"
                            for v in variants)
         speed = " ".join(f"{r['factored_speedup'][v]:>6.2f} ({r['factored_speedup_cpu'][v]:>4.2f})"
                          for v in variants if v != "factored") if "factored_speedup" in r else ""
@@ -353,7 +446,8 @@ def main() -> None:
           f"L / {base['L']}):")
     for r in rows[1:]:
         cells = ", ".join(f"{v} x{r[v]['step_cpu_s'] / base[v]['step_cpu_s']:.1f} time, "
-                          f"x{r[v]['rss_rise_mib'] / max(base[v]['rss_rise_mib'], 1.0):.1f} memory" for v in variants)
+                          f"x{r[v].get('rss_rise_mib', math.nan) / max(base[v].get('rss_rise_mib', math.nan), 1.0):.1f} memory"
+                          for v in variants)
         print(f"{r['L']:>6} (x{r['L'] / base['L']:.0f}) | {cells}")
 
 
