@@ -136,9 +136,9 @@ class PPOModule(Agent):
         norm_adv: bool = True,
         target_kl: float | None = None,
         hidden: tuple[int, ...] = (64, 64),
-        log_std_init: float = 0.0,
+        log_std_init: float = 2.0,
         no_trade_band: float = 0.1,
-        mean_reg_coef: float = 0.1,
+        mean_reg_coef: float = 0.0,
         lr: float = 3e-4,
         adam_eps: float = 1e-5,
         weight_decay: float = 0.0,
@@ -185,12 +185,15 @@ class PPOModule(Agent):
                 (None: never stop early).
             hidden: widths of the actor's and the critic's hidden layers (tanh).
             log_std_init: initial log standard deviation of the continuous policy's Gaussian (state-independent).
+                2.0 (σ ≈ 7.4: most samples squash near ±1, exploring like the discrete short/long) was chosen on the
+                validation splits of the agents' task family among 0, ±0.5, ±1, 1.5, 2, 3 (docs/PPO.md).
             no_trade_band: continuous positions: a target within this distance of the held position is not traded, in
                 training and in the deterministic policy (a no-trade region, as proportional costs call for; see
                 docs/PPO.md).
             mean_reg_coef: continuous policy: weight of a penalty on the squared pre-squash mean, mean(μ²) (rlkit's
-                ``policy_mean_reg_weight``): without a signal it pulls the position toward flat instead of letting the
-                policy saturate at ±1, where the exploration noise costs least (see docs/PPO.md).
+                ``policy_mean_reg_weight``), which pulls the position toward flat unless the advantages pay for it.
+                Off by default: every weight tried (0.03, 0.1) cost validation reward on the signals; staying flat
+                where nothing pays is the coordinator's do-no-harm rule's job, as for every agent (docs/PPO.md).
             lr: AdamW learning rate (its start, with a schedule).
             adam_eps: AdamW's epsilon (1e-5, as in CleanRL and the "37 implementation details").
             weight_decay: AdamW decoupled weight decay (weight matrices only: the network's flat ``weights``).
