@@ -5,7 +5,7 @@ glibc serves every allocation above its mmap threshold (at most 32 MiB) with a f
 4,096 bars, batch 128: ~3 million page faults a step), so the step spends most of its time in the kernel, faulting in
 and zeroing pages it had a moment ago. Inside :func:`retain_freed_memory` glibc keeps freed memory on its heap and
 reuses it, as PyTorch's CUDA caching allocator does on the GPU: measured step time of that Mamba-2 x2.9 faster, the
-TFT's x1.7, peak RSS +26% (fragmentation). See docs/ARCHITECTURE.md ("Allocator").
+TFT's x1.7, peak RSS +26% (fragmentation; the quick start's fit: -7%, and 14% less CPU). See docs/ARCHITECTURE.md.
 
 It is a process setting (``mallopt``), so it is scoped like ``torch.set_num_threads`` in ``foxhunt.fit``: set on
 entry, glibc's defaults restored on exit and the retained memory trimmed back to the system. Elsewhere than glibc
