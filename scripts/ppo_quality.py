@@ -3,7 +3,8 @@ Stable-Baselines3's PPO at its defaults given the same number of environment ste
 
 Tasks: AR(1)-in-returns with GARCH(1,1) volatility at strengths ``--phis`` and seeds ``--seeds`` (300,000 one-minute
 bars, 60% train | 20% val | 20% test, chronological with purge gaps), and the real series ``--real`` (a CSV with
-timestamp and close columns, 70% | 15% | 15%). Observation: 32 bars x 3 simple causal features (z-scored on train)
+timestamp and close columns, 70% | 15% | 15%; trained at every seed of ``--seeds``, which varies only the learners'
+sampling and init). Observation: 32 bars x 3 simple causal features (z-scored on train)
 plus the held position; 1 bp cost per unit traded. Per learner, task and seed, on the test split: the fraction of the
 best causal oracle's reward per bar after costs (synthetic tasks), the test log return and the turnover
 (``agent_quality.task_scores``, the DQN benchmark's scoring).

@@ -180,12 +180,14 @@ def add_task_family_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def task_family(args: argparse.Namespace) -> Iterator[tuple[str, int, SyntheticMarket]]:
-    """(task name, seed, market) of every AR strength and seed asked for, then the real series (seed 0)."""
+    """(task name, seed, market) of every AR strength and seed asked for, then the real series at every seed: one
+    series, so the seed varies only the learners' training (sampling, init), the split stays the same."""
     for phi in args.phis:
         for seed in args.seeds:
             yield f"AR {phi:g}", seed, task_market(phi, seed, n_bars=args.n_bars)
     if args.real:
-        yield f"real {Path(args.real).stem}", 0, real_market(args.real)
+        for seed in args.seeds:
+            yield f"real {Path(args.real).stem}", seed, real_market(args.real)
 
 
 def read_rows(paths: list[str]) -> list[dict]:

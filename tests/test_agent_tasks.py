@@ -1,0 +1,37 @@
+"""The agent benchmarks' task family: every seed asked for trains every task, the real series included (small sizes)."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+
+from foxhunt.lit.agent_tasks import add_task_family_arguments, task_family
+
+
+def test_real_series_runs_at_every_seed(tmp_path) -> None:
+    path = tmp_path / "spy.csv"
+    days = np.datetime64("2020-01-01") + np.arange(400)
+    close = 100.0 * np.exp(np.cumsum(np.random.default_rng(0).normal(0.0, 0.01, 400)))
+    path.write_text("timestamp,close\n" + "".join(f"{d},{c:.6f}\n" for d, c in zip(days, close)))
+    p = argparse.ArgumentParser()
+    add_task_family_arguments(p)
+    args = p.parse_args(["--phis", "--seeds", "0", "1", "3", "--real", str(path)])
+    tasks = list(task_family(args))
+    assert [(name, seed) for name, seed, _ in tasks] == [("real spy", 0), ("real spy", 1), ("real spy", 3)]
+    first = tasks[0][2]
+    for _, _, data in tasks[1:]:  # the seed varies the learners' training, never the split
+        torch.testing.assert_close(data.test.returns, first.test.returns, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(data.train.timestamps, first.train.timestamps)
+
+
+def test_synthetic_tasks_then_real_per_seed(tmp_path) -> None:
+    path = tmp_path / "x.csv"
+    path.write_text("timestamp,close\n" + "".join(f"2020-01-01T00:{i // 60:02d}:{i % 60:02d},{100 + i % 7}\n"
+                                                   for i in range(300)))
+    p = argparse.ArgumentParser()
+    add_task_family_arguments(p)
+    args = p.parse_args(["--phis", "0.1", "--seeds", "0", "2", "--n-bars", "2000", "--real", str(path)])
+    assert [(name, seed) for name, seed, _ in task_family(args)] == [
+        ("AR 0.1", 0), ("AR 0.1", 2), ("real x", 0), ("real x", 2)]
