@@ -111,6 +111,9 @@ class FoxhuntCLI(LightningCLI):
         threads = self.config.get("torch_threads")
         if threads:
             torch.set_num_threads(int(threads))
+        seed = self.config.get("seed_everything")  # an int here: LightningCLI has drawn one if the config said true
+        if isinstance(seed, int) and not isinstance(seed, bool) and seed:
+            offset_member_seeds(self.config.get(self.subcommand) if self.subcommand else self.config, seed)
         every = self.config.get("checkpoint_every_n_steps")
         if every is not None and every < 1:
             raise ConfigError(f"checkpoint_every_n_steps: must be a positive number of steps, got {every}")
@@ -191,6 +194,17 @@ class FoxhuntCLI(LightningCLI):
         print("\nBack-test after costs, on the test split (untouched by training, weights and checkpoint choice):\n"
               + format_table(table, split="test"))
         return {"export": meta, "backtest": table}
+
+
+def offset_member_seeds(config: Any, run_seed: int) -> None:
+    """Add the run's ``seed_everything`` to every member's own ``seed`` (an agent's initial weights, environments,
+    exploration and minibatch order), so that a new run seed gives new agents as well as new data and forecasters;
+    ``seed_everything: 0`` leaves each seed as configured. The exported config holds the seeds used."""
+    members = (config.get("model") or {}).get("members") or {}
+    for member in members.values():
+        init = member.get("init_args") if hasattr(member, "get") else None
+        if init is not None and isinstance(init.get("seed"), int) and not isinstance(init.get("seed"), bool):
+            init["seed"] = int(init["seed"]) + int(run_seed)
 
 
 def config_source(config: Any) -> str:

@@ -15,7 +15,7 @@ import torch
 
 import foxhunt
 from foxhunt.data.bars import DataError
-from foxhunt.fit import main
+from foxhunt.fit import build_cli, main
 
 TINY = str(Path(__file__).parent / "configs" / "tiny.yaml")
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,6 +214,18 @@ def test_cli_conventions(tmp_path: Path, capsys) -> None:
         main(["--config", TINY, "--model.members.tft.init_args.no_such_key", "3"])
     with pytest.raises(argparse.ArgumentError, match="combine"):
         main(["--config", TINY, "--model.combine", "average"])
+
+
+def test_seed_everything_offsets_the_agents_own_seeds(tmp_path: Path, monkeypatch) -> None:
+    """A new run seed gives new agents (their weights, environments, exploration come from their own seed), and
+    seed_everything 0 leaves the configured seeds alone."""
+    monkeypatch.chdir(tmp_path)
+    seeds = {}
+    for extra in ((), ("--seed_everything", "3"), ("--seed_everything", "3", "--model.members.dqn.init_args.seed", "5")):
+        cli = build_cli(["--config", TINY, *extra])
+        seeds[extra] = cli.model.members["dqn"].hparams.seed
+        assert cli.model.members["dqn"].seed == seeds[extra]
+    assert list(seeds.values()) == [0, 3, 8]
 
 
 def test_bf16_mixed_on_cpu_runs_without_nan(tmp_path: Path) -> None:
