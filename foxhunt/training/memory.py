@@ -44,7 +44,7 @@ def retain_freed_memory(enabled: bool = True) -> Iterator[bool]:
 
     Yields whether the setting is in force (False when ``enabled`` is False or the C library is not glibc). On exit
     glibc's default limits are set again (glibc no longer adapts its mmap threshold once a limit was set) and the
-    retained memory is trimmed.
+    retained memory is trimmed. Not re-entrant (the setting is the process's): an inner block's exit ends it.
     """
     libc = glibc() if enabled else None
     if libc is None:
