@@ -111,9 +111,6 @@ class FoxhuntCLI(LightningCLI):
         threads = self.config.get("torch_threads")
         if threads:
             torch.set_num_threads(int(threads))
-        seed = self.config.get("seed_everything")  # an int here: LightningCLI has drawn one if the config said true
-        if isinstance(seed, int) and not isinstance(seed, bool) and seed:
-            offset_member_seeds(self.config.get(self.subcommand) if self.subcommand else self.config, seed)
         every = self.config.get("checkpoint_every_n_steps")
         if every is not None and every < 1:
             raise ConfigError(f"checkpoint_every_n_steps: must be a positive number of steps, got {every}")
@@ -129,6 +126,9 @@ class FoxhuntCLI(LightningCLI):
         except (ValueError, TypeError) as e:
             raise ConfigError(f"{config_source(config)}{constructor_key(e, config)}: {e}") from e
         check_members(self.model, config)
+        seed = config.get("seed_everything")  # an int here: LightningCLI has drawn one if the config said true
+        if isinstance(seed, int) and not isinstance(seed, bool) and seed:
+            offset_member_seeds(self.model, seed)
 
     def fit(self) -> dict[str, Any]:
         """Train, then export the best weights and back-test them on the test split."""
@@ -196,15 +196,17 @@ class FoxhuntCLI(LightningCLI):
         return {"export": meta, "backtest": table}
 
 
-def offset_member_seeds(config: Any, run_seed: int) -> None:
+def offset_member_seeds(model: EnsembleModule, run_seed: int) -> None:
     """Add the run's ``seed_everything`` to every member's own ``seed`` (an agent's initial weights, environments,
     exploration and minibatch order), so that a new run seed gives new agents as well as new data and forecasters;
-    ``seed_everything: 0`` leaves each seed as configured. The exported config holds the seeds used."""
-    members = (config.get("model") or {}).get("members") or {}
-    for member in members.values():
-        init = member.get("init_args") if hasattr(member, "get") else None
-        if init is not None and isinstance(init.get("seed"), int) and not isinstance(init.get("seed"), bool):
-            init["seed"] = int(init["seed"]) + int(run_seed)
+    ``seed_everything: 0`` leaves each seed as configured. The config stays as written, so a saved config run again
+    gives the same seeds; the members' hparams (and so their checkpoints and exports) hold the seeds used."""
+    for member in model.members.values():
+        seed = member.hparams.get("seed")
+        if isinstance(seed, int) and not isinstance(seed, bool):
+            member.hparams.seed = member.seed = seed + int(run_seed)
+            if getattr(member, "n_inputs", None) is not None:  # built at construction: rebuild from the new seed
+                member.build_networks(member.n_inputs)
 
 
 def config_source(config: Any) -> str:

@@ -225,6 +225,7 @@ def test_seed_everything_offsets_the_agents_own_seeds(tmp_path: Path, monkeypatc
         cli = build_cli(["--config", TINY, *extra])
         seeds[extra] = cli.model.members["dqn"].hparams.seed
         assert cli.model.members["dqn"].seed == seeds[extra]
+        assert cli.config["model"]["members"]["dqn"]["init_args"]["seed"] == (5 if len(extra) > 2 else 0)  # as written
     assert list(seeds.values()) == [0, 3, 8]
 
 
