@@ -69,7 +69,7 @@ def test_weights_chosen_on_validation_and_the_agent_beats_flat(planted) -> None:
     s = member.selection
     assert len(s.sharpes) == 6 and s.best_update in range(200, 1_201, 200)
     _, val_market = member._held_out_markets()
-    assert member._greedy_score(member.policy_network, val_market)[0] == pytest.approx(s.best, rel=1e-6)
+    assert member.policy_score(member.policy_network, val_market)[0] == pytest.approx(s.best, rel=1e-6)
     assert not bool(ensemble.held_flat[0]) and float(ensemble.edge_confidence[0]) > 0.99
     test = MarketTensors(planted.test, member.hparams.window, (-1.0, 0.0, 1.0), 1.0)
     positions = ensemble.positions(planted.test)["dqn"]

@@ -512,6 +512,45 @@ def test_resume_from_checkpoint_is_exact(tmp_path, market, space) -> None:
     assert torch.equal(straight.sample_rng.get_state(), resumed.sample_rng.get_state())
 
 
+@pytest.mark.parametrize("space", ["discrete", "continuous"])
+def test_weights_are_chosen_on_validation(tmp_path, market, space) -> None:
+    """Every ``select_every`` updates the learning network's deterministic policy is scored on validation (reward per
+    bar after costs); the best becomes the policy that trades, the others are counted for the coordinator's
+    deflation, and a checkpoint resumes the selection exactly."""
+    kwargs = {**SMALL, "action_space": space, "select_every": 5, "total_steps": 2 * UPDATES_PER_EPOCH}
+    module = PPOModule(**kwargs)
+    model = fit(module, market, trainer(tmp_path / "a", max_epochs=2), validate=True)
+    s = module.selection
+    assert len(s.sharpes) == len(module.selection_sharpes()) == 2 * UPDATES_PER_EPOCH // 5
+    assert s.best_update in range(5, 41, 5) and int(module.selected_update) == s.best_update
+    _, val_market = module._held_out_markets()
+    assert module.policy_score(module.policy_network, val_market)[0] == pytest.approx(s.best, rel=1e-6)
+    assert module.policy_network is module.policy_net and module.policy_net is not module.net
+    chosen = module.positions_of(module.policy_net, module.market_tensors(market.test))
+    torch.testing.assert_close(module.positions(market.test), chosen.float(), rtol=0, atol=0)
+    assert module.policy_net.weights.requires_grad is False
+    assert model.optimizers().param_groups[0]["params"][0] is module.net.weights  # only the learning network learns
+
+    first = PPOModule(**kwargs)
+    t1 = trainer(tmp_path / "b", max_epochs=1)
+    fit(first, market, t1, validate=True)
+    t1.save_checkpoint(tmp_path / "b" / "one.ckpt")
+    resumed = PPOModule(**kwargs)
+    fit(resumed, market, trainer(tmp_path / "c", max_epochs=2), validate=True, ckpt_path=str(tmp_path / "b" / "one.ckpt"))
+    torch.testing.assert_close(torch.tensor(resumed.selection.sharpes), torch.tensor(s.sharpes), rtol=0, atol=0,
+                               equal_nan=True)  # NaN: a candidate that never traded on validation
+    assert resumed.selection.best_update == s.best_update
+    assert torch.equal(resumed.policy_net.weights, module.policy_net.weights)
+
+    # a state dict written before selection (no policy_net, no selected_update) loads: the learning network trades
+    old = {k: v for k, v in model.state_dict().items() if ".policy_net." not in k and not k.endswith("selected_update")}
+    fresh = EnsembleModule(members={"ppo": PPOModule(**kwargs, n_features=market.train.n_features)})
+    fresh.load_state_dict(old)
+    member = fresh.member("ppo")
+    assert int(member.selected_update) == -1 and member.policy_network is member.net
+    assert torch.equal(member.policy_net.weights, module.net.weights)
+
+
 def test_a_checkpoint_of_the_former_optimizer_layout_is_refused_in_one_line(tmp_path, market) -> None:
     """A checkpoint written before the two flat parameters holds AdamW's state of 12 named tensors (the two MLPs and
     the log std): resuming from it is refused with one line naming the reason, before torch's group-size mismatch."""
@@ -665,12 +704,14 @@ def test_fit_export_load_through_the_cli(tmp_path, space) -> None:
     from foxhunt.fit import main
 
     tiny = str(Path(__file__).parent / "configs" / "tiny.yaml")
-    member = {**PPO_ONLY, "init_args": {**PPO_ONLY["init_args"], "action_space": space}}
+    member = {**PPO_ONLY, "init_args": {**PPO_ONLY["init_args"], "action_space": space, "select_every": 8}}
     cli = main(["--config", tiny, "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
                 "--trainer.default_root_dir", str(tmp_path), "--export_dir", str(tmp_path / "export"),
                 "--model.members", json.dumps({"ppo": member}), "--trainer.max_epochs", "1", "--log_figures", "false"])
     model = cli.model
     assert tuple(model.member_names) == ("ppo",) and model.updates["ppo"] == 6 * 4
+    ppo = model.member("ppo")
+    assert len(ppo.selection.sharpes) == 3 and int(ppo.selected_update) == ppo.selection.best_update in (8, 16, 24)
     assert {"ppo", "ensemble", "buy_and_hold"} <= set(cli.results["backtest"])
     export = tmp_path / "export"
     assert {"ensemble.safetensors", "ppo.safetensors", "metadata.json"} <= {p.name for p in export.iterdir()}
@@ -701,6 +742,21 @@ def test_fit_export_load_through_the_cli(tmp_path, space) -> None:
     converted = foxhunt.load(old).model.positions(split)
     for who in ("ppo", "ensemble"):
         torch.testing.assert_close(converted[who].cpu(), mine[who].cpu(), rtol=0, atol=0)
+
+    # an export written before validation selection (no chosen weights, no `selected_update`) loads, and its
+    # learning network trades, as it did then
+    before = tmp_path / "before_selection"
+    shutil.copytree(export, before)
+    tensors = {k: v for k, v in load_file(before / "ensemble.safetensors").items()
+               if ".policy_net." not in k and not k.endswith(".selected_update")}
+    assert len(tensors) < len(load_file(before / "ensemble.safetensors"))
+    save_file(tensors, before / "ensemble.safetensors")
+    meta["sha256"]["ensemble"] = hashlib.sha256((before / "ensemble.safetensors").read_bytes()).hexdigest()
+    (before / "metadata.json").write_text(json.dumps(meta))
+    reloaded = foxhunt.load(before).model
+    assert int(reloaded.member("ppo").selected_update) == -1
+    learning = ppo.positions_of(ppo.network.eval(), ppo.market_tensors(split))
+    torch.testing.assert_close(reloaded.positions(split)["ppo"].cpu(), learning.float().cpu(), rtol=0, atol=0)
 
 
 def two_mlp_state(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -10,7 +10,8 @@ Validation runs the greedy policy over the whole validation split in one vectori
 Against memorising the training path (issue 16): every ``select_every`` updates the member scores its greedy policy on
 the validation split (reward per bar after costs) and keeps the best weights as its policy (``policy_net``; never
 chosen on training reward), stops learning after ``patience`` evaluations without a gain, and reports the train /
-validation gap (``train/dqn/greedy_reward_per_bar``, ``val/dqn/greedy_reward_per_bar``). Dropout, observation noise,
+validation gap (``train/dqn/greedy_reward_per_bar``, ``val/dqn/greedy_reward_per_bar``); the selection is the
+:class:`~foxhunt.lit.member.Agent` base's, which PPO shares. Dropout, observation noise,
 weight decay, a training-only turnover penalty and the window length are hyperparameters; the coordinator's
 ``min_edge_confidence`` keeps the member flat when its validation edge is not significant.
 
@@ -34,9 +35,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from foxhunt.data.market import MarketSpec, MarketSplit
-from foxhunt.evaluation.significance import sharpe_moments
-from foxhunt.evaluation.trading import strategy_log_returns
-from foxhunt.lit.member import Agent
+from foxhunt.lit.member import Agent, Selection
 from foxhunt.models.qnet import EncoderKind, QNetwork
 from foxhunt.rl.batches import PresampledBatches, TDBatch
 from foxhunt.rl.env import MarketEnv, MarketTensors, RewardSource, greedy_positions, reward_scale_for
@@ -73,17 +72,6 @@ class _Counters:
     last_loss: Tensor | None = None
     last_q: Tensor | None = None
     last_epsilon: float = 1.0
-
-
-@dataclass
-class _Selection:
-    """Model selection on held-out data: the best validation reward so far, the candidates' Sharpes, patience."""
-
-    best: float = -math.inf  # best validation reward per bar after costs (raw log return) of a candidate
-    best_update: int = -1  # update whose weights are the policy (-1: none chosen yet)
-    since_best: int = 0  # evaluations since the best
-    sharpes: list[float] = field(default_factory=list)  # per-bar validation Sharpe of every candidate scored
-    latest: dict[str, float] = field(default_factory=dict)  # the last evaluation's figures, until logged
 
 
 class DQNModule(Agent):
@@ -249,7 +237,7 @@ class DQNModule(Agent):
         self.target_net: QNetwork | None = None
         self.policy_net: QNetwork | None = None  # the weights chosen on validation (select_every > 0)
         self.register_buffer("selected_update", torch.tensor(-1, dtype=torch.int64))  # -1: no choice yet
-        self.selection = _Selection()
+        self.selection = Selection()
         self.finished = False
         self.noise_rng: torch.Generator | None = None
         self._held_out: tuple[MarketTensors, MarketTensors] | None = None  # (train tail, val) markets for selection
@@ -415,76 +403,12 @@ class DQNModule(Agent):
 
     def after_update(self, update: int) -> None:
         self.update_target(update + 1)
-        every = self.select_every
-        if every and (update + 1) % every == 0 and self.val_split is not None:
-            self.select(update + 1)
+        self.maybe_select(update)
 
     # ----------------------------------------------------------------------------------------------- selection
-    def _held_out_markets(self) -> tuple[MarketTensors, MarketTensors]:
-        """(the last stretch of the training split, at most 16,384 bars and no longer than the validation split, the
-        validation split): the markets the greedy policy is scored on, with real costs (the train one measures the
-        generalisation gap; shorter than validation because it is not what chooses)."""
-        if self._held_out is None:
-            assert self.train_split is not None and self.val_split is not None
-            train = self.train_split
-            n = min(len(self.val_split), len(train), 16_384)
-            tail = torch.zeros(len(train), dtype=torch.bool)
-            tail[len(train) - n :] = True
-            self._held_out = (self.market_tensors(train.select(tail)), self.market_tensors(self.val_split))
-        return self._held_out
-
-    def _greedy_score(self, net: QNetwork, market: MarketTensors) -> tuple[float, float, float]:
-        """(reward per bar after costs, per-bar Sharpe, turnover) of ``net``'s greedy policy on ``market``."""
-        was_training = net.training
-        net.eval()
-        try:
-            pos = greedy_positions(net, market)
-        finally:
-            net.train(was_training)
-        pnl = strategy_log_returns(pos, market.returns, market.cost_bps, market.reset_mask)[market.decision]
-        changes = (pos - torch.cat([pos.new_zeros(1), pos[:-1]]).masked_fill(market.reset_mask, 0.0)).abs()
-        return float(pnl.mean()), sharpe_moments(pnl).sr_per_bar, float(changes[market.decision].mean())
-
-    @torch.no_grad()
-    def select(self, update: int) -> None:
-        """Score the online network's greedy policy on the validation split; keep it as the policy if it is the best
-        so far (reward per bar after costs), and stop learning after ``patience`` evaluations without a gain."""
-        assert self.q_net is not None and self.policy_net is not None
-        train_market, val_market = self._held_out_markets()
-        val_reward, val_sharpe, val_turnover = self._greedy_score(self.q_net, val_market)
-        train_reward, _, _ = self._greedy_score(self.q_net, train_market)
-        s = self.selection
-        s.sharpes.append(val_sharpe)
-        if val_reward > s.best:
-            s.best, s.best_update, s.since_best = val_reward, update, 0
-            self.policy_net.load_state_dict(self.q_net.state_dict())
-            self.selected_update.fill_(update)
-        else:
-            s.since_best += 1
-        patience = self.hparams.patience
-        if patience and s.since_best >= patience:
-            self.finished = True
-        s.latest = {
-            "train/greedy_reward_per_bar": train_reward, "val/greedy_reward_per_bar": val_reward,
-            "val/greedy_turnover": val_turnover, "val/best_reward_per_bar": s.best,
-            "train/generalisation_gap": train_reward - val_reward, "val/selected_update": float(s.best_update),
-        }
-
-    def held_out_metrics(self) -> dict[str, float]:
-        latest, self.selection.latest = self.selection.latest, {}
-        return latest
-
-    def selection_sharpes(self) -> list[float]:
-        return list(self.selection.sharpes)
-
-    @property
-    def policy_network(self) -> QNetwork:
-        """The network that trades: the validation-selected weights once chosen, else the online network."""
-        if self.policy_net is not None and int(self.selected_update) >= 0:
-            return self.policy_net
-        q = self.network
-        assert isinstance(q, QNetwork)
-        return q
+    def positions_of(self, net: nn.Module, market: MarketTensors) -> Tensor:
+        """[T] positions of ``net``'s greedy policy over ``market`` (what validation selection scores)."""
+        return greedy_positions(net, market)
 
     def td_loss(self, sample: ReplaySample) -> tuple[Tensor, Tensor]:
         """Huber TD loss of a replay batch and the online Q-values of its states."""
@@ -628,7 +552,6 @@ class DQNModule(Agent):
         if self.env is None:
             return state
         assert self.replay is not None and self.explore_rng is not None
-        s = self.selection
         state.update({
             "env": self.env.state_dict(),
             "replay": self.replay.state_dict(),
@@ -637,8 +560,7 @@ class DQNModule(Agent):
             "reward_scale": self.reward_scale_used,
             "presampled": self.batches.state_dict(),
             "noise_rng": self.noise_rng.get_state() if self.noise_rng is not None else None,
-            "selection": {"best": s.best, "best_update": s.best_update, "since_best": s.since_best,
-                          "sharpes": list(s.sharpes), "finished": self.finished},
+            "selection": self.selection.state_dict(self.finished),
         })
         return state
 
@@ -659,6 +581,6 @@ class DQNModule(Agent):
             self.noise_rng.set_state(state["noise_rng"].cpu())
         sel = state.get("selection")
         if sel is not None:
-            self.selection = _Selection(sel["best"], sel["best_update"], sel["since_best"], list(sel["sharpes"]))
+            self.selection = Selection.from_state(sel)
             self.finished = bool(sel["finished"])
         self.batches.load_state_dict(state.get("presampled"), self.env.market, self.q_net)

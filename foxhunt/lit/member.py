@@ -20,6 +20,8 @@ One coordinator step calls, for every member whose ``start_step`` has passed, ``
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
@@ -28,8 +30,9 @@ from torch import Tensor, nn
 
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.evaluation.forecast_metrics import pinball_loss
+from foxhunt.evaluation.significance import sharpe_moments
 from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
-from foxhunt.evaluation.trading import trading_metrics
+from foxhunt.evaluation.trading import strategy_log_returns, trading_metrics
 from foxhunt.rl.env import MarketTensors
 from foxhunt.training.guard import NonFiniteGuard
 from foxhunt.training.optim import configure_adamw
@@ -242,12 +245,121 @@ class Forecaster(Member):
         )
 
 
+@dataclass
+class Selection:
+    """Model selection on held-out data: the best validation reward so far, the candidates' Sharpes, patience."""
+
+    best: float = -math.inf  # best validation reward per bar after costs (raw log return) of a candidate
+    best_update: int = -1  # update whose weights are the policy (-1: none chosen yet)
+    since_best: int = 0  # evaluations since the best
+    sharpes: list[float] = field(default_factory=list)  # per-bar validation Sharpe of every candidate scored
+    latest: dict[str, float] = field(default_factory=dict)  # the last evaluation's figures, until logged
+
+    def state_dict(self, finished: bool) -> dict[str, Any]:
+        return {"best": self.best, "best_update": self.best_update, "since_best": self.since_best,
+                "sharpes": list(self.sharpes), "finished": finished}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Selection:
+        return cls(state["best"], state["best_update"], state["since_best"], list(state["sharpes"]))
+
+
 class Agent(Member):
-    """A member that learns positions by acting in the vectorised market of the training split."""
+    """A member that learns positions by acting in the vectorised market of the training split.
+
+    Against memorising the training path (issue 16), every agent can choose its weights on validation: every
+    ``select_every`` updates it scores the deterministic policy of its learning network on the validation split
+    (reward per bar after costs), keeps the best weights as the policy it trades (``policy_net``; never chosen on
+    training reward), stops learning after ``patience`` scores without a gain, and reports the train / validation gap.
+    A subclass sets ``select_every``, ``policy_net`` (a frozen copy of its network when ``select_every`` > 0),
+    ``selected_update``, ``selection``, ``train_split``/``val_split`` and implements :meth:`positions_of`.
+    """
 
     kind: ClassVar[MemberKind] = "agent"
     cost_bps: float  # the cost it trades with: its own, or the ensemble's from bind
     reward_scale_used: float | None  # fitted on the training split when the environment is first built
+    select_every: int  # updates between validation scores of the learning network (0: the last weights trade)
+    policy_net: nn.Module | None  # the weights chosen on validation (select_every > 0)
+    selected_update: Tensor  # buffer: the update whose weights policy_net holds (-1: none chosen yet)
+    selection: Selection
+    train_split: MarketSplit | None
+    val_split: MarketSplit | None
+    _held_out: tuple[MarketTensors, MarketTensors] | None  # (train tail, val) markets for selection
+
+    def positions_of(self, net: nn.Module, market: MarketTensors) -> Tensor:
+        """[T] positions of ``net``'s deterministic policy over ``market`` (``net`` in eval mode)."""
+        raise NotImplementedError
+
+    @property
+    def policy_network(self) -> nn.Module:
+        """The network that trades: the validation-selected weights once chosen, else the learning network."""
+        if self.policy_net is not None and int(self.selected_update) >= 0:
+            return self.policy_net
+        return self.network
+
+    def maybe_select(self, update: int) -> None:
+        """After update number ``update`` (0-based): score and choose on validation when ``select_every`` says so."""
+        every = self.select_every
+        if every and (update + 1) % every == 0 and self.val_split is not None:
+            self.select(update + 1)
+
+    def _held_out_markets(self) -> tuple[MarketTensors, MarketTensors]:
+        """(the last stretch of the training split, at most 16,384 bars and no longer than the validation split, the
+        validation split): the markets the policy is scored on, with real costs (the train one measures the
+        generalisation gap; shorter than validation because it is not what chooses)."""
+        if self._held_out is None:
+            assert self.train_split is not None and self.val_split is not None
+            train = self.train_split
+            n = min(len(self.val_split), len(train), 16_384)
+            tail = torch.zeros(len(train), dtype=torch.bool)
+            tail[len(train) - n :] = True
+            self._held_out = (self.market_tensors(train.select(tail)), self.market_tensors(self.val_split))
+        return self._held_out
+
+    def policy_score(self, net: nn.Module, market: MarketTensors) -> tuple[float, float, float]:
+        """(reward per bar after costs, per-bar Sharpe, turnover) of ``net``'s deterministic policy on ``market``."""
+        was_training = net.training
+        net.eval()
+        try:
+            pos = self.positions_of(net, market)
+        finally:
+            net.train(was_training)
+        pnl = strategy_log_returns(pos, market.returns, market.cost_bps, market.reset_mask)[market.decision]
+        changes = (pos - torch.cat([pos.new_zeros(1), pos[:-1]]).masked_fill(market.reset_mask, 0.0)).abs()
+        return float(pnl.mean()), sharpe_moments(pnl).sr_per_bar, float(changes[market.decision].mean())
+
+    @torch.no_grad()
+    def select(self, update: int) -> None:
+        """Score the learning network's policy on the validation split; keep it as the policy if it is the best so
+        far (reward per bar after costs), and stop learning after ``patience`` scores without a gain."""
+        net = self.network
+        assert self.policy_net is not None
+        train_market, val_market = self._held_out_markets()
+        val_reward, val_sharpe, val_turnover = self.policy_score(net, val_market)
+        train_reward, _, _ = self.policy_score(net, train_market)
+        s = self.selection
+        s.sharpes.append(val_sharpe)
+        if val_reward > s.best:
+            s.best, s.best_update, s.since_best = val_reward, update, 0
+            self.policy_net.load_state_dict(net.state_dict())
+            self.selected_update.fill_(update)
+        else:
+            s.since_best += 1
+        patience = self.hparams.patience
+        if patience and s.since_best >= patience:
+            self.finished = True
+        s.latest = {
+            "train/greedy_reward_per_bar": train_reward, "val/greedy_reward_per_bar": val_reward,
+            "val/greedy_turnover": val_turnover, "val/best_reward_per_bar": s.best,
+            "train/generalisation_gap": train_reward - val_reward, "val/selected_update": float(s.best_update),
+        }
+
+    def held_out_metrics(self) -> dict[str, float]:
+        latest, self.selection.latest = self.selection.latest, {}
+        return latest
+
+    def selection_sharpes(self) -> list[float]:
+        return list(self.selection.sharpes)
 
     def attach_market(self, train: MarketSplit, val: MarketSplit | None = None) -> None:
         """The market the agent acts in (and the one it is validated on)."""

@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from foxhunt.data.market import MarketSpec, MarketSplit
-from foxhunt.lit.member import Agent
+from foxhunt.lit.member import Agent, Selection
 from foxhunt.models.actor_critic import (
     ActionSpace,
     ActorCritic,
@@ -139,6 +140,8 @@ class PPOModule(Agent):
         log_std_init: float = 2.0,
         no_trade_band: float = 0.1,
         mean_reg_coef: float = 0.0,
+        select_every: int = 80,
+        patience: int = 0,
         lr: float = 3e-4,
         adam_eps: float = 1e-5,
         weight_decay: float = 0.0,
@@ -194,6 +197,11 @@ class PPOModule(Agent):
                 ``policy_mean_reg_weight``), which pulls the position toward flat unless the advantages pay for it.
                 Off by default: every weight tried (0.03, 0.1) cost validation reward on the signals; staying flat
                 where nothing pays is the coordinator's do-no-harm rule's job, as for every agent (docs/PPO.md).
+            select_every: updates between scores of the deterministic policy on the validation split (reward per bar
+                after costs, as the DQN's); the best-scoring weights become the policy it trades (``policy_net``).
+                80 is one rollout at the defaults (10 x 8). 0: the last weights trade.
+            patience: scores without a better validation reward after which the member stops learning (0: never; the
+                default, so the learning rate anneals over the whole run).
             lr: AdamW learning rate (its start, with a schedule).
             adam_eps: AdamW's epsilon (1e-5, as in CleanRL and the "37 implementation details").
             weight_decay: AdamW decoupled weight decay (weight matrices only: the network's flat ``weights``).
@@ -242,6 +250,8 @@ class PPOModule(Agent):
             raise ValueError(f"start_step must be >= 0, got {start_step}")
         if cost_bps is not None and cost_bps < 0:
             raise ValueError(f"cost_bps must be >= 0, got {cost_bps}")
+        if select_every < 0 or patience < 0:
+            raise ValueError(f"select_every and patience must be >= 0, got {select_every}, {patience}")
         if mean_reg_coef < 0:
             raise ValueError(f"mean_reg_coef must be >= 0, got {mean_reg_coef}")
         if not 0.0 <= no_trade_band < 2.0:
@@ -259,6 +269,13 @@ class PPOModule(Agent):
         self.cost_bps = 1.0 if cost_bps is None else float(cost_bps)
         self.seed = int(seed)
         self.net: ActorCritic | None = None
+        self.select_every = int(select_every)
+        self.policy_net: ActorCritic | None = None  # the weights chosen on validation (select_every > 0)
+        self.register_buffer("selected_update", torch.tensor(-1, dtype=torch.int64))  # -1: no choice yet
+        self.selection = Selection()
+        self.finished = False
+        self._held_out: tuple[MarketTensors, MarketTensors] | None = None
+        self.register_load_state_dict_pre_hook(self._upgrade_hook)
         self.train_split: MarketSplit | None = None
         self.val_split: MarketSplit | None = None
         self.env: MarketEnv | None = None
@@ -299,12 +316,17 @@ class PPOModule(Agent):
         """The actor-critic for ``n_inputs`` feature columns, orthogonally initialised from the seed."""
         hp = self.hparams
         n_act = len(hp.actions)
+        args = {"n_features": n_inputs, "window": hp.window, "n_position_features": 1 if self.continuous else n_act,
+                "n_actions": n_act, "action_space": hp.action_space, "hidden": tuple(hp.hidden),
+                "log_std_init": hp.log_std_init}
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(hp.seed)
-            self.net = ActorCritic(
-                n_features=n_inputs, window=hp.window, n_position_features=1 if self.continuous else n_act,
-                n_actions=n_act, action_space=hp.action_space, hidden=tuple(hp.hidden), log_std_init=hp.log_std_init,
-            )
+            self.net = ActorCritic(**args)  # type: ignore[arg-type]
+            if hp.select_every:  # built inside the fork: the global RNG stays untouched
+                self.policy_net = ActorCritic(**args)  # type: ignore[arg-type]
+        if self.policy_net is not None:
+            self.policy_net.load_state_dict(self.net.state_dict())
+            self.policy_net.requires_grad_(False)
         self.n_inputs = n_inputs
 
     def attach_market(self, train: MarketSplit, val: MarketSplit | None = None) -> None:
@@ -318,13 +340,15 @@ class PPOModule(Agent):
         if val is not None and val.n_features != train.n_features:
             raise ValueError(f"validation split {val.name!r} has {val.n_features} features, train has {train.n_features}")
         self.train_split, self.val_split = train, val
-        self.env, self.rollout = None, None
+        self.env, self.rollout, self._held_out = None, None, None
 
     def _build_environment(self) -> None:
         """Environment, rollout buffer and sampling RNG on the module's device (then a resumed state, if any)."""
         if self.train_split is None:
             raise RuntimeError("PPOModule has no market: call module.attach_market(train_split, val_split) before fit")
         hp = self.hparams
+        if hp.select_every and self.val_split is None:
+            rank_zero_warn("PPOModule: select_every > 0 but the data has no validation split: the last weights trade")
         market = self.market_tensors(self.train_split)
         if self.reward_scale_used is None:
             self.reward_scale_used = reward_scale_for(market, hp.reward_scale)
@@ -466,6 +490,9 @@ class PPOModule(Agent):
         self.counters.last = parts
         return loss
 
+    def after_update(self, update: int) -> None:
+        self.maybe_select(update)
+
     def _log_prob_and_entropy(self, x: Tensor, mb: RolloutBatch) -> tuple[Tensor, Tensor, Tensor]:
         """log π_new(stored action | state), the policy's entropy at each state of a minibatch, and the actor's output
         (logits, or the Gaussian's mean)."""
@@ -544,28 +571,33 @@ class PPOModule(Agent):
     # ----------------------------------------------------------------------------------------------- evaluation
     @torch.no_grad()
     def deterministic_positions(self, split: MarketSplit | MarketTensors) -> tuple[Tensor, MarketTensors]:
-        """[T] positions of the deterministic policy over a whole split (flat where no decision can be taken).
+        """[T] positions of the deterministic policy it trades (the validation-selected weights once chosen) over a
+        whole split (flat where no decision can be taken), and the market they are on."""
+        market = split if isinstance(split, MarketTensors) else self.market_tensors(split)
+        net = self.policy_network
+        was_training = net.training
+        net.eval()
+        try:
+            return self.positions_of(net, market), market
+        finally:
+            net.train(was_training)
+
+    @torch.no_grad()
+    def positions_of(self, net: nn.Module, market: MarketTensors) -> Tensor:
+        """[T] positions of ``net``'s deterministic policy over ``market``.
 
         Discrete: the argmax action for every bar and held position in batched passes, rolled out as a policy table
         (:func:`~foxhunt.rl.env.greedy_positions`). Continuous: tanh of the mean, bar by bar, vectorised over symbols,
         with the first layer's share of the window precomputed in chunks (:func:`~foxhunt.rl.env.sequential_positions`).
         """
-        market = split if isinstance(split, MarketTensors) else self.market_tensors(split)
-        net = self.net
-        assert net is not None
-        was_training = net.training
-        net.eval()
-        try:
-            if not self.continuous:
-                return greedy_positions(net.deterministic, market), market
-            band = float(self.hparams.no_trade_band)
-            positions = sequential_positions(
-                lambda bars: net.actor_prepare(market.windows(bars, flat=True)),
-                lambda prepared, decide, held: net.deterministic_path(prepared, decide, held, band), market,
-            )
-            return positions, market
-        finally:
-            net.train(was_training)
+        assert isinstance(net, ActorCritic)
+        if not self.continuous:
+            return greedy_positions(net.deterministic, market)
+        band = float(self.hparams.no_trade_band)
+        return sequential_positions(
+            lambda bars: net.actor_prepare(market.windows(bars, flat=True)),
+            lambda prepared, decide, held: net.deterministic_path(prepared, decide, held, band), market,
+        )
 
     policy_positions = deterministic_positions  # what positions() and evaluate() of Agent trade
 
@@ -584,6 +616,7 @@ class PPOModule(Agent):
             "reward_scale": self.reward_scale_used,
             "counters": {"env_steps": c.env_steps, "rollouts": c.rollouts, "kl_stops": c.kl_stops,
                          "explained_variance": c.explained_variance},
+            "selection": self.selection.state_dict(self.finished),
         })
         return state
 
@@ -593,6 +626,24 @@ class PPOModule(Agent):
             self.reward_scale_used = state["reward_scale"]
             self._pending_state = state
             self.env = None  # rebuilt on the right device at start, then the state is applied
+
+    def upgrade_state_dict(self, state: dict[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
+        """``state`` of a member saved before it chose weights on validation (no ``policy_net.*``, no
+        ``selected_update``) with its learning network's tensors as the policy and no choice made, so older exports
+        and checkpoints still load (their last weights trade, as they did)."""
+        if self.policy_net is None or f"{prefix}selected_update" in state:
+            return state
+        state = dict(state)
+        state[f"{prefix}selected_update"] = torch.tensor(-1, dtype=torch.int64)
+        for key in [k for k in state if k.startswith(f"{prefix}net.")]:
+            state[f"{prefix}policy_net.{key[len(prefix) + 4:]}"] = state[key]
+        return state
+
+    def _upgrade_hook(self, module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        """load_state_dict pre-hook: :meth:`upgrade_state_dict` in place (checkpoints of the former layout)."""
+        upgraded = self.upgrade_state_dict(state, prefix)
+        if upgraded is not state:
+            state.update(upgraded)
 
     def check_optimizer_state(self, state: dict[str, Any]) -> None:
         """AdamW's state over the network's two flat parameters (weights, biases); checkpoints written before them
@@ -615,3 +666,7 @@ class PPOModule(Agent):
         saved = state["counters"]
         c.env_steps, c.rollouts, c.kl_stops = int(saved["env_steps"]), int(saved["rollouts"]), int(saved["kl_stops"])
         c.explained_variance = float(saved["explained_variance"])
+        sel = state.get("selection")
+        if sel is not None:
+            self.selection = Selection.from_state(sel)
+            self.finished = bool(sel["finished"])
