@@ -17,7 +17,7 @@ import torch
 
 from foxhunt.features import calendar, ops
 from foxhunt.features.catalog import KNOWN_FUTURE, REGISTRY
-from foxhunt.features.panel import Panel
+from foxhunt.features.panel import Panel, one_symbol
 from foxhunt.features.registry import Feature, select
 
 __all__ = ["KNOWN_FUTURE", "REGISTRY", "FeatureOutput", "FeatureSet", "compute_features", "known_future_features"]
@@ -83,20 +83,23 @@ def _first_true(mask: torch.Tensor) -> torch.Tensor:
 def _columns(ohlcv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The bars' columns [5, N] float64 (one contiguous row per field) and each field's lowest and highest value
     (NaN if it holds one). On the CPU the transpose and the extremes run over cache-sized runs of rows (one pass
-    over memory instead of three: ~3 ms less at a million bars); on a GPU one copy and two reductions."""
+    over memory instead of three), with numpy's strided copy (half the time of torch's ``copy_`` of a transpose:
+    ~6 ms against ~12 at a million bars); on a GPU one copy and two reductions."""
     n = ohlcv.shape[0]
     cols = _output_buffer((5, n), torch.float64, ohlcv.device)
     if not ops.fast_path(ohlcv):
         cols.copy_(ohlcv.T)
         return cols, cols.amin(dim=1), cols.amax(dim=1)
-    per = 16384
-    lo = torch.empty((-(-n // per), 5), dtype=torch.float64)
-    hi = torch.empty_like(lo)
+    per = 65536
+    src = (ohlcv if ohlcv.dtype in (torch.float32, torch.float64) else ohlcv.to(torch.float64)).numpy()
+    dst = cols.numpy()
+    lo, hi = np.empty((-(-n // per), 5)), np.empty((-(-n // per), 5))
     for i, a in enumerate(range(0, n, per)):
-        run = cols[:, a : a + per].copy_(ohlcv[a : a + per].T)
-        torch.amin(run, dim=1, out=lo[i])
-        torch.amax(run, dim=1, out=hi[i])
-    return cols, lo.amin(dim=0), hi.amax(dim=0)
+        run = dst[:, a : a + per]
+        np.copyto(run, src[a : a + per].T)
+        np.min(run, axis=1, out=lo[i])  # NaN propagates, as the checks expect
+        np.max(run, axis=1, out=hi[i])
+    return cols, torch.from_numpy(lo.min(axis=0)), torch.from_numpy(hi.max(axis=0))
 
 
 def _check_input(cols: torch.Tensor, timestamps: torch.Tensor, symbol_index: torch.Tensor,
@@ -107,9 +110,14 @@ def _check_input(cols: torch.Tensor, timestamps: torch.Tensor, symbol_index: tor
     Whole-row extremes first (a NaN fails every comparison; per-bar checks cost ~50 ms at a million bars on one
     core), then the bars only when something is wrong; one host synchronisation on a GPU.
     """
-    step = symbol_index[1:] - symbol_index[:-1]
-    back_ts = (step == 0) & (timestamps[1:] <= timestamps[:-1])
-    flags = torch.stack((lo[:4].min() > 0, hi.max() < float("inf"), lo[4] >= 0, (step < 0).any(), back_ts.any()))
+    if one_symbol(symbol_index):  # on the CPU: one pass over the index instead of four
+        step, back_ts = None, timestamps[1:] <= timestamps[:-1]
+        decreasing = torch.zeros((), dtype=torch.bool)
+    else:
+        step = symbol_index[1:] - symbol_index[:-1]
+        back_ts = (step == 0) & (timestamps[1:] <= timestamps[:-1])
+        decreasing = (step < 0).any()
+    flags = torch.stack((lo[:4].min() > 0, hi.max() < float("inf"), lo[4] >= 0, decreasing, back_ts.any()))
     prices_pos, finite, volume_ok, unsorted, late = flags.tolist()
     if not (prices_pos and finite and volume_ok):
         ok = torch.isfinite(cols).all(dim=0) & (cols[:4] > 0).all(dim=0) & (cols[4] >= 0)

@@ -6,6 +6,8 @@ price units are divided by ATR(14) so they are scale-free.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -25,34 +27,37 @@ def mom(p: Panel, n: int) -> Tensor:
 
 
 def _gains(p: Panel) -> tuple[Tensor, Tensor]:
-    """Close-to-close gains and losses (both >= 0, NaN at the first bar), shared by every RSI window."""
+    """Close-to-close gains (>= 0) and absolute changes (NaN at the first bar), shared by every RSI window."""
 
     def f():
         d = p.close_change()
-        return torch.clamp_min(d, 0.0, out=ops.like(d)), torch.neg(d, out=ops.like(d)).clamp_min_(0.0)
+        return torch.clamp_min(d, 0.0, out=ops.like(d)), torch.abs(d, out=ops.like(d))
 
-    return p.memo("gains_losses", f)
+    return p.memo("gains_moves", f)
 
 
 def _gain_loss_averages(p: Panel, n: int) -> tuple[Tensor, Tensor]:
-    def f():
-        up, down = _gains(p)
-        return ops.wilder(up, n, start=1), ops.wilder(down, n, start=1)
+    """Wilder averages of the gains and of the absolute changes: the second is avg gain + avg loss (Wilder smoothing
+    is linear), so RSI and CMO need no pass to add them."""
 
-    return p.memo(("gain_loss", n), f)
+    def f():
+        up, moves = _gains(p)
+        return ops.wilder(up, n, start=1), ops.wilder(moves, n, start=1)
+
+    return p.memo(("gain_move", n), f)
 
 
 def rsi(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib RSI: 100 * avg gain / (avg gain + avg loss), Wilder-smoothed, seeded with the mean of n changes."""
-    g, l = _gain_loss_averages(p, n)
-    return ops.safe_div(g, torch.add(g, l, out=ops.like(g)), scale=100.0, out=out)
+    g, s = _gain_loss_averages(p, n)
+    return ops.safe_div(g, s, scale=100.0, out=out)
 
 
 def cmo(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
-    """TA-Lib CMO: 100 * (avg gain - avg loss) / (avg gain + avg loss), Wilder-smoothed as TA-Lib does."""
-    g, l = _gain_loss_averages(p, n)
-    den = torch.add(g, l, out=ops.like(g))
-    return ops.safe_div(torch.sub(g, l, out=ops.like(g)), den, scale=100.0, out=out)
+    """TA-Lib CMO: 100 * (avg gain - avg loss) / (avg gain + avg loss), Wilder-smoothed as TA-Lib does; the numerator
+    is 2 (avg gain - (avg gain + avg loss) / 2), halving exact."""
+    g, s = _gain_loss_averages(p, n)
+    return ops.safe_div(torch.sub(g, s, alpha=0.5, out=ops.like(g)), s, scale=200.0, out=out)
 
 
 def hh_ll(p: Panel, n: int) -> tuple[Tensor, Tensor]:
@@ -65,8 +70,7 @@ def stoch(p: Panel, fastk: int, slowk: int = 3, slowd: int = 3) -> tuple[Tensor,
 
     def f():
         hh, ll = hh_ll(p, fastk)
-        rng = torch.sub(hh, ll, out=ops.like(hh))
-        fk = ops.safe_div(torch.sub(p.close, ll, out=ops.like(ll)), rng, scale=100.0, out=rng)
+        fk = ops.blockwise(functools.partial(_over_range, scale=100.0), ops.like(hh), p.close, ll, hh, ll)
         k = ops.rolling_mean(fk, slowk, start=fastk - 1)
         d = ops.rolling_mean(k, slowd, start=fastk + slowk - 2)
         k[:, : fastk + slowk + slowd - 3] = ops.NAN  # TA-Lib reports %K from %D's first bar
@@ -78,8 +82,12 @@ def stoch(p: Panel, fastk: int, slowk: int = 3, slowd: int = 3) -> tuple[Tensor,
 def willr(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib WILLR: -100 * (HH - C) / (HH - LL)."""
     hh, ll = hh_ll(p, n)
-    rng = torch.sub(hh, ll, out=ops.like(hh))
-    return ops.safe_div(torch.sub(hh, p.close, out=ops.like(hh)), rng, scale=-100.0, out=rng if out is None else out)
+    return ops.blockwise(functools.partial(_over_range, scale=-100.0), ops.like(hh) if out is None else out, hh, p.close, hh, ll)
+
+
+def _over_range(a: Tensor, b: Tensor, hh: Tensor, ll: Tensor, out: Tensor, scale: float) -> None:
+    """scale (a - b) / (HH - LL), 0 on a flat range, run by run (no full-size temporaries)."""
+    ops.safe_div(torch.sub(a, b), torch.sub(hh, ll), scale=scale, out=out)
 
 
 def macd_line_signal(p: Panel, fast: int, slow: int, signal: int) -> tuple[Tensor, Tensor]:

@@ -51,6 +51,8 @@ class Panel:
             empty = torch.zeros(0, dtype=torch.int64, device=dev)
             return cls(cols.reshape(5, 0, 0), timestamps.reshape(0, 0), empty, [])
         sym = symbol_index.to(dev)
+        if one_symbol(sym):
+            return cls(cols.reshape(5, 1, n), timestamps.reshape(1, n), torch.zeros(1, dtype=torch.int64, device=dev), [n])
         step = sym[1:] - sym[:-1]
         if bool((step < 0).any()):
             raise ValueError("features: rows must be sorted by symbol then time (symbol_index decreases somewhere)")
@@ -146,6 +148,14 @@ class Panel:
     def volume_mean(self, n: int) -> Tensor:
         """SMA(n) of the volume."""
         return self.prefix("volume", lambda: self.volume).sum(n).div_(n)
+
+
+def one_symbol(symbol_index: Tensor) -> bool:
+    """Whether every row is of one symbol, on the CPU (one comparison pass instead of the index steps' three or four:
+    ~2 ms at a million bars); False on other devices, where it would cost a host synchronisation."""
+    if symbol_index.device.type != "cpu" or symbol_index.numel() == 0:
+        return False
+    return bool((symbol_index == symbol_index[0]).all())
 
 
 def _true_range(high: Tensor, low: Tensor, prev_close: Tensor, out: Tensor) -> None:

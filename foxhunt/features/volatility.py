@@ -48,9 +48,12 @@ def bbands(p: Panel, n: int, k: float = 2.0) -> tuple[Tensor, Tensor, Tensor]:
 def bb_pctb(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """Bollinger %B: (C - lower) / (upper - lower) = (C - middle + half-width) / (2 half-width), 0.5 where the bands meet."""
     mid, half = _mid_halfwidth(p, n, 2.0)
-    num = torch.sub(p.close, mid, out=O.like(mid))
-    num += half
-    return O.safe_div(num, half, 0.5, scale=0.5, out=out)
+    return O.blockwise(_pctb_block, O.like(mid) if out is None else out, p.close, mid, half)
+
+
+def _pctb_block(close: Tensor, mid: Tensor, half: Tensor, out: Tensor) -> None:
+    """(C - middle + half-width) / (2 half-width), 0.5 where the half-width is 0, run by run (no full-size temporary)."""
+    O.safe_div(torch.sub(close, mid).add_(half), half, 0.5, scale=0.5, out=out)
 
 
 def bb_width(p: Panel, n: int, out: Tensor | None = None) -> Tensor:

@@ -5,6 +5,7 @@ Window sums are differences of prefix sums shared by every window length (``Pane
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,9 +67,13 @@ def obv_change(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     if n < p.shape[1]:
         s_hi, s_lo = p.prefix("signed_volume", lambda: _signed_volume(p), 1).parts(n, n)
         v_hi, v_lo = volume_prefix(p, 1).parts(n, n)
-        vol = torch.sub(v_hi, v_lo, out=O.empty(tuple(v_hi.shape), v_hi))
-        O.safe_div(torch.sub(s_hi, s_lo, out=O.empty(tuple(s_hi.shape), s_hi)), vol, out=out[:, n:])
+        O.blockwise(_window_ratio, out[:, n:], s_hi, s_lo, v_hi, v_lo)
     return out
+
+
+def _window_ratio(hi: Tensor, lo: Tensor, den_hi: Tensor, den_lo: Tensor, out: Tensor) -> None:
+    """(hi - lo) / (den_hi - den_lo) of two window sums, 0 where the second is 0, run by run."""
+    O.safe_div(torch.sub(hi, lo), torch.sub(den_hi, den_lo), out=out)
 
 
 def _nan_head(out: Tensor, n: int) -> Tensor:
@@ -149,17 +154,32 @@ def _clv(p: Panel) -> Tensor:
     return p.memo("clv", f)
 
 
+def _clv_volume(p: Panel) -> Tensor:
+    """CLV * V: the money flow whose running sum is the AD line, shared by AD, ADOSC and CMF."""
+    return p.memo("clv_volume", lambda: torch.mul(_clv(p), p.volume, out=O.like(p.volume)))
+
+
 def ad(p: Panel) -> Tensor:
     """TA-Lib AD: Chaikin accumulation/distribution line, the running sum of CLV * V."""
-    flow = torch.mul(_clv(p), p.volume, out=O.like(p.volume))
-    return O.cumsum(flow, out=flow)
+    return O.cumsum(_clv_volume(p))
 
 
 def adosc(p: Panel, fast: int = 3, slow: int = 10) -> Tensor:
-    """TA-Lib ADOSC: EMA(fast) - EMA(slow) of the AD line, both seeded with AD[0]."""
-    line = ad(p)
-    out = O.ema(line, fast, seed="first")
-    out -= O.ema(line, slow, seed="first")
+    """TA-Lib ADOSC: EMA(fast) - EMA(slow) of the AD line, both seeded with AD[0].
+
+    An EMA's distance below the line it smooths, d = AD - EMA(AD), follows d[t] = a (d[t-1] + CLV V[t]) from
+    d[0] = 0 (a = 1 - alpha), so ADOSC = d_slow - d_fast comes from the money flow itself: no running sum of AD (a
+    level that grows with the series, which the EMAs' rounding would scale with) and one pass fewer.
+    """
+    flow = _clv_volume(p)
+    S, T = flow.shape
+    out = O.empty((S, T), flow)
+    out[:, 0] = 0.0
+    if T > 1:
+        a_fast, a_slow = 1.0 - 2.0 / (fast + 1), 1.0 - 2.0 / (slow + 1)
+        d_fast = O.first_order(flow[:, 1:], a_fast, a_fast, 0.0)
+        O.first_order(flow[:, 1:], a_slow, a_slow, 0.0, out=out[:, 1:])
+        out[:, 1:] -= d_fast
     out[:, : slow - 1] = _NAN
     return out
 
@@ -173,16 +193,18 @@ def adosc_per_volume(p: Panel, fast: int, slow: int, out: Tensor | None = None) 
     else:
         out[:, : min(a, p.shape[1])] = _NAN
     if a < p.shape[1]:
-        hi, lo = volume_prefix(p).parts(slow, a)
-        mean = torch.sub(hi, lo, out=O.empty(tuple(hi.shape), hi))
-        mean /= slow
-        O.safe_div(line[:, a:], mean, out=out[:, a:])
+        O.blockwise(functools.partial(_per_mean, n=slow), out[:, a:], line[:, a:], *volume_prefix(p).parts(slow, a))
     return out
+
+
+def _per_mean(x: Tensor, hi: Tensor, lo: Tensor, out: Tensor, n: int) -> None:
+    """x / ((hi - lo) / n): x per the mean of an n-bar window sum, 0 where that mean is 0, run by run."""
+    O.safe_div(x, torch.sub(hi, lo).div_(n), out=out)
 
 
 def cmf(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """Chaikin money flow: sum(CLV V) / sum(V) over n bars."""
-    flow = p.prefix("clv_volume", lambda: torch.mul(_clv(p), p.volume, out=O.like(p.volume))).sum(n)
+    flow = p.prefix("clv_volume", lambda: _clv_volume(p)).sum(n)
     return O.safe_div(flow, p.volume_mean(n).mul_(n), out=out)
 
 
