@@ -70,7 +70,8 @@ def stoch(p: Panel, fastk: int, slowk: int = 3, slowd: int = 3) -> tuple[Tensor,
 
     def f():
         hh, ll = hh_ll(p, fastk)
-        fk = ops.blockwise(functools.partial(_over_range, scale=100.0), ops.like(hh), p.close, ll, hh, ll)
+        rng = torch.sub(hh, ll, out=ops.like(hh))
+        fk = ops.safe_div(torch.sub(p.close, ll, out=ops.like(ll)), rng, scale=100.0, out=rng)
         k = ops.rolling_mean(fk, slowk, start=fastk - 1)
         d = ops.rolling_mean(k, slowd, start=fastk + slowk - 2)
         k[:, : fastk + slowk + slowd - 3] = ops.NAN  # TA-Lib reports %K from %D's first bar
