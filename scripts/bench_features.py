@@ -25,7 +25,9 @@ foxhunt.training.memory.retain_freed_memory (glibc keeps freed memory, as during
 TA-Lib with its outputs kept. "Reused memory, both" (out= against TA-Lib dropped) and "memory reused by the
 allocator, both" are the like-for-like figures; "fresh memory, both" swings with TA-Lib's luck. Measured 2026-12-01
 (seven runs, load ~3): out= 0.60-0.73 s CPU against TA-Lib dropped 0.31-0.34 s, ratio 1.97-2.25x; retained 1.92-2.19x
-(three runs); both not met. Plain compute() 0.82-1.34 s.
+(three runs); both not met. Plain compute() 0.82-1.34 s. Again after 3d33831 (fewer passes, ~23 ms less by component
+timings; four runs at load 3.7-4.9): out= 0.54-0.70 s against 0.30-0.32 s, 1.69-2.20x; retained 1.68-1.87x; not met.
+The code before it, interleaved with those runs: 1.81-1.91x and 1.71-1.87x (this load hides a 4% change).
 """
 
 from __future__ import annotations
