@@ -407,7 +407,9 @@ class DQNModule(Agent):
 
     # ----------------------------------------------------------------------------------------------- selection
     def positions_of(self, net: nn.Module, market: MarketTensors) -> Tensor:
-        """[T] positions of ``net``'s greedy policy over ``market`` (what validation selection scores)."""
+        """[T] positions of ``net``'s greedy policy over ``market``: Q(s_t, p) for every bar and held position p in
+        batched forward passes, and the position path from the table p_t = argmax_a Q(s_t(p_{t-1}), a) by a parallel
+        prefix composition."""
         return greedy_positions(net, market)
 
     def td_loss(self, sample: ReplaySample) -> tuple[Tensor, Tensor]:
@@ -527,23 +529,7 @@ class DQNModule(Agent):
         return notes
 
     # ----------------------------------------------------------------------------------------------- evaluation
-    @torch.no_grad()
-    def greedy_positions(self, split: MarketSplit | MarketTensors, chunk: int = 65_536) -> tuple[Tensor, MarketTensors]:
-        """[T] positions of the greedy policy over a whole split (flat where no decision can be taken), and its market.
-
-        Q(s_t, p) is evaluated for every bar and every held position p in batched forward passes, and the position
-        path follows from the table p_t = argmax_a Q(s_t(p_{t-1}), a) by a parallel prefix composition.
-        """
-        market = split if isinstance(split, MarketTensors) else self.market_tensors(split)
-        net = self.policy_network
-        was_training = net.training
-        net.eval()
-        try:
-            return greedy_positions(net, market, chunk), market
-        finally:
-            net.train(was_training)
-
-    policy_positions = greedy_positions  # what positions() and evaluate() of Agent trade
+    greedy_positions = Agent.policy_positions  # the greedy policy it trades over a whole split (the former name)
 
     # ----------------------------------------------------------------------------------------------- checkpoints
     def run_state(self) -> dict[str, Any]:

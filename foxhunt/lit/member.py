@@ -20,7 +20,6 @@ One coordinator step calls, for every member whose ``start_step`` has passed, ``
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -245,12 +244,15 @@ class Forecaster(Member):
         )
 
 
+FLAT = 0  # ``selected_update`` when no candidate has beaten flat on validation: the agent holds no position
+
+
 @dataclass
 class Selection:
     """Model selection on held-out data: the best validation reward so far, the candidates' Sharpes, patience."""
 
-    best: float = -math.inf  # best validation reward per bar after costs (raw log return) of a candidate
-    best_update: int = -1  # update whose weights are the policy (-1: none chosen yet)
+    best: float = 0.0  # best validation reward per bar after costs (raw log return); flat's 0 until a candidate beats it
+    best_update: int = -1  # update whose weights are the policy (-1: nothing scored yet; FLAT: no candidate beat flat)
     since_best: int = 0  # evaluations since the best
     sharpes: list[float] = field(default_factory=list)  # per-bar validation Sharpe of every candidate scored
     latest: dict[str, float] = field(default_factory=dict)  # the last evaluation's figures, until logged
@@ -271,6 +273,8 @@ class Agent(Member):
     ``select_every`` updates it scores the deterministic policy of its learning network on the validation split
     (reward per bar after costs), keeps the best weights as the policy it trades (``policy_net``; never chosen on
     training reward), stops learning after ``patience`` scores without a gain, and reports the train / validation gap.
+    Flat is the first candidate (it earns 0 after costs): until a candidate's validation reward beats it, the agent
+    holds no position, so a member that shows no edge after costs stays flat rather than pay them.
     A subclass sets ``select_every``, ``policy_net`` (a frozen copy of its network when ``select_every`` > 0),
     ``selected_update``, ``selection``, ``train_split``/``val_split`` and implements :meth:`positions_of`.
     """
@@ -293,9 +297,29 @@ class Agent(Member):
     @property
     def policy_network(self) -> nn.Module:
         """The network that trades: the validation-selected weights once chosen, else the learning network."""
-        if self.policy_net is not None and int(self.selected_update) >= 0:
+        if self.policy_net is not None and int(self.selected_update) > FLAT:
             return self.policy_net
         return self.network
+
+    @property
+    def holds_flat(self) -> bool:
+        """True when validation selection ran and no candidate beat flat after costs: the agent trades nothing."""
+        return self.policy_net is not None and int(self.selected_update) == FLAT
+
+    @torch.no_grad()
+    def policy_positions(self, split: MarketSplit | MarketTensors) -> tuple[Tensor, MarketTensors]:
+        """[T] positions of the policy it trades over a whole split (flat where no decision can be taken, and
+        everywhere while :attr:`holds_flat`), and the market they are on."""
+        market = split if isinstance(split, MarketTensors) else self.market_tensors(split)
+        if self.holds_flat:
+            return torch.zeros(market.n_bars, dtype=torch.float32, device=market.returns.device), market
+        net = self.policy_network
+        was_training = net.training
+        net.eval()
+        try:
+            return self.positions_of(net, market), market
+        finally:
+            net.train(was_training)
 
     def maybe_select(self, update: int) -> None:
         """After update number ``update`` (0-based): score and choose on validation when ``select_every`` says so."""
@@ -339,6 +363,9 @@ class Agent(Member):
         train_reward, _, _ = self.policy_score(net, train_market)
         s = self.selection
         s.sharpes.append(val_sharpe)
+        if s.best_update < 0:  # the first score: flat (0 after costs) is the incumbent
+            s.best_update = FLAT
+            self.selected_update.fill_(FLAT)
         if val_reward > s.best:
             s.best, s.best_update, s.since_best = val_reward, update, 0
             self.policy_net.load_state_dict(net.state_dict())
@@ -367,10 +394,6 @@ class Agent(Member):
 
     def start(self) -> None:
         """Before the first update: build the environment on the member's device and warm up (e.g. fill replay)."""
-        raise NotImplementedError
-
-    def policy_positions(self, split: MarketSplit | MarketTensors) -> tuple[Tensor, MarketTensors]:
-        """[T] positions of the policy it trades (greedy, deterministic) over ``split``, and the market they are on."""
         raise NotImplementedError
 
     @torch.no_grad()

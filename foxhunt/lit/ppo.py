@@ -570,19 +570,6 @@ class PPOModule(Agent):
 
     # ----------------------------------------------------------------------------------------------- evaluation
     @torch.no_grad()
-    def deterministic_positions(self, split: MarketSplit | MarketTensors) -> tuple[Tensor, MarketTensors]:
-        """[T] positions of the deterministic policy it trades (the validation-selected weights once chosen) over a
-        whole split (flat where no decision can be taken), and the market they are on."""
-        market = split if isinstance(split, MarketTensors) else self.market_tensors(split)
-        net = self.policy_network
-        was_training = net.training
-        net.eval()
-        try:
-            return self.positions_of(net, market), market
-        finally:
-            net.train(was_training)
-
-    @torch.no_grad()
     def positions_of(self, net: nn.Module, market: MarketTensors) -> Tensor:
         """[T] positions of ``net``'s deterministic policy over ``market``.
 
@@ -599,7 +586,7 @@ class PPOModule(Agent):
             lambda prepared, decide, held: net.deterministic_path(prepared, decide, held, band), market,
         )
 
-    policy_positions = deterministic_positions  # what positions() and evaluate() of Agent trade
+    deterministic_positions = Agent.policy_positions  # the deterministic policy it trades over a whole split
 
     # ----------------------------------------------------------------------------------------------- checkpoints
     def run_state(self) -> dict[str, Any]:
