@@ -92,3 +92,46 @@ def test_martingale_is_held_flat() -> None:
     assert bool(ensemble.held_flat[0]) and float(ensemble.edge_confidence[0]) < 0.95
     scores = quality.task_scores(ensemble.positions(data.test)["dqn"], data, window=member.hparams.window)
     assert scores["turnover"] == 0.0 and scores["log_return"] == 0.0
+
+
+@pytest.mark.parametrize("agent", ["dqn", "ppo"])
+def test_selection_keeps_flat_until_a_candidate_beats_it_and_then_the_best(agent, monkeypatch) -> None:
+    """The Agent base's selection, with scripted candidates (positions a fixed fraction long): flat (0 after costs) is
+    the incumbent; a losing candidate does not replace it; the best that beats it trades; a worse one later does not;
+    patience counts scores since the best. Both agents use this one implementation."""
+    from foxhunt.lit.dqn import DQNModule
+    from foxhunt.lit.ppo import PPOModule
+
+    data = task_market(0.0, seed=1, n_bars=6_000)
+    # scripted candidates: long on every bar (earns the validation split's drift less one entry cost), short, and half
+    val = MarketTensors(data.val, 4, (-1.0, 0.0, 1.0), 1.0)
+    drift = float(val.returns[val.decision].mean())
+    sign = 1.0 if drift > 0 else -1.0
+    script = iter([-sign, 0.5 * sign, sign, -0.5 * sign])  # loses, beats flat, best, worse than best
+    calls = {"level": 0.0}
+
+    def scripted(self, net, market):
+        return torch.full((market.n_bars,), calls["level"], device=market.returns.device)
+
+    kind = DQNModule if agent == "dqn" else PPOModule
+    monkeypatch.setattr(kind, "positions_of", scripted)
+    member = kind(window=4, select_every=10, patience=2, n_features=data.train.n_features, cost_bps=1.0)
+    member.attach_market(data.train, data.val)
+    assert int(member.selected_update) == -1 and not member.holds_flat  # nothing scored yet: the learning net trades
+    expected_best, chosen = 0.0, 0
+    for k, update in enumerate((10, 20, 30, 40), start=1):
+        calls["level"] = next(script)
+        _, val_market = member._held_out_markets()
+        reward = member.policy_score(member.network, val_market)[0]
+        member.select(update)
+        if reward > expected_best:
+            expected_best, chosen = reward, update
+        assert member.selection.best == pytest.approx(expected_best) and member.selection.best_update == chosen, k
+        assert int(member.selected_update) == chosen and member.holds_flat == (chosen == 0)
+        assert len(member.selection_sharpes()) == k
+        assert (k != 1 or member.holds_flat) and (k != 2 or chosen == 20)  # the loser left flat; half beat it
+    assert chosen == 30 and member.selection.since_best == 1 and not member.finished
+    member.select(50)  # a second score without a gain: patience 2 stops learning
+    assert member.finished and member.selection.best_update == 30
+    latest = member.held_out_metrics()
+    assert latest["val/selected_update"] == 30.0 and latest["val/best_reward_per_bar"] == pytest.approx(expected_best)
