@@ -284,7 +284,7 @@ class Agent(Member):
     reward_scale_used: float | None  # fitted on the training split when the environment is first built
     select_every: int  # updates between validation scores of the learning network (0: the last weights trade)
     policy_net: nn.Module | None  # the weights chosen on validation (select_every > 0)
-    selected_update: Tensor  # buffer: the update whose weights policy_net holds (-1: none chosen yet)
+    selected_update: Tensor  # buffer: the update whose weights policy_net holds (-1: none scored yet; FLAT: none beat flat)
     selection: Selection
     train_split: MarketSplit | None
     val_split: MarketSplit | None
