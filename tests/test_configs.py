@@ -1,0 +1,38 @@
+"""Every shipped fit config builds through ``foxhunt.fit``'s CLI (parse, validate, instantiate; no training), and
+each member receives exactly the values its config writes: a renamed or mistyped key fails here, not in a user's run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from foxhunt.fit import build_cli
+
+CONFIGS = Path(__file__).resolve().parents[1] / "lightning_configs"
+FIT_CONFIGS = sorted(p.stem for p in CONFIGS.glob("*.yaml") if p.stem != "tune")  # tune.yaml is a study, not a fit
+
+
+def _plain(value: object) -> object:
+    """Lists and tuples compare equal (YAML gives lists, hyperparameters may hold tuples)."""
+    return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
+
+
+def test_the_shipped_fit_configs_are_the_expected_ones() -> None:
+    assert {"quickstart", "dqn", "ppo", "tft", "mamba2", "ensemble"} <= set(FIT_CONFIGS)
+
+
+@pytest.mark.parametrize("name", FIT_CONFIGS)
+def test_every_shipped_config_builds_with_its_values(name, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # loggers and checkpoints write under the working directory
+    path = CONFIGS / f"{name}.yaml"
+    config = yaml.safe_load(path.read_text())
+    cli = build_cli(["--config", str(path)])
+    members = config["model"]["members"]
+    assert set(cli.model.member_names) == set(members)
+    for member_name, spec in members.items():
+        member = cli.model.member(member_name)
+        assert f"{type(member).__module__}.{type(member).__name__}" == spec["class_path"]
+        for key, value in (spec.get("init_args") or {}).items():
+            assert _plain(member.hparams[key]) == _plain(value), (name, member_name, key)
