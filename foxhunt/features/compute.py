@@ -103,14 +103,14 @@ def _columns(ohlcv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def _check_input(cols: torch.Tensor, timestamps: torch.Tensor, symbol_index: torch.Tensor,
-                 lo: torch.Tensor, hi: torch.Tensor) -> None:
+                 lo: torch.Tensor, hi: torch.Tensor, single: bool) -> None:
     """Clear errors, naming the row, for input the features cannot be computed from (cols: ohlcv [5, N] float64,
-    lo and hi: each field's extremes from :func:`_columns`).
+    lo and hi: each field's extremes from :func:`_columns`; single: :func:`one_symbol` of the index).
 
     Whole-row extremes first (a NaN fails every comparison; per-bar checks cost ~50 ms at a million bars on one
     core), then the bars only when something is wrong; one host synchronisation on a GPU.
     """
-    if one_symbol(symbol_index):  # on the CPU: one pass over the index instead of four
+    if single:  # one_symbol: one pass over the index instead of four
         step, back_ts = None, timestamps[1:] <= timestamps[:-1]
         decreasing = torch.zeros((), dtype=torch.bool)
     else:
@@ -158,8 +158,9 @@ def _compute(
     cols, lo, hi = _columns(ohlcv.detach())  # [5, N]: one contiguous row per field
     ts = timestamps.detach().to(dev, torch.int64)
     sym = symbol_index.detach().to(dev)
-    _check_input(cols, ts, sym, lo, hi)
-    panel = Panel.from_columns(cols, ts, sym)
+    single = one_symbol(sym)  # once, for the check and the panel
+    _check_input(cols, ts, sym, lo, hi, single)
+    panel = Panel.from_columns(cols, ts, sym, single)
     del cols
     S, T = panel.shape
     plan = _release_plan(tuple(f.name for f in selected))

@@ -83,12 +83,8 @@ def stoch(p: Panel, fastk: int, slowk: int = 3, slowd: int = 3) -> tuple[Tensor,
 def willr(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib WILLR: -100 * (HH - C) / (HH - LL)."""
     hh, ll = hh_ll(p, n)
-    return ops.blockwise(functools.partial(_over_range, scale=-100.0), ops.like(hh) if out is None else out, hh, p.close, hh, ll)
-
-
-def _over_range(a: Tensor, b: Tensor, hh: Tensor, ll: Tensor, out: Tensor, scale: float) -> None:
-    """scale (a - b) / (HH - LL), 0 on a flat range, run by run (no full-size temporaries)."""
-    ops.safe_div(torch.sub(a, b), torch.sub(hh, ll), scale=scale, out=out)
+    ratio = functools.partial(ops.difference_ratio, scale=-100.0)
+    return ops.blockwise(ratio, ops.like(hh) if out is None else out, hh, p.close, hh, ll)
 
 
 def macd_line_signal(p: Panel, fast: int, slow: int, signal: int) -> tuple[Tensor, Tensor]:

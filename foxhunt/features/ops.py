@@ -210,6 +210,12 @@ def safe_div(num: Tensor, den: Tensor, fill: float = 0.0, scale: float = 1.0, ou
     return q.masked_fill_(zero, fill)
 
 
+def difference_ratio(a: Tensor, b: Tensor, c: Tensor, d: Tensor, out: Tensor, scale: float = 1.0) -> None:
+    """scale (a - b) / (c - d) into out, 0 where c == d: for :func:`blockwise` runs (no full-size temporaries), e.g.
+    a window sum's ratio to another's, or a distance over a high-low range."""
+    safe_div(torch.sub(a, b), torch.sub(c, d), scale=scale, out=out)
+
+
 def rolling_sum(x: Tensor, n: int, start: int = 0) -> Tensor:
     """Sum of x[t-n+1..t] as a difference of prefix sums; defined from t = start + n - 1 (x valid from ``start``)."""
     if n < 1:

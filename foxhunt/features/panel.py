@@ -38,8 +38,9 @@ class Panel:
         return cls.from_columns(ohlcv.to(torch.float64).T.contiguous(), timestamps, symbol_index)
 
     @classmethod
-    def from_columns(cls, cols: Tensor, timestamps: Tensor, symbol_index: Tensor) -> Panel:
-        """Build from the columns [5, N] (float64) of rows sorted by (symbol, time); one symbol's panel is a view.
+    def from_columns(cls, cols: Tensor, timestamps: Tensor, symbol_index: Tensor, single: bool | None = None) -> Panel:
+        """Build from the columns [5, N] (float64) of rows sorted by (symbol, time); one symbol's panel is a view
+        (``single``: :func:`one_symbol` of the index when the caller has it; None: computed here).
 
         Three host synchronisations in all (the order check, the symbol boundaries, their lengths), none per symbol.
         """
@@ -51,7 +52,7 @@ class Panel:
             empty = torch.zeros(0, dtype=torch.int64, device=dev)
             return cls(cols.reshape(5, 0, 0), timestamps.reshape(0, 0), empty, [])
         sym = symbol_index.to(dev)
-        if one_symbol(sym):
+        if one_symbol(sym) if single is None else single:
             return cls(cols.reshape(5, 1, n), timestamps.reshape(1, n), torch.zeros(1, dtype=torch.int64, device=dev), [n])
         step = sym[1:] - sym[:-1]
         if bool((step < 0).any()):

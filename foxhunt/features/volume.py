@@ -67,13 +67,8 @@ def obv_change(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     if n < p.shape[1]:
         s_hi, s_lo = p.prefix("signed_volume", lambda: _signed_volume(p), 1).parts(n, n)
         v_hi, v_lo = volume_prefix(p, 1).parts(n, n)
-        O.blockwise(_window_ratio, out[:, n:], s_hi, s_lo, v_hi, v_lo)
+        O.blockwise(O.difference_ratio, out[:, n:], s_hi, s_lo, v_hi, v_lo)  # signed volume / volume, per window
     return out
-
-
-def _window_ratio(hi: Tensor, lo: Tensor, den_hi: Tensor, den_lo: Tensor, out: Tensor) -> None:
-    """(hi - lo) / (den_hi - den_lo) of two window sums, 0 where the second is 0, run by run."""
-    O.safe_div(torch.sub(hi, lo), torch.sub(den_hi, den_lo), out=out)
 
 
 def _nan_head(out: Tensor, n: int) -> Tensor:

@@ -31,11 +31,10 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from foxhunt.data.market import MarketSpec, MarketSplit
-from foxhunt.lit.member import Agent, Selection
+from foxhunt.lit.member import Agent
 from foxhunt.models.qnet import EncoderKind, QNetwork
 from foxhunt.rl.batches import PresampledBatches, TDBatch
 from foxhunt.rl.env import MarketEnv, MarketTensors, RewardSource, greedy_positions, reward_scale_for
@@ -224,7 +223,7 @@ class DQNModule(Agent):
         if replay_capacity < n_envs * max(2, n_step):
             raise ValueError(f"replay_capacity ({replay_capacity}) must hold at least {max(2, n_step)} steps of {n_envs} agents")
         self.updates_per_step = int(updates_per_step)
-        self.select_every, self.obs_noise = int(select_every), float(obs_noise)  # read every update: plain attributes
+        self.obs_noise = float(obs_noise)  # read every update: a plain attribute
         self.start_step = int(start_step)
         self.log_grad_norm_every = int(log_grad_norm_every)
         self.gradient_clip_val = gradient_clip_val
@@ -235,12 +234,8 @@ class DQNModule(Agent):
         self.seed = int(seed)
         self.q_net: QNetwork | None = None
         self.target_net: QNetwork | None = None
-        self.policy_net: QNetwork | None = None  # the weights chosen on validation (select_every > 0)
-        self.register_buffer("selected_update", torch.tensor(-1, dtype=torch.int64))  # -1: no choice yet
-        self.selection = Selection()
-        self.finished = False
+        self.init_selection(select_every)  # policy_net: the weights chosen on validation (select_every > 0)
         self.noise_rng: torch.Generator | None = None
-        self._held_out: tuple[MarketTensors, MarketTensors] | None = None  # (train tail, val) markets for selection
         self.train_split: MarketSplit | None = None
         self.val_split: MarketSplit | None = None
         self.env: MarketEnv | None = None
@@ -294,9 +289,7 @@ class DQNModule(Agent):
                 self.policy_net = QNetwork(**net_args)  # type: ignore[arg-type]
         self.target_net.load_state_dict(self.q_net.state_dict())
         self.target_net.requires_grad_(False)
-        if self.policy_net is not None:
-            self.policy_net.load_state_dict(self.q_net.state_dict())
-            self.policy_net.requires_grad_(False)
+        self.freeze_policy_copy()
         self.n_inputs = n_inputs
 
     def attach_market(self, train: MarketSplit, val: MarketSplit | None = None) -> None:
@@ -334,8 +327,7 @@ class DQNModule(Agent):
         for net in (self.q_net, self.target_net):  # dropout masks from the member's own stream, not the global one
             if net is not None:
                 net.generator = self.noise_rng
-        if hp.select_every and self.val_split is None:
-            rank_zero_warn("DQNModule: select_every > 0 but the data has no validation split: the last weights trade")
+        self.warn_without_validation()
         if self._pending_state is not None:
             self._apply_run_state(self._pending_state)
             self._pending_state = None
@@ -565,8 +557,5 @@ class DQNModule(Agent):
         self.counters.env_steps = int(state["env_steps"])
         if state.get("noise_rng") is not None and self.noise_rng is not None:
             self.noise_rng.set_state(state["noise_rng"].cpu())
-        sel = state.get("selection")
-        if sel is not None:
-            self.selection = Selection.from_state(sel)
-            self.finished = bool(sel["finished"])
+        self.load_selection_state(state.get("selection"))
         self.batches.load_state_dict(state.get("presampled"), self.env.market, self.q_net)

@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from foxhunt.data.market import MarketSpec, MarketSplit
@@ -293,6 +294,34 @@ class Agent(Member):
     def positions_of(self, net: nn.Module, market: MarketTensors) -> Tensor:
         """[T] positions of ``net``'s deterministic policy over ``market`` (``net`` in eval mode)."""
         raise NotImplementedError
+
+    def init_selection(self, select_every: int) -> None:
+        """The selection's state, nothing chosen yet (a subclass's constructor calls it; its ``build_networks`` makes
+        ``policy_net`` when ``select_every`` > 0 and calls :meth:`freeze_policy_copy`)."""
+        self.select_every = int(select_every)  # read every update: a plain attribute
+        self.policy_net = None
+        self.register_buffer("selected_update", torch.tensor(-1, dtype=torch.int64))
+        self.selection = Selection()
+        self.finished = False
+        self._held_out = None
+
+    def freeze_policy_copy(self) -> None:
+        """The policy copy starts as the learning network's weights, and never learns."""
+        if self.policy_net is not None:
+            self.policy_net.load_state_dict(self.network.state_dict())
+            self.policy_net.requires_grad_(False)
+
+    def warn_without_validation(self) -> None:
+        """Say once that selection cannot run: the data has no validation split."""
+        if self.select_every and self.val_split is None:
+            rank_zero_warn(f"{type(self).__name__}: select_every > 0 but the data has no validation split: the last "
+                           "weights trade")
+
+    def load_selection_state(self, state: dict[str, Any] | None) -> None:
+        """Restore what ``Selection.state_dict`` wrote into a run state (absent in older checkpoints)."""
+        if state is not None:
+            self.selection = Selection.from_state(state)
+            self.finished = bool(state["finished"])
 
     @property
     def policy_network(self) -> nn.Module:

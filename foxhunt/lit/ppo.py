@@ -31,11 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from foxhunt.data.market import MarketSpec, MarketSplit
-from foxhunt.lit.member import Agent, Selection
+from foxhunt.lit.member import Agent
 from foxhunt.models.actor_critic import (
     ActionSpace,
     ActorCritic,
@@ -269,12 +268,7 @@ class PPOModule(Agent):
         self.cost_bps = 1.0 if cost_bps is None else float(cost_bps)
         self.seed = int(seed)
         self.net: ActorCritic | None = None
-        self.select_every = int(select_every)
-        self.policy_net: ActorCritic | None = None  # the weights chosen on validation (select_every > 0)
-        self.register_buffer("selected_update", torch.tensor(-1, dtype=torch.int64))  # -1: no choice yet
-        self.selection = Selection()
-        self.finished = False
-        self._held_out: tuple[MarketTensors, MarketTensors] | None = None
+        self.init_selection(select_every)  # policy_net: the weights chosen on validation (select_every > 0)
         self.register_load_state_dict_pre_hook(self._upgrade_hook)
         self.train_split: MarketSplit | None = None
         self.val_split: MarketSplit | None = None
@@ -324,9 +318,7 @@ class PPOModule(Agent):
             self.net = ActorCritic(**args)  # type: ignore[arg-type]
             if hp.select_every:  # built inside the fork: the global RNG stays untouched
                 self.policy_net = ActorCritic(**args)  # type: ignore[arg-type]
-        if self.policy_net is not None:
-            self.policy_net.load_state_dict(self.net.state_dict())
-            self.policy_net.requires_grad_(False)
+        self.freeze_policy_copy()
         self.n_inputs = n_inputs
 
     def attach_market(self, train: MarketSplit, val: MarketSplit | None = None) -> None:
@@ -347,8 +339,7 @@ class PPOModule(Agent):
         if self.train_split is None:
             raise RuntimeError("PPOModule has no market: call module.attach_market(train_split, val_split) before fit")
         hp = self.hparams
-        if hp.select_every and self.val_split is None:
-            rank_zero_warn("PPOModule: select_every > 0 but the data has no validation split: the last weights trade")
+        self.warn_without_validation()
         market = self.market_tensors(self.train_split)
         if self.reward_scale_used is None:
             self.reward_scale_used = reward_scale_for(market, hp.reward_scale)
@@ -653,7 +644,4 @@ class PPOModule(Agent):
         saved = state["counters"]
         c.env_steps, c.rollouts, c.kl_stops = int(saved["env_steps"]), int(saved["rollouts"]), int(saved["kl_stops"])
         c.explained_variance = float(saved["explained_variance"])
-        sel = state.get("selection")
-        if sel is not None:
-            self.selection = Selection.from_state(sel)
-            self.finished = bool(sel["finished"])
+        self.load_selection_state(state.get("selection"))
