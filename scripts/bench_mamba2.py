@@ -35,6 +35,13 @@ its step time at each L over its step time at the smallest L (linear: L / L_min)
     python scripts/bench_mamba2.py --reference /path/to/mamba_ssm/modules/ssd_minimal.py   # no download
     python scripts/bench_mamba2.py --trainer --lookbacks 64,512,4096 --trainer-steps 3   # the member modules in a Trainer
 
+``--profile`` measures how far fusing could take the factored step, without the reference: at each lookback it
+profiles the step (torch.profiler, self CPU time), counts its matrix products' FLOPs (``FlopCounterMode``) and prints
+their share of the step, their rate beside this core's rate on a large [2048 x 2048] product, and the step's speed-up
+ceilings: every other operation free, and also the products at the large-product rate.
+
+    python scripts/bench_mamba2.py --profile --variants factored --lookbacks 4096 --batch 16
+
 ``--trainer`` times the objects ``foxhunt.fit`` trains instead of the bare networks: ``Mamba2Module`` (with the
 reference scan patched into its blocks for the reference variant) and ``TFTModule`` at the same sizes, each in short
 ``Trainer.fit`` runs on window batches of a synthetic market (the step as Lightning runs it: batch transfer,
@@ -372,6 +379,51 @@ def bench_lookback(length: int, variants: list[str], args: argparse.Namespace,
     return row
 
 
+MATRIX_OPS = ("aten::mm", "aten::bmm", "aten::baddbmm", "aten::addmm", "aten::addbmm")
+
+
+def sgemm_rate() -> float:
+    """This core's FLOP/s on one large float32 matrix product (the ceiling a fused kernel's products could reach)."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    t = time.process_time()
+    for _ in range(5):
+        a @ b
+    return 5 * 2 * 2048**3 / (time.process_time() - t)
+
+
+def profile_lookback(length: int, args: argparse.Namespace) -> dict[str, float]:
+    """Share and rate of the factored step's matrix products, and the step's speed-up ceilings under fusion."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    net = build(["factored"], length, args, None)["factored"]
+    data = batch(length, args)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+    def step() -> None:
+        loss = pinball(net(data["x_past"], data["x_future"], data["symbol"]).prediction, data["y"])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    step()
+    rounds = max(1, args.repeats)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(rounds):
+            step()
+    total = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e6 / rounds
+    matrix = sum(e.self_cpu_time_total for e in prof.key_averages()
+                 if e.key.startswith(MATRIX_OPS)) / 1e6 / rounds
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step()
+    flops, peak = counter.get_total_flops(), sgemm_rate()
+    return {"L": length, "batch": args.batch, "step_s_profiled": total, "matrix_share": matrix / total,
+            "matrix_gflop": flops / 1e9, "matrix_gflop_per_s": flops / matrix / 1e9,
+            "large_sgemm_gflop_per_s": peak / 1e9, "ceiling_rest_free": total / matrix,
+            "ceiling_rest_free_products_at_peak": total / (flops / peak)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lookbacks", default="64,512,4096")
@@ -394,6 +446,9 @@ def main() -> None:
     parser.add_argument("--trainer", action="store_true",
                         help="time the member modules (Mamba2Module, TFTModule) inside Lightning's Trainer.fit, the path "
                              "foxhunt.fit runs, instead of the bare networks")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile the factored step: its matrix products' share and rate, and the speed-up "
+                             "ceilings of fusing the rest")
     parser.add_argument("--trainer-steps", type=int, default=4, help="steps of each short fit in --trainer mode")
     parser.add_argument("--allocator", choices=("retain", "system"), default="retain",
                         help="retain: freed memory kept in the process, as foxhunt.fit does (foxhunt.training.memory); "
@@ -407,6 +462,17 @@ def main() -> None:
         parser.error(f"unknown variants {sorted(unknown)}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {os.cpu_count()} CPUs; peak RSS reset: "
           f"{reset_peak()}; baseline RSS {_status_kib('VmRSS') / 1024:.0f} MiB; load {os.getloadavg()}", flush=True)
+    if args.profile:
+        with retain_freed_memory(args.allocator == "retain"):
+            for length in lookbacks:
+                r = profile_lookback(length, args)
+                print(json.dumps(r), flush=True)
+                print(f"L {length}, batch {args.batch}: matrix products {r['matrix_share']:.0%} of the factored step "
+                      f"({r['matrix_gflop']:.2f} GFLOP at {r['matrix_gflop_per_s']:.1f} GFLOP/s; a large product runs "
+                      f"{r['large_sgemm_gflop_per_s']:.1f} here). Ceiling of the step's speed-up: "
+                      f"x{r['ceiling_rest_free']:.1f} with every other operation free, "
+                      f"x{r['ceiling_rest_free_products_at_peak']:.1f} with the products also at the large-product rate.")
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp, retain_freed_memory(args.allocator == "retain") as retained:
         print(f"allocator: {args.allocator} (freed memory retained: {retained})", flush=True)

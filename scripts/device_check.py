@@ -1,4 +1,4 @@
-"""The accelerator checks of issues 3, 4 and 6 in one short run, for a session that is lent a GPU.
+"""The accelerator checks of issues 3, 4, 6, 17, 18 and 19 in one short run, for a session that is lent a GPU.
 
 Prints one block per check and a final JSON line; exits non-zero if any training produced a non-finite loss or
 metric, or the features computed on the device differ from the CPU path's (NaN positions, or more than 1e-5
@@ -11,6 +11,11 @@ relative). Meant to run once on the device machine (about 5 minutes on one GPU),
   training steps/s, TFT samples/s, and whether every logged training and validation figure is finite.
 - issue 4: the TFT alone at the benchmark sizes with the full feature set (~125 inputs; ``tft.yaml``): samples/s
   per precision and finite losses.
+- issue 17: the Mamba-2 member alone (``mamba2.yaml``) with each precision: samples/s and finite losses.
+- issues 17 and 18: the four-member ensemble (``ensemble.yaml``: TFT, DQN, PPO and Mamba-2 in one Trainer, the agents
+  starting after 20 coordinator steps instead of 4,000 so they train inside the check) with each precision.
+- the tests that skip without CUDA (features on the GPU, the bootstrap on the GPU, and Mamba-2's mamba_ssm kernels
+  against the pure PyTorch scan when mamba_ssm is importable there): pytest's summary, skips named.
 - issues 3 and 19: the feature set (one implementation: plain torch ops on CUDA, CPU kernels on the CPU) over
   ``--bars`` bars from tensors on the device, next to TA-Lib's equivalent calls on the CPU (when installed): seconds
   and ns per bar per feature, including the transfer of the result to the host; then, on CUDA, ``bench_features.py
@@ -60,6 +65,17 @@ class StepClock(L.Callback):
         if self.start is None or self.end is None or self.end <= self.start:
             return float("nan")
         return (self.batches - self.skip - 1) / (self.end - self.start)
+
+
+# The tests that skip without CUDA (``-rs`` names a skip, e.g. mamba_ssm missing on the device).
+CUDA_TESTS = [
+    "tests/test_mamba2.py::test_cuda_kernels_match_the_pure_pytorch_scan",
+    "tests/test_features.py::test_tensor_path_on_cuda",
+    "tests/test_features.py::test_few_host_synchronisations_on_cuda",
+    "tests/test_features_ops.py::test_features_on_cuda",
+    "tests/test_datamodule.py::test_features_on_the_gpu_match_the_cpu_path",
+    "tests/test_significance.py::test_bootstrap_on_cuda",
+]
 
 
 def _sync() -> None:
@@ -153,7 +169,8 @@ def main() -> None:
     ap.add_argument("--precisions", nargs="+", default=["16-mixed", "bf16-mixed"])
     ap.add_argument("--steps", type=int, default=150, help="training batches per fit")
     ap.add_argument("--bars", type=int, default=1_000_000, help="bars for the feature check")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["ensemble", "tft", "mamba2", "features"])
+    ap.add_argument("--skip", nargs="*", default=[],
+                    choices=["ensemble", "tft", "mamba2", "ensemble4", "tests", "features"])
     args = ap.parse_args()
     print(f"torch {torch.__version__}, cuda available: {torch.cuda.is_available()}"
           + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""), flush=True)
@@ -173,6 +190,22 @@ def main() -> None:
                           ["--data.synthetic_bars", "100000"])
             results[f"mamba2/{precision}"] = r
             print(f"[issue 17] mamba2 {precision}: {r}", flush=True)
+        if "ensemble4" not in args.skip:
+            r = fit_check("lightning_configs/ensemble.yaml", args.accelerator, precision, args.steps,
+                          ["--data.synthetic_bars", "200000", "--data.synthetic_symbols", "2",
+                           "--model.members.dqn.init_args.start_step", "20",
+                           "--model.members.ppo.init_args.start_step", "20"])
+            results[f"ensemble4/{precision}"] = r
+            print(f"[issues 17, 18] ensemble of four members {precision}: {r}", flush=True)
+    if "tests" not in args.skip:
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *CUDA_TESTS],
+                               capture_output=True, text=True, check=False)
+        summary = (tests.stdout.strip().splitlines() or ["(no output)"])[-1]
+        skipped = [line for line in tests.stdout.splitlines() if line.startswith("SKIPPED")]
+        results["cuda_tests"] = {"returncode": tests.returncode, "summary": summary, "skipped": skipped}
+        print(f"[issues 17, 19] tests that need CUDA: {results['cuda_tests']}", flush=True)
+        if tests.returncode != 0:
+            print(tests.stdout[-4000:], tests.stderr[-2000:], flush=True)
     if "features" not in args.skip:
         device = "cuda" if args.accelerator == "gpu" and torch.cuda.is_available() else "cpu"
         r = feature_check(device, args.bars)
@@ -183,7 +216,7 @@ def main() -> None:
     print(json.dumps(results))
     feats = results.get("features", {})
     if any(r.get("non_finite") for r in results.values()) or feats.get("nan_positions_equal") is False \
-            or feats.get("max_rel_diff_vs_cpu", 0.0) > 1e-5:
+            or feats.get("max_rel_diff_vs_cpu", 0.0) > 1e-5 or results.get("cuda_tests", {}).get("returncode", 0) != 0:
         sys.exit(1)
 
 
