@@ -36,3 +36,14 @@ def test_every_shipped_config_builds_with_its_values(name, tmp_path, monkeypatch
         assert f"{type(member).__module__}.{type(member).__name__}" == spec["class_path"]
         for key, value in (spec.get("init_args") or {}).items():
             assert _plain(member.hparams[key]) == _plain(value), (name, member_name, key)
+    # do no harm: every shipped config, and the coordinator by default, hold a member without a significant
+    # validation edge after costs flat (a config that turned the rule off would let such a member pay costs)
+    assert cli.model.hparams.min_edge_confidence == 0.95, name
+
+
+def test_the_coordinator_does_no_harm_by_default() -> None:
+    import inspect
+
+    from foxhunt.lit.ensemble import EnsembleModule
+
+    assert inspect.signature(EnsembleModule.__init__).parameters["min_edge_confidence"].default == 0.95

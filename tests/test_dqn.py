@@ -172,7 +172,8 @@ def test_td_targets_of_all_actions_match_a_direct_computation(tmp_path, market) 
 def test_fit_logs_training_and_validation_metrics(tmp_path, market, exogenous, n_step, dueling, encoder) -> None:
     module = DQNModule(exogenous=exogenous, n_step=n_step, dueling=dueling, encoder=encoder, **SMALL)
     t = trainer(tmp_path)
-    model = fit(module, market, t, validate=True, model=EnsembleModule(members={"dqn": module}, cost_bps=0.5))
+    model = fit(module, market, t, validate=True, model=EnsembleModule(members={"dqn": module}, cost_bps=0.5,
+                                                                min_edge_confidence=None))  # the member itself
     assert module.cost_bps == 0.5  # the member has no cost of its own: the coordinator's
     logged = t.callback_metrics
     blocks = [f"grad_norm/dqn/{b}" for b in ("total", "body", *(("encoder",) if encoder == "conv" else ()))]

@@ -428,7 +428,8 @@ def test_rollout_minibatches_gathered_per_epoch_equal_the_rows_they_index() -> N
 def test_fit_logs_training_and_validation_metrics(tmp_path, market, space) -> None:
     module = PPOModule(action_space=space, **SMALL)
     t = trainer(tmp_path)
-    model = fit(module, market, t, validate=True, model=EnsembleModule(members={"ppo": module}, cost_bps=0.5))
+    model = fit(module, market, t, validate=True, model=EnsembleModule(members={"ppo": module}, cost_bps=0.5,
+                                                                min_edge_confidence=None))  # the member itself
     assert module.cost_bps == 0.5
     logged = t.callback_metrics
     keys = [f"train/ppo/{k}" for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac",
@@ -722,7 +723,8 @@ def test_fit_export_load_through_the_cli(tmp_path, space) -> None:
     member = {**PPO_ONLY, "init_args": {**PPO_ONLY["init_args"], "action_space": space, "select_every": 8}}
     cli = main(["--config", tiny, "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
                 "--trainer.default_root_dir", str(tmp_path), "--export_dir", str(tmp_path / "export"),
-                "--model.members", json.dumps({"ppo": member}), "--trainer.max_epochs", "1", "--log_figures", "false"])
+                "--model.members", json.dumps({"ppo": member}), "--trainer.max_epochs", "1", "--log_figures", "false",
+                "--model.min_edge_confidence", "null"])  # the member trades: its positions are what is compared
     model = cli.model
     assert tuple(model.member_names) == ("ppo",) and model.updates["ppo"] == 6 * 4
     ppo = model.member("ppo")

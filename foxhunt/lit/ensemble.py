@@ -22,7 +22,7 @@ Combinations (``combine``), for any set of members:
   forecaster forecasts the later training bars (which it never saw), the validation and the test split; the agents
   train on those later bars only. The ensemble's position is the agents' vote.
 
-Do no harm (``min_edge_confidence``, any member): at each validation a member whose validation edge after costs is
+Do no harm (``min_edge_confidence``, any member, on by default): at each validation a member whose validation edge after costs is
 not significant (PSR against :func:`null_max_sharpe` of the candidates it compared) is held flat until a later
 validation clears it. Members that stop early (``Member.finished``) are skipped; the Trainer stops when all have.
 
@@ -99,7 +99,7 @@ class EnsembleModule(pl.LightningModule):
         stack_fraction: float = 0.5,
         bars_per_year: float | None = None,
         direct_backward: bool = True,
-        min_edge_confidence: float | None = None,
+        min_edge_confidence: float | None = 0.95,
     ) -> None:
         """
         Args:
@@ -117,7 +117,8 @@ class EnsembleModule(pl.LightningModule):
                 costs is real reaches this level: the PSR of its validation P&L against flat, or, when it chose its
                 weights among N candidates on validation, against the Sharpe the best of N would show without edge
                 (:func:`null_max_sharpe`). Otherwise it is held flat (in every table and in the combination) until a
-                later validation clears it. None: every member trades.
+                later validation clears it. On by default (0.95): a member with no edge stays flat rather than pay
+                costs. None: every member trades (for studying a member by itself).
         """
         super().__init__()
         if not members:
