@@ -112,7 +112,9 @@ def test_equity_figure_shows_every_policy_when_curves_coincide() -> None:
     assert coinciding_policies(pos) == [["tft", "buy_and_hold"], ["dqn"], ["ensemble"]]
 
 
-def test_table_says_what_the_oracle_is() -> None:
+def test_table_says_what_the_oracle_is_and_which_members_are_held_flat() -> None:
     row = {"sharpe": 1.0}
     assert "oracle: the best causal" in format_table({"oracle": row, "tft": row})
     assert "oracle:" not in format_table({"tft": row})
+    held = format_table({"tft": {**row, "held_flat": 1.0, "edge_confidence": 0.17}, "dqn": {**row, "held_flat": 0.0}})
+    assert "tft (held flat)" in held and "dqn (held flat)" not in held and "(validation edge confidence: tft 0.17)" in held

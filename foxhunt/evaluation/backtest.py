@@ -137,13 +137,13 @@ ORACLE_NOTE = (
 
 
 def format_table(results: dict[str, dict[str, float]], split: str | None = None) -> str:
-    """A plain-text table, one row per policy (a member that never updated is marked "untrained"), headed by the
-    split it was computed on."""
+    """A plain-text table, one row per policy (a member that never updated is marked "untrained", one the do-no-harm
+    rule holds flat "held flat", with its validation edge confidence below), headed by the split it was computed on."""
     head = f"{'policy':<22}" + "".join(f"{label:>{18 if key == 'sharpe_ci' else 15}}" for key, label, _ in COLUMNS)
     rows = [f"split: {split}"] if split else []
     rows += [head, "-" * len(head)]
     for who, m in results.items():
-        label = f"{who} (untrained)" if m.get("updates") == 0 else who
+        label = f"{who} (untrained)" if m.get("updates") == 0 else f"{who} (held flat)" if m.get("held_flat") == 1 else who
         cells = []
         for key, _, fmt in COLUMNS:
             if key == "sharpe_ci":
@@ -153,6 +153,10 @@ def format_table(results: dict[str, dict[str, float]], split: str | None = None)
             v = m.get(key, float("nan"))
             cells.append(f"{'n/a' if math.isnan(v) else fmt.format(v):>15}")
         rows.append(f"{label:<22}" + "".join(cells))
+    flat = {who: m.get("edge_confidence", float("nan")) for who, m in results.items() if m.get("held_flat") == 1}
+    if flat:
+        rows.append("held flat (do no harm): no significant edge after costs on validation, so the member does not trade "
+                    "(validation edge confidence: " + ", ".join(f"{w} {c:.2f}" for w, c in flat.items()) + ")")
     if "oracle" in results:
         rows.append(ORACLE_NOTE)
     return "\n".join(rows)
