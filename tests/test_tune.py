@@ -155,6 +155,28 @@ def test_best_config_runs_in_fit_unchanged(tiny_study, tmp_path: Path, monkeypat
     assert list((tmp_path / "runs").rglob("ensemble.safetensors"))
 
 
+def test_tied_best_trials_give_the_config_of_the_study_best_trial(tiny_study, tmp_path: Path) -> None:
+    """Ties (every trial's validation Sharpe 0 when the do-no-harm rule holds every member flat) write the config of
+    ``study.best_trial``, the first of them, and the summary says it is tied; before, each tie overwrote config.yaml."""
+    from foxhunt.tune import summarize
+    from foxhunt.tune.report import format_summary
+
+    tmp, path = tiny_study
+    cfg = load_tune_config(path)
+    done = [t for t in _study(tmp).get_trials() if t.state == TrialState.COMPLETE]
+    lr = "model.members.tft.lr"
+    first = done[0]
+    other = {**first.params, lr: first.distributions[lr].high}  # a different configuration with the same score
+    tied = optuna.create_study(direction="maximize")
+    for params in (first.params, other, other):  # old code kept the last tie's config
+        tied.add_trial(optuna.trial.create_trial(params=params, distributions=first.distributions, value=0.0))
+    summary = summarize(tied, cfg, out_dir=tmp_path / "best", plots=False)
+    assert tied.best_trial.number == 0 and [b["number"] for b in summary["best"]] == [0]
+    assert summary["best"][0]["tied"] == 2 and "tied with 2 other" in format_summary({**summary, "summary_path": "s"}, "db")
+    written = yaml.safe_load((tmp_path / "best" / "config.yaml").read_text())
+    assert written["model"]["members"]["tft"]["init_args"]["lr"] == pytest.approx(first.params[lr]) != other[lr]
+
+
 def _tune_worker(argv: list[str]) -> None:
     sys.exit(main(argv))
 

@@ -41,7 +41,9 @@ def summarize(study: optuna.Study, cfg: TuneConfig, out_dir: Path | None = None,
         "importances": {},
         "plots": [],
     }
-    best_trials = study.best_trials if complete else []
+    # one objective: study.best_trial, the first of any tied (best_trials would hold every tie, each overwriting
+    # config.yaml, the last winning); several: the Pareto front, one config each
+    best_trials = (study.best_trials if cfg.multi_objective else [study.best_trial]) if complete else []
     for t in best_trials:
         params = decoded_params(cfg, t)
         name = "config.yaml" if not cfg.multi_objective else f"config_trial_{t.number}.yaml"
@@ -53,7 +55,8 @@ def summarize(study: optuna.Study, cfg: TuneConfig, out_dir: Path | None = None,
         )
         summary["best"].append({"number": t.number, "values": values, "params": params, "config": str(path),
                                 "log_dir": t.user_attrs.get("log_dir"), "export_dir": t.user_attrs.get("export_dir"),
-                                "deflated_sharpe": deflated_sharpe(study, t)})
+                                "deflated_sharpe": deflated_sharpe(study, t),
+                                "tied": sum(1 for c in complete if c.values == t.values) - 1})
     for i, o in enumerate(cfg.objectives):
         target = (lambda t, i=i: t.values[i]) if cfg.multi_objective else None
         try:
@@ -124,6 +127,9 @@ def format_summary(summary: Mapping[str, Any], storage: str) -> str:
     for b in summary["best"]:
         vals = ", ".join(f"{k}={v:.6g}" for k, v in b["values"].items())
         lines.append(f"  best trial {b['number']} of {summary['n_trials']}: {vals}")
+        if b.get("tied"):
+            lines.append(f"    tied with {b['tied']} other complete trial(s), the first is taken (a validation Sharpe of 0 "
+                         "usually means every member was held flat: no significant edge after costs)")
         if b.get("deflated_sharpe"):
             d = b["deflated_sharpe"]
             lines.append(f"    deflated Sharpe ratio of its validation Sharpe: {d['value']:.3f} (given {d['n_trials']} "
