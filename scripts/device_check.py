@@ -13,7 +13,8 @@ relative). Meant to run once on the device machine (about 5 minutes on one GPU),
   per precision and finite losses.
 - issue 17: the Mamba-2 member alone (``mamba2.yaml``) with each precision: samples/s and finite losses.
 - issues 17 and 18: the four-member ensemble (``ensemble.yaml``: TFT, DQN, PPO and Mamba-2 in one Trainer, the agents
-  starting after 20 coordinator steps instead of 4,000 so they train inside the check) with each precision.
+  starting after 20 coordinator steps instead of 4,000 so they train inside the check, the forecasters' LR warm-up
+  5 steps instead of 500) with each precision.
 - the tests that skip without CUDA (features on the GPU, the bootstrap on the GPU, and Mamba-2's mamba_ssm kernels
   against the pure PyTorch scan when mamba_ssm is importable there): pytest's summary, skips named.
 - issues 3 and 19: the feature set (one implementation: plain torch ops on CUDA, CPU kernels on the CPU) over
@@ -194,7 +195,9 @@ def main() -> None:
             r = fit_check("lightning_configs/ensemble.yaml", args.accelerator, precision, args.steps,
                           ["--data.synthetic_bars", "200000", "--data.synthetic_symbols", "2",
                            "--model.members.dqn.init_args.start_step", "20",
-                           "--model.members.ppo.init_args.start_step", "20"])
+                           "--model.members.ppo.init_args.start_step", "20",
+                           "--model.members.tft.init_args.warmup_steps", "5",
+                           "--model.members.mamba2.init_args.warmup_steps", "5"])
             results[f"ensemble4/{precision}"] = r
             print(f"[issues 17, 18] ensemble of four members {precision}: {r}", flush=True)
     if "tests" not in args.skip:

@@ -452,6 +452,23 @@ def test_bf16_mixed_on_cpu_trains_without_nan(tmp_path: Path) -> None:
     assert torch.isfinite(pred).all()
 
 
+def test_bf16_mixed_on_cpu_trains_through_the_coordinator(tmp_path: Path) -> None:
+    """The path foxhunt.fit runs: the coordinator steps its members by hand inside training_step, where Lightning's
+    autocast is on; the factored scan's hand-written backward must not run under it (it raised a dtype mismatch)."""
+    from foxhunt.data.datamodule import BarDataModule
+    from foxhunt.lit.ensemble import EnsembleModule
+
+    pl.seed_everything(0, verbose=False)
+    dm = BarDataModule(synthetic_bars=3000, signal_strength=0.3, features=["logret_1", "logret_5", "rsi_14", "tod_sin"],
+                       known_future=["tod_sin"], lookback=8, horizon=2, batch_size=16, cache_dir=None)
+    m = Mamba2Module(d_model=16, headdim=8, d_state=8, lr=3e-3, scheduler="none", nonfinite="raise")
+    model = EnsembleModule(members={"mamba2": m}, min_edge_confidence=None)
+    t = trainer(tmp_path, max_steps=4, precision="bf16-mixed", limit_val_batches=0, gradient_clip_val=None)
+    t.fit(model, datamodule=dm)
+    assert m.network.backbone.layers[0].mixer.scan == "factored" and model.updates["mamba2"] == 4
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
 def test_predict_returns_original_scale_and_checkpoint_round_trip(tmp_path: Path) -> None:
     split = make_split(scale=2.0)
     m = module(nonfinite="skip")

@@ -291,10 +291,13 @@ class EnsembleModule(pl.LightningModule):
             for p in plan.params[name]:
                 p.grad = None
         total = functools.reduce(operator.add, live.values())
-        if plan.direct_backward:
-            total.backward()
-        else:
-            self.manual_backward(total)
+        # backward outside Lightning's autocast (on around training_step, where the members are stepped): under it the
+        # hand-written backwards (Mamba-2's scan, the TFT's selection, PPO's loss) would see their products recast
+        with torch.autocast(total.device.type, enabled=False):
+            if plan.direct_backward:
+                total.backward()
+            else:
+                self.manual_backward(total)
         for name in live:
             member, update = plan.members[name], self.updates[name]
             if not plan.scaled:
