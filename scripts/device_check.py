@@ -193,7 +193,7 @@ def main() -> None:
             print(f"[issue 17] mamba2 {precision}: {r}", flush=True)
         if "ensemble4" not in args.skip:
             r = fit_check("lightning_configs/ensemble.yaml", args.accelerator, precision, args.steps,
-                          ["--data.synthetic_bars", "200000", "--data.synthetic_symbols", "2",
+                          ["--data.synthetic_bars", "100000", "--data.synthetic_symbols", "1",
                            "--model.members.dqn.init_args.start_step", "20",
                            "--model.members.ppo.init_args.start_step", "20",
                            "--model.members.tft.init_args.warmup_steps", "5",
