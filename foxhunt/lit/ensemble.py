@@ -24,7 +24,8 @@ Combinations (``combine``), for any set of members:
 
 Do no harm (``min_edge_confidence``, any member, on by default): at each validation a member whose validation
 edge after costs is not significant (PSR against :func:`null_max_sharpe` of the candidates it compared) is held flat
-until a later validation clears it. Members that stop early (``Member.finished``) are skipped; the Trainer stops when all have.
+until a later validation clears it. Members that stop early (``Member.finished``) are skipped; the Trainer stops
+when all have.
 
 Logged names: ``train/<member>/<key>``, ``lr/<member>`` (every ``log_every_n_steps`` coordinator steps),
 ``grad_norm/<member>/<block>`` (every member's ``log_grad_norm_every`` updates), ``val/<member>/<metric>`` (forecast
