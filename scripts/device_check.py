@@ -15,7 +15,7 @@ relative). Meant to run once on the device machine (about 5 minutes on one GPU),
 - issues 17 and 18: the four-member ensemble (``ensemble.yaml``: TFT, DQN, PPO and Mamba-2 in one Trainer, the agents
   starting after 20 coordinator steps instead of 4,000 so they train inside the check, the forecasters' LR warm-up
   5 steps instead of 500) with each precision.
-- the tests that skip without CUDA (features on the GPU, the bootstrap on the GPU, and Mamba-2's mamba_ssm kernels
+- the tests marked ``cuda``, which skip without a GPU (features on the GPU, the bootstrap on the GPU, and Mamba-2's mamba_ssm kernels
   against the pure PyTorch scan when mamba_ssm is importable there): pytest's summary, skips named.
 - issues 3 and 19: the feature set (one implementation: plain torch ops on CUDA, CPU kernels on the CPU) over
   ``--bars`` bars from tensors on the device, next to TA-Lib's equivalent calls on the CPU (when installed): seconds
@@ -66,17 +66,6 @@ class StepClock(L.Callback):
         if self.start is None or self.end is None or self.end <= self.start:
             return float("nan")
         return (self.batches - self.skip - 1) / (self.end - self.start)
-
-
-# The tests that skip without CUDA (``-rs`` names a skip, e.g. mamba_ssm missing on the device).
-CUDA_TESTS = [
-    "tests/test_mamba2.py::test_cuda_kernels_match_the_pure_pytorch_scan",
-    "tests/test_features.py::test_tensor_path_on_cuda",
-    "tests/test_features.py::test_few_host_synchronisations_on_cuda",
-    "tests/test_features_ops.py::test_features_on_cuda",
-    "tests/test_datamodule.py::test_features_on_the_gpu_match_the_cpu_path",
-    "tests/test_significance.py::test_bootstrap_on_cuda",
-]
 
 
 def _sync() -> None:
@@ -201,7 +190,7 @@ def main() -> None:
             results[f"ensemble4/{precision}"] = r
             print(f"[issues 17, 18] ensemble of four members {precision}: {r}", flush=True)
     if "tests" not in args.skip:
-        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *CUDA_TESTS],
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "cuda", "tests"],
                                capture_output=True, text=True, check=False)
         summary = (tests.stdout.strip().splitlines() or ["(no output)"])[-1]
         skipped = [line for line in tests.stdout.splitlines() if line.startswith("SKIPPED")]

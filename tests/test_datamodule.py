@@ -176,6 +176,7 @@ def test_feature_device_is_checked_and_auto_without_gpu_is_the_cpu_path(bars_fil
     torch.testing.assert_close(a.train_split.features, b.train_split.features, rtol=0, atol=0)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_features_on_the_gpu_match_the_cpu_path(bars_file: Path) -> None:
     cpu, gpu = _dm(bars_file), _dm(bars_file, feature_device="cuda")

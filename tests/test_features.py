@@ -190,6 +190,7 @@ def test_tensor_path_matches_dataframe_path(bars):
     assert torch.isnan(out.values[~out.ready]).any(dim=1).all()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_tensor_path_on_cuda(bars):
     fs = FeatureSet(families=["momentum"])
@@ -343,6 +344,7 @@ def test_intermediates_are_released():
     assert 0 < most < 25, f"{most} intermediates held at once"
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_few_host_synchronisations_on_cuda(bars):
     import warnings

@@ -340,6 +340,7 @@ def test_reference_path_is_causal(bars3, reference):
     assert same.all(), f"changed at bars <= t: {[ALL[j] for j in np.flatnonzero(~same.all(axis=1))]}"
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_features_on_cuda(bars3, fast):
     """On the GPU (its scans and reductions round differently): the CPU values, and several long rows."""

@@ -314,6 +314,7 @@ def test_forecaster_decoder_rows_are_zeros_plus_indicator() -> None:
     torch.testing.assert_close(net.embed(x_past, x_future, torch.zeros(2, dtype=torch.long)), expected)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or not kernels_available(), reason="needs CUDA and mamba_ssm")
 def test_cuda_kernels_match_the_pure_pytorch_scan() -> None:
     m = block(d_model=64, headdim=32, d_state=16, ngroups=1, chunk_size=32).cuda()

@@ -254,6 +254,7 @@ def test_mean_block_one_matches_the_normal_theory_and_long_blocks_collapse() -> 
     assert 0 < high - low < 0.8 * 2 * 1.959964 * se
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_bootstrap_on_cuda() -> None:
     pnl = iid_normal(1000, 0.05, seed=12)
