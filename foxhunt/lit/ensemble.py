@@ -37,6 +37,7 @@ and ``val/sharpe`` (the ensemble's, the default checkpoint monitor).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -294,7 +295,8 @@ class EnsembleModule(pl.LightningModule):
         total = functools.reduce(operator.add, live.values())
         # backward outside Lightning's autocast (on around training_step, where the members are stepped): under it the
         # hand-written backwards (Mamba-2's scan, the TFT's selection, PPO's loss) would see their products recast
-        with torch.autocast(total.device.type, enabled=False):
+        device = total.device.type
+        with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext():
             if plan.direct_backward:
                 total.backward()
             else:
