@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from talib_reference import WINDOWS, make_bars, talib_calls
 
 import foxhunt
 from foxhunt.features import FAMILIES, REGISTRY, FeatureSet
@@ -52,6 +53,7 @@ from foxhunt.features.panel import Panel
 from foxhunt.training.memory import retain_freed_memory
 
 TARGET_S, TARGET_RATIO, TARGET_MEMORY = 1.5, 1.5, 1.5
+assert WINDOWS == TR.WINDOWS, "talib_reference.WINDOWS must be the trend features' windows"
 
 
 def read_status(field: str) -> int:
@@ -71,15 +73,6 @@ def reset_peak_rss() -> int | None:
         return read_status("VmRSS")
     except OSError:
         return None
-
-
-def make_bars(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from foxhunt.data.synthetic import generate_market
-
-    b = generate_market(n_bars=n, n_symbols=1, seed=seed, signal_strength=0.1).bars
-    ohlcv = torch.from_numpy(b[["open", "high", "low", "close", "volume"]].to_numpy(np.float64).copy())
-    ts = torch.from_numpy(b["timestamp"].to_numpy(dtype="datetime64[ns]").astype(np.int64))
-    return ohlcv, ts, torch.zeros(n, dtype=torch.int64)
 
 
 def sync(device: str) -> None:
@@ -115,39 +108,6 @@ def timed_faults(fn, repeat: int, device: str = "cpu") -> tuple[float, float, in
         faults = minor_faults() - f
         best_faults = faults if best_faults is None else min(best_faults, faults)
     return best_wall, best_cpu, best_faults, out
-
-
-def talib_calls(o, h, l, c, v):
-    """TA-Lib calls equivalent to the registry's TA-Lib-derived features (outputs kept), and the features they cover."""
-    import talib
-
-    calls = []
-    calls += [(f"ROCR({k})", lambda k=k: talib.ROCR(c, k)) for k in (1, 2, 3, 5, 10, 20, 50, 100)]
-    calls += [(f"ROC({k})", lambda k=k: talib.ROC(c, k)) for k in (5, 10, 20)]
-    calls += [(f"MOM({k})", lambda k=k: talib.MOM(c, k)) for k in (5, 10, 20)]
-    calls += [(f"ATR({k})", lambda k=k: talib.ATR(h, l, c, k)) for k in (7, 14, 28)]
-    calls += [(f"NATR({k})", lambda k=k: talib.NATR(h, l, c, k)) for k in (7, 14, 28)]
-    calls += [(f"RSI({k})", lambda k=k: talib.RSI(c, k)) for k in (6, 14, 21, 28)]
-    calls += [("CMO(14)", lambda: talib.CMO(c, 14))]
-    calls += [(f"STOCH({k})", lambda k=k: talib.STOCH(h, l, c, k, 3, 0, 3, 0)) for k in (5, 14)]
-    calls += [(f"WILLR({k})", lambda k=k: talib.WILLR(h, l, c, k)) for k in (14, 28)]
-    calls += [(f"MACD{a}", lambda a=a: talib.MACD(c, *a)) for a in ((12, 26, 9), (5, 35, 5))]
-    calls += [(f"CCI({k})", lambda k=k: talib.CCI(h, l, c, k)) for k in (14, 20)]
-    for k in (14, 28):
-        calls += [(f"ADX({k})", lambda k=k: talib.ADX(h, l, c, k)), (f"PLUS_DI({k})", lambda k=k: talib.PLUS_DI(h, l, c, k)),
-                  (f"MINUS_DI({k})", lambda k=k: talib.MINUS_DI(h, l, c, k))]
-    calls += [("AROON(25)", lambda: talib.AROON(h, l, 25))]
-    calls += [("AROONOSC(25)", lambda: talib.AROONOSC(h, l, 25)), ("ULTOSC", lambda: talib.ULTOSC(h, l, c, 7, 14, 28)),
-              ("TRIX(15)", lambda: talib.TRIX(c, 15))]
-    calls += [(f"SMA({k})", lambda k=k: talib.SMA(c, k)) for k in TR.WINDOWS]
-    calls += [(f"EMA({k})", lambda k=k: talib.EMA(c, k)) for k in TR.WINDOWS]
-    calls += [(f"KAMA({k})", lambda k=k: talib.KAMA(c, k)) for k in (10, 30)]
-    r = np.diff(np.log(c), prepend=np.nan)
-    calls += [(f"STDDEV({k})", lambda k=k: talib.STDDEV(r, k, 1.0)) for k in (5, 10, 20, 50, 100)]
-    calls += [(f"BBANDS({k})", lambda k=k: talib.BBANDS(c, k, 2.0, 2.0, 0)) for k in (20, 50)]
-    calls += [("OBV", lambda: talib.OBV(c, v))] + [(f"MFI({k})", lambda k=k: talib.MFI(h, l, c, v, k)) for k in (14, 28)]
-    calls += [("ADOSC", lambda: talib.ADOSC(h, l, c, v, 3, 10)), ("BOP", lambda: talib.BOP(o, h, l, c))]
-    return calls
 
 
 def exactness(ohlcv: np.ndarray) -> list[tuple[str, float]]:

@@ -4,7 +4,8 @@ Each round runs one process per checkout, in turn. A process imports foxhunt fro
 checkout's TA-Lib-derived features (``FeatureSet.compute`` on 1,000,000 bars; tensors in, float32 out) and TA-Lib's 69
 equivalent calls (outputs kept), both with freed memory retained (glibc's mallopt, as ``foxhunt.fit`` runs), one
 thread, CPU time. It prints best and median of ``--repeat`` runs of each, and the ratio. The bars and TA-Lib's calls
-are this file's own, so that an old checkout (one without ``foxhunt.training.memory``, say) runs too.
+come from scripts/talib_reference.py, which imports no foxhunt module but the synthetic market, so that an old
+checkout (one without ``foxhunt.training.memory``, say) runs too.
 
     git worktree add /tmp/old 123d703          # the numpy backend that the single backend replaced
     python scripts/bench_features_ab.py --other /tmp/old --rounds 3
@@ -26,50 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+from talib_reference import make_bars, talib_calls
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def bars(n: int, seed: int = 0):  # type: ignore[no-untyped-def]
-    """scripts/bench_features.py's bars: the synthetic market's OHLCV, timestamps and one symbol."""
-    import numpy as np
-    import torch
-
-    from foxhunt.data.synthetic import generate_market
-
-    b = generate_market(n_bars=n, n_symbols=1, seed=seed, signal_strength=0.1).bars
-    ohlcv = torch.from_numpy(b[["open", "high", "low", "close", "volume"]].to_numpy(np.float64).copy())
-    ts = torch.from_numpy(b["timestamp"].to_numpy(dtype="datetime64[ns]").astype(np.int64))
-    return ohlcv, ts, torch.zeros(n, dtype=torch.int64)
-
-
-def talib_calls(o, h, low, c, v) -> list:  # type: ignore[no-untyped-def]
-    """scripts/bench_features.py's TA-Lib calls (the TA-Lib counterparts of the registry's features)."""
-    import numpy as np
-    import talib
-
-    calls = [lambda k=k: talib.ROCR(c, k) for k in (1, 2, 3, 5, 10, 20, 50, 100)]
-    calls += [lambda k=k: talib.ROC(c, k) for k in (5, 10, 20)] + [lambda k=k: talib.MOM(c, k) for k in (5, 10, 20)]
-    calls += [lambda k=k: talib.ATR(h, low, c, k) for k in (7, 14, 28)]
-    calls += [lambda k=k: talib.NATR(h, low, c, k) for k in (7, 14, 28)]
-    calls += [lambda k=k: talib.RSI(c, k) for k in (6, 14, 21, 28)] + [lambda: talib.CMO(c, 14)]
-    calls += [lambda k=k: talib.STOCH(h, low, c, k, 3, 0, 3, 0) for k in (5, 14)]
-    calls += [lambda k=k: talib.WILLR(h, low, c, k) for k in (14, 28)]
-    calls += [lambda a=a: talib.MACD(c, *a) for a in ((12, 26, 9), (5, 35, 5))]
-    calls += [lambda k=k: talib.CCI(h, low, c, k) for k in (14, 20)]
-    for k in (14, 28):
-        calls += [lambda k=k: talib.ADX(h, low, c, k), lambda k=k: talib.PLUS_DI(h, low, c, k),
-                  lambda k=k: talib.MINUS_DI(h, low, c, k)]
-    calls += [lambda: talib.AROON(h, low, 25), lambda: talib.AROONOSC(h, low, 25),
-              lambda: talib.ULTOSC(h, low, c, 7, 14, 28), lambda: talib.TRIX(c, 15)]
-    calls += [lambda k=k: talib.SMA(c, k) for k in (5, 10, 20, 50, 100, 200)]
-    calls += [lambda k=k: talib.EMA(c, k) for k in (5, 10, 20, 50, 100, 200)]
-    calls += [lambda k=k: talib.KAMA(c, k) for k in (10, 30)]
-    r = np.diff(np.log(c), prepend=np.nan)
-    calls += [lambda k=k: talib.STDDEV(r, k, 1.0) for k in (5, 10, 20, 50, 100)]
-    calls += [lambda k=k: talib.BBANDS(c, k, 2.0, 2.0, 0) for k in (20, 50)]
-    calls += [lambda: talib.OBV(c, v)] + [lambda k=k: talib.MFI(h, low, c, v, k) for k in (14, 28)]
-    calls += [lambda: talib.ADOSC(h, low, c, v, 3, 10), lambda: talib.BOP(o, h, low, c)]
-    return calls
 
 
 def worker(checkout: Path, n: int, repeat: int) -> None:
@@ -87,9 +47,9 @@ def worker(checkout: Path, n: int, repeat: int) -> None:
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     libc.mallopt(-4, 0)  # M_MMAP_MAX: no big block mapped alone
     libc.mallopt(-1, -1)  # M_TRIM_THRESHOLD: freed memory kept
-    ohlcv, ts, sym = bars(n)
+    ohlcv, ts, sym = make_bars(n, 0)
     o, h, low, c, v = (ohlcv[:, i].numpy().copy() for i in range(5))
-    calls = talib_calls(o, h, low, c, v)
+    calls = [fn for _, fn in talib_calls(o, h, low, c, v)]
     names = [k for k, f in REGISTRY.items() if f.talib]
     fs = FeatureSet(names=names)
     fs.compute(ohlcv[:2000], ts[:2000], sym[:2000])
