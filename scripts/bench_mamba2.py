@@ -324,6 +324,19 @@ def pinball(pred: Tensor, y: Tensor) -> Tensor:
     return torch.maximum(qs * err, (qs - 1) * err).mean()
 
 
+def training_step(net: nn.Module, data: dict[str, Tensor]) -> Callable[[], None]:
+    """One timed step on ``data``: forward, pinball loss, backward, AdamW (its own optimizer)."""
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+    def step() -> None:
+        loss = pinball(net(data["x_past"], data["x_future"], data["symbol"]).prediction, data["y"])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
 def agreement(nets: dict[str, nn.Module], data: dict[str, Tensor], rows: int) -> dict[str, float]:
     """Largest differences between the Mamba-2 versions on the first ``rows`` sequences of the batch: every step of
     the stack's output, and every parameter's gradient of the loss (relative to its largest entry), against the
@@ -355,17 +368,7 @@ def bench_lookback(length: int, variants: list[str], args: argparse.Namespace,
     row: dict[str, object] = {"L": length, "batch": args.batch}
     if sum(v in MAMBA_VARIANTS for v in variants) > 1:
         row["agreement"] = agreement(nets, data, args.check_rows)
-    steps = {}
-    for name, net in nets.items():
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-
-        def step(net: nn.Module = net, opt: torch.optim.Optimizer = opt) -> None:
-            loss = pinball(net(data["x_past"], data["x_future"], data["symbol"]).prediction, data["y"])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-
-        steps[name] = step
+    steps = {name: training_step(net, data) for name, net in nets.items()}
     row["load_before"] = os.getloadavg()
     seconds, cpu, peak, rise = interleaved(steps, args.repeats, not args.no_warmup, args.allocator == "retain")
     row["load"] = os.getloadavg()
@@ -396,16 +399,7 @@ def profile_lookback(length: int, args: argparse.Namespace) -> dict[str, float]:
     """Share and rate of the factored step's matrix products, and the step's speed-up ceilings under fusion."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    net = build(["factored"], length, args, None)["factored"]
-    data = batch(length, args)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-
-    def step() -> None:
-        loss = pinball(net(data["x_past"], data["x_future"], data["symbol"]).prediction, data["y"])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
+    step = training_step(build(["factored"], length, args, None)["factored"], batch(length, args))
     step()
     rounds = max(1, args.repeats)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
