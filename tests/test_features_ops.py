@@ -69,17 +69,38 @@ def test_shift_diff_pct(rng, reference):
         close(ops.shift(t(x), k, 0.0), np.where(np.arange(x.shape[1]) < k, 0.0, lagged))
         close(ops.diff(t(x), k), x - lagged)
         close(ops.pct_change(t(x), k), F.pct_change(x, k))
-        c = rng.uniform(0.5, 2, x.shape)
-        close(ops.lag_diff_times(t(x), k, t(c)), F.lag_diff_times(x, k, c))
     with pytest.raises(ValueError):
         ops.shift(t(x), 0)
 
 
-def test_safe_div(rng, reference):
+@pytest.mark.parametrize("path", ["fast", "reference"])
+def test_last_steps_round_once(rng, path, monkeypatch):
+    """(a - b) c, its lagged form and the guarded division, on both paths: the float64 expression exactly, and
+    into a float32 output that expression rounded once."""
+    if path == "reference":
+        monkeypatch.setattr(ops, "fast_path", lambda x: False)
+    x, c = padded(rng, level=50.0), rng.uniform(0.5, 2, (3, 300))
+    for k in (1, 3, 299, 300, 400):
+        lagged = np.full_like(x, np.nan)
+        lagged[:, k:] = x[:, :-k] if k < x.shape[1] else x[:, :0]
+        close(ops.lag_diff_times(t(x), k, t(c)), (x - lagged) * c, tol=0.0)
+    y = rng.standard_normal((3, 300))
+    close(ops.diff_times(t(x), t(y), t(c)), (x - y) * c, tol=0.0)
+    f32 = torch.empty(3, 300, dtype=torch.float32)
+    ops.diff_times(t(x), t(y), t(c), out=f32)
+    np.testing.assert_array_equal(f32.numpy(), ((x - y) * c).astype(np.float32))
     num, den = rng.standard_normal((3, 200)), rng.integers(-2, 3, (3, 200)).astype(float)
     den[0, :5] = np.nan
     for fill, scale in ((0.0, 1.0), (0.5, 100.0), (1.0, -100.0)):
-        close(ops.safe_div(t(num), t(den), fill, scale), F.safe_div(num, den, fill, scale=scale), tol=0.0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            want = np.where(den == 0, fill, scale * num / den)
+        close(ops.safe_div(t(num), t(den), fill, scale), want, tol=0.0)
+        f32 = torch.empty(3, 200, dtype=torch.float32)
+        ops.safe_div(t(num), t(den), fill, scale, out=f32)
+        np.testing.assert_array_equal(f32.numpy(), want.astype(np.float32))
+        inplace = t(num.copy())
+        ops.safe_div(inplace, t(den), fill, scale, out=inplace)  # out may be num
+        close(inplace, want, tol=0.0)
 
 
 def test_blocked_cumsum(rng, reference):
@@ -200,25 +221,45 @@ def test_first_order_ema_wilder(rng, monkeypatch):
         ops.ema(t(x), 5, seed="nope")
 
 
-def test_linear_recurrence(rng, reference):
+def loop_recurrence(a: np.ndarray, b: np.ndarray, y0: np.ndarray) -> np.ndarray:
+    """y[t] = a[t] y[t-1] + b[t] from y[-1] = y0, row by row, bar by bar (brute force)."""
+    y = np.empty_like(b)
+    for s in range(b.shape[0]):
+        v = y0[s]
+        for i in range(b.shape[1]):
+            v = a[s, i] * v + b[s, i]
+            y[s, i] = v
+    return y
+
+
+@pytest.mark.parametrize("path", ["fast", "reference"])
+def test_linear_recurrence(rng, path, monkeypatch):
+    if path == "reference":
+        monkeypatch.setattr(ops, "fast_path", lambda x: False)
     S, T = 3, 4000
     for a_min in (1e-3, 0.5, 5.0 / 9.0, 0.9, 1.0):
         a = rng.uniform(a_min, 1.0, (S, T))
         b = rng.standard_normal((S, T)) * 100
         b[2, 3500:] = np.nan
         y0 = rng.standard_normal(S)
-        close(ops.linear_recurrence(t(a), t(b), t(y0), a_min), F.linear_recurrence(a, b, y0, a_min))
+        want = loop_recurrence(a, b, y0)
+        close(ops.linear_recurrence(t(a), t(b), t(y0), a_min), want)
+        bt = t(b.copy())
+        close(ops.linear_recurrence(t(a), bt, t(y0), a_min, overwrite=True), want)
     with pytest.raises(ValueError):
         ops.linear_recurrence(t(a), t(b), t(y0), 0.0)
 
 
-def test_scans_short_and_empty(rng, reference):
+@pytest.mark.parametrize("path", ["fast", "reference"])
+def test_scans_short_and_empty(rng, path, monkeypatch):
+    if path == "reference":
+        monkeypatch.setattr(ops, "fast_path", lambda x: False)
     for T in (0, 1, 2, 17):
         x = rng.standard_normal((2, T))
         y0 = rng.standard_normal(2)
-        close(ops.first_order(t(x), 0.9, 0.1, t(y0)), F.first_order(x, 0.9, 0.1, y0, np.empty_like(x)))
+        close(ops.first_order(t(x), 0.9, 0.1, t(y0)), loop_recurrence(np.full_like(x, 0.9), 0.1 * x, y0))
         a = rng.uniform(0.5, 1, (2, T))
-        close(ops.linear_recurrence(t(a), t(x), t(y0), 0.5), F.linear_recurrence(a, x, y0, 0.5))
+        close(ops.linear_recurrence(t(a), t(x), t(y0), 0.5), loop_recurrence(a, x, y0))
 
 
 # ---------------------------------------------------------------- panel
@@ -364,19 +405,6 @@ def test_rolling_max_min_match_brute_force():
             ref_min[:, t] = x[:, t - n + 1 : t + 1].min(axis=1)
         np.testing.assert_array_equal(F.rolling_max(x, n), ref_max)
         np.testing.assert_array_equal(F.rolling_min(x, n), ref_min)
-
-
-def test_linear_recurrence_matches_loop():
-    rng = np.random.default_rng(1)
-    a = rng.uniform(0.5, 1.0, (2, 3001))
-    b = rng.standard_normal((2, 3001))
-    y0 = np.array([1.0, -2.0])
-    ref = np.empty_like(a)
-    y = y0.copy()
-    for t in range(a.shape[1]):
-        y = a[:, t] * y + b[:, t]
-        ref[:, t] = y
-    np.testing.assert_allclose(F.linear_recurrence(a, b, y0, a_min=0.5), ref, rtol=1e-9, atol=1e-9)
 
 
 def test_bars_since_extreme_matches_brute_force():

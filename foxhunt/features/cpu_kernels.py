@@ -1,8 +1,9 @@
-"""The CPU fast paths of :mod:`foxhunt.features.ops`: numpy/scipy kernels on [S, T] float64 arrays, tuned for one core.
+"""The CPU fast paths of :mod:`foxhunt.features.ops`: numpy kernels on [S, T] float64 arrays, tuned for one core.
 
 ``ops`` hands a CPU tensor's zero-copy numpy view here (the switch ``ops.fast_path``); each kernel computes what its
-torch reference in ``ops`` computes. Every function reads bar t only from bars <= t: the first-order scan runs in
-fixed blocks with scipy's ``lfilter`` for the carries, rolling variance of price levels takes its prefix sums inside
+torch reference in ``ops`` computes (the recursive scans run as compiled loops instead:
+:mod:`foxhunt.features.native`). Every function reads bar t only from bars <= t: rolling variance of price levels
+takes its prefix sums inside
 blocks centred on a past value (float64 error relative to the local spread, not to a million squared prices),
 rolling extrema and arg-extrema double (log2(n) passes, exact; ages in uint8), and elementwise tails run in
 cache-sized blocks with a float32 destination written once. No Python loop runs over bars; rows that an indicator
@@ -13,14 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import math
 import sys
 
 import numpy as np
 import torch
 from numpy.lib.stride_tricks import as_strided
-from scipy.signal import lfilter
 
 
 class BufferPool:
@@ -129,23 +128,6 @@ def blockwise(fn, out: np.ndarray, *arrays: np.ndarray, block: int = 32768) -> n
     return out
 
 
-def _sub_mul(a: np.ndarray, b: np.ndarray, c: np.ndarray, out: np.ndarray) -> np.ndarray:
-    return np.multiply(np.subtract(a, b), c, out=out)
-
-
-def diff_times(a: np.ndarray, b: np.ndarray, c: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """(a - b) * c, blockwise, into ``out`` when given."""
-    return blockwise(_sub_mul, empty(a.shape) if out is None else out, a, b, c)
-
-
-def lag_diff_times(x: np.ndarray, k: int, c: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """(x[t] - x[t-k]) * c[t], NaN for the first k bars, blockwise, into ``out`` when given."""
-    out = empty(x.shape) if out is None else out
-    out[:, :k] = np.nan
-    blockwise(_sub_mul, out[:, k:], x[:, k:], x[:, :-k], c[:, k:])
-    return out
-
-
 def pct_change(x: np.ndarray, k: int, out: np.ndarray | None = None) -> np.ndarray:
     """100 (x[t] / x[t-k] - 1), NaN for the first k bars, into ``out`` when given (TA-Lib ROC); blockwise."""
     out = empty(x.shape) if out is None else out
@@ -158,23 +140,6 @@ def _pct_block(now: np.ndarray, then: np.ndarray, out: np.ndarray) -> None:
     r = now / then
     r -= 1.0
     np.multiply(r, 100.0, out=out)
-
-
-def safe_div(num: np.ndarray, den: np.ndarray, fill: float = 0.0, out: np.ndarray | None = None,
-             scale: float = 1.0) -> np.ndarray:
-    """scale * num / den with ``fill`` where den is 0 (TA-Lib's convention for flat ranges), into ``out`` if given
-    (which may be num or den); blockwise, so the zero mask and the scaled numerator stay in cache."""
-    out = empty(num.shape) if out is None else out
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return blockwise(functools.partial(_safe_div_block, fill=fill, scale=scale), out, num, den)
-
-
-def _safe_div_block(num: np.ndarray, den: np.ndarray, out: np.ndarray, fill: float, scale: float) -> None:
-    zero = den == 0
-    has_zero = zero.any()
-    np.divide(num if scale == 1.0 else scale * num, den, out=out)
-    if has_zero:
-        np.copyto(out, fill, where=zero)
 
 
 def _cumsum_of_squares(x: np.ndarray) -> np.ndarray:
@@ -371,98 +336,3 @@ def _merge(m_new, age_new, m_old, age_old, lag, op, later_of, m_out, age_out, la
     np.subtract(age_out, age_new, out=d)
     d *= later
     age_out -= d
-
-
-def _scan_block(a: float) -> int:
-    """Block length of the first-order scan: a^-B stays below 2^500, far from float64 overflow."""
-    return int(min(2048, max(16, 500.0 / -np.log2(a))))
-
-
-def first_order(x: np.ndarray, a: float, b: float, y0: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """y[t] = a y[t-1] + b x[t] along the last axis from y[-1] = y0, written into ``out`` (a blocked scan).
-
-    Inside a block of B bars, y[k] = a^k (a y_in + b sum_{j<=k} a^-j x[j]): a multiply, a block sum (for
-    the carries), a sequential running sum and a multiply, about twice as fast as scipy's lfilter. Blocks start at fixed
-    offsets from the first bar and carry y from block to block, so bar t only sees bars <= t.
-    """
-    S, L = x.shape
-    if L == 0:
-        return out
-    if not 0.01 <= a < 1.0:  # no gain from blocking
-        out[...] = lfilter([b], [1.0, -a], x, axis=-1, zi=(a * np.asarray(y0, dtype=np.float64))[:, None])[0]
-        return out
-    B = _scan_block(a)
-    k = np.arange(B, dtype=np.float64)
-    g, h = b * np.power(a, -k), np.power(a, k)
-    nf, r = divmod(L, B)
-    carry = np.asarray(y0, dtype=np.float64)
-    if nf:
-        V = out[:, : nf * B].reshape(S, nf, B, copy=False)
-        np.multiply(x[:, : nf * B].reshape(S, nf, B), g, out=V)
-        # y entering each block, from the block sums (y at a block's end = a^B y_in + a^(B-1) sum)
-        ends = lfilter([1.0], [1.0, -(a**B)], h[-1] * V.sum(axis=2), axis=-1, zi=(a**B * carry)[:, None])[0]
-        V[:, 0, 0] += a * carry
-        V[:, 1:, 0] += a * ends[:, :-1]
-        cumsum(V, out=V)
-        V *= h
-        carry = ends[:, -1]
-    if r:
-        V = out[:, nf * B :]
-        np.multiply(x[:, nf * B :], g[:r], out=V)
-        V[:, 0] += a * carry
-        cumsum(V, out=V)
-        V *= h[:r]
-    return out
-
-
-def linear_recurrence(a: np.ndarray, b: np.ndarray, y0: np.ndarray, a_min: float) -> np.ndarray:
-    """y[t] = a[t] * y[t-1] + b[t] for t = 0..T-1 from y[-1] = y0, with a_min <= a <= 1 (blocked scan)."""
-    y, scratch = empty(b.shape), empty(a.shape)
-    np.copyto(y, b)
-    np.copyto(scratch, a)
-    return linear_recurrence_inplace(scratch, y, y0, a_min)
-
-
-def linear_recurrence_inplace(a: np.ndarray, y: np.ndarray, y0: np.ndarray, a_min: float) -> np.ndarray:
-    """:func:`linear_recurrence` on y (which holds b on entry and y on return), using ``a`` as scratch.
-
-    Within a block of B bars, y = A * (y_in + cumsum(b / A)) with A the running product of a; B comes
-    from the caller's bound ``a_min`` (never from the data, so the blocking, and hence the rounding, of
-    bar t cannot depend on later bars) and keeps A above float64 underflow. Block carries are passed
-    on by a short loop over blocks, not bars.
-    """
-    S, T = a.shape
-    if not 0.0 < a_min <= 1.0:
-        raise ValueError(f"linear_recurrence: a_min must be in (0, 1], got {a_min}")
-    B = int(min(1024, max(1, 250 // max(1e-12, -np.log10(a_min)))))
-    nf, r = divmod(T, B)
-    c = np.asarray(y0, dtype=np.float64).copy()
-    if nf:
-        A = a[:, : nf * B].reshape(S, nf, B, copy=False)
-        P = y[:, : nf * B].reshape(S, nf, B, copy=False)
-        torch.from_numpy(A).cumprod_(dim=-1)
-        P /= A
-        cumsum(P, out=P)
-        starts = np.empty((S, nf))
-        for s in range(S):  # one step per block of B bars
-            starts[s] = _block_carries(A[s, :, -1].tolist(), P[s, :, -1].tolist(), float(c[s]))
-            c[s] = A[s, -1, -1] * (starts[s, -1] + P[s, -1, -1])
-        P += starts[:, :, None]
-        P *= A
-    if r:
-        A, P = a[:, nf * B :], y[:, nf * B :]
-        torch.from_numpy(A).cumprod_(dim=-1)
-        P /= A
-        cumsum(P, out=P)
-        P += c[:, None]
-        P *= A
-    return y
-
-
-def _block_carries(a_end: list[float], p_end: list[float], y0: float) -> list[float]:
-    """y entering each block: y_in[k+1] = A_end[k] (y_in[k] + P_end[k]), a loop over blocks in plain floats."""
-    out, c = [], y0
-    for ak, pk in zip(a_end, p_end):
-        out.append(c)
-        c = ak * (c + pk)
-    return out

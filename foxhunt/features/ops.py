@@ -8,8 +8,9 @@ blocks for price levels); rolling extrema and arg-extrema use doubling. NaN mark
 defined; TA-Lib's seeding and look-backs are kept.
 
 The switch :func:`fast_path` sends CPU tensors to :mod:`foxhunt.features.cpu_kernels` instead: the same
-definitions on zero-copy numpy views, tuned for one core (cache-sized runs of bars, scipy's ``lfilter`` for
-the block carries, uint8 ages), returned as tensors sharing the numpy memory. Tests hold both paths equal.
+definitions on zero-copy numpy views, tuned for one core (cache-sized runs of bars, uint8 ages), returned as tensors
+sharing the numpy memory; the recursive scans (EMA, Wilder, KAMA) run there as one compiled C loop each
+(:mod:`foxhunt.features.native`, the plain torch scan where no C compiler is found). Tests hold both paths equal.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 from foxhunt.features import cpu_kernels as K
+from foxhunt.features import native
 
 NAN = float("nan")
 
@@ -45,6 +47,15 @@ def blockwise(fn, out: Tensor, *arrays: Tensor) -> Tensor:
     for j in runs(out):
         fn(*(x[..., j] for x in arrays), out=out[..., j])
     return out
+
+
+def _native(*xs: Tensor) -> bool:
+    """Whether :mod:`foxhunt.features.native`'s compiled loops serve these operands: CPU float64 [S, T] tensors of one
+    shape with contiguous bars, and the loops built."""
+    x = xs[0]
+    return (fast_path(x) and x.dim() == 2 and all(y.shape == x.shape and y.dtype == torch.float64
+                                                  and (y.shape[-1] < 2 or y.stride(-1) == 1) for y in xs)
+            and native.available())
 
 
 def _np(x: Tensor):
@@ -153,18 +164,21 @@ def diff(x: Tensor, k: int = 1, out: Tensor | None = None) -> Tensor:
 
 
 def diff_times(a: Tensor, b: Tensor, c: Tensor, out: Tensor | None = None) -> Tensor:
-    """(a - b) * c (distances in ATR units), into ``out`` when given."""
-    if fast_path(a):
-        res = K.diff_times(_np(a), _np(b), _np(c), None if out is None else _np(out))
-        return out if out is not None else torch.from_numpy(res)
+    """(a - b) * c (distances in ATR units), into ``out`` when given (on the CPU one compiled pass, rounded once)."""
+    if _native(a, b, c):
+        out = like(a) if out is None else out
+        native.diff_times(_np(a), _np(b), _np(c), _np(out))
+        return out
     return _put((a - b) * c, out)
 
 
 def lag_diff_times(x: Tensor, k: int, c: Tensor, out: Tensor | None = None) -> Tensor:
     """(x[t] - x[t-k]) * c[t], NaN for the first k bars, into ``out`` when given."""
-    if fast_path(x):
-        res = K.lag_diff_times(_np(x), k, _np(c), None if out is None else _np(out))
-        return out if out is not None else torch.from_numpy(res)
+    if _native(x, c) and k < x.shape[-1]:
+        out = like(x) if out is None else out
+        out[..., :k] = NAN
+        native.diff_times(_np(x[..., k:]), _np(x[..., :-k]), _np(c[..., k:]), _np(out[..., k:]))
+        return out
     res = nans(x, k)
     if k < x.shape[-1]:
         res[..., k:] = (x[..., k:] - x[..., :-k]) * c[..., k:]
@@ -201,10 +215,11 @@ def log_ratio(num: Tensor, den: Tensor, out: Tensor | None = None) -> Tensor:
 
 def safe_div(num: Tensor, den: Tensor, fill: float = 0.0, scale: float = 1.0, out: Tensor | None = None) -> Tensor:
     """scale * num / den with ``fill`` where den is 0 (TA-Lib's convention for flat ranges), into ``out`` when given
-    (which may be num or den)."""
-    if fast_path(num):
-        res = K.safe_div(_np(num), _np(den), fill, scale=scale, out=None if out is None else _np(out))
-        return out if out is not None else torch.from_numpy(res)
+    (which may be num or den); on the CPU one compiled pass, rounded once."""
+    if _native(num, den):
+        out = like(num) if out is None else out
+        native.safe_div(_np(num), _np(den), fill, scale, _np(out))
+        return out
     zero = den == 0
     q = torch.div(num if scale == 1.0 else scale * num, den, out=out)
     return q.masked_fill_(zero, fill)
@@ -569,15 +584,15 @@ def first_order(x: Tensor, a: float, b: float, y0: Tensor | float, out: Tensor |
     """y[t] = a y[t-1] + b x[t] along the last axis from y[-1] = y0 (a blocked scan), into ``out`` when given.
 
     Inside a block of B bars y[k] = a^k (a y_in + b sum_{j<=k} a^-j x[j]) (a multiply, a running sum and a
-    multiply); the block carries, y_in[j+1] = a^B y_in[j] + (block j's sum), are a scan over T / B blocks (a
-    doubling scan here, scipy's ``lfilter`` in the CPU kernel). Blocks start at fixed offsets from the first bar,
-    so bar t only sees bars <= t.
+    multiply); the block carries, y_in[j+1] = a^B y_in[j] + (block j's sum), are a doubling scan over the T / B
+    blocks. Blocks start at fixed offsets from the first bar, so bar t only sees bars <= t. On the CPU: the
+    compiled loop of :mod:`foxhunt.features.native` (one multiply-add a bar), where it is available.
     """
     S, L = x.shape
     y0 = rows(y0, x)
-    if fast_path(x):
+    if fast_path(x) and native.available():
         out = empty(tuple(x.shape), x) if out is None else out
-        K.first_order(_np(x), a, b, _np(y0), _np(out))
+        native.first_order(_np(x), a, b, _np(y0), _np(out))
         return out
     if L == 0:
         return _put(x.new_empty((S, 0)), out)
@@ -640,17 +655,17 @@ def linear_recurrence(a: Tensor, b: Tensor, y0: Tensor | float, a_min: float, ov
 
     Within a block of B bars y = A (y_in + cumsum(b / A)), A the running product of a; B comes from the
     caller's bound ``a_min`` (never from the data) and keeps A above float64 underflow. The block carries
-    y_in[j+1] = A_end[j] (y_in[j] + P_end[j]) are solved by a doubling scan over the blocks, on the device.
-    With ``overwrite`` the CPU kernel may use a as scratch and write y over b (returned): two copies fewer.
+    y_in[j+1] = A_end[j] (y_in[j] + P_end[j]) are solved by a doubling scan over the blocks, on the device. On the
+    CPU: the compiled loop of :mod:`foxhunt.features.native`, where it is available, which with ``overwrite``
+    writes y over b (returned).
     """
-    if fast_path(a):
-        if overwrite:
-            K.linear_recurrence_inplace(_np(a), _np(b), _np(rows(y0, a)), a_min)
-            return b
-        return torch.from_numpy(K.linear_recurrence(_np(a), _np(b), _np(rows(y0, a)), a_min))
-    S, T = a.shape
     if not 0.0 < a_min <= 1.0:
         raise ValueError(f"linear_recurrence: a_min must be in (0, 1], got {a_min}")
+    if fast_path(a) and native.available():
+        out = b if overwrite else empty(tuple(b.shape), b)
+        native.linear_recurrence(_np(a), _np(b), _np(rows(y0, a)), _np(out))
+        return out
+    S, T = a.shape
     y0 = rows(y0, a)
     if T == 0:
         return a.new_empty((S, 0))

@@ -1,0 +1,270 @@
+"""The CPU loops that numpy cannot write in one pass, in plain C: the scans y[t] = a y[t-1] + b x[t] (EMA, Wilder
+smoothing) and y[t] = a[t] y[t-1] + b[t] (KAMA), as TA-Lib itself computes them, and the features' two commonest
+last steps, (a - b) c and scale num / den (0 / 0 guarded), rounded once into the float32 output.
+
+A first-order recurrence is sequential: numpy can only block it (a multiply, block sums, a running sum and a
+multiply per block, ~6 ms a million bars), where a C loop takes one multiply-add a bar (~1.2 ms; TA-Lib's EMA
+~2.1 ms with its fresh output). A last step in numpy is two or three passes over cache-sized runs (~1.9 ms a million
+bars for (a - b) c into float32, ~1.85 for the guarded division) where one C pass takes ~1.0 and ~1.4 ms, with the
+same float64 operations and one rounding, so bit-identical results. The source below is compiled on first use with the system's C compiler (``$CC``,
+else ``cc``) into the user's cache (``$FOXHUNT_CACHE``, else ``$XDG_CACHE_HOME/foxhunt``, else
+``~/.cache/foxhunt``), under a name that hashes the source, the flags, the compiler's version and the machine, and
+loaded with :mod:`ctypes`. A cached library is verified before it is loaded (the SHA-256 recorded beside it when it
+was built: one that differs is rebuilt) and checked once against the same arithmetic in Python after (one that fails
+is removed and not used). Without a compiler (or
+with ``FOXHUNT_NATIVE=0``) :func:`available` is False, one warning says so, and :mod:`foxhunt.features.ops` runs
+its plain torch scan on the CPU instead: the same values, slower.
+
+The loops read bar t only from bars <= t (causal by construction), in float64, with strict IEEE arithmetic (no
+``-ffast-math``, no contraction into fused multiply-adds), so results do not depend on the machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+SOURCE = r"""
+#include <stddef.h>
+
+/* y[s, t] = a y[s, t-1] + b x[s, t] from y[s, -1] = y0[s]; rows s at strides xs, ys (in elements). */
+void first_order(const double *x, double *y, ptrdiff_t rows, ptrdiff_t length, ptrdiff_t xs, ptrdiff_t ys,
+                 double a, double b, const double *y0) {
+    for (ptrdiff_t s = 0; s < rows; s++) {
+        const double *xr = x + s * xs;
+        double *yr = y + s * ys;
+        double v = y0[s];
+        for (ptrdiff_t t = 0; t < length; t++) {
+            v = a * v + b * xr[t];
+            yr[t] = v;
+        }
+    }
+}
+
+/* y[s, t] = a[s, t] y[s, t-1] + b[s, t] from y[s, -1] = y0[s]; y may be b (in place). */
+void linear_recurrence(const double *a, const double *b, double *y, ptrdiff_t rows, ptrdiff_t length,
+                       ptrdiff_t as, ptrdiff_t bs, ptrdiff_t ys, const double *y0) {
+    for (ptrdiff_t s = 0; s < rows; s++) {
+        const double *ar = a + s * as;
+        const double *br = b + s * bs;
+        double *yr = y + s * ys;
+        double v = y0[s];
+        for (ptrdiff_t t = 0; t < length; t++) {
+            v = ar[t] * v + br[t];
+            yr[t] = v;
+        }
+    }
+}
+
+/* out[s, t] = (a - b) c, in float64, stored as OUT; out may be a, b or c. */
+#define DIFF_TIMES(NAME, OUT)                                                                                      \
+    void NAME(const double *a, const double *b, const double *c, OUT *out, ptrdiff_t rows, ptrdiff_t length,     \
+              ptrdiff_t as, ptrdiff_t bs, ptrdiff_t cs, ptrdiff_t os) {                                          \
+        for (ptrdiff_t s = 0; s < rows; s++)                                                                     \
+            for (ptrdiff_t t = 0; t < length; t++)                                                               \
+                out[s * os + t] = (OUT)((a[s * as + t] - b[s * bs + t]) * c[s * cs + t]);                        \
+    }
+DIFF_TIMES(diff_times_f64, double)
+DIFF_TIMES(diff_times_f32, float)
+
+/* out[s, t] = (scale num) / den, fill where den == 0, in float64, stored as OUT; out may be num or den. */
+#define SAFE_DIV(NAME, OUT)                                                                                        \
+    void NAME(const double *num, const double *den, OUT *out, ptrdiff_t rows, ptrdiff_t length, ptrdiff_t ns,     \
+              ptrdiff_t ds, ptrdiff_t os, double fill, double scale) {                                           \
+        for (ptrdiff_t s = 0; s < rows; s++)                                                                     \
+            for (ptrdiff_t t = 0; t < length; t++) {                                                             \
+                double d = den[s * ds + t];                                                                      \
+                out[s * os + t] = d == 0.0 ? (OUT)fill : (OUT)((scale * num[s * ns + t]) / d);                   \
+            }                                                                                                    \
+    }
+SAFE_DIV(safe_div_f64, double)
+SAFE_DIV(safe_div_f32, float)
+"""
+
+#: compiler flags: optimised, position-independent, strict floating point (no contraction into FMA)
+FLAGS = ("-O2", "-shared", "-fPIC", "-ffp-contract=off")
+
+_P, _N, _F = ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_double
+
+
+def cache_dir() -> Path:
+    """Where compiled libraries are kept (see the module docstring)."""
+    if os.environ.get("FOXHUNT_CACHE"):
+        return Path(os.environ["FOXHUNT_CACHE"]) / "native"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "foxhunt" / "native"
+
+
+def compiler() -> str | None:
+    """The C compiler's path ($CC, else cc), or None where there is none."""
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def build(cc: str, directory: Path) -> Path:
+    """The library for this source, flags, compiler and machine: the cached one if its recorded digest matches,
+    else compiled afresh (into a temporary file, then renamed, so concurrent builds never see a partial file)."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256("\0".join((SOURCE, *FLAGS, version, platform.machine())).encode()).hexdigest()[:20]
+    lib, sha = directory / f"loops-{key}.so", directory / f"loops-{key}.sha256"
+    if lib.exists() and sha.exists() and sha.read_text().strip() == _digest(lib):
+        return lib
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        src, out = Path(tmp) / "loops.c", Path(tmp) / "loops.so"
+        src.write_text(SOURCE)
+        done = subprocess.run([cc, *FLAGS, "-o", str(out), str(src)], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} could not compile foxhunt's CPU loops: {done.stderr.strip()[:500]}")
+        digest = _digest(out)
+        os.replace(out, lib)
+    sha.write_text(digest + "\n")
+    return lib
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.first_order.argtypes = [_P, _P, _N, _N, _N, _N, _F, _F, _P]
+    lib.first_order.restype = None
+    lib.linear_recurrence.argtypes = [_P, _P, _P, _N, _N, _N, _N, _N, _P]
+    lib.linear_recurrence.restype = None
+    for name in ("diff_times_f64", "diff_times_f32"):
+        getattr(lib, name).argtypes = [_P, _P, _P, _P, _N, _N, _N, _N, _N, _N]
+        getattr(lib, name).restype = None
+    for name in ("safe_div_f64", "safe_div_f32"):
+        getattr(lib, name).argtypes = [_P, _P, _P, _N, _N, _N, _N, _N, _F, _F]
+        getattr(lib, name).restype = None
+    return lib
+
+
+def _self_check(lib: ctypes.CDLL) -> bool:
+    """Every loop against the same arithmetic in Python or numpy, on two short rows."""
+    rng = np.random.default_rng(0)
+    x, a = rng.standard_normal((2, 9)), rng.uniform(0.5, 1.0, (2, 9))
+    y0 = np.array([0.25, -1.0])
+    want_f, want_l = np.empty_like(x), np.empty_like(x)
+    for s in range(2):
+        v = w = y0[s]
+        for t in range(9):
+            v = 0.8 * v + 0.2 * x[s, t]
+            w = a[s, t] * w + x[s, t]
+            want_f[s, t], want_l[s, t] = v, w
+    got_f, got_l = np.empty_like(x), np.empty_like(x)
+    lib.first_order(x.ctypes.data, got_f.ctypes.data, 2, 9, 9, 9, 0.8, 0.2, y0.ctypes.data)
+    lib.linear_recurrence(a.ctypes.data, x.ctypes.data, got_l.ctypes.data, 2, 9, 9, 9, 9, y0.ctypes.data)
+    den = np.where(a > 0.75, a, 0.0)
+    got_d, got_q = np.empty((2, 9), np.float32), np.empty((2, 9), np.float32)
+    lib.diff_times_f32(x.ctypes.data, a.ctypes.data, den.ctypes.data, got_d.ctypes.data, 2, 9, 9, 9, 9, 9)
+    lib.safe_div_f32(x.ctypes.data, den.ctypes.data, got_q.ctypes.data, 2, 9, 9, 9, 9, 0.5, 100.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        want_q = np.where(den == 0, 0.5, 100.0 * x / den).astype(np.float32)
+    return bool(np.array_equal(got_f, want_f) and np.array_equal(got_l, want_l)
+                and np.array_equal(got_d, ((x - a) * den).astype(np.float32)) and np.array_equal(got_q, want_q))
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled loops, built or verified once per process; None (with one warning) where they cannot be had."""
+    if os.environ.get("FOXHUNT_NATIVE", "1") == "0":
+        return None
+    cc = compiler()
+    if cc is None:
+        warnings.warn("foxhunt: no C compiler (cc, or $CC) found; the CPU features run the plain torch path "
+                      "(the same values, slower)", RuntimeWarning, stacklevel=2)
+        return None
+    try:
+        path = build(cc, cache_dir())
+        lib = _load(path)
+        if not _self_check(lib):  # loads but computes wrongly: removed, so that the next process builds it afresh
+            path.unlink(missing_ok=True)
+            raise RuntimeError(f"{path} computes wrongly (removed)")
+        return lib
+    except (OSError, RuntimeError) as e:
+        warnings.warn(f"foxhunt: the compiled CPU loops are unavailable ({e}); the CPU features run the plain "
+                      "torch path (the same values, slower)", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def available() -> bool:
+    """Whether the compiled loops can run here."""
+    return library() is not None
+
+
+def _row_stride(x: np.ndarray, dtype: type = np.float64) -> int:
+    """Elements between rows of a [S, T] array of ``dtype`` whose bars are contiguous (checked)."""
+    size = np.dtype(dtype).itemsize
+    if x.dtype != dtype or x.ndim != 2 or (x.shape[1] > 1 and x.strides[1] != size) or x.strides[0] % size:
+        raise ValueError(f"the compiled loops take [S, T] {np.dtype(dtype)} rows with contiguous bars, got {x.dtype} "
+                         f"{x.shape} strides {x.strides}")
+    return x.strides[0] // size
+
+
+def _lib() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the compiled CPU loops are unavailable (see foxhunt.features.native.available)")
+    return lib
+
+
+def _out_kind(out: np.ndarray, *shaped: np.ndarray) -> str:
+    """"f64" or "f32" by the output's dtype, after checking that every input has its shape."""
+    if any(x.shape != out.shape for x in shaped):
+        raise ValueError(f"shapes differ: {[x.shape for x in shaped]} and out {out.shape}")
+    if out.dtype == np.float64:
+        return "f64"
+    if out.dtype == np.float32:
+        return "f32"
+    raise ValueError(f"the compiled loops write float64 or float32, not {out.dtype}")
+
+
+def first_order(x: np.ndarray, a: float, b: float, y0: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """y[t] = a y[t-1] + b x[t] along the last axis from y[-1] = y0 (one per row), written into ``out``."""
+    lib = _lib()
+    if x.shape != out.shape:
+        raise ValueError(f"first_order: shapes differ: x {x.shape}, out {out.shape}")
+    y0 = np.ascontiguousarray(np.broadcast_to(np.asarray(y0, dtype=np.float64), (x.shape[0],)))
+    lib.first_order(x.ctypes.data, out.ctypes.data, x.shape[0], x.shape[1], _row_stride(x), _row_stride(out),
+                    float(a), float(b), y0.ctypes.data)
+    return out
+
+
+def linear_recurrence(a: np.ndarray, b: np.ndarray, y0: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """y[t] = a[t] y[t-1] + b[t] along the last axis from y[-1] = y0, written into ``out`` (which may be b)."""
+    lib = _lib()
+    if a.shape != b.shape or b.shape != out.shape:
+        raise ValueError(f"linear_recurrence: shapes differ: a {a.shape}, b {b.shape}, out {out.shape}")
+    y0 = np.ascontiguousarray(np.broadcast_to(np.asarray(y0, dtype=np.float64), (a.shape[0],)))
+    lib.linear_recurrence(a.ctypes.data, b.ctypes.data, out.ctypes.data, a.shape[0], a.shape[1], _row_stride(a),
+                          _row_stride(b), _row_stride(out), y0.ctypes.data)
+    return out
+
+
+def diff_times(a: np.ndarray, b: np.ndarray, c: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out = (a - b) c, computed in float64 and rounded once into ``out`` (float64 or float32)."""
+    kind = _out_kind(out, a, b, c)
+    getattr(_lib(), f"diff_times_{kind}")(a.ctypes.data, b.ctypes.data, c.ctypes.data, out.ctypes.data, out.shape[0],
+                                           out.shape[1], _row_stride(a), _row_stride(b), _row_stride(c),
+                                           _row_stride(out, out.dtype.type))
+    return out
+
+
+def safe_div(num: np.ndarray, den: np.ndarray, fill: float, scale: float, out: np.ndarray) -> np.ndarray:
+    """out = (scale num) / den, ``fill`` where den == 0, computed in float64 and rounded once into ``out``."""
+    kind = _out_kind(out, num, den)
+    getattr(_lib(), f"safe_div_{kind}")(num.ctypes.data, den.ctypes.data, out.ctypes.data, out.shape[0],
+                                         out.shape[1], _row_stride(num), _row_stride(den),
+                                         _row_stride(out, out.dtype.type), float(fill), float(scale))
+    return out
