@@ -30,7 +30,6 @@ def talib_calls(o, h, l, c, v):
     calls += [(f"ATR({k})", lambda k=k: talib.ATR(h, l, c, k)) for k in (7, 14, 28)]
     calls += [(f"NATR({k})", lambda k=k: talib.NATR(h, l, c, k)) for k in (7, 14, 28)]
     calls += [(f"RSI({k})", lambda k=k: talib.RSI(c, k)) for k in (6, 14, 21, 28)]
-    calls += [("CMO(14)", lambda: talib.CMO(c, 14))]
     calls += [(f"STOCH({k})", lambda k=k: talib.STOCH(h, l, c, k, 3, 0, 3, 0)) for k in (5, 14)]
     calls += [(f"WILLR({k})", lambda k=k: talib.WILLR(h, l, c, k)) for k in (14, 28)]
     calls += [(f"MACD{a}", lambda a=a: talib.MACD(c, *a)) for a in ((12, 26, 9), (5, 35, 5))]

@@ -77,6 +77,21 @@ def test_registry_covers_the_families():
     assert {"tod_sin", "tod_cos", "dow_sin", "dow_cos"} <= set(KNOWN_FUTURE)
 
 
+def test_no_feature_is_an_exact_multiple_of_another():
+    """Every pair of features differs by more than a scale: a column that is c times another is the same input twice
+    once normalised (slope_ema_n was 2 / (n - 1) dist_ema_n, and slope_sma_n was mom_n / n for MOM's windows)."""
+    out = compute_features(make_bars(3000, ("AAA",), seed=5))
+    v = out.iloc[400:].to_numpy(dtype=np.float64)  # every feature warmed up
+    assert np.isfinite(v).all()
+    v = v - v.mean(axis=0)
+    norm = np.linalg.norm(v, axis=0)
+    assert (norm > 0).all(), f"constant features: {list(out.columns[norm == 0])}"
+    corr = (v / norm).T @ (v / norm)
+    np.fill_diagonal(corr, 0.0)
+    i, j = np.unravel_index(np.abs(corr).argmax(), corr.shape)
+    assert np.abs(corr).max() < 1.0 - 1e-6, f"{out.columns[i]} and {out.columns[j]} are collinear ({corr[i, j]:.9f})"
+
+
 def test_selection_by_names_and_families():
     fs = FeatureSet(names=["rsi_14", "gap"], families=["calendar"])
     assert fs.names == [n for n in REGISTRY if n in {"rsi_14", "gap"} or REGISTRY[n].family == "calendar"]

@@ -102,10 +102,6 @@ def check_RSI(p, b):
         assert_matches(M.rsi(p, n), talib.RSI(_c(b), n), f"RSI({n})")
 
 
-def check_CMO(p, b):
-    assert_matches(M.cmo(p, 14), talib.CMO(_c(b), 14), "CMO(14)")
-
-
 def check_STOCH(p, b):
     for n in (5, 14):
         k, d = talib.STOCH(b[:, 1], b[:, 2], b[:, 3], fastk_period=n, slowk_period=3, slowk_matype=0, slowd_period=3, slowd_matype=0)

@@ -1,4 +1,4 @@
-"""Causal, vectorised bar features (~130, in six families) checked against TA-Lib.
+"""Causal, vectorised bar features (122, in six families) checked against TA-Lib.
 
 Entry points: :func:`compute_features` (DataFrame in, DataFrame out) for users and notebooks, and
 :class:`FeatureSet` (tensors in, :class:`FeatureOutput` out) for the DataModule. ``REGISTRY`` maps

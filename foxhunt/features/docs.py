@@ -15,7 +15,7 @@ Every feature at bar t uses only bars <= t of its own symbol. *Warm-up* is the n
 of each symbol on which the feature is undefined: its values there are NaN and the `ready` mask of
 `FeatureSet.compute` is False until every selected feature is past its warm-up. *TA-Lib* names the
 TA-Lib function the feature is, or is a transform of; those indicators use TA-Lib's definition,
-seeding and look-back (Wilder smoothing for RSI/CMO/ATR/ADX, SMA-seeded EMAs, MACD's fast EMA seeded
+seeding and look-back (Wilder smoothing for RSI/ATR/ADX, SMA-seeded EMAs, MACD's fast EMA seeded
 at the slow EMA's first bar) and are tested against TA-Lib to 1e-6 relative.
 
 Warm-up follows TA-Lib's look-back with no extra "unstable period": like TA-Lib's own output, the

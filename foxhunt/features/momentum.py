@@ -1,4 +1,6 @@
-"""Returns and momentum: log returns, ROC, MOM, RSI, CMO, stochastics, Williams %R, MACD, CCI, ADX/DI, Aroon, ULTOSC, TRIX.
+"""Returns and momentum: log returns, ROC, MOM, RSI, stochastics, Williams %R, MACD, CCI, ADX/DI, Aroon, ULTOSC, TRIX.
+
+TA-Lib's CMO(n) is not among them: with Wilder smoothing it is 2 RSI(n) - 100, the same input as RSI once normalised.
 
 Indicator functions return TA-Lib's values (same definition, seeding and look-back); features that are in
 price units are divided by ATR(14) so they are scale-free.
@@ -14,6 +16,8 @@ from torch import Tensor
 from foxhunt.features import ops
 from foxhunt.features.panel import Panel
 from foxhunt.features.registry import FeatureList
+
+MOM_WINDOWS = (5, 10, 20)
 
 
 def roc(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
@@ -38,7 +42,7 @@ def _gains(p: Panel) -> tuple[Tensor, Tensor]:
 
 def _gain_loss_averages(p: Panel, n: int) -> tuple[Tensor, Tensor]:
     """Wilder averages of the gains and of the absolute changes: the second is avg gain + avg loss (Wilder smoothing
-    is linear), so RSI and CMO need no pass to add them."""
+    is linear), so RSI needs no pass to add them."""
 
     def f():
         up, moves = _gains(p)
@@ -51,13 +55,6 @@ def rsi(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib RSI: 100 * avg gain / (avg gain + avg loss), Wilder-smoothed, seeded with the mean of n changes."""
     g, s = _gain_loss_averages(p, n)
     return ops.safe_div(g, s, scale=100.0, out=out)
-
-
-def cmo(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
-    """TA-Lib CMO: 100 * (avg gain - avg loss) / (avg gain + avg loss), Wilder-smoothed as TA-Lib does; the numerator
-    is 2 (avg gain - (avg gain + avg loss) / 2), halving exact."""
-    g, s = _gain_loss_averages(p, n)
-    return ops.safe_div(torch.sub(g, s, alpha=0.5, out=ops.like(g)), s, scale=200.0, out=out)
 
 
 def hh_ll(p: Panel, n: int) -> tuple[Tensor, Tensor]:
@@ -214,11 +211,10 @@ def features() -> FeatureList:
         fl.add(f"logret_{h}", f"ln C[t] - ln C[t-{h}]", h, lambda p, out=None, h=h: p.log_return(h, out), talib="ROCR")
     for n in (5, 10, 20):
         fl.add(f"roc_{n}", f"TA-Lib ROC({n}): 100 (C[t]/C[t-{n}] - 1)", n, lambda p, out=None, n=n: roc(p, n, out), talib="ROC")
-    for n in (5, 10, 20):
+    for n in MOM_WINDOWS:
         fl.add(f"mom_{n}", f"TA-Lib MOM({n}) / ATR(14)", max(n, 14), lambda p, out=None, n=n: ops.lag_diff_times(p.close, n, p.inv_atr(), out), talib="MOM")
     for n in (6, 14, 21, 28):
         fl.add(f"rsi_{n}", f"TA-Lib RSI({n}), Wilder smoothing, 0..100", n, lambda p, out=None, n=n: rsi(p, n, out), talib="RSI")
-    fl.add("cmo_14", "TA-Lib CMO(14), -100..100", 14, lambda p, out=None: cmo(p, 14, out), talib="CMO")
     for n in (5, 14):
         w = n + 1
         fl.add(f"stoch_k_{n}", f"TA-Lib STOCH({n},3,SMA,3,SMA) slow %K", w + 2, lambda p, n=n: stoch(p, n)[0], talib="STOCH")

@@ -1,4 +1,10 @@
-"""Trend: distance of the close from SMA / EMA / KAMA and their slopes, in ATR(14) units."""
+"""Trend: distance of the close from SMA / EMA / KAMA and their slopes, in ATR(14) units.
+
+Slopes that are exact multiples of another feature are left out, since after any per-feature normalisation they
+are the same input twice: EMA(n)'s slope is alpha (C - EMA[t-1]) = 2 / (n - 1) (C - EMA[t]), so slope_ema_n would be
+2 / (n - 1) dist_ema_n; SMA(n)'s slope is (C[t] - C[t-n]) / n, so slope_sma_n would be mom_n / n for the MOM windows
+(5, 10, 20). KAMA's smoothing changes with every bar, so its slope is its own feature.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +12,12 @@ import torch
 from torch import Tensor
 
 from foxhunt.features import ops
+from foxhunt.features.momentum import MOM_WINDOWS
 from foxhunt.features.panel import Panel
 from foxhunt.features.registry import FeatureList
 
 WINDOWS = (5, 10, 20, 50, 100, 200)
+SLOPE_SMA_WINDOWS = tuple(n for n in WINDOWS if n not in MOM_WINDOWS)  # see the module docstring
 _FASTEST, _SLOWEST = 2.0 / 3.0, 2.0 / 31.0
 
 
@@ -75,10 +83,8 @@ def features() -> FeatureList:
         fl.add(f"dist_ema_{n}", f"(C - TA-Lib EMA({n})) / ATR(14)", max(n - 1, 14), lambda p, out=None, n=n: _dist(p, ema(p, n), out), talib="EMA")
     for n in (10, 30):
         fl.add(f"dist_kama_{n}", f"(C - TA-Lib KAMA({n})) / ATR(14)", max(n, 14), lambda p, out=None, n=n: _dist(p, kama(p, n), out), talib="KAMA")
-    for n in WINDOWS:
+    for n in SLOPE_SMA_WINDOWS:
         fl.add(f"slope_sma_{n}", f"(SMA({n})[t] - SMA({n})[t-1]) / ATR(14)", max(n, 14), lambda p, out=None, n=n: _slope(p, sma(p, n), out), talib="SMA")
-    for n in WINDOWS:
-        fl.add(f"slope_ema_{n}", f"(EMA({n})[t] - EMA({n})[t-1]) / ATR(14)", max(n, 14), lambda p, out=None, n=n: _slope(p, ema(p, n), out), talib="EMA")
     for n in (10, 30):
         fl.add(f"slope_kama_{n}", f"(KAMA({n})[t] - KAMA({n})[t-1]) / ATR(14)", max(n + 1, 14), lambda p, out=None, n=n: _slope(p, kama(p, n), out), talib="KAMA")
     for a, b in ((5, 20), (20, 50), (50, 200)):
