@@ -54,6 +54,16 @@ def test_loops_equal_the_same_arithmetic_bit_for_bit(fresh_cache):
         with np.errstate(divide="ignore"):
             want = np.where(den == 0, 0.25, (-100.0 * x) / den).astype(dtype)
         np.testing.assert_array_equal(native.safe_div(x, den, 0.25, -100.0, np.empty((3, 1001), dtype)), want)
+        d = a + np.where(a > 0.5, 0.0, c)  # c - d = 0 where a > 0.5
+        with np.errstate(divide="ignore", invalid="ignore"):
+            want = np.where(d - a == 0, 0.0, (-100.0 * (x - c)) / (a - d)).astype(dtype)
+            ratio = native.difference_ratio(x, c, a, d, -100.0, np.empty((3, 1001), dtype))
+        np.testing.assert_array_equal(ratio, want)
+        sums, sums2 = np.cumsum(x, axis=1), np.cumsum(x * x, axis=1)
+        m = (sums[:, 5:] - sums[:, :-5]) / 5.0
+        want = np.sqrt(np.maximum((sums2[:, 5:] - sums2[:, :-5]) / 5.0 - m * m, 0.0)).astype(dtype)
+        got = native.window_std(sums[:, 5:], sums[:, :-5], sums2[:, 5:], sums2[:, :-5], 5, np.empty((3, 996), dtype))
+        np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="float64 or float32"):
         native.diff_times(x, a, c, np.empty((3, 1001), np.int64))
     with pytest.raises(ValueError, match="contiguous bars"):

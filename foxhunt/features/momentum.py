@@ -8,8 +8,6 @@ price units are divided by ATR(14) so they are scale-free.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
@@ -80,8 +78,7 @@ def stoch(p: Panel, fastk: int, slowk: int = 3, slowd: int = 3) -> tuple[Tensor,
 def willr(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib WILLR: -100 * (HH - C) / (HH - LL)."""
     hh, ll = hh_ll(p, n)
-    ratio = functools.partial(ops.difference_ratio, scale=-100.0)
-    return ops.blockwise(ratio, ops.like(hh) if out is None else out, hh, p.close, hh, ll)
+    return ops.difference_ratio(hh, p.close, hh, ll, ops.like(hh) if out is None else out, scale=-100.0)
 
 
 def macd_line_signal(p: Panel, fast: int, slow: int, signal: int) -> tuple[Tensor, Tensor]:

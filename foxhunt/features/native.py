@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 SOURCE = r"""
+#include <math.h>
 #include <stddef.h>
 
 /* y[s, t] = a y[s, t-1] + b x[s, t] from y[s, -1] = y0[s]; rows s at strides xs, ys (in elements). */
@@ -89,10 +90,40 @@ DIFF_TIMES(diff_times_f32, float)
     }
 SAFE_DIV(safe_div_f64, double)
 SAFE_DIV(safe_div_f32, float)
+
+/* out[s, t] = (scale (a - b)) / (c - d), 0 where c == d (a window sum's ratio to another's, a distance over a range). */
+#define DIFFERENCE_RATIO(NAME, OUT)                                                                                \
+    void NAME(const double *a, const double *b, const double *c, const double *d, OUT *out, ptrdiff_t rows,      \
+              ptrdiff_t length, ptrdiff_t as, ptrdiff_t bs, ptrdiff_t cs, ptrdiff_t ds, ptrdiff_t os,            \
+              double scale) {                                                                                    \
+        for (ptrdiff_t s = 0; s < rows; s++)                                                                     \
+            for (ptrdiff_t t = 0; t < length; t++) {                                                             \
+                double den = c[s * cs + t] - d[s * ds + t];                                                      \
+                out[s * os + t] = den == 0.0 ? (OUT)0.0 : (OUT)((scale * (a[s * as + t] - b[s * bs + t])) / den); \
+            }                                                                                                    \
+    }
+DIFFERENCE_RATIO(difference_ratio_f64, double)
+DIFFERENCE_RATIO(difference_ratio_f32, float)
+
+/* out[s, t] = sqrt(max((hi2 - lo2) / n - ((hi - lo) / n)^2, 0)): a population standard deviation from window sums
+   of x and x^2 (NaN stays NaN, as torch's clamp keeps it). */
+#define WINDOW_STD(NAME, OUT)                                                                                      \
+    void NAME(const double *hi, const double *lo, const double *hi2, const double *lo2, OUT *out, ptrdiff_t rows, \
+              ptrdiff_t length, ptrdiff_t hs, ptrdiff_t ls, ptrdiff_t h2s, ptrdiff_t l2s, ptrdiff_t os, double n) { \
+        for (ptrdiff_t s = 0; s < rows; s++)                                                                     \
+            for (ptrdiff_t t = 0; t < length; t++) {                                                             \
+                double m = (hi[s * hs + t] - lo[s * ls + t]) / n;                                                \
+                double v = (hi2[s * h2s + t] - lo2[s * l2s + t]) / n - m * m;                                    \
+                out[s * os + t] = (OUT)sqrt(v < 0.0 ? 0.0 : v);                                                  \
+            }                                                                                                    \
+    }
+WINDOW_STD(window_std_f64, double)
+WINDOW_STD(window_std_f32, float)
 """
 
 #: compiler flags: optimised, position-independent, strict floating point (no contraction into FMA)
 FLAGS = ("-O2", "-shared", "-fPIC", "-ffp-contract=off")
+LIBS = ("-lm",)
 
 _P, _N, _F = ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_double
 
@@ -118,7 +149,7 @@ def build(cc: str, directory: Path) -> Path:
     """The library for this source, flags, compiler and machine: the cached one if its recorded digest matches,
     else compiled afresh (into a temporary file, then renamed, so concurrent builds never see a partial file)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join((SOURCE, *FLAGS, version, platform.machine())).encode()).hexdigest()[:20]
+    key = hashlib.sha256("\0".join((SOURCE, *FLAGS, *LIBS, version, platform.machine())).encode()).hexdigest()[:20]
     lib, sha = directory / f"loops-{key}.so", directory / f"loops-{key}.sha256"
     if lib.exists() and sha.exists() and sha.read_text().strip() == _digest(lib):
         return lib
@@ -126,7 +157,7 @@ def build(cc: str, directory: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         src, out = Path(tmp) / "loops.c", Path(tmp) / "loops.so"
         src.write_text(SOURCE)
-        done = subprocess.run([cc, *FLAGS, "-o", str(out), str(src)], capture_output=True, text=True, check=False)
+        done = subprocess.run([cc, *FLAGS, "-o", str(out), str(src), *LIBS], capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} could not compile foxhunt's CPU loops: {done.stderr.strip()[:500]}")
         digest = _digest(out)
@@ -146,6 +177,9 @@ def _load(path: Path) -> ctypes.CDLL:
         getattr(lib, name).restype = None
     for name in ("safe_div_f64", "safe_div_f32"):
         getattr(lib, name).argtypes = [_P, _P, _P, _N, _N, _N, _N, _N, _F, _F]
+        getattr(lib, name).restype = None
+    for name in ("difference_ratio_f64", "difference_ratio_f32", "window_std_f64", "window_std_f32"):
+        getattr(lib, name).argtypes = [_P, _P, _P, _P, _P, _N, _N, _N, _N, _N, _N, _N, _F]
         getattr(lib, name).restype = None
     return lib
 
@@ -169,10 +203,19 @@ def _self_check(lib: ctypes.CDLL) -> bool:
     got_d, got_q = np.empty((2, 9), np.float32), np.empty((2, 9), np.float32)
     lib.diff_times_f32(x.ctypes.data, a.ctypes.data, den.ctypes.data, got_d.ctypes.data, 2, 9, 9, 9, 9, 9)
     lib.safe_div_f32(x.ctypes.data, den.ctypes.data, got_q.ctypes.data, 2, 9, 9, 9, 9, 0.5, 100.0)
+    got_r, got_s = np.empty((2, 9)), np.empty((2, 9))
+    lib.difference_ratio_f64(x.ctypes.data, a.ctypes.data, den.ctypes.data, a.ctypes.data, got_r.ctypes.data, 2, 9,
+                             9, 9, 9, 9, 9, -100.0)
+    lib.window_std_f64(a.ctypes.data, x.ctypes.data, den.ctypes.data, x.ctypes.data, got_s.ctypes.data, 2, 9, 9, 9,
+                       9, 9, 9, 3.0)
     with np.errstate(divide="ignore", invalid="ignore"):
         want_q = np.where(den == 0, 0.5, 100.0 * x / den).astype(np.float32)
+        want_r = np.where(den - a == 0, 0.0, (-100.0 * (x - a)) / (den - a))
+        m = (a - x) / 3.0
+        want_s = np.sqrt(np.maximum((den - x) / 3.0 - m * m, 0.0))
     return bool(np.array_equal(got_f, want_f) and np.array_equal(got_l, want_l)
-                and np.array_equal(got_d, ((x - a) * den).astype(np.float32)) and np.array_equal(got_q, want_q))
+                and np.array_equal(got_d, ((x - a) * den).astype(np.float32)) and np.array_equal(got_q, want_q)
+                and np.array_equal(got_r, want_r) and np.array_equal(got_s, want_s))
 
 
 @functools.cache
@@ -267,4 +310,26 @@ def safe_div(num: np.ndarray, den: np.ndarray, fill: float, scale: float, out: n
     getattr(_lib(), f"safe_div_{kind}")(num.ctypes.data, den.ctypes.data, out.ctypes.data, out.shape[0],
                                          out.shape[1], _row_stride(num), _row_stride(den),
                                          _row_stride(out, out.dtype.type), float(fill), float(scale))
+    return out
+
+
+def difference_ratio(a: np.ndarray, b: np.ndarray, c: np.ndarray, d: np.ndarray, scale: float,
+                     out: np.ndarray) -> np.ndarray:
+    """out = (scale (a - b)) / (c - d), 0 where c == d, computed in float64 and rounded once into ``out``."""
+    kind = _out_kind(out, a, b, c, d)
+    getattr(_lib(), f"difference_ratio_{kind}")(a.ctypes.data, b.ctypes.data, c.ctypes.data, d.ctypes.data,
+                                                 out.ctypes.data, out.shape[0], out.shape[1], _row_stride(a),
+                                                 _row_stride(b), _row_stride(c), _row_stride(d),
+                                                 _row_stride(out, out.dtype.type), float(scale))
+    return out
+
+
+def window_std(hi: np.ndarray, lo: np.ndarray, hi2: np.ndarray, lo2: np.ndarray, n: int,
+               out: np.ndarray) -> np.ndarray:
+    """out = sqrt(max((hi2 - lo2) / n - ((hi - lo) / n)^2, 0)) from window sums of x and x^2 (population std)."""
+    kind = _out_kind(out, hi, lo, hi2, lo2)
+    getattr(_lib(), f"window_std_{kind}")(hi.ctypes.data, lo.ctypes.data, hi2.ctypes.data, lo2.ctypes.data,
+                                           out.ctypes.data, out.shape[0], out.shape[1], _row_stride(hi),
+                                           _row_stride(lo), _row_stride(hi2), _row_stride(lo2),
+                                           _row_stride(out, out.dtype.type), float(n))
     return out

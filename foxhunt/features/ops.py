@@ -225,10 +225,14 @@ def safe_div(num: Tensor, den: Tensor, fill: float = 0.0, scale: float = 1.0, ou
     return q.masked_fill_(zero, fill)
 
 
-def difference_ratio(a: Tensor, b: Tensor, c: Tensor, d: Tensor, out: Tensor, scale: float = 1.0) -> None:
-    """scale (a - b) / (c - d) into out, 0 where c == d: for :func:`blockwise` runs (no full-size temporaries), e.g.
-    a window sum's ratio to another's, or a distance over a high-low range."""
-    safe_div(torch.sub(a, b), torch.sub(c, d), scale=scale, out=out)
+def difference_ratio(a: Tensor, b: Tensor, c: Tensor, d: Tensor, out: Tensor, scale: float = 1.0) -> Tensor:
+    """scale (a - b) / (c - d) into out (returned), 0 where c == d: e.g. a window sum's ratio to another's, or a
+    distance over a high-low range. On the CPU one compiled pass over whole rows; otherwise torch ops (on a CPU
+    without a compiler, call it through :func:`blockwise` to keep its temporaries in cache)."""
+    if _native(a, b, c, d):
+        native.difference_ratio(_np(a), _np(b), _np(c), _np(d), scale, _np(out))
+        return out
+    return safe_div(torch.sub(a, b), torch.sub(c, d), scale=scale, out=out)
 
 
 def rolling_sum(x: Tensor, n: int, start: int = 0) -> Tensor:
@@ -298,7 +302,11 @@ class Prefix:
         a = self.start + n - 1
         out = self._blank(a)
         if a < self.shape[-1]:
-            blockwise(functools.partial(_std_block, n=n), out[..., a:], *self._both_parts(n, a))
+            parts = self._both_parts(n, a)
+            if _native(*parts):
+                native.window_std(*(_np(x) for x in parts), n, _np(out[..., a:]))
+            else:
+                blockwise(functools.partial(_std_block, n=n), out[..., a:], *parts)
         return out
 
     def _blank(self, a: int) -> Tensor:

@@ -67,7 +67,7 @@ def obv_change(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     if n < p.shape[1]:
         s_hi, s_lo = p.prefix("signed_volume", lambda: _signed_volume(p), 1).parts(n, n)
         v_hi, v_lo = volume_prefix(p, 1).parts(n, n)
-        O.blockwise(O.difference_ratio, out[:, n:], s_hi, s_lo, v_hi, v_lo)  # signed volume / volume, per window
+        O.difference_ratio(s_hi, s_lo, v_hi, v_lo, out[:, n:])  # signed volume / volume, per window
     return out
 
 
