@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_features import make_bars
+from test_features_ops import assert_same_features, every_feature
 
 from foxhunt.features import native, ops
 
@@ -105,3 +107,13 @@ def test_without_a_compiler_the_torch_scans_give_the_same_values(fresh_cache, mo
     monkeypatch.setenv("FOXHUNT_NATIVE", "0")
     native.library.cache_clear()
     assert not native.available()  # switched off: no warning needed
+
+
+def test_without_the_loops_every_feature_is_the_same(fresh_cache, monkeypatch):
+    """The whole registry with the compiled loops and with ``FOXHUNT_NATIVE=0`` (their torch paths): equal to 1e-9."""
+    bars = make_bars(1500, ("AAA", "BBB"), seed=3)
+    assert native.available()
+    fast = every_feature(bars)
+    monkeypatch.setenv("FOXHUNT_NATIVE", "0")
+    native.library.cache_clear()
+    assert_same_features(every_feature(bars), fast)

@@ -1,19 +1,22 @@
 """The CPU loops that numpy cannot write in one pass, in plain C: the scans y[t] = a y[t-1] + b x[t] (EMA, Wilder
-smoothing) and y[t] = a[t] y[t-1] + b[t] (KAMA), as TA-Lib itself computes them, and the features' two commonest
-last steps, (a - b) c and scale num / den (0 / 0 guarded), rounded once into the float32 output.
+smoothing) and y[t] = a[t] y[t-1] + b[t] (KAMA), as TA-Lib itself computes them, and the features' commonest last
+steps ((a - b) c, the guarded division, the ratio of two differences, a rolling standard deviation from window sums),
+rounded once into the float32 output.
 
 A first-order recurrence is sequential: numpy can only block it (a multiply, block sums, a running sum and a
 multiply per block, ~6 ms a million bars), where a C loop takes one multiply-add a bar (~1.2 ms; TA-Lib's EMA
 ~2.1 ms with its fresh output). A last step in numpy is two or three passes over cache-sized runs (~1.9 ms a million
 bars for (a - b) c into float32, ~1.85 for the guarded division) where one C pass takes ~1.0 and ~1.4 ms, with the
-same float64 operations and one rounding, so bit-identical results. The source below is compiled on first use with the system's C compiler (``$CC``,
-else ``cc``) into the user's cache (``$FOXHUNT_CACHE``, else ``$XDG_CACHE_HOME/foxhunt``, else
-``~/.cache/foxhunt``), under a name that hashes the source, the flags, the compiler's version and the machine, and
-loaded with :mod:`ctypes`. A cached library is verified before it is loaded (the SHA-256 recorded beside it when it
-was built: one that differs is rebuilt) and checked once against the same arithmetic in Python after (one that fails
-is removed and not used). Without a compiler (or
-with ``FOXHUNT_NATIVE=0``) :func:`available` is False, one warning says so, and :mod:`foxhunt.features.ops` runs
-its plain torch scan on the CPU instead: the same values, slower.
+same float64 operations in the same order and one rounding: bit-identical results.
+
+The source below is compiled on first use with the system's C compiler (``$CC``, else ``cc``) into the user's cache
+(``$FOXHUNT_CACHE``, else ``$XDG_CACHE_HOME/foxhunt``, else ``~/.cache/foxhunt``), under a name that hashes the
+source, the flags, the compiler's version and the machine's CPU (the loops are vectorised for it), and loaded with
+:mod:`ctypes`. A cached library is
+verified before it is loaded (the SHA-256 recorded beside it when it was built: one that differs is rebuilt) and
+checked once against the same arithmetic in Python after (one that fails is removed and not used). Without a
+compiler (or with ``FOXHUNT_NATIVE=0``) :func:`available` is False, one warning says so, and
+:mod:`foxhunt.features.ops` runs those primitives' torch path on the CPU instead: the same values, slower.
 
 The loops read bar t only from bars <= t (causal by construction), in float64, with strict IEEE arithmetic (no
 ``-ffast-math``, no contraction into fused multiply-adds), so results do not depend on the machine.
@@ -119,10 +122,34 @@ DIFFERENCE_RATIO(difference_ratio_f32, float)
     }
 WINDOW_STD(window_std_f64, double)
 WINDOW_STD(window_std_f32, float)
+
+/* The block-centred windows of BlockPrefix (one row per block, ref[s] its centre): mean = (hi - lo) / n + ref and,
+   with sd, k sqrt(max((hi2 - lo2) / n - ((hi - lo) / n)^2, 0)) (TA-Lib's SMA and k STDDEV). Outputs contiguous. */
+void block_mean(const double *hi, const double *lo, const double *ref, double *mean, ptrdiff_t rows,
+                ptrdiff_t length, ptrdiff_t hs, ptrdiff_t ls, double n) {
+    for (ptrdiff_t s = 0; s < rows; s++)
+        for (ptrdiff_t t = 0; t < length; t++)
+            mean[s * length + t] = (hi[s * hs + t] - lo[s * ls + t]) / n + ref[s];
+}
+
+void block_mean_std(const double *hi, const double *lo, const double *hi2, const double *lo2, const double *ref,
+                    double *mean, double *sd, ptrdiff_t rows, ptrdiff_t length, ptrdiff_t hs, ptrdiff_t ls,
+                    ptrdiff_t h2s, ptrdiff_t l2s, double n, double k) {
+    for (ptrdiff_t s = 0; s < rows; s++)
+        for (ptrdiff_t t = 0; t < length; t++) {
+            double m = (hi[s * hs + t] - lo[s * ls + t]) / n;
+            double v = (hi2[s * h2s + t] - lo2[s * l2s + t]) / n - m * m;
+            sd[s * length + t] = sqrt(v < 0.0 ? 0.0 : v) * k;
+            mean[s * length + t] = m + ref[s];
+        }
+}
 """
 
-#: compiler flags: optimised, position-independent, strict floating point (no contraction into FMA)
-FLAGS = ("-O2", "-shared", "-fPIC", "-ffp-contract=off")
+#: compiler flags: optimised and vectorised for this machine's CPU, position-independent, strict floating point (no
+#: contraction into FMA; vector and scalar IEEE division and square root round alike, so the values do not depend on
+#: the CPU); sqrt without errno, so that it vectorises. Where the compiler refuses -march=native: the same without it.
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
+PORTABLE_FLAGS = tuple(f for f in FLAGS if f != "-march=native")
 LIBS = ("-lm",)
 
 _P, _N, _F = ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_double
@@ -141,6 +168,17 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
 
 
+def _cpu() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags (Linux), else the processor's name, so a
+    cache shared by different machines keeps one library per kind of CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -149,7 +187,7 @@ def build(cc: str, directory: Path) -> Path:
     """The library for this source, flags, compiler and machine: the cached one if its recorded digest matches,
     else compiled afresh (into a temporary file, then renamed, so concurrent builds never see a partial file)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join((SOURCE, *FLAGS, *LIBS, version, platform.machine())).encode()).hexdigest()[:20]
+    key = hashlib.sha256("\0".join((SOURCE, *FLAGS, *LIBS, version, platform.machine(), _cpu())).encode()).hexdigest()[:20]
     lib, sha = directory / f"loops-{key}.so", directory / f"loops-{key}.sha256"
     if lib.exists() and sha.exists() and sha.read_text().strip() == _digest(lib):
         return lib
@@ -157,7 +195,11 @@ def build(cc: str, directory: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         src, out = Path(tmp) / "loops.c", Path(tmp) / "loops.so"
         src.write_text(SOURCE)
-        done = subprocess.run([cc, *FLAGS, "-o", str(out), str(src), *LIBS], capture_output=True, text=True, check=False)
+        for flags in (FLAGS, PORTABLE_FLAGS):
+            done = subprocess.run([cc, *flags, "-o", str(out), str(src), *LIBS], capture_output=True, text=True,
+                                  check=False)
+            if done.returncode == 0:
+                break
         if done.returncode != 0:
             raise RuntimeError(f"{cc} could not compile foxhunt's CPU loops: {done.stderr.strip()[:500]}")
         digest = _digest(out)
@@ -178,6 +220,10 @@ def _load(path: Path) -> ctypes.CDLL:
     for name in ("safe_div_f64", "safe_div_f32"):
         getattr(lib, name).argtypes = [_P, _P, _P, _N, _N, _N, _N, _N, _F, _F]
         getattr(lib, name).restype = None
+    lib.block_mean.argtypes = [_P, _P, _P, _P, _N, _N, _N, _N, _F]
+    lib.block_mean.restype = None
+    lib.block_mean_std.argtypes = [_P, _P, _P, _P, _P, _P, _P, _N, _N, _N, _N, _N, _N, _F, _F]
+    lib.block_mean_std.restype = None
     for name in ("difference_ratio_f64", "difference_ratio_f32", "window_std_f64", "window_std_f32"):
         getattr(lib, name).argtypes = [_P, _P, _P, _P, _P, _N, _N, _N, _N, _N, _N, _N, _F]
         getattr(lib, name).restype = None
@@ -213,7 +259,14 @@ def _self_check(lib: ctypes.CDLL) -> bool:
         want_r = np.where(den - a == 0, 0.0, (-100.0 * (x - a)) / (den - a))
         m = (a - x) / 3.0
         want_s = np.sqrt(np.maximum((den - x) / 3.0 - m * m, 0.0))
-    return bool(np.array_equal(got_f, want_f) and np.array_equal(got_l, want_l)
+    got_m, got_sd = np.empty((2, 9)), np.empty((2, 9))
+    lib.block_mean_std(a.ctypes.data, x.ctypes.data, den.ctypes.data, x.ctypes.data, y0.ctypes.data, got_m.ctypes.data,
+                       got_sd.ctypes.data, 2, 9, 9, 9, 9, 9, 3.0, 2.0)
+    want_m = (a - x) / 3.0 + y0[:, None]
+    ok_block = np.array_equal(got_m, want_m) and np.array_equal(got_sd, want_s * 2.0)
+    lib.block_mean(a.ctypes.data, x.ctypes.data, y0.ctypes.data, got_m.ctypes.data, 2, 9, 9, 9, 3.0)
+    ok_block = ok_block and np.array_equal(got_m, want_m)
+    return bool(ok_block and np.array_equal(got_f, want_f) and np.array_equal(got_l, want_l)
                 and np.array_equal(got_d, ((x - a) * den).astype(np.float32)) and np.array_equal(got_q, want_q)
                 and np.array_equal(got_r, want_r) and np.array_equal(got_s, want_s))
 
@@ -333,3 +386,38 @@ def window_std(hi: np.ndarray, lo: np.ndarray, hi2: np.ndarray, lo2: np.ndarray,
                                            _row_stride(lo), _row_stride(hi2), _row_stride(lo2),
                                            _row_stride(out, out.dtype.type), float(n))
     return out
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    """A [S, nb, B] block-layout view as [S nb, B] rows (no copy: a block's row follows the previous one's)."""
+    S, nb, B = x.shape
+    rows = x.reshape(S * nb, B)
+    if not np.shares_memory(rows, x):
+        raise ValueError(f"block layout {x.shape} strides {x.strides} cannot be viewed as rows")
+    return rows
+
+
+def block_mean(hi: np.ndarray, lo: np.ndarray, ref: np.ndarray, n: int, mean: np.ndarray) -> np.ndarray:
+    """mean = (hi - lo) / n + ref on block layouts [S, nb, B] (ref [S, nb, 1]); ``mean`` contiguous float64."""
+    h, lw, m = _rows(hi), _rows(lo), _rows(mean)
+    _out_kind(m, h, lw)
+    if not mean.flags.c_contiguous or mean.dtype != np.float64:
+        raise ValueError("block_mean writes a contiguous float64 output")
+    r = np.ascontiguousarray(ref.reshape(-1))
+    _lib().block_mean(h.ctypes.data, lw.ctypes.data, r.ctypes.data, m.ctypes.data, m.shape[0], m.shape[1],
+                      _row_stride(h), _row_stride(lw), float(n))
+    return mean
+
+
+def block_mean_std(hi: np.ndarray, lo: np.ndarray, hi2: np.ndarray, lo2: np.ndarray, ref: np.ndarray, n: int,
+                   k: float, mean: np.ndarray, sd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`block_mean` and k population standard deviations from window sums of x and x^2, on block layouts."""
+    h, lw, h2, l2, m, d = (_rows(x) for x in (hi, lo, hi2, lo2, mean, sd))
+    _out_kind(m, h, lw, h2, l2, d)
+    if not (mean.flags.c_contiguous and sd.flags.c_contiguous and mean.dtype == sd.dtype == np.float64):
+        raise ValueError("block_mean_std writes contiguous float64 outputs")
+    r = np.ascontiguousarray(ref.reshape(-1))
+    _lib().block_mean_std(h.ctypes.data, lw.ctypes.data, h2.ctypes.data, l2.ctypes.data, r.ctypes.data, m.ctypes.data,
+                          d.ctypes.data, m.shape[0], m.shape[1], _row_stride(h), _row_stride(lw), _row_stride(h2),
+                          _row_stride(l2), float(n), float(k))
+    return mean, sd

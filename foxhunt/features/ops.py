@@ -448,8 +448,9 @@ def _last_finite_at(x: Tensor, ok: Tensor, step: int, k: int) -> Tensor:
 
 def block_prefix(x: Tensor, max_window: int, start: int = 0, squares: bool = False) -> BlockPrefix | HostBlockPrefix:
     """Block-centred prefix sums of x for windows up to ``max_window`` bars: :class:`BlockPrefix`, or on the CPU
-    the same layout and arithmetic evaluated in cache-sized runs of blocks (:class:`HostBlockPrefix`)."""
-    if fast_path(x):
+    the same layout and arithmetic on numpy views, its windows in compiled loops (:class:`HostBlockPrefix`; without
+    a compiler, :class:`BlockPrefix`)."""
+    if fast_path(x) and native.available():
         return HostBlockPrefix(x, max_window, start, squares)
     return BlockPrefix(x, max_window, start, squares)
 
