@@ -117,3 +117,16 @@ def test_without_the_loops_every_feature_is_the_same(fresh_cache, monkeypatch):
     monkeypatch.setenv("FOXHUNT_NATIVE", "0")
     native.library.cache_clear()
     assert_same_features(every_feature(bars), fast)
+
+
+def test_a_compiler_without_march_native_still_builds(fresh_cache, tmp_path, monkeypatch):
+    """A compiler that refuses -march=native (some do) gets the portable flags: the loops build and check."""
+    wrapper = tmp_path / "cc-no-native"
+    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = "-march=native" ] && exit 1; done\nexec {native.compiler()} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    native.library.cache_clear()
+    assert native.available()
+    x = np.random.default_rng(5).standard_normal((1, 300))
+    out = np.empty_like(x)
+    np.testing.assert_array_equal(native.first_order(x, 0.5, 0.5, np.zeros(1), out), loop(np.full_like(x, 0.5), 0.5 * x, np.zeros(1)))
