@@ -10,12 +10,10 @@ One implementation serves every device (foxhunt.features.ops: CPU kernels on the
 Targets (issue 19): the whole set in <= 1.5 s on one core, <= 1.5x TA-Lib's time per feature on the TA-Lib-derived
 features, peak memory <= 1.5x the float32 output.
 
-Measured 2026-12-01 (1,000,000 bars, one thread, a 2-core machine shared with other jobs at load 5-8; eight runs
-alternating with eeb8864, before the buffer pool, run through PYTHONPATH; best of 3 per run): whole set
-0.79-1.18 s CPU with 2.6-10k minor page faults (before: 0.85-1.68 s, 15-58k faults); TA-Lib-derived features
-1.62-2.14x TA-Lib's CPU time with 35-310 faults (before: 1.85-2.15x, 850-4,150 faults); peak memory 1.10-1.28x the
-output (before: 0.97-1.23x). The first call in a fresh process is slower for both (whole set 1.55-2.10 s CPU, before
-1.65-2.07 s): there the kernel first maps the output's and the pool's huge pages.
+Measured 2026-12-01 with the compiled loops of foxhunt.features.native (1,000,000 bars, one thread, a 2-core machine
+otherwise idle; four runs, best of 3 per run): whole set 0.78-0.89 s CPU; peak memory 1.07-1.16x the output;
+TA-Lib-derived features (87) against TA-Lib's 68 calls, "reused memory, both" 1.33 / 1.55 / 1.34 / 1.44x, "memory
+reused by the allocator, both" 1.39 / 1.28 / 1.32 / 1.26x (before the loops: 1.5-1.9x and 1.4-1.9x).
 
 The TA-Lib comparison times four things, interleaved: TA-Lib with its outputs kept (whether malloc hands the last
 repeat's freed 8 MB arrays back is luck: 0 or ~41k page faults, 0.31-1.0 s CPU), TA-Lib with each output dropped after
@@ -23,11 +21,7 @@ its call (no faults: its compute alone, the conservative reference), foxhunt's p
 output each call) and compute(out=) (an earlier result's values overwritten); then, inside
 foxhunt.training.memory.retain_freed_memory (glibc keeps freed memory, as during foxhunt.fit), plain compute() and
 TA-Lib with its outputs kept. "Reused memory, both" (out= against TA-Lib dropped) and "memory reused by the
-allocator, both" are the like-for-like figures; "fresh memory, both" swings with TA-Lib's luck. Measured 2026-12-01
-(seven runs, load ~3): out= 0.60-0.73 s CPU against TA-Lib dropped 0.31-0.34 s, ratio 1.97-2.25x; retained 1.92-2.19x
-(three runs); both not met. Plain compute() 0.82-1.34 s. Again after 3d33831 (fewer passes, ~23 ms less by component
-timings; four runs at load 3.7-4.9): out= 0.54-0.70 s against 0.30-0.32 s, 1.69-2.20x; retained 1.68-1.87x; not met.
-The code before it, interleaved with those runs: 1.81-1.91x and 1.71-1.87x (this load hides a 4% change).
+allocator, both" are the like-for-like figures; "fresh memory, both" swings with TA-Lib's luck.
 """
 
 from __future__ import annotations

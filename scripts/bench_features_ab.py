@@ -11,8 +11,10 @@ checkout (one without ``foxhunt.training.memory``, say) runs too.
     python scripts/bench_features_ab.py --other /tmp/old --rounds 3
 
 Measured 2026-12-01, eight alternating pairs over three runs (load 1-2), best-of-runs ratio per process: 123d703
-1.90 1.62 1.53 1.65 1.67 1.55 1.66 1.78 (median 1.66x TA-Lib), this code 1.67 1.64 1.56 1.89 1.76 1.70 1.70 1.67
-(median 1.69x): level within the run-to-run spread; neither meets 1.5x.
+1.90 1.62 1.53 1.65 1.67 1.55 1.66 1.78 (median 1.66x TA-Lib), 823f31d 1.67 1.64 1.56 1.89 1.76 1.70 1.70 1.67
+(median 1.69x): level within the run-to-run spread. Then with the compiled loops of foxhunt.features.native (four
+pairs, idle machine): this code 1.23 1.11 1.22 1.28 against 823f31d's 1.95 1.72 2.03 1.94 (TA-Lib's calls come from
+this checkout's talib_reference.py, so both sides ran without CMO, which this code no longer derives a feature from).
 """
 
 from __future__ import annotations

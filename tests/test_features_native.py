@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_features import make_bars
 from test_features_ops import assert_same_features, every_feature
+from test_features_ops import loop_recurrence as loop
 
 from foxhunt.features import native, ops
 
@@ -22,16 +23,6 @@ def fresh_cache(tmp_path, monkeypatch):
     native.library.cache_clear()
     yield tmp_path / "native"
     native.library.cache_clear()
-
-
-def loop(a: np.ndarray, b: np.ndarray, y0: np.ndarray) -> np.ndarray:
-    y = np.empty_like(b)
-    for s in range(b.shape[0]):
-        v = y0[s]
-        for i in range(b.shape[1]):
-            v = a[s, i] * v + b[s, i]
-            y[s, i] = v
-    return y
 
 
 def test_loops_equal_the_same_arithmetic_bit_for_bit(fresh_cache):

@@ -348,44 +348,36 @@ def linear_recurrence(a: np.ndarray, b: np.ndarray, y0: np.ndarray, out: np.ndar
     return out
 
 
+def _elementwise(name: str, out: np.ndarray, inputs: tuple[np.ndarray, ...], *scalars: float) -> np.ndarray:
+    """Run the loop ``name`` (its float64 or float32 version, by ``out``'s dtype) over [S, T] inputs of out's shape:
+    the C signature (inputs, out, rows, length, each input's row stride, out's row stride, scalars)."""
+    kind = _out_kind(out, *inputs)
+    getattr(_lib(), f"{name}_{kind}")(*(x.ctypes.data for x in inputs), out.ctypes.data, out.shape[0], out.shape[1],
+                                       *(_row_stride(x) for x in inputs), _row_stride(out, out.dtype.type),
+                                       *(float(v) for v in scalars))
+    return out
+
+
 def diff_times(a: np.ndarray, b: np.ndarray, c: np.ndarray, out: np.ndarray) -> np.ndarray:
     """out = (a - b) c, computed in float64 and rounded once into ``out`` (float64 or float32)."""
-    kind = _out_kind(out, a, b, c)
-    getattr(_lib(), f"diff_times_{kind}")(a.ctypes.data, b.ctypes.data, c.ctypes.data, out.ctypes.data, out.shape[0],
-                                           out.shape[1], _row_stride(a), _row_stride(b), _row_stride(c),
-                                           _row_stride(out, out.dtype.type))
-    return out
+    return _elementwise("diff_times", out, (a, b, c))
 
 
 def safe_div(num: np.ndarray, den: np.ndarray, fill: float, scale: float, out: np.ndarray) -> np.ndarray:
     """out = (scale num) / den, ``fill`` where den == 0, computed in float64 and rounded once into ``out``."""
-    kind = _out_kind(out, num, den)
-    getattr(_lib(), f"safe_div_{kind}")(num.ctypes.data, den.ctypes.data, out.ctypes.data, out.shape[0],
-                                         out.shape[1], _row_stride(num), _row_stride(den),
-                                         _row_stride(out, out.dtype.type), float(fill), float(scale))
-    return out
+    return _elementwise("safe_div", out, (num, den), fill, scale)
 
 
 def difference_ratio(a: np.ndarray, b: np.ndarray, c: np.ndarray, d: np.ndarray, scale: float,
                      out: np.ndarray) -> np.ndarray:
     """out = (scale (a - b)) / (c - d), 0 where c == d, computed in float64 and rounded once into ``out``."""
-    kind = _out_kind(out, a, b, c, d)
-    getattr(_lib(), f"difference_ratio_{kind}")(a.ctypes.data, b.ctypes.data, c.ctypes.data, d.ctypes.data,
-                                                 out.ctypes.data, out.shape[0], out.shape[1], _row_stride(a),
-                                                 _row_stride(b), _row_stride(c), _row_stride(d),
-                                                 _row_stride(out, out.dtype.type), float(scale))
-    return out
+    return _elementwise("difference_ratio", out, (a, b, c, d), scale)
 
 
 def window_std(hi: np.ndarray, lo: np.ndarray, hi2: np.ndarray, lo2: np.ndarray, n: int,
                out: np.ndarray) -> np.ndarray:
     """out = sqrt(max((hi2 - lo2) / n - ((hi - lo) / n)^2, 0)) from window sums of x and x^2 (population std)."""
-    kind = _out_kind(out, hi, lo, hi2, lo2)
-    getattr(_lib(), f"window_std_{kind}")(hi.ctypes.data, lo.ctypes.data, hi2.ctypes.data, lo2.ctypes.data,
-                                           out.ctypes.data, out.shape[0], out.shape[1], _row_stride(hi),
-                                           _row_stride(lo), _row_stride(hi2), _row_stride(lo2),
-                                           _row_stride(out, out.dtype.type), float(n))
-    return out
+    return _elementwise("window_std", out, (hi, lo, hi2, lo2), n)
 
 
 def _rows(x: np.ndarray) -> np.ndarray:
