@@ -11,7 +11,7 @@ Targets (issue 19): the whole set in <= 1.5 s on one core, <= 1.5x TA-Lib's time
 features, peak memory <= 1.5x the float32 output.
 
 Measured 2026-12-01 with the compiled loops of foxhunt.features.native (1,000,000 bars, one thread, a 2-core machine
-otherwise idle; four runs, best of 3 per run): whole set 0.78-0.89 s CPU; peak memory 1.07-1.16x the output;
+otherwise idle; four runs, best of 3 per run): whole set 0.73-0.84 s CPU; peak memory 1.07-1.31x the output;
 TA-Lib-derived features (87) against TA-Lib's 68 calls, "reused memory, both" 1.33 / 1.55 / 1.34 / 1.44x, "memory
 reused by the allocator, both" 1.39 / 1.28 / 1.32 / 1.26x (before the loops: 1.5-1.9x and 1.4-1.9x).
 
