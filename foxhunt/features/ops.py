@@ -9,8 +9,9 @@ defined; TA-Lib's seeding and look-backs are kept.
 
 The switch :func:`fast_path` sends CPU tensors to :mod:`foxhunt.features.cpu_kernels` instead: the same
 definitions on zero-copy numpy views, tuned for one core (cache-sized runs of bars, uint8 ages), returned as tensors
-sharing the numpy memory; the recursive scans (EMA, Wilder, KAMA) run there as one compiled C loop each
-(:mod:`foxhunt.features.native`, the plain torch scan where no C compiler is found). Tests hold both paths equal.
+sharing the numpy memory. The recursive scans (EMA, Wilder, KAMA), the commonest last steps and the windowed moments
+run as compiled C loops instead (:mod:`foxhunt.features.native`; their torch path where no C compiler is found).
+Tests hold all paths equal.
 """
 
 from __future__ import annotations
