@@ -1,13 +1,12 @@
 """The CPU fast paths of :mod:`foxhunt.features.ops`: numpy kernels on [S, T] float64 arrays, tuned for one core.
 
 ``ops`` hands a CPU tensor's zero-copy numpy view here (the switch ``ops.fast_path``); each kernel computes what its
-torch reference in ``ops`` computes (the recursive scans run as compiled loops instead:
-:mod:`foxhunt.features.native`). Every function reads bar t only from bars <= t: rolling variance of price levels
-takes its prefix sums inside
-blocks centred on a past value (float64 error relative to the local spread, not to a million squared prices),
-rolling extrema and arg-extrema double (log2(n) passes, exact; ages in uint8), and elementwise tails run in
-cache-sized blocks with a float32 destination written once. No Python loop runs over bars; rows that an indicator
-has not yet filled are NaN.
+torch reference in ``ops`` computes (the recursive scans, the commonest last steps and the windowed moments run as
+compiled loops instead: :mod:`foxhunt.features.native`). Every function reads bar t only from bars <= t: rolling
+variance of price levels takes its prefix sums inside blocks centred on a past value (float64 error relative to the
+local spread, not to a million squared prices), rolling extrema and arg-extrema double (log2(n) passes, exact; ages
+in uint8), and elementwise tails run in cache-sized blocks with a float32 destination written once. No Python loop
+runs over bars; rows that an indicator has not yet filled are NaN.
 """
 
 from __future__ import annotations
@@ -179,19 +178,16 @@ class BlockPrefix:
         self.cs2 = _cumsum_of_squares(d) if squares else None
         self.cs = cumsum(d, out=d)
 
+    def _parts(self, cs: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(hi, lo) in block layout [S, nb, B]: their window sums over n bars are hi - lo."""
+        if n > self.W:
+            raise ValueError(f"window {n} exceeds this prefix's max_window {self.W}")
+        W, B = self.W, self.B
+        return cs[:, :, W : W + B], cs[:, :, W - n : W - n + B]
+
     def _window(self, cs: np.ndarray, n: int) -> np.ndarray:
         """Window sums [S, nb, B] of the centred series (block layout)."""
-        if n > self.W:
-            raise ValueError(f"window {n} exceeds this prefix's max_window {self.W}")
-        W, B = self.W, self.B
-        return np.subtract(cs[:, :, W : W + B], cs[:, :, W - n : W - n + B], out=empty((self.shape[0], self.nb, B)))
-
-    def _parts(self, cs: np.ndarray, n: int, j: slice) -> tuple[np.ndarray, np.ndarray]:
-        """(hi, lo) of the blocks j: their window sums over n bars are hi - lo."""
-        if n > self.W:
-            raise ValueError(f"window {n} exceeds this prefix's max_window {self.W}")
-        W, B = self.W, self.B
-        return cs[:, j, W : W + B], cs[:, j, W - n : W - n + B]
+        return np.subtract(*self._parts(cs, n), out=empty((self.shape[0], self.nb, self.B)))
 
     def _flat(self, w: np.ndarray, n: int) -> np.ndarray:
         """Block layout [S, nb, B] to bars [S, T], NaN before the first full window."""
@@ -209,7 +205,7 @@ class BlockPrefix:
     def mean(self, n: int) -> np.ndarray:
         """Mean of x[t-n+1..t] (TA-Lib SMA): one compiled pass over the blocks (:mod:`foxhunt.features.native`)."""
         w = empty((self.shape[0], self.nb, self.B))
-        native.block_mean(*self._parts(self.cs, n, slice(None)), self.ref, n, w)
+        native.block_mean(*self._parts(self.cs, n), self.ref, n, w)
         return self._flat(w, n)
 
     def mean_std(self, n: int, k: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -218,8 +214,7 @@ class BlockPrefix:
             raise ValueError("BlockPrefix built without squares")
         S = self.shape[0]
         mean, sd = empty((S, self.nb, self.B)), empty((S, self.nb, self.B))
-        every = slice(None)
-        native.block_mean_std(*self._parts(self.cs, n, every), *self._parts(self.cs2, n, every), self.ref, n, k, mean, sd)
+        native.block_mean_std(*self._parts(self.cs, n), *self._parts(self.cs2, n), self.ref, n, k, mean, sd)
         return self._flat(mean, n), self._flat(sd, n)
 
     def mean_var(self, n: int) -> tuple[np.ndarray, np.ndarray]:
