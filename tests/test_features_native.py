@@ -11,6 +11,7 @@ from test_features import make_bars
 from test_features_ops import assert_same_features, every_feature
 from test_features_ops import loop_recurrence as loop
 
+from foxhunt import compiled
 from foxhunt.features import native, ops
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler here")
@@ -70,7 +71,7 @@ def test_cache_is_built_once_and_verified(fresh_cache):
     longer matches) is rebuilt rather than loaded."""
     assert native.available()
     libs = list(fresh_cache.glob("loops-*.so"))
-    assert len(libs) == 1 and libs[0].with_suffix(".sha256").read_text().strip() == native._digest(libs[0])
+    assert len(libs) == 1 and libs[0].with_suffix(".sha256").read_text().strip() == compiled.digest(libs[0])
     built = libs[0].stat().st_mtime_ns
     native.library.cache_clear()
     assert native.available() and libs[0].stat().st_mtime_ns == built  # reused, not rebuilt
@@ -79,7 +80,7 @@ def test_cache_is_built_once_and_verified(fresh_cache):
     native.library.cache_clear()
     assert native.available()
     assert libs[0].read_bytes() != b"not a library"
-    assert libs[0].with_suffix(".sha256").read_text().strip() == native._digest(libs[0])
+    assert libs[0].with_suffix(".sha256").read_text().strip() == compiled.digest(libs[0])
 
 
 def test_without_a_compiler_the_torch_scans_give_the_same_values(fresh_cache, monkeypatch):

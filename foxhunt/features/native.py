@@ -9,13 +9,9 @@ multiply per block, ~6 ms a million bars), where a C loop takes one multiply-add
 bars for (a - b) c into float32, ~1.85 for the guarded division) where one C pass takes ~1.0 and ~1.4 ms, with the
 same float64 operations in the same order and one rounding: bit-identical results.
 
-The source below is compiled on first use with the system's C compiler (``$CC``, else ``cc``) into the user's cache
-(``$FOXHUNT_CACHE``, else ``$XDG_CACHE_HOME/foxhunt``, else ``~/.cache/foxhunt``), under a name that hashes the
-source, the flags, the compiler's version and the machine's CPU (the loops are vectorised for it), and loaded with
-:mod:`ctypes`. A cached library is
-verified before it is loaded (the SHA-256 recorded beside it when it was built: one that differs is rebuilt) and
-checked once against the same arithmetic in Python after (one that fails is removed and not used). Without a
-compiler (or with ``FOXHUNT_NATIVE=0``) :func:`available` is False, one warning says so, and
+The source below is compiled on first use, cached and verified by :mod:`foxhunt.compiled` (one library per source,
+flags, compiler and CPU; a damaged one is rebuilt, one that fails its self-check against the same arithmetic in Python
+is removed). Without a compiler (or with ``FOXHUNT_NATIVE=0``) :func:`available` is False, one warning says so, and
 :mod:`foxhunt.features.ops` runs those primitives' torch path on the CPU instead: the same values, slower.
 
 The loops read bar t only from bars <= t (causal by construction), in float64, with strict IEEE arithmetic (no
@@ -26,16 +22,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import warnings
-from pathlib import Path
 
 import numpy as np
+
+from foxhunt import compiled
+from foxhunt.compiled import compiler
+
+__all__ = ["available", "compiler", "library"]
 
 SOURCE = r"""
 #include <math.h>
@@ -145,71 +138,15 @@ void block_mean_std(const double *hi, const double *lo, const double *hi2, const
 }
 """
 
-#: compiler flags: optimised and vectorised for this machine's CPU, position-independent, strict floating point (no
-#: contraction into FMA; vector and scalar IEEE division and square root round alike, so the values do not depend on
-#: the CPU); sqrt without errno, so that it vectorises. Where the compiler refuses -march=native: the same without it.
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
-PORTABLE_FLAGS = tuple(f for f in FLAGS if f != "-march=native")
-LIBS = ("-lm",)
+#: compiler flags: optimised and vectorised for this machine's CPU, strict floating point (no contraction into FMA;
+#: vector and scalar IEEE division and square root round alike, so the values do not depend on the CPU); sqrt without
+#: errno, so that it vectorises. Where the compiler refuses -march=native: the same without it (foxhunt.compiled).
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off")
 
 _P, _N, _F = ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_double
 
 
-def cache_dir() -> Path:
-    """Where compiled libraries are kept (see the module docstring)."""
-    if os.environ.get("FOXHUNT_CACHE"):
-        return Path(os.environ["FOXHUNT_CACHE"]) / "native"
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "foxhunt" / "native"
-
-
-def compiler() -> str | None:
-    """The C compiler's path ($CC, else cc), or None where there is none."""
-    return shutil.which(os.environ.get("CC", "cc"))
-
-
-def _cpu() -> str:
-    """What -march=native compiles for: the CPU's model and feature flags (Linux), else the processor's name, so a
-    cache shared by different machines keeps one library per kind of CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor()
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def build(cc: str, directory: Path) -> Path:
-    """The library for this source, flags, compiler and machine: the cached one if its recorded digest matches,
-    else compiled afresh (into a temporary file, then renamed, so concurrent builds never see a partial file)."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join((SOURCE, *FLAGS, *LIBS, version, platform.machine(), _cpu())).encode()).hexdigest()[:20]
-    lib, sha = directory / f"loops-{key}.so", directory / f"loops-{key}.sha256"
-    if lib.exists() and sha.exists() and sha.read_text().strip() == _digest(lib):
-        return lib
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        src, out = Path(tmp) / "loops.c", Path(tmp) / "loops.so"
-        src.write_text(SOURCE)
-        for flags in (FLAGS, PORTABLE_FLAGS):
-            done = subprocess.run([cc, *flags, "-o", str(out), str(src), *LIBS], capture_output=True, text=True,
-                                  check=False)
-            if done.returncode == 0:
-                break
-        if done.returncode != 0:
-            raise RuntimeError(f"{cc} could not compile foxhunt's CPU loops: {done.stderr.strip()[:500]}")
-        digest = _digest(out)
-        os.replace(out, lib)
-    sha.write_text(digest + "\n")
-    return lib
-
-
-def _load(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
+def _declare(lib: ctypes.CDLL) -> None:
     lib.first_order.argtypes = [_P, _P, _N, _N, _N, _N, _F, _F, _P]
     lib.first_order.restype = None
     lib.linear_recurrence.argtypes = [_P, _P, _P, _N, _N, _N, _N, _N, _P]
@@ -227,7 +164,6 @@ def _load(path: Path) -> ctypes.CDLL:
     for name in ("difference_ratio_f64", "difference_ratio_f32", "window_std_f64", "window_std_f32"):
         getattr(lib, name).argtypes = [_P, _P, _P, _P, _P, _N, _N, _N, _N, _N, _N, _N, _F]
         getattr(lib, name).restype = None
-    return lib
 
 
 def _self_check(lib: ctypes.CDLL) -> bool:
@@ -274,24 +210,8 @@ def _self_check(lib: ctypes.CDLL) -> bool:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled loops, built or verified once per process; None (with one warning) where they cannot be had."""
-    if os.environ.get("FOXHUNT_NATIVE", "1") == "0":
-        return None
-    cc = compiler()
-    if cc is None:
-        warnings.warn("foxhunt: no C compiler (cc, or $CC) found; the CPU features run the plain torch path "
-                      "(the same values, slower)", RuntimeWarning, stacklevel=2)
-        return None
-    try:
-        path = build(cc, cache_dir())
-        lib = _load(path)
-        if not _self_check(lib):  # loads but computes wrongly: removed, so that the next process builds it afresh
-            path.unlink(missing_ok=True)
-            raise RuntimeError(f"{path} computes wrongly (removed)")
-        return lib
-    except (OSError, RuntimeError) as e:
-        warnings.warn(f"foxhunt: the compiled CPU loops are unavailable ({e}); the CPU features run the plain "
-                      "torch path (the same values, slower)", RuntimeWarning, stacklevel=2)
-        return None
+    return compiled.load("loops", SOURCE, FLAGS, _declare, _self_check,
+                         "the CPU features run the plain torch path (the same values, slower)")
 
 
 def available() -> bool:
