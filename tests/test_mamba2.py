@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import foxhunt
+from foxhunt.compiled import compiler
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.data.windows import WindowBatches
 from foxhunt.lit.mamba2 import Mamba2Module
@@ -218,8 +219,11 @@ def test_fast_and_plain_block_paths_agree(bias: bool) -> None:
         block(scan="dense")
 
 
-@pytest.mark.parametrize(("scan", "fused"), [("factored", True), ("chunked", False)])
-def test_block_step_equals_parallel_form(scan: str, fused: bool) -> None:
+PATHS = [("factored", True, False), ("chunked", False, False), ("factored", True, True)]  # scan, fused, native
+
+
+@pytest.mark.parametrize(("scan", "fused", "native"), PATHS)
+def test_block_step_equals_parallel_form(scan: str, fused: bool, native: bool) -> None:
     m = block(scan=scan, fused=fused).double()
     u = torch.randn(3, 23, 8, dtype=torch.float64)
     y, final = m(u, return_state=True)
@@ -238,7 +242,8 @@ def test_block_step_equals_parallel_form(scan: str, fused: bool) -> None:
         rest.append(out)
     torch.testing.assert_close(torch.cat([y1, torch.stack(rest, 1)], 1), y, rtol=1e-10, atol=1e-12)
     # and the same in float32, within float32 rounding
-    m32 = block(scan=scan, fused=fused)
+    m32 = block(scan=scan, fused=fused, native=native)
+    assert (m32.native_library(u.float()) is not None) == (native and compiler() is not None)
     y32 = m32(u.float())
     state, steps = m32.init_state(3), []
     for t in range(23):
@@ -280,9 +285,9 @@ def test_stack_tail_equals_the_last_rows_of_the_full_output(fused: bool) -> None
         stack(u, tail=0)
 
 
-@pytest.mark.parametrize(("scan", "fused"), [("factored", True), ("chunked", False)])
-def test_block_and_forecaster_are_causal_bit_for_bit(scan: str, fused: bool) -> None:
-    m = block(chunk_size=8, scan=scan, fused=fused)
+@pytest.mark.parametrize(("scan", "fused", "native"), PATHS)
+def test_block_and_forecaster_are_causal_bit_for_bit(scan: str, fused: bool, native: bool) -> None:
+    m = block(chunk_size=8, scan=scan, fused=fused, native=native)
     u = torch.randn(2, 30, 8)
     y = m(u)
     t = 12
@@ -293,7 +298,7 @@ def test_block_and_forecaster_are_causal_bit_for_bit(scan: str, fused: bool) -> 
     # the forecaster: decoder step h sees the known-future inputs up to step h only
     torch.manual_seed(0)
     net = Mamba2Forecaster(5, [3, 4], n_symbols=2, horizon=4, d_model=8, headdim=4, d_state=4, chunk_size=8,
-                           scan=scan, fused=fused).eval()
+                           scan=scan, fused=fused, native=native).eval()
     x_past, x_future, sym = torch.randn(3, 10, 5), torch.randn(3, 4, 2), torch.tensor([0, 1, 1])
     pred = net(x_past, x_future, sym).prediction
     later = x_future.clone()

@@ -34,12 +34,15 @@ the parameters are the same, so a state dict loads either way.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from foxhunt.models import mamba2_native
 
 try:  # optional fast path (CUDA only): the fused SSD kernel of the reference implementation
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
@@ -486,6 +489,7 @@ class Mamba2Block(nn.Module):
         use_kernels: bool = False,
         scan: Literal["factored", "chunked"] = "factored",
         fused: bool = True,
+        native: bool = True,
     ) -> None:
         """
         Args:
@@ -509,6 +513,10 @@ class Mamba2Block(nn.Module):
                 no strided slices, no concatenated gradient) and the convolution with its SiLU run channels-last
                 with a hand-written backward (:class:`_CausalConvSiLU`: no transposed copies); False: one projection
                 and autograd through ``conv1d`` over [b, channels, L], the plain form. Same parameters and outputs.
+            native: on CPU tensors (not float64), run the convolution with its SiLU and the SSD in foxhunt's compiled
+                C loops (:mod:`foxhunt.models.mamba2_native`, the SSD step by step) where a C compiler is available;
+                elsewhere, or False, the PyTorch paths named by ``scan`` and ``fused``. Same parameters and outputs
+                (to float32 rounding).
         """
         super().__init__()
         d_inner = expand * d_model
@@ -530,8 +538,9 @@ class Mamba2Block(nn.Module):
         self.d_model, self.d_state, self.d_conv, self.d_inner = d_model, d_state, d_conv, d_inner
         self.headdim, self.n_heads, self.ngroups, self.chunk_size = headdim, n_heads, ngroups, chunk_size
         self.dt_limit = None if dt_limit is None else (float(dt_limit[0]), float(dt_limit[1]))
-        self.use_kernels, self.scan, self.fused = use_kernels, scan, fused
+        self.use_kernels, self.scan, self.fused, self.native = use_kernels, scan, fused, native
         self.conv_dim = d_inner + 2 * ngroups * d_state
+        self.native_shape = mamba2_native.BlockShape(n_heads, headdim, ngroups, d_state, self.conv_dim, d_conv)
         self.in_proj = nn.Linear(d_model, 2 * d_inner + 2 * ngroups * d_state + n_heads, bias=bias)  # z, x, B, C, dt
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim, bias=conv_bias)
         # dt_bias: softplus(dt_bias) log-uniform in [dt_min, dt_max] (the inverse of softplus: dt + log(1 - exp(-dt)))
@@ -579,6 +588,13 @@ class Mamba2Block(nn.Module):
             torch.zeros(batch_size, self.n_heads, self.headdim, self.d_state, device=device, dtype=ssm_dtype),
         )
 
+    def native_library(self, u: Tensor) -> ctypes.CDLL | None:
+        """The compiled CPU loops for this block's shape when they apply to ``u`` (``native`` on, a CPU tensor that is
+        not float64, a C compiler here), else None."""
+        if not self.native or u.device.type != "cpu" or u.dtype == torch.float64:
+            return None
+        return mamba2_native.library(self.native_shape)
+
     def ssd(self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, initial: Tensor | None,
             return_state: bool) -> Tensor | tuple[Tensor, Tensor]:
         """The SSD with the D skip (shapes as :func:`ssd_chunked`): the CUDA kernel when asked for and usable, else
@@ -599,7 +615,8 @@ class Mamba2Block(nn.Module):
         gate, norm and output projection of the others, which nothing would read, are skipped).
         """
         b, length, _ = u.shape
-        if self.fused:
+        lib = self.native_library(u)
+        if self.fused or lib is not None:
             proj = self.in_proj
             biases = (None,) * 3 if proj.bias is None else proj.bias.split(self.split_sizes)
             rows = (u if tail is None else u[:, length - tail :], u, u)  # the gate z only where outputs are read
@@ -608,7 +625,10 @@ class Mamba2Block(nn.Module):
             past = (state.conv.transpose(1, 2).to(xbc.dtype) if state is not None
                     else xbc.new_zeros(b, self.d_conv - 1, self.conv_dim))
             padded = torch.cat([past, xbc], 1)  # [b, W - 1 + L, channels]; causal as below
-            x, B, C = self._heads(_CausalConvSiLU.apply(padded, self.conv1d.weight, self.conv1d.bias))
+            if lib is not None:
+                conv = mamba2_native.conv_silu(lib, padded, self.conv1d.weight, self.conv1d.bias)
+            else:
+                conv = _CausalConvSiLU.apply(padded, self.conv1d.weight, self.conv1d.bias)
             last_inputs = padded[:, padded.shape[1] - (self.d_conv - 1) :].transpose(1, 2)
         else:
             z, xbc, dt = self._split(self.in_proj(u))
@@ -616,11 +636,16 @@ class Mamba2Block(nn.Module):
             past = state.conv.to(xbc.dtype) if state is not None else xbc.new_zeros(b, self.conv_dim, self.d_conv - 1)
             padded = torch.cat([past, xbc], 2)  # causal: the kernel sees only the W - 1 steps before each step
             conv = F.conv1d(padded, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
-            x, B, C = self._heads(F.silu(conv).transpose(1, 2))
+            conv = F.silu(conv).transpose(1, 2)
             last_inputs = padded[..., padded.shape[-1] - (self.d_conv - 1) :]
         dt, A = self._dt(dt), -torch.exp(_up(self.A_log))
-        out = self.ssd(x, dt, A, B, C, state.ssm if state is not None else None, return_state)
-        y, final = out if return_state else (out, None)
+        initial = state.ssm if state is not None else None
+        if lib is not None:
+            y, final = mamba2_native.ssd(lib, self.native_shape, conv, dt, A, self.D, initial, self.chunk_size)
+        else:
+            x, B, C = self._heads(conv)
+            out = self.ssd(x, dt, A, B, C, initial, return_state)
+            y, final = out if return_state else (out, None)
         y = y.reshape(b, length, self.d_inner)
         if tail is not None:
             y, z = y[:, length - tail :], z[:, z.shape[1] - tail :]

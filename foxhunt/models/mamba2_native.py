@@ -1,0 +1,485 @@
+"""The Mamba-2 block's CPU fast path in plain C: its causal convolution with SiLU, and its SSD step by step.
+
+On a CPU the chunked SSD (:func:`foxhunt.models.mamba2.ssd_factored`) spends its time in small batched products and
+element-wise passes over [b, L, heads, P] tensors; the recurrence it computes,
+
+    h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,    y_t = h_t C_t + D x_t    (per head; h_t [P, N])
+
+costs 2 P N multiply-adds a step and head, which a C loop does in vector registers: the state of a group's heads is
+kept as [N, R P] (the R heads sharing B and C side by side, so one step is N vector updates of R P channels) and never
+leaves the cache. The forward stores the state every Q steps (Q = the block's ``chunk_size``: 1 / Q of the state a
+step); the backward recomputes each chunk of Q steps from its checkpoint and runs it backwards (the adjoint
+recurrence, written out in the C source). The convolution reads the W taps of a row and applies SiLU in one pass; its
+backward recomputes the row instead of storing it. Both are linear in L, as the chunked scan is.
+
+The block's shape (heads, head width, groups, state size, convolved channels, kernel width) is compiled into the
+library (one per shape, built on first use by :mod:`foxhunt.compiled`, cached and verified): the short loops then
+unroll into registers, about x3 over the same loops with the sizes as arguments. Float32 only, with fused
+multiply-adds and reassociated sums (tolerance ~1e-6 relative against the float64 recurrence, checked when the
+library is loaded). The batch is split over ``torch.get_num_threads()`` threads (ctypes releases the GIL).
+
+:class:`foxhunt.models.mamba2.Mamba2Block` runs this path on CPU tensors when ``native=True`` (the default) and the
+library is available; its pure-PyTorch paths stay the reference beside it (``native=False``, CUDA, float64, no C
+compiler, ``FOXHUNT_NATIVE=0``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from foxhunt import compiled
+
+SOURCE = r"""
+#include <math.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The block's shape is compiled in (-D...): the short loops over channels and state unroll into vector registers.
+   Every function checks the shape it is called with and returns 1 if it differs, 2 if memory runs out, else 0. */
+typedef ptrdiff_t I;
+#define SHAPE_OK(H, P, G, N, C, W) ((H) == SSD_H && (P) == SSD_P && (G) == SSD_G && (N) == SSD_N \
+                                    && (C) == CONV_C && (W) == CONV_W)
+
+/* e^x for the SiLU, vectorisable: 2^k e^r with |r| <= ln2 / 2 and Cephes' degree-6 polynomial (~2e-7 relative) */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float k = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { float f; int i; } two;
+    two.i = ((int)k + 127) << 23;
+    return p * two.f;
+}
+
+/* pre[c] = bias[c] + sum_k wt[k, c] src[k, c]: the W taps of one output row of a padded sequence */
+static inline void conv_row(const float *restrict src, const float *restrict wt, const float *restrict bias,
+                            float *restrict pre) {
+    for (I c = 0; c < CONV_C; c++) pre[c] = bias ? bias[c] : 0.0f;
+    for (I k = 0; k < CONV_W; k++)
+        for (I c = 0; c < CONV_C; c++) pre[c] += wt[k * CONV_C + c] * src[k * CONV_C + c];
+}
+
+/* out [nb, L, C] = silu(causal depthwise convolution) of in [nb, W - 1 + L, C]; kernel wt [W, C], bias [C] or NULL */
+int conv_silu_fwd(const float *restrict in, const float *restrict wt, const float *restrict bias,
+                  float *restrict out, I nb, I L, I C, I W) {
+    if (!SHAPE_OK(SSD_H, SSD_P, SSD_G, SSD_N, C, W)) return 1;
+    for (I i = 0; i < nb; i++)
+        for (I t = 0; t < L; t++) {
+            float *restrict o = out + (i * L + t) * CONV_C;
+            conv_row(in + (i * (L + CONV_W - 1) + t) * CONV_C, wt, bias, o);
+            for (I c = 0; c < CONV_C; c++) o[c] = o[c] / (1.0f + exp_approx(-o[c]));
+        }
+    return 0;
+}
+
+/* its backward from the output gradient g [nb, L, C]: gin [nb, W - 1 + L, C] (written), gwt [W, C] and gb [C] (this
+   call's sums, written); the convolution is recomputed row by row, not stored */
+int conv_silu_bwd(const float *restrict in, const float *restrict wt, const float *restrict bias,
+                  const float *restrict g, float *restrict gin, float *restrict gwt, float *restrict gb,
+                  I nb, I L, I C, I W) {
+    if (!SHAPE_OK(SSD_H, SSD_P, SSD_G, SSD_N, C, W)) return 1;
+    float *pre = malloc(sizeof(float) * (2 + CONV_W + 1) * CONV_C);
+    double *acc = calloc((CONV_W + 1) * CONV_C, sizeof(double));
+    if (!pre || !acc) { free(pre); free(acc); return 2; }
+    float *gp = pre + CONV_C, *part = gp + CONV_C;  /* part: one sequence's sums, added into acc in double */
+    memset(part, 0, sizeof(float) * (CONV_W + 1) * CONV_C);
+    memset(gin, 0, sizeof(float) * (size_t)(nb * (L + CONV_W - 1) * CONV_C));
+    for (I i = 0; i < nb; i++) {
+        for (I t = 0; t < L; t++) {
+            const float *restrict src = in + (i * (L + CONV_W - 1) + t) * CONV_C;
+            const float *restrict gr = g + (i * L + t) * CONV_C;
+            float *restrict gi = gin + (i * (L + CONV_W - 1) + t) * CONV_C;
+            conv_row(src, wt, bias, pre);
+            for (I c = 0; c < CONV_C; c++) {
+                float s = 1.0f / (1.0f + exp_approx(-pre[c]));
+                gp[c] = gr[c] * s * (1.0f + pre[c] * (1.0f - s));
+                part[CONV_W * CONV_C + c] += gp[c];
+            }
+            for (I k = 0; k < CONV_W; k++)
+                for (I c = 0; c < CONV_C; c++) {
+                    gi[k * CONV_C + c] += wt[k * CONV_C + c] * gp[c];
+                    part[k * CONV_C + c] += src[k * CONV_C + c] * gp[c];
+                }
+        }
+        for (I j = 0; j < (CONV_W + 1) * CONV_C; j++) { acc[j] += part[j]; part[j] = 0.0f; }
+    }
+    for (I j = 0; j < CONV_W * CONV_C; j++) gwt[j] = (float)acc[j];
+    for (I c = 0; c < CONV_C; c++) gb[c] = (float)acc[CONV_W * CONV_C + c];
+    free(pre); free(acc);
+    return 0;
+}
+
+#define HP (SSD_H * SSD_P)
+#define WG (HP / SSD_G)          /* the channels of a group's heads, side by side */
+#define GNW (SSD_G * SSD_N * WG) /* the state, [G, N, R P] */
+#define ROW (HP + 2 * SSD_G * SSD_N)
+
+/* u = dt x and the decay per channel of one row (and D x if Dx) */
+static inline void ssd_inputs(const float *restrict row, const float *restrict dt, const float *restrict decay,
+                              const float *restrict D, float *restrict u, float *restrict a, float *restrict Dx) {
+    for (I h = 0; h < SSD_H; h++)
+        for (I p = 0; p < SSD_P; p++) {
+            u[h * SSD_P + p] = dt[h] * row[h * SSD_P + p];
+            a[h * SSD_P + p] = decay[h];
+            if (Dx) Dx[h * SSD_P + p] = D ? D[h] * row[h * SSD_P + p] : 0.0f;
+        }
+}
+
+/* one step: S <- a S + B u (per group, over its heads' channels); and if y: y = S^T C + D x */
+static inline void ssd_row(float *restrict S, const float *restrict row, const float *restrict u,
+                           const float *restrict a, const float *restrict Dx, float *restrict y) {
+    for (I g = 0; g < SSD_G; g++) {
+        const float *restrict B = row + HP + g * SSD_N, *restrict Cm = row + HP + SSD_G * SSD_N + g * SSD_N;
+        const float *restrict ug = u + g * WG, *restrict ag = a + g * WG;
+        if (y) for (I w = 0; w < WG; w++) y[g * WG + w] = Dx[g * WG + w];
+        for (I n = 0; n < SSD_N; n++) {
+            float *restrict s = S + (g * SSD_N + n) * WG;
+            float b = B[n];
+            for (I w = 0; w < WG; w++) s[w] = ag[w] * s[w] + b * ug[w];
+            if (y) {
+                float c = Cm[n];
+                for (I w = 0; w < WG; w++) y[g * WG + w] += c * s[w];
+            }
+        }
+    }
+}
+
+/* the module's state layout [H, P, N] to and from the loops' [G, N, R P] (st NULL: zeros) */
+static void state_in(float *restrict S, const float *restrict st) {
+    const I R = SSD_H / SSD_G;
+    for (I h = 0; h < SSD_H; h++)
+        for (I p = 0; p < SSD_P; p++)
+            for (I n = 0; n < SSD_N; n++)
+                S[((h / R) * SSD_N + n) * WG + (h % R) * SSD_P + p] = st ? st[(h * SSD_P + p) * SSD_N + n] : 0.0f;
+}
+static void state_out(const float *restrict S, float *restrict st) {
+    const I R = SSD_H / SSD_G;
+    for (I h = 0; h < SSD_H; h++)
+        for (I p = 0; p < SSD_P; p++)
+            for (I n = 0; n < SSD_N; n++)
+                st[(h * SSD_P + p) * SSD_N + n] = S[((h / R) * SSD_N + n) * WG + (h % R) * SSD_P + p];
+}
+
+/* The SSD over nb sequences, step by step. xbc [nb, L, H P + 2 G N] (x, B, C per row), dt and decay = exp(dt A)
+   [nb, L, H], D [H] or NULL, init [nb, H, P, N] or NULL -> y [nb, L, H P], final [nb, H, P, N], and ckpt
+   [nb, ceil(L / Q), G N R P]: the state entering steps 0, Q, 2Q, .. (where the backward restarts). */
+int ssd_fwd(const float *restrict xbc, const float *restrict dt, const float *restrict decay,
+            const float *restrict D, const float *restrict init, float *restrict y, float *restrict final,
+            float *restrict ckpt, I nb, I L, I H, I P, I G, I N, I Q) {
+    if (!SHAPE_OK(H, P, G, N, CONV_C, CONV_W) || Q < 1) return 1;
+    const I nck = (L + Q - 1) / Q;
+    float *S = malloc(sizeof(float) * (GNW + 3 * HP));
+    if (!S) return 2;
+    float *u = S + GNW, *a = u + HP, *Dx = a + HP;
+    for (I i = 0; i < nb; i++) {
+        state_in(S, init ? init + i * HP * SSD_N : NULL);
+        for (I t = 0; t < L; t++) {
+            const I it = i * L + t;
+            if (t % Q == 0) memcpy(ckpt + (i * nck + t / Q) * GNW, S, sizeof(float) * GNW);
+            ssd_inputs(xbc + it * ROW, dt + it * SSD_H, decay + it * SSD_H, D, u, a, Dx);
+            ssd_row(S, xbc + it * ROW, u, a, Dx, y + it * HP);
+        }
+        state_out(S, final + i * HP * SSD_N);
+    }
+    free(S);
+    return 0;
+}
+
+/* Its backward, from gy [nb, L, H P] and gfinal (or NULL): gxbc [nb, L, H P + 2 G N] (x, B, C), gdt [nb, L, H]
+   (through u = dt x), gdecay [nb, L, H], gD [H] (this call's sum), ginit [nb, H, P, N] (or NULL). Each chunk of Q
+   steps is recomputed from its checkpoint, then run backwards: with dS the gradient of the state after step t,
+       dS += C gy^T;  gC = S_t^T gy;  gB = dS u;  gu = dS^T B;  gdecay = <dS, S_{t-1}>;  dS <- a dS. */
+int ssd_bwd(const float *restrict xbc, const float *restrict dt, const float *restrict decay,
+            const float *restrict D, const float *restrict ckpt, const float *restrict gy,
+            const float *restrict gfinal, float *restrict gxbc, float *restrict gdt, float *restrict gdecay,
+            float *restrict gD, float *restrict ginit, I nb, I L, I H, I P, I G, I N, I Q) {
+    if (!SHAPE_OK(H, P, G, N, CONV_C, CONV_W) || Q < 1) return 1;
+    const I nck = (L + Q - 1) / Q, SW = GNW + 48; /* the states' stride: off multiples of 4 KiB (no 4K aliasing) */
+    float *buf = malloc(sizeof(float) * ((Q + 2) * SW + 4 * HP));
+    double *gDacc = calloc(SSD_H, sizeof(double));
+    if (!buf || !gDacc) { free(buf); free(gDacc); return 2; }
+    float *dS = buf + (Q + 1) * SW, *u = dS + GNW, *a = u + HP, *gu = a + HP, *ga = gu + HP;
+    for (I i = 0; i < nb; i++) {
+        state_in(dS, gfinal ? gfinal + i * HP * SSD_N : NULL);
+        for (I k = nck - 1; k >= 0; k--) {
+            const I t0 = k * Q, t1 = t0 + Q < L ? t0 + Q : L;
+            memcpy(buf, ckpt + (i * nck + k) * GNW, sizeof(float) * GNW);
+            for (I t = t0; t < t1; t++) {
+                const I it = i * L + t;
+                float *next = buf + (t - t0 + 1) * SW;
+                memcpy(next, next - SW, sizeof(float) * GNW);
+                ssd_inputs(xbc + it * ROW, dt + it * SSD_H, decay + it * SSD_H, NULL, u, a, NULL);
+                ssd_row(next, xbc + it * ROW, u, a, NULL, NULL);
+            }
+            for (I t = t1 - 1; t >= t0; t--) {
+                const I it = i * L + t;
+                const float *restrict row = xbc + it * ROW, *restrict gyr = gy + it * HP;
+                const float *restrict hcur = buf + (t - t0 + 1) * SW, *restrict hprev = buf + (t - t0) * SW;
+                float *restrict grow = gxbc + it * ROW;
+                ssd_inputs(row, dt + it * SSD_H, decay + it * SSD_H, NULL, u, a, NULL);
+                for (I w = 0; w < HP; w++) { gu[w] = 0.0f; ga[w] = 0.0f; }
+                for (I g = 0; g < SSD_G; g++) {
+                    const float *restrict B = row + HP + g * SSD_N, *restrict Cm = row + HP + SSD_G * SSD_N + g * SSD_N;
+                    const float *restrict ug = u + g * WG, *restrict ag = a + g * WG, *restrict gyg = gyr + g * WG;
+                    float *restrict gug = gu + g * WG, *restrict gag = ga + g * WG;
+                    for (I n = 0; n < SSD_N; n++) {
+                        const I o = (g * SSD_N + n) * WG;
+                        float *restrict d = dS + o;
+                        const float *restrict sc = hcur + o, *restrict sp = hprev + o;
+                        float b = B[n], c = Cm[n], gc = 0.0f, gb = 0.0f;
+                        for (I w = 0; w < WG; w++) {
+                            float dv = d[w] + c * gyg[w];
+                            gc += sc[w] * gyg[w];
+                            gb += dv * ug[w];
+                            gug[w] += dv * b;
+                            gag[w] += dv * sp[w];
+                            d[w] = dv * ag[w];
+                        }
+                        grow[HP + g * SSD_N + n] = gb;
+                        grow[HP + SSD_G * SSD_N + g * SSD_N + n] = gc;
+                    }
+                }
+                const float *restrict dtr = dt + it * SSD_H;
+                for (I h = 0; h < SSD_H; h++) {
+                    float sa = 0.0f, sx = 0.0f, sd = 0.0f, dd = D ? D[h] : 0.0f;
+                    for (I p = 0; p < SSD_P; p++) {
+                        const I w = h * SSD_P + p;
+                        sa += ga[w];
+                        sx += gu[w] * row[w];
+                        sd += gyr[w] * row[w];
+                        grow[w] = gu[w] * dtr[h] + dd * gyr[w];
+                    }
+                    gdt[it * SSD_H + h] = sx;
+                    gdecay[it * SSD_H + h] = sa;
+                    gDacc[h] += sd;
+                }
+            }
+        }
+        if (ginit) state_out(dS, ginit + i * HP * SSD_N);
+    }
+    for (I h = 0; h < SSD_H; h++) gD[h] = (float)gDacc[h];
+    free(buf); free(gDacc);
+    return 0;
+}
+"""
+
+#: optimised and vectorised for this CPU; fused multiply-adds, and sums that may be reassociated (so that the
+#: reductions over channels vectorise); no errno and no traps. Not -ffast-math: infinities and NaN propagate as IEEE.
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
+
+_P, _N = ctypes.c_void_p, ctypes.c_ssize_t
+
+
+class BlockShape(NamedTuple):
+    """What the library is compiled for: heads H, head width P, groups G, state size N, convolved channels
+    (H P + 2 G N) and the convolution's width W."""
+
+    heads: int
+    headdim: int
+    groups: int
+    d_state: int
+    channels: int
+    d_conv: int
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.conv_silu_fwd.argtypes = [_P] * 4 + [_N] * 4
+    lib.conv_silu_bwd.argtypes = [_P] * 7 + [_N] * 4
+    lib.ssd_fwd.argtypes = [_P] * 8 + [_N] * 7
+    lib.ssd_bwd.argtypes = [_P] * 12 + [_N] * 7
+    for f in (lib.conv_silu_fwd, lib.conv_silu_bwd, lib.ssd_fwd, lib.ssd_bwd):
+        f.restype = ctypes.c_int
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _call(f: Callable[..., int], *args: object) -> None:
+    status = f(*args)
+    if status:
+        raise RuntimeError(f"foxhunt's compiled Mamba-2 loop {f.__name__} failed "
+                           f"({'shape not compiled in' if status == 1 else 'out of memory'})")
+
+
+def _ranges(n: int) -> list[tuple[int, int]]:
+    """[lo, hi) slices of the batch, one per thread (at most torch's thread count)."""
+    k = max(1, min(n, torch.get_num_threads()))
+    step = -(-n // k)
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+
+def _over_batch(run: Callable[[int, int, int], None], n: int) -> int:
+    """run(part, lo, hi) for each slice of the batch, in threads when there are several; the number of parts."""
+    parts = _ranges(n)
+    if len(parts) == 1:
+        run(0, *parts[0])
+    else:
+        with ThreadPoolExecutor(len(parts)) as pool:
+            list(pool.map(lambda job: run(job[0], *job[1]), enumerate(parts)))
+    return len(parts)
+
+
+# ------------------------------------------------------------------------------------------------- the convolution
+class _ConvSiLU(torch.autograd.Function):
+    """silu(causal depthwise convolution) of channels-last rows [b, W - 1 + L, channels] -> [b, L, channels]."""
+
+    @staticmethod
+    def forward(ctx, padded: Tensor, weight: Tensor, bias: Tensor | None, lib: ctypes.CDLL) -> Tensor:  # type: ignore[override]
+        padded = padded.float().contiguous()
+        wt = weight.detach().float()[:, 0].t().contiguous()  # [W, channels]
+        b_ = None if bias is None else bias.detach().float().contiguous()
+        nb, rows, ch = padded.shape
+        width = wt.shape[0]
+        length = rows - width + 1
+        out = padded.new_empty(nb, length, ch)
+        _over_batch(lambda _, lo, hi: _call(lib.conv_silu_fwd, _ptr(padded[lo:hi]), _ptr(wt), _ptr(b_),
+                                            _ptr(out[lo:hi]), hi - lo, length, ch, width), nb)
+        ctx.save_for_backward(padded, wt, b_)
+        ctx.lib, ctx.param_dtype = lib, weight.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor | None, None]:  # type: ignore[override]
+        padded, wt, b_ = ctx.saved_tensors
+        grad = grad.float().contiguous()
+        nb, rows, ch = padded.shape
+        width = wt.shape[0]
+        length = rows - width + 1
+        g_in = torch.empty_like(padded)
+        parts = len(_ranges(nb))
+        g_wt, g_b = wt.new_empty(parts, width, ch), wt.new_empty(parts, ch)
+        _over_batch(lambda j, lo, hi: _call(ctx.lib.conv_silu_bwd, _ptr(padded[lo:hi]), _ptr(wt), _ptr(b_),
+                                            _ptr(grad[lo:hi]), _ptr(g_in[lo:hi]), _ptr(g_wt[j]), _ptr(g_b[j]),
+                                            hi - lo, length, ch, width), nb)
+        g_w = g_wt.sum(0).t()[:, None].to(ctx.param_dtype)
+        return g_in, g_w, None if b_ is None else g_b.sum(0).to(ctx.param_dtype), None
+
+
+# ------------------------------------------------------------------------------------------------------- the SSD
+class _SSD(torch.autograd.Function):
+    """The SSD step by step over the convolved rows xbc [b, L, H P + 2 G N] (x, B, C), dt and decay = exp(dt A)
+    [b, L, H], D [H], initial state [b, H, P, N] or None -> y [b, L, H P], final state [b, H, P, N]."""
+
+    @staticmethod
+    def forward(ctx, xbc: Tensor, dt: Tensor, decay: Tensor, D: Tensor, init: Tensor | None,  # type: ignore[override]
+                lib: ctypes.CDLL, shape: BlockShape, chunk: int) -> tuple[Tensor, Tensor]:
+        nb, length, _ = xbc.shape
+        h, p, g, n = shape.heads, shape.headdim, shape.groups, shape.d_state
+        y, final = xbc.new_empty(nb, length, h * p), xbc.new_empty(nb, h, p, n)
+        ckpt = xbc.new_empty(nb, -(-length // chunk), h * p * n)
+        _over_batch(lambda _, lo, hi: _call(
+            lib.ssd_fwd, _ptr(xbc[lo:hi]), _ptr(dt[lo:hi]), _ptr(decay[lo:hi]), _ptr(D),
+            _ptr(None if init is None else init[lo:hi]), _ptr(y[lo:hi]), _ptr(final[lo:hi]), _ptr(ckpt[lo:hi]),
+            hi - lo, length, h, p, g, n, chunk), nb)
+        ctx.save_for_backward(xbc, dt, decay, D, ckpt)
+        ctx.lib, ctx.shape, ctx.chunk, ctx.has_init = lib, shape, chunk, init is not None
+        return y, final
+
+    @staticmethod
+    def backward(ctx, gy: Tensor | None, g_final: Tensor | None):  # type: ignore[no-untyped-def, override]
+        xbc, dt, decay, D, ckpt = ctx.saved_tensors
+        shape = ctx.shape
+        h, p, g, n = shape.heads, shape.headdim, shape.groups, shape.d_state
+        nb, length, _ = xbc.shape
+        gy = xbc.new_zeros(nb, length, h * p) if gy is None else gy.float().contiguous()
+        g_final = None if g_final is None else g_final.float().contiguous()
+        g_xbc, g_dt, g_decay = torch.empty_like(xbc), torch.empty_like(dt), torch.empty_like(decay)
+        g_D = xbc.new_empty(len(_ranges(nb)), h)
+        g_init = xbc.new_empty(nb, h, p, n) if ctx.has_init else None
+        _over_batch(lambda j, lo, hi: _call(
+            ctx.lib.ssd_bwd, _ptr(xbc[lo:hi]), _ptr(dt[lo:hi]), _ptr(decay[lo:hi]), _ptr(D), _ptr(ckpt[lo:hi]),
+            _ptr(gy[lo:hi]), _ptr(None if g_final is None else g_final[lo:hi]), _ptr(g_xbc[lo:hi]), _ptr(g_dt[lo:hi]),
+            _ptr(g_decay[lo:hi]), _ptr(g_D[j]), _ptr(None if g_init is None else g_init[lo:hi]),
+            hi - lo, length, h, p, g, n, ctx.chunk), nb)
+        return g_xbc, g_dt, g_decay, g_D.sum(0), g_init, None, None, None
+
+
+# ------------------------------------------------------------------------------------------------- the interface
+def conv_silu(lib: ctypes.CDLL, padded: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """silu(causal depthwise convolution) in float32: padded [b, W - 1 + L, channels] (the W - 1 steps before the
+    first output in front), weight [channels, 1, W], bias [channels] or None -> [b, L, channels]."""
+    return _ConvSiLU.apply(padded, weight, bias, lib)
+
+
+def ssd(lib: ctypes.CDLL, shape: BlockShape, xbc: Tensor, dt: Tensor, A: Tensor, D: Tensor, initial: Tensor | None,
+        chunk: int) -> tuple[Tensor, Tensor]:
+    """The SSD with the D skip in float32 over the convolved rows xbc [b, L, H P + 2 G N] (x, B, C), dt [b, L, H]
+    (after softplus and limits), A [H] (< 0), D [H], initial state [b, H, P, N] or None; ``chunk`` steps between
+    the backward's checkpoints. Returns y [b, L, H, P] and the final state [b, H, P, N]."""
+    dt = dt.float().contiguous()
+    decay = torch.exp(dt * A.float())
+    init = None if initial is None else initial.float().contiguous()
+    y, final = _SSD.apply(xbc.float().contiguous(), dt, decay.contiguous(), D.float().contiguous(), init, lib, shape,
+                          chunk)
+    return y.view(*y.shape[:2], shape.heads, shape.headdim), final
+
+
+def _self_check(shape: BlockShape) -> Callable[[ctypes.CDLL], bool]:
+    """The loops against autograd through float64 PyTorch on a few short sequences: values and every gradient."""
+
+    def check(lib: ctypes.CDLL) -> bool:
+        from foxhunt.models.mamba2 import ssd_recurrent  # the step-by-step reference (that module imports this one)
+
+        gen = torch.Generator().manual_seed(0)
+        h, p, g, n, ch, w = shape
+        nb, length, chunk = 2, 11, 4
+
+        def rand(*size: int, lo: float = -1.0, hi: float = 1.0) -> Tensor:
+            return (torch.rand(*size, generator=gen, dtype=torch.float64) * (hi - lo) + lo).requires_grad_()
+
+        padded, weight, bias = rand(nb, w - 1 + length, ch), rand(ch, 1, w), rand(ch)
+        dt, A, D, init = rand(nb, length, h, lo=0.01, hi=0.5), rand(h, lo=-2.0, hi=-0.2), rand(h), rand(nb, h, p, n)
+        leaves = (padded, weight, bias, dt, A, D, init)
+        conv = F.silu(F.conv1d(padded.transpose(1, 2), weight, bias, groups=ch)).transpose(1, 2)
+        x, B, C = conv.split([h * p, g * n, g * n], -1)
+        y, final = ssd_recurrent(x.reshape(nb, length, h, p), dt, A, B.reshape(nb, length, g, n),
+                                 C.reshape(nb, length, g, n), D, init)
+        gy, gf = torch.randn(y.shape, generator=gen, dtype=torch.float64), torch.randn(final.shape, generator=gen,
+                                                                                         dtype=torch.float64)
+        want = [y, final, *torch.autograd.grad((y * gy).sum() + (final * gf).sum(), leaves)]
+        fleaves = [t.detach().float().requires_grad_() for t in leaves]
+        fconv = conv_silu(lib, *fleaves[:3])
+        fy, ffinal = ssd(lib, shape, fconv, *fleaves[3:], chunk=chunk)
+        got = [fy, ffinal, *torch.autograd.grad((fy * gy.float()).sum() + (ffinal * gf.float()).sum(), fleaves)]
+        return all(bool((a.double() - b).abs().max() <= 1e-4 * (1.0 + b.abs().max())) for a, b in zip(got, want,
+                                                                                                        strict=True))
+
+    return check
+
+
+@functools.cache
+def library(shape: BlockShape) -> ctypes.CDLL | None:
+    """The loops compiled for one block shape, built or verified once per process; None (one warning) where they
+    cannot be had."""
+    if any(not isinstance(v, int) or v < 1 for v in shape) or shape.heads % shape.groups:
+        raise ValueError(f"not a block shape: {shape}")
+    if shape.channels != shape.heads * shape.headdim + 2 * shape.groups * shape.d_state:
+        raise ValueError(f"{shape}: channels must be heads * headdim + 2 * groups * d_state")
+    defines = tuple(f"-D{k}={v}" for k, v in zip(("SSD_H", "SSD_P", "SSD_G", "SSD_N", "CONV_C", "CONV_W"), shape,
+                                                 strict=True))
+    return compiled.load("mamba2", SOURCE, FLAGS, _declare, _self_check(shape),
+                         "the Mamba-2 blocks run their PyTorch path on the CPU (the same model, slower)", defines)
+
+
+def available(shape: BlockShape) -> bool:
+    """Whether the compiled loops for this block shape can run here."""
+    return library(shape) is not None
+
+
+__all__ = ["BlockShape", "available", "conv_silu", "library", "ssd"]

@@ -1,0 +1,167 @@
+"""The Mamba-2 block's compiled CPU path (foxhunt.models.mamba2_native) against the PyTorch paths it stands beside:
+values and every gradient against the float64 step-by-step recurrence (odd lengths, several checkpoint intervals,
+groups, an entering state), the whole block and forecaster against the plain block, causality, threads, NaN, the
+shape check, and the fallback without the loops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from foxhunt.compiled import compiler
+from foxhunt.models import mamba2_native
+from foxhunt.models.mamba2 import Mamba2Block, Mamba2Forecaster, ssd_recurrent
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler here")
+
+
+def conv_and_ssd_inputs(shape: mamba2_native.BlockShape, b: int, length: int, seed: int = 0) -> list[torch.Tensor]:
+    """float64 leaves: padded rows, conv weight and bias, dt, A, D, initial state."""
+    gen = torch.Generator().manual_seed(seed)
+    h, p, _, n, ch, w = shape
+
+    def rand(*size: int, lo: float = -1.0, hi: float = 1.0) -> torch.Tensor:
+        return (torch.rand(*size, generator=gen, dtype=torch.float64) * (hi - lo) + lo).requires_grad_()
+
+    return [rand(b, w - 1 + length, ch, lo=-2.0, hi=2.0), rand(ch, 1, w), rand(ch),
+            rand(b, length, h, lo=0.001, hi=0.3), rand(h, lo=-8.0, hi=-0.5), rand(h), rand(b, h, p, n)]
+
+
+def reference(shape: mamba2_native.BlockShape, padded, weight, bias, dt, A, D, init):  # type: ignore[no-untyped-def]
+    """The same computation in float64 PyTorch: conv1d + SiLU, then the recurrence step by step."""
+    h, p, g, n, ch, _ = shape
+    b, length = dt.shape[:2]
+    conv = F.silu(F.conv1d(padded.transpose(1, 2), weight, bias, groups=ch)).transpose(1, 2)
+    x, B, C = conv.split([h * p, g * n, g * n], -1)
+    return ssd_recurrent(x.reshape(b, length, h, p), dt, A, B.reshape(b, length, g, n), C.reshape(b, length, g, n),
+                         D, init)
+
+
+@pytest.mark.parametrize(("shape", "length", "chunk"), [
+    ((4, 3, 2, 5, 32, 4), 37, 8),   # two groups, an odd head width, L not a multiple of the chunk
+    ((4, 3, 2, 5, 32, 4), 37, 1),   # a checkpoint every step
+    ((4, 3, 2, 5, 32, 4), 37, 64),  # one chunk longer than the sequence
+    ((8, 8, 1, 16, 96, 4), 50, 16),  # the issue's block: one group of 8 heads
+    ((2, 4, 1, 3, 14, 2), 5, 3),
+])
+def test_values_and_gradients_equal_the_float64_recurrence(shape, length: int, chunk: int) -> None:
+    shape = mamba2_native.BlockShape(*shape)
+    lib = mamba2_native.library(shape)
+    assert lib is not None
+    leaves = conv_and_ssd_inputs(shape, 3, length)
+    y, final = reference(shape, *leaves)
+    gen = torch.Generator().manual_seed(1)
+    gy, gf = (torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in (y, final))
+    want = [y, final, *torch.autograd.grad((y * gy).sum() + (final * gf).sum(), leaves)]
+    f32 = [t.detach().float().requires_grad_() for t in leaves]
+    conv = mamba2_native.conv_silu(lib, *f32[:3])
+    fy, ffinal = mamba2_native.ssd(lib, shape, conv, *f32[3:], chunk=chunk)
+    got = [fy, ffinal, *torch.autograd.grad((fy * gy.float()).sum() + (ffinal * gf.float()).sum(), f32)]
+    names = ["y", "final", "padded", "weight", "bias", "dt", "A", "D", "initial"]
+    for name, a, b in zip(names, got, want, strict=True):
+        err = ((a.double() - b).abs().max() / b.abs().max()).item()
+        assert err < 2e-6, f"{name}: {err:.2e} of the largest"
+
+
+def plain_and_native(native_first: bool = False, **kw) -> tuple[Mamba2Block, Mamba2Block]:  # type: ignore[no-untyped-def]
+    args = {"d_model": 8, "d_state": 5, "d_conv": 4, "headdim": 4, "ngroups": 2, "chunk_size": 6, "bias": True}
+    args.update(kw)
+    torch.manual_seed(0)
+    plain = Mamba2Block(**args, scan="chunked", fused=False, native=False)
+    native = Mamba2Block(**args, native=True)
+    native.load_state_dict(plain.state_dict())
+    return plain, native
+
+
+def test_block_equals_the_plain_block_from_zeros_and_from_a_state() -> None:
+    """Outputs, states and every parameter gradient of the native block against the plain PyTorch block (float32),
+    a prefix in one call and the rest continuing from its state."""
+    plain, native = plain_and_native()
+    u = torch.randn(3, 41, 8)
+    runs = []
+    for m in (plain, native):
+        y, state = m(u[:, :17], return_state=True)
+        y2, state2 = m(u[:, 17:], state, return_state=True)
+        grads = torch.autograd.grad(y.square().sum() + y2.sum(), list(m.parameters()))
+        runs.append((y, y2, state2.conv, state2.ssm, *grads))
+    assert native.native_library(u) is not None and plain.native_library(u) is None
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-5)
+
+
+def test_forecaster_equals_the_plain_forecaster() -> None:
+    """The whole forecaster (two blocks, the last one computing only its decoder rows) and its gradients."""
+    kw = {"d_model": 16, "n_layers": 2, "headdim": 8, "d_state": 16, "chunk_size": 16}
+    torch.manual_seed(0)
+    plain = Mamba2Forecaster(6, [4, 5], n_symbols=2, horizon=3, scan="chunked", fused=False, native=False, **kw)
+    native = Mamba2Forecaster(6, [4, 5], n_symbols=2, horizon=3, **kw)
+    native.load_state_dict(plain.state_dict())
+    x_past, x_future, sym = torch.randn(4, 100, 6), torch.randn(4, 3, 2), torch.tensor([0, 1, 1, 0])
+    outs = []
+    for net in (plain, native):
+        pred = net(x_past, x_future, sym).prediction
+        outs.append((pred, *torch.autograd.grad(pred.square().sum(), list(net.parameters()))))
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-5)
+
+
+def test_threads_split_the_batch_without_changing_outputs() -> None:
+    """Sequences are independent: the loops' outputs and per-sequence gradients are bit-identical on 1 and 3 threads;
+    the gradients of the shared weights equal to rounding (the threads' partial sums are added in another order)."""
+    shape = mamba2_native.BlockShape(4, 3, 2, 5, 32, 4)
+    lib = mamba2_native.library(shape)
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            f32 = [t.detach().float().requires_grad_() for t in conv_and_ssd_inputs(shape, 7, 30)]
+            y, final = mamba2_native.ssd(lib, shape, mamba2_native.conv_silu(lib, *f32[:3]), *f32[3:], chunk=8)
+            runs.append((y, final, *torch.autograd.grad(y.square().sum() + final.sum(), f32)))
+    finally:
+        torch.set_num_threads(before)
+    for i, (a, b) in enumerate(zip(*runs, strict=True)):
+        if i in (3, 4, 6, 7):  # conv weight, conv bias, A, D: sums over the batch
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(a, b), i
+
+
+def test_a_nan_input_reaches_the_outputs_from_its_step_on() -> None:
+    """A NaN is not hidden by the loops: the outputs before its step are finite, from it on they are not (the
+    member's non-finite guard then stops or skips the step)."""
+    _, m = plain_and_native()
+    u = torch.randn(2, 20, 8)
+    u[0, 9, 3] = float("nan")
+    y = m(u)
+    assert torch.isfinite(y[0, :9]).all() and not torch.isfinite(y[0, 9:]).all(dim=-1).any()
+    assert torch.isfinite(y[1]).all()
+
+
+def test_a_library_refuses_another_shape() -> None:
+    """Each library is compiled for one block shape; called with another it raises rather than reading out of
+    bounds, and a shape that cannot exist is refused before compiling."""
+    shape = mamba2_native.BlockShape(4, 3, 2, 5, 32, 4)
+    other = mamba2_native.BlockShape(2, 4, 1, 3, 14, 2)
+    leaves = [t.detach().float() for t in conv_and_ssd_inputs(other, 2, 9)]
+    conv = mamba2_native.conv_silu(mamba2_native.library(other), *leaves[:3])
+    with pytest.raises(RuntimeError, match="shape not compiled in"):
+        mamba2_native.ssd(mamba2_native.library(shape), other, conv, *leaves[3:], chunk=4)
+    with pytest.raises(ValueError, match="channels must be"):
+        mamba2_native.library(mamba2_native.BlockShape(4, 3, 2, 5, 31, 4))
+
+
+def test_without_the_loops_the_block_runs_its_pytorch_path(monkeypatch) -> None:
+    """``FOXHUNT_NATIVE=0`` (or no compiler): the block runs the PyTorch path, with the same outputs."""
+    plain, native = plain_and_native()
+    u = torch.randn(2, 25, 8)
+    fast = native(u)
+    monkeypatch.setenv("FOXHUNT_NATIVE", "0")
+    mamba2_native.library.cache_clear()
+    try:
+        assert native.native_library(u) is None
+        torch.testing.assert_close(native(u), plain(u), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(native(u), fast, rtol=2e-5, atol=2e-5)
+    finally:
+        mamba2_native.library.cache_clear()
