@@ -12,7 +12,10 @@ only in the SSD scan of each block:
   (foxhunt's one group is broadcast to the heads, a view), a length that is a multiple of the chunk (the rows are
   padded with dt = 0, which changes nothing), and has no D skip (added outside, as foxhunt's scan does inside);
 - ``chunked``: foxhunt's plain scan (``scan="chunked"``, :func:`foxhunt.models.mamba2.ssd_chunked`);
-- ``factored``: foxhunt's fast scan (``scan="factored"``, the default, :func:`foxhunt.models.mamba2.ssd_factored`);
+- ``factored``: foxhunt's fast PyTorch scan (``scan="factored"``, :func:`foxhunt.models.mamba2.ssd_factored`) in the
+  fused block layout, without the compiled loops (``native=False``: what runs where there is no C compiler);
+- ``native``: the defaults, the block's compiled CPU loops (``native=True``, :mod:`foxhunt.models.mamba2_native`: the
+  causal convolution with SiLU and the SSD step by step, in C);
 
 next to foxhunt's TFT (``TemporalFusionTransformer``, hidden 32, 4 heads, hidden_continuous 16) on the same batch.
 All use the same chunk length (16) where they have one.
@@ -20,7 +23,8 @@ All use the same chunk length (16) where they have one.
 Printed per lookback L: the largest difference of the three Mamba-2 versions' outputs (every row of the stack's
 output, absolute and relative to the largest) and of their parameter gradients (relative to each gradient's largest
 entry); samples/s of the training step (median of the timed repeats; the versions interleaved, one step of each per
-round, so that load from other processes hits all alike); the factored scan's speed-up over each other; the peak
+round, so that load from other processes hits all alike); the fastest foxhunt version's (native, else factored)
+speed-up over each other; the peak
 resident memory during a timed step of each (VmHWM reset through /proc/self/clear_refs before each step, outside
 its timing) and its rise above the memory before the step; the load average (``os.getloadavg``) before and after
 each lookback's timing. The outputs are compared on the first ``--check-rows`` sequences (equality does not depend on
@@ -35,12 +39,13 @@ its step time at each L over its step time at the smallest L (linear: L / L_min)
     python scripts/bench_mamba2.py --reference /path/to/mamba_ssm/modules/ssd_minimal.py   # no download
     python scripts/bench_mamba2.py --trainer --lookbacks 64,512,4096 --trainer-steps 3   # the member modules in a Trainer
 
-``--profile`` measures how far fusing could take the factored step, without the reference: at each lookback it
-profiles the step (torch.profiler, self CPU time), counts its matrix products' FLOPs (``FlopCounterMode``) and prints
-their share of the step, their rate beside this core's rate on a large [2048 x 2048] product, and the step's speed-up
-ceilings: every other operation free, and also the products at the large-product rate.
+``--profile`` measures how far fusing could take a version's step (the first of ``--variants``), without the
+reference: at each lookback it profiles the step (torch.profiler, self CPU time), counts its matrix products' FLOPs
+(``FlopCounterMode``, products only: its count for a grouped convolution's backward is that of a dense one) and
+prints their share of the step, their rate beside this core's rate on a large [2048 x 2048] product, and the step's
+speed-up ceilings: every other operation free, and also the products at the large-product rate.
 
-    python scripts/bench_mamba2.py --profile --variants factored --lookbacks 4096 --batch 16
+    python scripts/bench_mamba2.py --profile --variants native --lookbacks 4096 --batch 16
 
 ``--trainer`` times the objects ``foxhunt.fit`` trains instead of the bare networks: ``Mamba2Module`` (with the
 reference scan patched into its blocks for the reference variant) and ``TFTModule`` at the same sizes, each in short
@@ -84,7 +89,13 @@ from foxhunt.training.memory import retain_freed_memory
 
 QUANTILES = (0.1, 0.5, 0.9)
 KNOWN, HORIZON = 3, 6
-MAMBA_VARIANTS = ("reference", "chunked", "factored", "reference_fused_block")
+MAMBA_VARIANTS = ("reference", "chunked", "factored", "native", "reference_fused_block")
+FUSED = ("factored", "native", "reference_fused_block")  # the versions in the fused block layout
+
+
+def fastest(names: object) -> str | None:
+    """The version the others are compared with: native if it runs, else factored."""
+    return next((n for n in ("native", "factored") if n in names), None)  # type: ignore[operator]
 
 
 # ------------------------------------------------------------------------------------------------------- reference
@@ -243,8 +254,8 @@ def member_modules(variants: list[str], data: object, args: argparse.Namespace,
             continue
         module = Mamba2Module(quantiles=QUANTILES, d_model=args.d_model, n_layers=args.layers, d_state=args.d_state,
                               headdim=args.headdim, expand=args.expand, chunk_size=args.chunk, log_grad_norm_every=0,
-                              scan="chunked" if name == "chunked" else "factored",
-                              fused=name in ("factored", "reference_fused_block"))
+                              scan="chunked" if name == "chunked" else "factored", fused=name in FUSED,
+                              native=name == "native")
         module.bind(spec)
         if name.startswith("reference"):
             use_reference_scan(module.net, reference)  # type: ignore[arg-type]
@@ -277,10 +288,11 @@ def bench_trainer(length: int, variants: list[str], args: argparse.Namespace,
         wall, cpu = statistics.median(clock.wall), statistics.median(clock.cpu)
         row[name] = {"step_s": wall, "step_cpu_s": cpu, "samples_per_s": args.batch / wall,
                      "cpu_samples_per_s": args.batch / cpu, "steps_timed": len(clock.cpu)}
-    if "factored" in clocks:
-        row["factored_speedup"] = {n: row[n]["step_s"] / row["factored"]["step_s"] for n in clocks if n != "factored"}
-        row["factored_speedup_cpu"] = {n: row[n]["step_cpu_s"] / row["factored"]["step_cpu_s"]
-                                       for n in clocks if n != "factored"}
+    best = fastest(clocks)
+    if best is not None:
+        row["speedup_of"] = best
+        row["speedup"] = {n: row[n]["step_s"] / row[best]["step_s"] for n in clocks if n != best}
+        row["speedup_cpu"] = {n: row[n]["step_cpu_s"] / row[best]["step_cpu_s"] for n in clocks if n != best}
     return row
 
 
@@ -303,7 +315,7 @@ def build(variants: list[str], length: int, args: argparse.Namespace, reference:
         for module in net.modules():
             if hasattr(module, "scan"):  # the plain block around the reference and the plain scan
                 module.scan = "chunked" if name == "chunked" else "factored"
-                module.fused = name in ("factored", "reference_fused_block")
+                module.fused, module.native = name in FUSED, name == "native"
         if name.startswith("reference"):
             use_reference_scan(net, reference)  # type: ignore[arg-type]
         nets[name] = net
@@ -376,9 +388,11 @@ def bench_lookback(length: int, variants: list[str], args: argparse.Namespace,
         row[name] = {"step_s": seconds[name], "step_cpu_s": cpu[name], "samples_per_s": args.batch / seconds[name],
                      "cpu_samples_per_s": args.batch / cpu[name], "peak_rss_mib": peak[name],
                      "rss_rise_mib": rise[name]}
-    if "factored" in seconds:
-        row["factored_speedup"] = {n: seconds[n] / seconds["factored"] for n in seconds if n != "factored"}
-        row["factored_speedup_cpu"] = {n: cpu[n] / cpu["factored"] for n in cpu if n != "factored"}
+    best = fastest(seconds)
+    if best is not None:
+        row["speedup_of"] = best
+        row["speedup"] = {n: seconds[n] / seconds[best] for n in seconds if n != best}
+        row["speedup_cpu"] = {n: cpu[n] / cpu[best] for n in cpu if n != best}
     return row
 
 
@@ -395,11 +409,11 @@ def sgemm_rate() -> float:
     return 5 * 2 * 2048**3 / (time.process_time() - t)
 
 
-def profile_lookback(length: int, args: argparse.Namespace) -> dict[str, float]:
-    """Share and rate of the factored step's matrix products, and the step's speed-up ceilings under fusion."""
+def profile_lookback(length: int, variant: str, args: argparse.Namespace) -> dict[str, float]:
+    """Share and rate of a version's matrix products in its step, and the step's speed-up ceilings under fusion."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    step = training_step(build(["factored"], length, args, None)["factored"], batch(length, args))
+    step = training_step(build([variant], length, args, None)[variant], batch(length, args))
     step()
     rounds = max(1, args.repeats)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -411,8 +425,10 @@ def profile_lookback(length: int, args: argparse.Namespace) -> dict[str, float]:
     counter = FlopCounterMode(display=False)
     with counter:
         step()
-    flops, peak = counter.get_total_flops(), sgemm_rate()
-    return {"L": length, "batch": args.batch, "step_s_profiled": total, "matrix_share": matrix / total,
+    products = {str(k).removeprefix("aten.") for k in ("mm", "bmm", "baddbmm", "addmm", "addbmm")}
+    flops = sum(v for k, v in counter.get_flop_counts()["Global"].items() if str(k).removeprefix("aten.") in products)
+    peak = sgemm_rate()
+    return {"L": length, "batch": args.batch, "variant": variant, "step_s_profiled": total, "matrix_share": matrix / total,
             "matrix_gflop": flops / 1e9, "matrix_gflop_per_s": flops / matrix / 1e9,
             "large_sgemm_gflop_per_s": peak / 1e9, "ceiling_rest_free": total / matrix,
             "ceiling_rest_free_products_at_peak": total / (flops / peak)}
@@ -421,8 +437,8 @@ def profile_lookback(length: int, args: argparse.Namespace) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lookbacks", default="64,512,4096")
-    parser.add_argument("--variants", default="reference,chunked,factored,tft",
-                        help="any of reference, chunked, factored (Mamba-2 scans) and tft")
+    parser.add_argument("--variants", default="reference,chunked,factored,native,tft",
+                        help="any of reference, chunked, factored, native (Mamba-2 versions) and tft")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--inputs", type=int, default=8, help="features per bar (the TFT's cost grows with them)")
     parser.add_argument("--d-model", type=int, default=32)
@@ -441,8 +457,8 @@ def main() -> None:
                         help="time the member modules (Mamba2Module, TFTModule) inside Lightning's Trainer.fit, the path "
                              "foxhunt.fit runs, instead of the bare networks")
     parser.add_argument("--profile", action="store_true",
-                        help="profile the factored step: its matrix products' share and rate, and the speed-up "
-                             "ceilings of fusing the rest")
+                        help="profile the first variant's step: its matrix products' share and rate, and the "
+                             "speed-up ceilings of fusing the rest")
     parser.add_argument("--trainer-steps", type=int, default=4, help="steps of each short fit in --trainer mode")
     parser.add_argument("--allocator", choices=("retain", "system"), default="retain",
                         help="retain: freed memory kept in the process, as foxhunt.fit does (foxhunt.training.memory); "
@@ -459,9 +475,9 @@ def main() -> None:
     if args.profile:
         with retain_freed_memory(args.allocator == "retain"):
             for length in lookbacks:
-                r = profile_lookback(length, args)
+                r = profile_lookback(length, variants[0], args)
                 print(json.dumps(r), flush=True)
-                print(f"L {length}, batch {args.batch}: matrix products {r['matrix_share']:.0%} of the factored step "
+                print(f"L {length}, batch {args.batch}: matrix products {r['matrix_share']:.0%} of the {variants[0]} step "
                       f"({r['matrix_gflop']:.2f} GFLOP at {r['matrix_gflop_per_s']:.1f} GFLOP/s; a large product runs "
                       f"{r['large_sgemm_gflop_per_s']:.1f} here). Ceiling of the step's speed-up: "
                       f"x{r['ceiling_rest_free']:.1f} with every other operation free, "
@@ -486,15 +502,16 @@ def main() -> None:
           f"{args.d_model}, {args.layers} layers, d_state {args.d_state}, headdim {args.headdim}, expand {args.expand}, "
           f"chunk {args.chunk}) and the TFT (hidden {args.d_model}), batch {args.batch}, {args.inputs} inputs, "
           f"{args.threads} thread(s), allocator {args.allocator}, median of {args.repeats} interleaved rounds:")
-    print("(samples/s by wall time, and by CPU time in brackets; x: the factored version's speed-up, wall (CPU))")
+    best = fastest(variants)
+    print(f"(samples/s by wall time, and by CPU time in brackets; x: the {best} version's speed-up, wall (CPU))")
     print(f"{'L':>6} | " + " | ".join(f"{v + ' /s (cpu)':>22} {'MiB rise':>8}" for v in variants)
-          + " | factored over: " + " ".join(f"{v:>13}" for v in variants if v != "factored")
+          + f" | {best} over: " + " ".join(f"{v:>13}" for v in variants if v != best)
           + " | 1-min load before -> after")
     for r in rows:
         cells = " | ".join(f"{r[v]['samples_per_s']:>12.2f} ({r[v]['cpu_samples_per_s']:>7.2f}) {r[v].get('rss_rise_mib', float('nan')):>8.0f}"
                            for v in variants)
-        speed = " ".join(f"{r['factored_speedup'][v]:>6.2f} ({r['factored_speedup_cpu'][v]:>4.2f})"
-                         for v in variants if v != "factored") if "factored_speedup" in r else ""
+        speed = " ".join(f"{r['speedup'][v]:>6.2f} ({r['speedup_cpu'][v]:>4.2f})"
+                         for v in variants if v != best) if "speedup" in r else ""
         print(f"{r['L']:>6} | {cells} | {'':15}{speed} | {r['load_before'][0]:.1f} -> {r['load'][0]:.1f}")
     print("\nOutputs of the Mamba-2 versions against the first (max |diff| relative to the largest output; gradients "
           "relative to each parameter's largest):")
