@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler here")
 def conv_and_ssd_inputs(shape: mamba2_native.BlockShape, b: int, length: int, seed: int = 0) -> list[torch.Tensor]:
     """float64 leaves: padded rows, conv weight and bias, dt, A, D, initial state."""
     gen = torch.Generator().manual_seed(seed)
-    h, p, _, n, ch, w = shape
+    h, p, _, n, ch, w, _ = shape
 
     def rand(*size: int, lo: float = -1.0, hi: float = 1.0) -> torch.Tensor:
         return (torch.rand(*size, generator=gen, dtype=torch.float64) * (hi - lo) + lo).requires_grad_()
@@ -30,7 +30,7 @@ def conv_and_ssd_inputs(shape: mamba2_native.BlockShape, b: int, length: int, se
 
 def reference(shape: mamba2_native.BlockShape, padded, weight, bias, dt, A, D, init):  # type: ignore[no-untyped-def]
     """The same computation in float64 PyTorch: conv1d + SiLU, then the recurrence step by step."""
-    h, p, g, n, ch, _ = shape
+    h, p, g, n, ch, _, _ = shape
     b, length = dt.shape[:2]
     conv = F.silu(F.conv1d(padded.transpose(1, 2), weight, bias, groups=ch)).transpose(1, 2)
     x, B, C = conv.split([h * p, g * n, g * n], -1)
@@ -46,7 +46,7 @@ def reference(shape: mamba2_native.BlockShape, padded, weight, bias, dt, A, D, i
     ((2, 4, 1, 3, 14, 2), 5, 3),
 ])
 def test_values_and_gradients_equal_the_float64_recurrence(shape, length: int, chunk: int) -> None:
-    shape = mamba2_native.BlockShape(*shape)
+    shape = mamba2_native.BlockShape(*shape, 6)
     lib = mamba2_native.library(shape)
     assert lib is not None
     leaves = conv_and_ssd_inputs(shape, 3, length)
@@ -62,6 +62,29 @@ def test_values_and_gradients_equal_the_float64_recurrence(shape, length: int, c
     for name, a, b in zip(names, got, want, strict=True):
         err = ((a.double() - b).abs().max() / b.abs().max()).item()
         assert err < 2e-6, f"{name}: {err:.2e} of the largest"
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_norms_equal_the_float64_norm(gated: bool) -> None:
+    """The residual stream's RMSNorm and the block's gated norm norm(y silu(z)) w: values and gradients."""
+    shape = mamba2_native.BlockShape(4, 3, 2, 5, 32, 4, 6)
+    lib = mamba2_native.library(shape)
+    width = 12 if gated else 6
+    gen = torch.Generator().manual_seed(2)
+    leaves = [(torch.randn(3, 41, width, generator=gen, dtype=torch.float64) * 3).requires_grad_()
+              for _ in range(3 if gated else 2)]
+    x, z, w = leaves[0], leaves[1] if gated else None, leaves[-1][0, 0]
+    ref = x * F.silu(z) if gated else x
+    ref = ref * torch.rsqrt(ref.square().mean(-1, keepdim=True) + 1e-5) * w
+    go = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    want = [ref, *torch.autograd.grad((ref * go).sum(), leaves)]
+    f32 = [t.detach().float().requires_grad_() for t in leaves]
+    out = mamba2_native.rms_norm(lib, f32[0], f32[1] if gated else None, f32[-1][0, 0], 1e-5)
+    got = [out, *torch.autograd.grad((out * go.float()).sum(), f32)]
+    for a, b in zip(got, want, strict=True):
+        assert ((a.double() - b).abs().max() / b.abs().max()).item() < 2e-6
+    with pytest.raises(RuntimeError, match="shape not compiled in"):
+        mamba2_native.rms_norm(lib, torch.randn(2, 7), None, torch.ones(7), 1e-5)
 
 
 def plain_and_native(native_first: bool = False, **kw) -> tuple[Mamba2Block, Mamba2Block]:  # type: ignore[no-untyped-def]
@@ -109,7 +132,7 @@ def test_forecaster_equals_the_plain_forecaster() -> None:
 def test_threads_split_the_batch_without_changing_outputs() -> None:
     """Sequences are independent: the loops' outputs and per-sequence gradients are bit-identical on 1 and 3 threads;
     the gradients of the shared weights equal to rounding (the threads' partial sums are added in another order)."""
-    shape = mamba2_native.BlockShape(4, 3, 2, 5, 32, 4)
+    shape = mamba2_native.BlockShape(4, 3, 2, 5, 32, 4, 6)
     lib = mamba2_native.library(shape)
     before = torch.get_num_threads()
     runs = []
@@ -142,14 +165,14 @@ def test_a_nan_input_reaches_the_outputs_from_its_step_on() -> None:
 def test_a_library_refuses_another_shape() -> None:
     """Each library is compiled for one block shape; called with another it raises rather than reading out of
     bounds, and a shape that cannot exist is refused before compiling."""
-    shape = mamba2_native.BlockShape(4, 3, 2, 5, 32, 4)
-    other = mamba2_native.BlockShape(2, 4, 1, 3, 14, 2)
+    shape = mamba2_native.BlockShape(4, 3, 2, 5, 32, 4, 6)
+    other = mamba2_native.BlockShape(2, 4, 1, 3, 14, 2, 6)
     leaves = [t.detach().float() for t in conv_and_ssd_inputs(other, 2, 9)]
     conv = mamba2_native.conv_silu(mamba2_native.library(other), *leaves[:3])
     with pytest.raises(RuntimeError, match="shape not compiled in"):
         mamba2_native.ssd(mamba2_native.library(shape), other, conv, *leaves[3:], chunk=4)
     with pytest.raises(ValueError, match="channels must be"):
-        mamba2_native.library(mamba2_native.BlockShape(4, 3, 2, 5, 31, 4))
+        mamba2_native.library(mamba2_native.BlockShape(4, 3, 2, 5, 31, 4, 6))
 
 
 def test_without_the_loops_the_block_runs_its_pytorch_path(monkeypatch) -> None:

@@ -446,7 +446,10 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size))
 
-    def forward(self, y: Tensor, z: Tensor) -> Tensor:
+    def forward(self, y: Tensor, z: Tensor, lib: ctypes.CDLL | None = None) -> Tensor:
+        """``lib``: the block's compiled loops, which compute the same in one pass (float32)."""
+        if lib is not None:
+            return mamba2_native.rms_norm(lib, y, z, self.weight, self.eps)
         gated = _up(y) * F.silu(_up(z))
         normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * _up(self.weight)).to(y.dtype)
@@ -540,7 +543,8 @@ class Mamba2Block(nn.Module):
         self.dt_limit = None if dt_limit is None else (float(dt_limit[0]), float(dt_limit[1]))
         self.use_kernels, self.scan, self.fused, self.native = use_kernels, scan, fused, native
         self.conv_dim = d_inner + 2 * ngroups * d_state
-        self.native_shape = mamba2_native.BlockShape(n_heads, headdim, ngroups, d_state, self.conv_dim, d_conv)
+        self.native_shape = mamba2_native.BlockShape(n_heads, headdim, ngroups, d_state, self.conv_dim, d_conv,
+                                                     d_model)
         self.in_proj = nn.Linear(d_model, 2 * d_inner + 2 * ngroups * d_state + n_heads, bias=bias)  # z, x, B, C, dt
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim, bias=conv_bias)
         # dt_bias: softplus(dt_bias) log-uniform in [dt_min, dt_max] (the inverse of softplus: dt + log(1 - exp(-dt)))
@@ -649,7 +653,7 @@ class Mamba2Block(nn.Module):
         y = y.reshape(b, length, self.d_inner)
         if tail is not None:
             y, z = y[:, length - tail :], z[:, z.shape[1] - tail :]
-        y = self.out_proj(self.norm(y, z))
+        y = self.out_proj(self.norm(y, z, lib))
         if not return_state:
             return y
         return y, Mamba2State(last_inputs, _up(final))
@@ -670,6 +674,13 @@ class Mamba2Block(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------------------- the stack
+def rms_norm(norm: nn.RMSNorm, h: Tensor, lib: ctypes.CDLL | None) -> Tensor:
+    """``norm(h)``, in the block's compiled loops when they are given (one pass, float32)."""
+    if lib is None:
+        return norm(h)
+    return mamba2_native.rms_norm(lib, h, None, norm.weight, 1e-5 if norm.eps is None else norm.eps)
+
+
 class ResidualBlock(nn.Module):
     """Pre-norm residual: h + dropout(Mamba2Block(RMSNorm(h)))."""
 
@@ -682,7 +693,7 @@ class ResidualBlock(nn.Module):
     def forward(
         self, h: Tensor, state: Mamba2State | None = None, return_state: bool = False, tail: int | None = None
     ) -> Tensor | tuple[Tensor, Mamba2State]:
-        out = self.mixer(self.norm(h), state, return_state, tail)
+        out = self.mixer(rms_norm(self.norm, h, self.mixer.native_library(h)), state, return_state, tail)
         if tail is not None:
             h = h[:, h.shape[1] - tail :]
         if return_state:
@@ -729,7 +740,7 @@ class Mamba2Stack(nn.Module):
             h = out[0] if return_state else out
             if return_state:
                 new_states.append(out[1])
-        h = self.norm_f(h)
+        h = rms_norm(self.norm_f, h, self.layers[-1].mixer.native_library(h))
         return (h, new_states) if return_state else h
 
     def step(self, h: Tensor, states: list[Mamba2State]) -> tuple[Tensor, list[Mamba2State]]:

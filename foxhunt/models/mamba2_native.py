@@ -129,6 +129,80 @@ int conv_silu_bwd(const float *restrict in, const float *restrict wt, const floa
 #define GNW (SSD_G * SSD_N * WG) /* the state, [G, N, R P] */
 #define ROW (HP + 2 * SSD_G * SSD_N)
 
+/* RMS normalisation of rows of C channels, gated or not: g = y silu(z) (z NULL: g = y), out = g w / rms(g), with
+   rms(g) = sqrt(mean(g^2) + eps); rinv [rows] keeps 1 / rms for the backward. C is one of the two widths compiled in
+   (the residual stream's, NORM_D, and the block's inner width, H P), so the loops over a row unroll. */
+static inline void norm_fwd_rows(const float *restrict y, const float *restrict z, const float *restrict w,
+                                 float *restrict out, float *restrict rinv, I rows, const I C, float eps) {
+    for (I r = 0; r < rows; r++) {
+        const float *restrict yr = y + r * C, *restrict zr = z ? z + r * C : NULL;
+        float *restrict o = out + r * C;
+        float ss = 0.0f;
+        for (I c = 0; c < C; c++) {
+            float g = zr ? yr[c] * zr[c] / (1.0f + exp_approx(-zr[c])) : yr[c];
+            o[c] = g;
+            ss += g * g;
+        }
+        float ri = 1.0f / sqrtf(ss / (float)C + eps);
+        rinv[r] = ri;
+        for (I c = 0; c < C; c++) o[c] = o[c] * ri * w[c];
+    }
+}
+
+/* its backward from gout: gy, gz (if z) and gw (this call's sums, written) */
+static inline int norm_bwd_rows(const float *restrict y, const float *restrict z, const float *restrict w,
+                                const float *restrict rinv, const float *restrict gout, float *restrict gy,
+                                float *restrict gz, float *restrict gw, I rows, const I C) {
+    double *acc = calloc(C, sizeof(double));
+    float *part = calloc(C, sizeof(float)), *n = malloc(sizeof(float) * 2 * C);
+    if (!acc || !part || !n) { free(acc); free(part); free(n); return 2; }
+    float *sg = n + C;
+    for (I r = 0; r < rows; r++) {
+        const float *restrict yr = y + r * C, *restrict zr = z ? z + r * C : NULL, *restrict go = gout + r * C;
+        const float ri = rinv[r];
+        float dot = 0.0f;
+        for (I c = 0; c < C; c++) {
+            float s = zr ? 1.0f / (1.0f + exp_approx(-zr[c])) : 1.0f;
+            float g = zr ? yr[c] * zr[c] * s : yr[c];
+            sg[c] = s;
+            n[c] = g * ri;
+            part[c] += go[c] * n[c];
+            dot += go[c] * w[c] * n[c];
+        }
+        dot /= (float)C;
+        float *restrict gyr = gy + r * C;
+        for (I c = 0; c < C; c++) {
+            float gg = ri * (go[c] * w[c] - n[c] * dot);
+            if (zr) {
+                gyr[c] = gg * zr[c] * sg[c];
+                gz[r * C + c] = gg * yr[c] * sg[c] * (1.0f + zr[c] * (1.0f - sg[c]));
+            } else {
+                gyr[c] = gg;
+            }
+        }
+        if ((r & 255) == 255 || r == rows - 1)
+            for (I c = 0; c < C; c++) { acc[c] += part[c]; part[c] = 0.0f; }
+    }
+    for (I c = 0; c < C; c++) gw[c] = (float)acc[c];
+    free(acc); free(part); free(n);
+    return 0;
+}
+
+int norm_fwd(const float *restrict y, const float *restrict z, const float *restrict w, float *restrict out,
+             float *restrict rinv, I rows, I C, float eps) {
+    if (C == NORM_D) norm_fwd_rows(y, z, w, out, rinv, rows, NORM_D, eps);
+    else if (C == HP) norm_fwd_rows(y, z, w, out, rinv, rows, HP, eps);
+    else return 1;
+    return 0;
+}
+
+int norm_bwd(const float *restrict y, const float *restrict z, const float *restrict w, const float *restrict rinv,
+             const float *restrict gout, float *restrict gy, float *restrict gz, float *restrict gw, I rows, I C) {
+    if (C == NORM_D) return norm_bwd_rows(y, z, w, rinv, gout, gy, gz, gw, rows, NORM_D);
+    if (C == HP) return norm_bwd_rows(y, z, w, rinv, gout, gy, gz, gw, rows, HP);
+    return 1;
+}
+
 /* u = dt x and the decay per channel of one row (and D x if Dx) */
 static inline void ssd_inputs(const float *restrict row, const float *restrict dt, const float *restrict decay,
                               const float *restrict D, float *restrict u, float *restrict a, float *restrict Dx) {
@@ -287,7 +361,8 @@ _P, _N = ctypes.c_void_p, ctypes.c_ssize_t
 
 class BlockShape(NamedTuple):
     """What the library is compiled for: heads H, head width P, groups G, state size N, convolved channels
-    (H P + 2 G N) and the convolution's width W."""
+    (H P + 2 G N), the convolution's width W, and the residual stream's width d (its RMSNorm; the block's gated norm
+    is H P wide)."""
 
     heads: int
     headdim: int
@@ -295,6 +370,7 @@ class BlockShape(NamedTuple):
     d_state: int
     channels: int
     d_conv: int
+    d_model: int
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -302,7 +378,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.conv_silu_bwd.argtypes = [_P] * 7 + [_N] * 4
     lib.ssd_fwd.argtypes = [_P] * 8 + [_N] * 7
     lib.ssd_bwd.argtypes = [_P] * 12 + [_N] * 7
-    for f in (lib.conv_silu_fwd, lib.conv_silu_bwd, lib.ssd_fwd, lib.ssd_bwd):
+    lib.norm_fwd.argtypes = [_P] * 5 + [_N] * 2 + [ctypes.c_float]
+    lib.norm_bwd.argtypes = [_P] * 8 + [_N] * 2
+    for f in (lib.conv_silu_fwd, lib.conv_silu_bwd, lib.ssd_fwd, lib.ssd_bwd, lib.norm_fwd, lib.norm_bwd):
         f.restype = ctypes.c_int
 
 
@@ -317,15 +395,17 @@ def _call(f: Callable[..., int], *args: object) -> None:
                            f"({'shape not compiled in' if status == 1 else 'out of memory'})")
 
 
+
 def _ranges(n: int) -> list[tuple[int, int]]:
-    """[lo, hi) slices of the batch, one per thread (at most torch's thread count)."""
+    """[lo, hi) slices of n sequences (or rows), one per thread (at most torch's thread count)."""
     k = max(1, min(n, torch.get_num_threads()))
     step = -(-n // k)
     return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
 
 def _over_batch(run: Callable[[int, int, int], None], n: int) -> int:
-    """run(part, lo, hi) for each slice of the batch, in threads when there are several; the number of parts."""
+    """run(part, lo, hi) for each slice of n sequences (or rows), in threads when there are several; the number of
+    parts."""
     parts = _ranges(n)
     if len(parts) == 1:
         run(0, *parts[0])
@@ -410,11 +490,54 @@ class _SSD(torch.autograd.Function):
         return g_xbc, g_dt, g_decay, g_D.sum(0), g_init, None, None, None
 
 
+# ------------------------------------------------------------------------------------------------------ the norms
+class _RMSNorm(torch.autograd.Function):
+    """RMSNorm of the last dimension, gated by silu(z) when z is given: norm(x silu(z)) weight (float32)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, z: Tensor | None, weight: Tensor, lib: ctypes.CDLL,  # type: ignore[override]
+                eps: float) -> Tensor:
+        x = x.float().contiguous()
+        zf = None if z is None else z.float().contiguous()
+        w = weight.detach().float().contiguous()
+        width = x.shape[-1]
+        rows = x.numel() // width
+        out, rinv = torch.empty_like(x), x.new_empty(rows)
+        _over_batch(lambda _, lo, hi: _call(lib.norm_fwd, _ptr(x.view(rows, width)[lo:hi]),
+                                            _ptr(None if zf is None else zf.view(rows, width)[lo:hi]), _ptr(w),
+                                            _ptr(out.view(rows, width)[lo:hi]), _ptr(rinv[lo:hi]), hi - lo, width,
+                                            eps), rows)
+        ctx.save_for_backward(x, zf, w, rinv)
+        ctx.lib, ctx.dtypes = lib, (None if z is None else z.dtype, weight.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[no-untyped-def, override]
+        x, zf, w, rinv = ctx.saved_tensors
+        grad = grad.float().contiguous()
+        width = x.shape[-1]
+        rows = x.numel() // width
+        gx, gz = torch.empty_like(x), None if zf is None else torch.empty_like(zf)
+        gw = w.new_empty(len(_ranges(rows)), width)
+        _over_batch(lambda j, lo, hi: _call(
+            ctx.lib.norm_bwd, _ptr(x.view(rows, width)[lo:hi]), _ptr(None if zf is None else zf.view(rows, width)[lo:hi]),
+            _ptr(w), _ptr(rinv[lo:hi]), _ptr(grad.view(rows, width)[lo:hi]), _ptr(gx.view(rows, width)[lo:hi]),
+            _ptr(None if gz is None else gz.view(rows, width)[lo:hi]), _ptr(gw[j]), hi - lo, width), rows)
+        z_dtype, w_dtype = ctx.dtypes
+        return gx, None if gz is None else gz.to(z_dtype), gw.sum(0).to(w_dtype), None, None
+
+
 # ------------------------------------------------------------------------------------------------- the interface
 def conv_silu(lib: ctypes.CDLL, padded: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """silu(causal depthwise convolution) in float32: padded [b, W - 1 + L, channels] (the W - 1 steps before the
     first output in front), weight [channels, 1, W], bias [channels] or None -> [b, L, channels]."""
     return _ConvSiLU.apply(padded, weight, bias, lib)
+
+
+def rms_norm(lib: ctypes.CDLL, x: Tensor, z: Tensor | None, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of the last dimension (the residual stream's width or the block's inner width) in float32:
+    norm(x) weight, or with z the block's gated norm norm(x silu(z)) weight."""
+    return _RMSNorm.apply(x, z, weight, lib, eps)
 
 
 def ssd(lib: ctypes.CDLL, shape: BlockShape, xbc: Tensor, dt: Tensor, A: Tensor, D: Tensor, initial: Tensor | None,
@@ -437,7 +560,7 @@ def _self_check(shape: BlockShape) -> Callable[[ctypes.CDLL], bool]:
         from foxhunt.models.mamba2 import ssd_recurrent  # the step-by-step reference (that module imports this one)
 
         gen = torch.Generator().manual_seed(0)
-        h, p, g, n, ch, w = shape
+        h, p, g, n, ch, w, d = shape
         nb, length, chunk = 2, 11, 4
 
         def rand(*size: int, lo: float = -1.0, hi: float = 1.0) -> Tensor:
@@ -457,6 +580,16 @@ def _self_check(shape: BlockShape) -> Callable[[ctypes.CDLL], bool]:
         fconv = conv_silu(lib, *fleaves[:3])
         fy, ffinal = ssd(lib, shape, fconv, *fleaves[3:], chunk=chunk)
         got = [fy, ffinal, *torch.autograd.grad((fy * gy.float()).sum() + (ffinal * gf.float()).sum(), fleaves)]
+        for width, gated in ((d, False), (h * p, True)):
+            x, z, wn = rand(3, 5, width), rand(3, 5, width) if gated else None, rand(width)
+            nleaves = [t for t in (x, z, wn) if t is not None]
+            ref = x * F.silu(z) if gated else x
+            ref = ref * torch.rsqrt(ref.square().mean(-1, keepdim=True) + 1e-5) * wn
+            go = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+            want += [ref, *torch.autograd.grad((ref * go).sum(), nleaves)]
+            fl = [t.detach().float().requires_grad_() for t in nleaves]
+            out = rms_norm(lib, fl[0], fl[1] if gated else None, fl[-1], 1e-5)
+            got += [out, *torch.autograd.grad((out * go.float()).sum(), fl)]
         return all(bool((a.double() - b).abs().max() <= 1e-4 * (1.0 + b.abs().max())) for a, b in zip(got, want,
                                                                                                         strict=True))
 
@@ -471,8 +604,8 @@ def library(shape: BlockShape) -> ctypes.CDLL | None:
         raise ValueError(f"not a block shape: {shape}")
     if shape.channels != shape.heads * shape.headdim + 2 * shape.groups * shape.d_state:
         raise ValueError(f"{shape}: channels must be heads * headdim + 2 * groups * d_state")
-    defines = tuple(f"-D{k}={v}" for k, v in zip(("SSD_H", "SSD_P", "SSD_G", "SSD_N", "CONV_C", "CONV_W"), shape,
-                                                 strict=True))
+    names = ("SSD_H", "SSD_P", "SSD_G", "SSD_N", "CONV_C", "CONV_W", "NORM_D")
+    defines = tuple(f"-D{k}={v}" for k, v in zip(names, shape, strict=True))
     return compiled.load("mamba2", SOURCE, FLAGS, _declare, _self_check(shape),
                          "the Mamba-2 blocks run their PyTorch path on the CPU (the same model, slower)", defines)
 
@@ -482,4 +615,4 @@ def available(shape: BlockShape) -> bool:
     return library(shape) is not None
 
 
-__all__ = ["BlockShape", "available", "conv_silu", "library", "ssd"]
+__all__ = ["BlockShape", "available", "conv_silu", "library", "rms_norm", "ssd"]
