@@ -130,16 +130,17 @@ int conv_silu_bwd(const float *restrict in, const float *restrict wt, const floa
 #define ROW (HP + 2 * SSD_G * SSD_N)
 
 /* RMS normalisation of rows of C channels, gated or not: g = y silu(z) (z NULL: g = y), out = g w / rms(g), with
-   rms(g) = sqrt(mean(g^2) + eps); rinv [rows] keeps 1 / rms for the backward. C is one of the two widths compiled in
-   (the residual stream's, NORM_D, and the block's inner width, H P), so the loops over a row unroll. */
+   rms(g) = sqrt(mean(g^2) + eps); rinv [rows] keeps 1 / rms for the backward. Compiled for the residual stream's
+   RMSNorm (C = NORM_D, not gated) and the block's gated norm (C = H P), so the loops over a row unroll. */
 static inline void norm_fwd_rows(const float *restrict y, const float *restrict z, const float *restrict w,
-                                 float *restrict out, float *restrict rinv, I rows, const I C, float eps) {
+                                 float *restrict out, float *restrict rinv, I rows, const I C, float eps,
+                                 const int gated) {
     for (I r = 0; r < rows; r++) {
-        const float *restrict yr = y + r * C, *restrict zr = z ? z + r * C : NULL;
+        const float *restrict yr = y + r * C, *restrict zr = gated ? z + r * C : yr;
         float *restrict o = out + r * C;
         float ss = 0.0f;
         for (I c = 0; c < C; c++) {
-            float g = zr ? yr[c] * zr[c] / (1.0f + exp_approx(-zr[c])) : yr[c];
+            float g = gated ? yr[c] * zr[c] / (1.0f + exp_approx(-zr[c])) : yr[c];
             o[c] = g;
             ss += g * g;
         }
@@ -152,18 +153,18 @@ static inline void norm_fwd_rows(const float *restrict y, const float *restrict 
 /* its backward from gout: gy, gz (if z) and gw (this call's sums, written) */
 static inline int norm_bwd_rows(const float *restrict y, const float *restrict z, const float *restrict w,
                                 const float *restrict rinv, const float *restrict gout, float *restrict gy,
-                                float *restrict gz, float *restrict gw, I rows, const I C) {
+                                float *restrict gz, float *restrict gw, I rows, const I C, const int gated) {
     double *acc = calloc(C, sizeof(double));
     float *part = calloc(C, sizeof(float)), *n = malloc(sizeof(float) * 2 * C);
     if (!acc || !part || !n) { free(acc); free(part); free(n); return 2; }
     float *sg = n + C;
     for (I r = 0; r < rows; r++) {
-        const float *restrict yr = y + r * C, *restrict zr = z ? z + r * C : NULL, *restrict go = gout + r * C;
+        const float *restrict yr = y + r * C, *restrict zr = gated ? z + r * C : yr, *restrict go = gout + r * C;
         const float ri = rinv[r];
         float dot = 0.0f;
         for (I c = 0; c < C; c++) {
-            float s = zr ? 1.0f / (1.0f + exp_approx(-zr[c])) : 1.0f;
-            float g = zr ? yr[c] * zr[c] * s : yr[c];
+            float s = gated ? 1.0f / (1.0f + exp_approx(-zr[c])) : 1.0f;
+            float g = gated ? yr[c] * zr[c] * s : yr[c];
             sg[c] = s;
             n[c] = g * ri;
             part[c] += go[c] * n[c];
@@ -173,7 +174,7 @@ static inline int norm_bwd_rows(const float *restrict y, const float *restrict z
         float *restrict gyr = gy + r * C;
         for (I c = 0; c < C; c++) {
             float gg = ri * (go[c] * w[c] - n[c] * dot);
-            if (zr) {
+            if (gated) {
                 gyr[c] = gg * zr[c] * sg[c];
                 gz[r * C + c] = gg * yr[c] * sg[c] * (1.0f + zr[c] * (1.0f - sg[c]));
             } else {
@@ -190,16 +191,16 @@ static inline int norm_bwd_rows(const float *restrict y, const float *restrict z
 
 int norm_fwd(const float *restrict y, const float *restrict z, const float *restrict w, float *restrict out,
              float *restrict rinv, I rows, I C, float eps) {
-    if (C == NORM_D) norm_fwd_rows(y, z, w, out, rinv, rows, NORM_D, eps);
-    else if (C == HP) norm_fwd_rows(y, z, w, out, rinv, rows, HP, eps);
+    if (C == NORM_D && !z) norm_fwd_rows(y, z, w, out, rinv, rows, NORM_D, eps, 0);
+    else if (C == HP && z) norm_fwd_rows(y, z, w, out, rinv, rows, HP, eps, 1);
     else return 1;
     return 0;
 }
 
 int norm_bwd(const float *restrict y, const float *restrict z, const float *restrict w, const float *restrict rinv,
              const float *restrict gout, float *restrict gy, float *restrict gz, float *restrict gw, I rows, I C) {
-    if (C == NORM_D) return norm_bwd_rows(y, z, w, rinv, gout, gy, gz, gw, rows, NORM_D);
-    if (C == HP) return norm_bwd_rows(y, z, w, rinv, gout, gy, gz, gw, rows, HP);
+    if (C == NORM_D && !z) return norm_bwd_rows(y, z, w, rinv, gout, gy, gz, gw, rows, NORM_D, 0);
+    if (C == HP && z) return norm_bwd_rows(y, z, w, rinv, gout, gy, gz, gw, rows, HP, 1);
     return 1;
 }
 
