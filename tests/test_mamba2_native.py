@@ -188,3 +188,22 @@ def test_without_the_loops_the_block_runs_its_pytorch_path(monkeypatch) -> None:
         torch.testing.assert_close(native(u), fast, rtol=2e-5, atol=2e-5)
     finally:
         mamba2_native.library.cache_clear()
+
+
+@pytest.mark.slow
+def test_torch_compile_runs_around_the_loops_without_warnings() -> None:
+    """``compile_network``: torch.compile traces the forecaster and calls the loops between its graphs (they are
+    marked ``torch.compiler.disable``), with the eager outputs and no warning from its tracer. ~1 min."""
+    import warnings
+
+    torch.manual_seed(0)
+    net = Mamba2Forecaster(5, [3, 4], n_symbols=1, horizon=3, d_model=8, headdim=4, d_state=4, chunk_size=8)
+    x_past, x_future, sym = torch.randn(2, 20, 5), torch.randn(2, 3, 2), torch.zeros(2, dtype=torch.long)
+    eager = net(x_past, x_future, sym).prediction
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(net)(x_past, x_future, sym).prediction
+        compiled.sum().backward()
+    dynamo = [str(w.message)[:120] for w in caught if "_dynamo" in w.filename]  # (not torch's own deprecations)
+    assert not dynamo, dynamo
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)

@@ -592,6 +592,7 @@ class Mamba2Block(nn.Module):
             torch.zeros(batch_size, self.n_heads, self.headdim, self.d_state, device=device, dtype=ssm_dtype),
         )
 
+    @torch.compiler.disable  # a cached lookup (and on first use a build): outside torch.compile's graphs
     def native_library(self, u: Tensor) -> ctypes.CDLL | None:
         """The compiled CPU loops for this block's shape when they apply to ``u`` (``native`` on, a CPU tensor that is
         not float64, a C compiler here), else None."""

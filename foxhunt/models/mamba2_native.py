@@ -529,18 +529,21 @@ class _RMSNorm(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------------------------- the interface
+@torch.compiler.disable  # foreign calls: torch.compile runs them as they are, between its graphs
 def conv_silu(lib: ctypes.CDLL, padded: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """silu(causal depthwise convolution) in float32: padded [b, W - 1 + L, channels] (the W - 1 steps before the
     first output in front), weight [channels, 1, W], bias [channels] or None -> [b, L, channels]."""
     return _ConvSiLU.apply(padded, weight, bias, lib)
 
 
+@torch.compiler.disable  # foreign calls: torch.compile runs them as they are, between its graphs
 def rms_norm(lib: ctypes.CDLL, x: Tensor, z: Tensor | None, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm of the last dimension (the residual stream's width or the block's inner width) in float32:
     norm(x) weight, or with z the block's gated norm norm(x silu(z)) weight."""
     return _RMSNorm.apply(x, z, weight, lib, eps)
 
 
+@torch.compiler.disable  # foreign calls: torch.compile runs them as they are, between its graphs
 def ssd(lib: ctypes.CDLL, shape: BlockShape, xbc: Tensor, dt: Tensor, A: Tensor, D: Tensor, initial: Tensor | None,
         chunk: int) -> tuple[Tensor, Tensor]:
     """The SSD with the D skip in float32 over the convolved rows xbc [b, L, H P + 2 G N] (x, B, C), dt [b, L, H]
