@@ -84,7 +84,7 @@ def build(cc: str, directory: Path, name: str, source: str, flags: Sequence[str]
             if done.returncode == 0:
                 break
         if done.returncode != 0:
-            raise RuntimeError(f"{cc} could not compile foxhunt's {name}: {done.stderr.strip()[:500]}")
+            raise RuntimeError(f"{cc} could not compile foxhunt's {name} loops: {done.stderr.strip()[:500]}")
         built = digest(out)
         os.replace(out, lib)
     sha.write_text(built + "\n")
@@ -110,5 +110,6 @@ def load(name: str, source: str, flags: Sequence[str], declare: Callable[[ctypes
             raise RuntimeError(f"{path} computes wrongly (removed)")
         return lib
     except (OSError, RuntimeError) as e:
-        warnings.warn(f"foxhunt: the compiled {name} are unavailable ({e}); {fallback}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"foxhunt: the compiled {name} loops are unavailable ({e}); {fallback}", RuntimeWarning,
+                      stacklevel=3)
         return None

@@ -70,7 +70,7 @@ def test_cache_is_built_once_and_verified(fresh_cache):
     """The first call compiles into the cache and records the library's digest; a damaged library (its digest no
     longer matches) is rebuilt rather than loaded."""
     assert native.available()
-    libs = list(fresh_cache.glob("loops-*.so"))
+    libs = list(fresh_cache.glob("features-*.so"))
     assert len(libs) == 1 and libs[0].with_suffix(".sha256").read_text().strip() == compiled.digest(libs[0])
     built = libs[0].stat().st_mtime_ns
     native.library.cache_clear()

@@ -5,6 +5,8 @@ shape check, and the fallback without the loops."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -207,3 +209,21 @@ def test_torch_compile_runs_around_the_loops_without_warnings() -> None:
     dynamo = [str(w.message)[:120] for w in caught if "_dynamo" in w.filename]  # (not torch's own deprecations)
     assert not dynamo, dynamo
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_first_use_under_inference_mode_builds_and_checks_the_library(tmp_path, monkeypatch) -> None:
+    """A library first needed inside ``torch.inference_mode`` (a validation or predict step) still passes its
+    self-check (which takes gradients) and is used; the forward equals the PyTorch path's."""
+    monkeypatch.setenv("FOXHUNT_CACHE", str(tmp_path))
+    mamba2_native.library.cache_clear()
+    try:
+        plain, native = plain_and_native(d_state=7)  # a shape no other test compiles
+        u = torch.randn(2, 19, 8)
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "unavailable" warning
+            assert native.native_library(u) is not None
+            out = native(u)
+        torch.testing.assert_close(out, plain(u).detach(), rtol=2e-5, atol=2e-5)
+        assert len(list((tmp_path / "native").glob("mamba2-*.so"))) == 1
+    finally:
+        mamba2_native.library.cache_clear()

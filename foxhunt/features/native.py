@@ -210,7 +210,7 @@ def _self_check(lib: ctypes.CDLL) -> bool:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled loops, built or verified once per process; None (with one warning) where they cannot be had."""
-    return compiled.load("loops", SOURCE, FLAGS, _declare, _self_check,
+    return compiled.load("features", SOURCE, FLAGS, _declare, _self_check,
                          "the CPU features run the plain torch path (the same values, slower)")
 
 

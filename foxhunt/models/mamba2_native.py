@@ -561,6 +561,10 @@ def _self_check(shape: BlockShape) -> Callable[[ctypes.CDLL], bool]:
     """The loops against autograd through float64 PyTorch on a few short sequences: values and every gradient."""
 
     def check(lib: ctypes.CDLL) -> bool:
+        with torch.inference_mode(False), torch.enable_grad():  # the first use may come under no_grad or inference
+            return _compare(lib)
+
+    def _compare(lib: ctypes.CDLL) -> bool:
         from foxhunt.models.mamba2 import ssd_recurrent  # the step-by-step reference (that module imports this one)
 
         gen = torch.Generator().manual_seed(0)
