@@ -196,8 +196,6 @@ def test_without_the_loops_the_block_runs_its_pytorch_path(monkeypatch) -> None:
 def test_torch_compile_runs_around_the_loops_without_warnings() -> None:
     """``compile_network``: torch.compile traces the forecaster and calls the loops between its graphs (they are
     marked ``torch.compiler.disable``), with the eager outputs and no warning from its tracer. ~1 min."""
-    import warnings
-
     torch.manual_seed(0)
     net = Mamba2Forecaster(5, [3, 4], n_symbols=1, horizon=3, d_model=8, headdim=4, d_state=4, chunk_size=8)
     x_past, x_future, sym = torch.randn(2, 20, 5), torch.randn(2, 3, 2), torch.zeros(2, dtype=torch.long)
