@@ -15,7 +15,9 @@ quadratic (attention-like) form with the decay mask exp(segsum(a)); between chun
 passed on by the recurrence S_c = exp(sum of a over chunk c) S_{c-1} + (state made inside chunk c), one step per
 chunk, so the whole is linear in L (O(L Q (N + P) + L N P) per head). The reference's dense [chunks x chunks] decay
 matrix, quadratic in the number of chunks, is not used. :func:`ssd_recurrent` is the same model step by step
-(:func:`ssd_step`), the ground truth of the tests and of :meth:`Mamba2Block.step`.
+(:func:`ssd_step`, both in :mod:`foxhunt.models.ssd_recurrence`), the ground truth of the tests and of
+:meth:`Mamba2Block.step`. On the CPU a block runs the recurrence in compiled C loops instead
+(:mod:`foxhunt.models.mamba2_native`, ``native=True``).
 
 **The block** (:class:`Mamba2Block`, the paper's parallel Mamba-2 block): one input projection to (z, x, B, C, dt);
 a short causal depthwise convolution and SiLU over (x, B, C); dt = softplus(dt + dt_bias), clamped to ``dt_limit``;
@@ -43,6 +45,24 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from foxhunt.models import mamba2_native
+from foxhunt.models.ssd_recurrence import ssd_recurrent, ssd_step
+
+__all__ = [
+    "FACTORED_EXP_LIMIT",
+    "SCANS",
+    "Mamba2Block",
+    "Mamba2Forecaster",
+    "Mamba2Output",
+    "Mamba2Stack",
+    "Mamba2State",
+    "decay_mask",
+    "kernels_available",
+    "segsum",
+    "ssd_chunked",
+    "ssd_factored",
+    "ssd_recurrent",
+    "ssd_step",
+]
 
 try:  # optional fast path (CUDA only): the fused SSD kernel of the reference implementation
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
@@ -355,46 +375,6 @@ def ssd_factored(
 
 #: the pure-PyTorch scans a block can run, by the name of its ``scan`` switch
 SCANS = {"factored": ssd_factored, "chunked": ssd_chunked}
-
-
-def ssd_step(
-    state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """One step of the recurrence: h = exp(dt A) h + dt x B^T, y = h C + D x.
-
-    Shapes: state [b, H, P, N], x [b, H, P], dt [b, H], A [H], B, C [b, G, N]. Returns (y [b, H, P], new state).
-    """
-    n_heads, g = x.shape[1], B.shape[1]
-    B = B.repeat_interleave(n_heads // g, 1)
-    C = C.repeat_interleave(n_heads // g, 1)
-    decay = (dt * A).exp()[..., None, None]
-    state = decay * state + (dt[..., None] * x)[..., None] * B[:, :, None, :]
-    y = (state @ C[..., None]).squeeze(-1)
-    if D is not None:
-        y = y + D[:, None] * x
-    return y, state
-
-
-def ssd_recurrent(
-    x: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None = None,
-    initial_state: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """The SSD model step by step (the reference of :func:`ssd_chunked`), in the inputs' dtype.
-
-    Shapes as :func:`ssd_chunked`; returns (y [b, L, H, P], final state [b, H, P, N]).
-    """
-    b, length, n_heads, p = x.shape
-    state = x.new_zeros(b, n_heads, p, B.shape[-1]) if initial_state is None else initial_state
-    ys = []
-    for t in range(length):
-        y, state = ssd_step(state, x[:, t], dt[:, t], A, B[:, t], C[:, t], D)
-        ys.append(y)
-    return torch.stack(ys, 1), state
 
 
 # --------------------------------------------------------------------------------------------------------- the block

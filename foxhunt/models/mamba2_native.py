@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from foxhunt import compiled
+from foxhunt.models.ssd_recurrence import ssd_recurrent
 
 SOURCE = r"""
 #include <math.h>
@@ -565,8 +566,6 @@ def _self_check(shape: BlockShape) -> Callable[[ctypes.CDLL], bool]:
             return _compare(lib)
 
     def _compare(lib: ctypes.CDLL) -> bool:
-        from foxhunt.models.mamba2 import ssd_recurrent  # the step-by-step reference (that module imports this one)
-
         gen = torch.Generator().manual_seed(0)
         h, p, g, n, ch, w, d = shape
         nb, length, chunk = 2, 11, 4
