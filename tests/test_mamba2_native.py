@@ -225,3 +225,23 @@ def test_first_use_under_inference_mode_builds_and_checks_the_library(tmp_path, 
         assert len(list((tmp_path / "native").glob("mamba2-*.so"))) == 1
     finally:
         mamba2_native.library.cache_clear()
+
+
+def test_a_library_that_computes_wrongly_is_refused_and_removed(tmp_path, monkeypatch) -> None:
+    """The check after loading compares every output and gradient with float64 PyTorch: a library whose scan is off
+    (here its outputs half of what they should be) is refused with a warning, removed from the cache, and the block
+    runs its PyTorch path."""
+    monkeypatch.setenv("FOXHUNT_CACHE", str(tmp_path))
+    wrong = mamba2_native.SOURCE.replace("y[g * WG + w] += c * s[w];", "y[g * WG + w] += 0.5f * c * s[w];")
+    assert wrong != mamba2_native.SOURCE
+    monkeypatch.setattr(mamba2_native, "SOURCE", wrong)
+    mamba2_native.library.cache_clear()
+    try:
+        plain, native = plain_and_native(d_state=9)
+        u = torch.randn(2, 19, 8)
+        with pytest.warns(RuntimeWarning, match="computes wrongly"):
+            assert native.native_library(u) is None
+        assert not list((tmp_path / "native").glob("mamba2-*.so"))
+        torch.testing.assert_close(native(u), plain(u), rtol=1e-5, atol=1e-6)
+    finally:
+        mamba2_native.library.cache_clear()

@@ -107,9 +107,9 @@ class Mamba2Module(Forecaster):
                 plain form); the same model, parameters and outputs (see docs/MAMBA2.md).
             fused: the block's fast layout (split input projection, channels-last convolution with a hand-written
                 backward); False: the plain form. The same parameters and outputs.
-            native: on the CPU, run each block's convolution and SSD in foxhunt's compiled C loops (the SSD step by
-                step; ``foxhunt.models.mamba2_native``) where a C compiler is available, else the paths above. The
-                same parameters and outputs (to float32 rounding).
+            native: on the CPU, run each block's convolution, SSD and norms in foxhunt's compiled C loops (the SSD
+                step by step; ``foxhunt.models.mamba2_native``) where a C compiler is available, else the paths
+                above. The same parameters and outputs (to float32 rounding).
             quantiles: forecast quantile levels, increasing, including 0.5.
             lr: AdamW learning rate, in (0, 1].
             weight_decay: AdamW decoupled weight decay (weights only: biases, norms, A_log, D and dt_bias are not

@@ -45,24 +45,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from foxhunt.models import mamba2_native
-from foxhunt.models.ssd_recurrence import ssd_recurrent, ssd_step
-
-__all__ = [
-    "FACTORED_EXP_LIMIT",
-    "SCANS",
-    "Mamba2Block",
-    "Mamba2Forecaster",
-    "Mamba2Output",
-    "Mamba2Stack",
-    "Mamba2State",
-    "decay_mask",
-    "kernels_available",
-    "segsum",
-    "ssd_chunked",
-    "ssd_factored",
-    "ssd_recurrent",
-    "ssd_step",
-]
+from foxhunt.models.ssd_recurrence import ssd_recurrent as ssd_recurrent  # re-exported: the scans' ground truth
+from foxhunt.models.ssd_recurrence import ssd_step
 
 try:  # optional fast path (CUDA only): the fused SSD kernel of the reference implementation
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
@@ -496,8 +480,9 @@ class Mamba2Block(nn.Module):
                 no strided slices, no concatenated gradient) and the convolution with its SiLU run channels-last
                 with a hand-written backward (:class:`_CausalConvSiLU`: no transposed copies); False: one projection
                 and autograd through ``conv1d`` over [b, channels, L], the plain form. Same parameters and outputs.
-            native: on CPU tensors (not float64), run the convolution with its SiLU and the SSD in foxhunt's compiled
-                C loops (:mod:`foxhunt.models.mamba2_native`, the SSD step by step) where a C compiler is available;
+            native: on CPU tensors (not float64), run the convolution with its SiLU, the SSD and the norms in
+                foxhunt's compiled C loops (:mod:`foxhunt.models.mamba2_native`, the SSD step by step) where a C
+                compiler is available;
                 elsewhere, or False, the PyTorch paths named by ``scan`` and ``fused``. Same parameters and outputs
                 (to float32 rounding).
         """

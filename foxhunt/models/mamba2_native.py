@@ -558,14 +558,10 @@ def ssd(lib: ctypes.CDLL, shape: BlockShape, xbc: Tensor, dt: Tensor, A: Tensor,
     return y.view(*y.shape[:2], shape.heads, shape.headdim), final
 
 
-def _self_check(shape: BlockShape) -> Callable[[ctypes.CDLL], bool]:
-    """The loops against autograd through float64 PyTorch on a few short sequences: values and every gradient."""
-
-    def check(lib: ctypes.CDLL) -> bool:
-        with torch.inference_mode(False), torch.enable_grad():  # the first use may come under no_grad or inference
-            return _compare(lib)
-
-    def _compare(lib: ctypes.CDLL) -> bool:
+def _self_check(shape: BlockShape, lib: ctypes.CDLL) -> bool:
+    """The loops against autograd through float64 PyTorch on a few short sequences: values and every gradient (with
+    grad mode on: the first use may come under no_grad or inference_mode)."""
+    with torch.inference_mode(False), torch.enable_grad():
         gen = torch.Generator().manual_seed(0)
         h, p, g, n, ch, w, d = shape
         nb, length, chunk = 2, 11, 4
@@ -588,9 +584,9 @@ def _self_check(shape: BlockShape) -> Callable[[ctypes.CDLL], bool]:
         fy, ffinal = ssd(lib, shape, fconv, *fleaves[3:], chunk=chunk)
         got = [fy, ffinal, *torch.autograd.grad((fy * gy.float()).sum() + (ffinal * gf.float()).sum(), fleaves)]
         for width, gated in ((d, False), (h * p, True)):
-            x, z, wn = rand(3, 5, width), rand(3, 5, width) if gated else None, rand(width)
-            nleaves = [t for t in (x, z, wn) if t is not None]
-            ref = x * F.silu(z) if gated else x
+            xn, z, wn = rand(3, 5, width), rand(3, 5, width) if gated else None, rand(width)
+            nleaves = [t for t in (xn, z, wn) if t is not None]
+            ref = xn * F.silu(z) if gated else xn
             ref = ref * torch.rsqrt(ref.square().mean(-1, keepdim=True) + 1e-5) * wn
             go = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
             want += [ref, *torch.autograd.grad((ref * go).sum(), nleaves)]
@@ -599,8 +595,6 @@ def _self_check(shape: BlockShape) -> Callable[[ctypes.CDLL], bool]:
             got += [out, *torch.autograd.grad((out * go.float()).sum(), fl)]
         return all(bool((a.double() - b).abs().max() <= 1e-4 * (1.0 + b.abs().max())) for a, b in zip(got, want,
                                                                                                         strict=True))
-
-    return check
 
 
 @functools.cache
@@ -613,7 +607,7 @@ def library(shape: BlockShape) -> ctypes.CDLL | None:
         raise ValueError(f"{shape}: channels must be heads * headdim + 2 * groups * d_state")
     names = ("SSD_H", "SSD_P", "SSD_G", "SSD_N", "CONV_C", "CONV_W", "NORM_D")
     defines = tuple(f"-D{k}={v}" for k, v in zip(names, shape, strict=True))
-    return compiled.load("mamba2", SOURCE, FLAGS, _declare, _self_check(shape),
+    return compiled.load("mamba2", SOURCE, FLAGS, _declare, functools.partial(_self_check, shape),
                          "the Mamba-2 blocks run their PyTorch path on the CPU (the same model, slower)", defines)
 
 
