@@ -46,6 +46,7 @@ def reference(shape: mamba2_native.BlockShape, padded, weight, bias, dt, A, D, i
     ((4, 3, 2, 5, 32, 4), 37, 64),  # one chunk longer than the sequence
     ((8, 8, 1, 16, 96, 4), 50, 16),  # the issue's block: one group of 8 heads
     ((2, 4, 1, 3, 14, 2), 5, 3),
+    ((4, 3, 2, 5, 32, 4), 2, 8),    # fewer steps than the convolution's past
 ])
 def test_values_and_gradients_equal_the_float64_recurrence(shape, length: int, chunk: int) -> None:
     shape = mamba2_native.BlockShape(*shape, 6)
@@ -57,7 +58,8 @@ def test_values_and_gradients_equal_the_float64_recurrence(shape, length: int, c
     gy, gf = (torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in (y, final))
     want = [y, final, *torch.autograd.grad((y * gy).sum() + (final * gf).sum(), leaves)]
     f32 = [t.detach().float().requires_grad_() for t in leaves]
-    conv = mamba2_native.conv_silu(lib, *f32[:3])
+    k = shape.d_conv - 1  # the steps before the first, as the convolution's past
+    conv = mamba2_native.conv_silu(lib, f32[0][:, :k], f32[0][:, k:], *f32[1:3])
     fy, ffinal = mamba2_native.ssd(lib, shape, conv, *f32[3:], chunk=chunk)
     got = [fy, ffinal, *torch.autograd.grad((fy * gy.float()).sum() + (ffinal * gf.float()).sum(), f32)]
     names = ["y", "final", "padded", "weight", "bias", "dt", "A", "D", "initial"]
@@ -101,15 +103,16 @@ def plain_and_native(native_first: bool = False, **kw) -> tuple[Mamba2Block, Mam
 
 def test_block_equals_the_plain_block_from_zeros_and_from_a_state() -> None:
     """Outputs, states and every parameter gradient of the native block against the plain PyTorch block (float32),
-    a prefix in one call and the rest continuing from its state."""
+    a prefix in one call, then two steps (fewer than the convolution's past) and the rest, each from the last state."""
     plain, native = plain_and_native()
     u = torch.randn(3, 41, 8)
     runs = []
     for m in (plain, native):
         y, state = m(u[:, :17], return_state=True)
-        y2, state2 = m(u[:, 17:], state, return_state=True)
-        grads = torch.autograd.grad(y.square().sum() + y2.sum(), list(m.parameters()))
-        runs.append((y, y2, state2.conv, state2.ssm, *grads))
+        y2, state2 = m(u[:, 17:19], state, return_state=True)  # fewer steps than the convolution's past
+        y3, state3 = m(u[:, 19:], state2, return_state=True)
+        grads = torch.autograd.grad(y.square().sum() + y2.sum() + y3.sum(), list(m.parameters()))
+        runs.append((y, y2, y3, state2.conv, state3.conv, state3.ssm, *grads))
     assert native.native_library(u) is not None and plain.native_library(u) is None
     for a, b in zip(*runs, strict=True):
         torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-5)
@@ -142,7 +145,8 @@ def test_threads_split_the_batch_without_changing_outputs() -> None:
         for threads in (1, 3):
             torch.set_num_threads(threads)
             f32 = [t.detach().float().requires_grad_() for t in conv_and_ssd_inputs(shape, 7, 30)]
-            y, final = mamba2_native.ssd(lib, shape, mamba2_native.conv_silu(lib, *f32[:3]), *f32[3:], chunk=8)
+            conv = mamba2_native.conv_silu(lib, f32[0][:, :3], f32[0][:, 3:], *f32[1:3])
+            y, final = mamba2_native.ssd(lib, shape, conv, *f32[3:], chunk=8)
             runs.append((y, final, *torch.autograd.grad(y.square().sum() + final.sum(), f32)))
     finally:
         torch.set_num_threads(before)
@@ -170,7 +174,7 @@ def test_a_library_refuses_another_shape() -> None:
     shape = mamba2_native.BlockShape(4, 3, 2, 5, 32, 4, 6)
     other = mamba2_native.BlockShape(2, 4, 1, 3, 14, 2, 6)
     leaves = [t.detach().float() for t in conv_and_ssd_inputs(other, 2, 9)]
-    conv = mamba2_native.conv_silu(mamba2_native.library(other), *leaves[:3])
+    conv = mamba2_native.conv_silu(mamba2_native.library(other), None, leaves[0][:, 1:], *leaves[1:3])
     with pytest.raises(RuntimeError, match="shape not compiled in"):
         mamba2_native.ssd(mamba2_native.library(shape), other, conv, *leaves[3:], chunk=4)
     with pytest.raises(ValueError, match="channels must be"):

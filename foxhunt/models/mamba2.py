@@ -367,6 +367,14 @@ def _channels_first(t: Tensor) -> Tensor:
     return t.transpose(1, 2)[:, :, None]
 
 
+def _last_conv_inputs(past: Tensor | None, xbc: Tensor, n: int) -> Tensor:
+    """The last n inputs of the convolution, [b, channels, n] (the next call's past): from xbc [b, L, channels], and
+    from past [b, n, channels] (None: zeros) where L < n."""
+    if xbc.shape[1] < n:
+        xbc = torch.cat([xbc.new_zeros(xbc.shape[0], n, xbc.shape[2]) if past is None else past, xbc], 1)
+    return xbc[:, xbc.shape[1] - n :].transpose(1, 2)
+
+
 class _CausalConvSiLU(torch.autograd.Function):
     """silu(depthwise convolution) of channels-last inputs [b, W - 1 + L, channels] (the W - 1 steps before the first
     output in front) -> [b, L, channels], with a hand-written backward: the input gradient as one more channels-last
@@ -592,14 +600,14 @@ class Mamba2Block(nn.Module):
             rows = (u if tail is None else u[:, length - tail :], u, u)  # the gate z only where outputs are read
             z, xbc, dt = (F.linear(r, w, bi) for r, w, bi in zip(rows, proj.weight.split(self.split_sizes), biases,
                                                                   strict=True))
-            past = (state.conv.transpose(1, 2).to(xbc.dtype) if state is not None
-                    else xbc.new_zeros(b, self.d_conv - 1, self.conv_dim))
-            padded = torch.cat([past, xbc], 1)  # [b, W - 1 + L, channels]; causal as below
-            if lib is not None:
-                conv = mamba2_native.conv_silu(lib, padded, self.conv1d.weight, self.conv1d.bias)
+            past = state.conv.transpose(1, 2).to(xbc.dtype) if state is not None else None  # [b, W - 1, channels]
+            if lib is not None:  # reads past (zeros if None) and xbc in place
+                conv = mamba2_native.conv_silu(lib, past, xbc, self.conv1d.weight, self.conv1d.bias)
             else:
+                past = xbc.new_zeros(b, self.d_conv - 1, self.conv_dim) if past is None else past
+                padded = torch.cat([past, xbc], 1)  # [b, W - 1 + L, channels]; causal as below
                 conv = _CausalConvSiLU.apply(padded, self.conv1d.weight, self.conv1d.bias)
-            last_inputs = padded[:, padded.shape[1] - (self.d_conv - 1) :].transpose(1, 2)
+            last_inputs = _last_conv_inputs(past, xbc, self.d_conv - 1)
         else:
             z, xbc, dt = self._split(self.in_proj(u))
             xbc = xbc.transpose(1, 2)  # [b, channels, L]

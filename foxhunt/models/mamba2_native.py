@@ -75,36 +75,59 @@ static inline void conv_row(const float *restrict src, const float *restrict wt,
         for (I c = 0; c < CONV_C; c++) pre[c] += wt[k * CONV_C + c] * src[k * CONV_C + c];
 }
 
-/* out [nb, L, C] = silu(causal depthwise convolution) of in [nb, W - 1 + L, C]; kernel wt [W, C], bias [C] or NULL */
-int conv_silu_fwd(const float *restrict in, const float *restrict wt, const float *restrict bias,
-                  float *restrict out, I nb, I L, I C, I W) {
+/* The first W - 1 rows of a sequence's padded input (the W - 1 steps before it, then its own) read from head
+   [2 (W - 1), C]: past (or zeros where there is none) followed by the sequence's first W - 1 rows (zeros past L);
+   the other rows are read from the sequence itself, so the padded input is never built. */
+#define HEAD_ROWS (CONV_W > 1 ? 2 * (CONV_W - 1) : 1)
+static inline void conv_head(const float *restrict past, const float *restrict in, float *restrict head, I L) {
+    for (I r = 0; r < CONV_W - 1; r++)
+        for (I c = 0; c < CONV_C; c++) {
+            head[r * CONV_C + c] = past ? past[r * CONV_C + c] : 0.0f;
+            head[(CONV_W - 1 + r) * CONV_C + c] = r < L ? in[r * CONV_C + c] : 0.0f;
+        }
+}
+
+/* out [nb, L, C] = silu(causal depthwise convolution) of in [nb, L, C] after past [nb, W - 1, C] (NULL: zeros);
+   kernel wt [W, C], bias [C] or NULL */
+int conv_silu_fwd(const float *restrict past, const float *restrict in, const float *restrict wt,
+                  const float *restrict bias, float *restrict out, I nb, I L, I C, I W) {
     if (!SHAPE_OK(SSD_H, SSD_P, SSD_G, SSD_N, C, W)) return 1;
-    for (I i = 0; i < nb; i++)
+    float head[HEAD_ROWS * CONV_C];
+    for (I i = 0; i < nb; i++) {
+        const float *restrict seq = in + i * L * CONV_C;
+        conv_head(past ? past + i * (CONV_W - 1) * CONV_C : NULL, seq, head, L);
         for (I t = 0; t < L; t++) {
             float *restrict o = out + (i * L + t) * CONV_C;
-            conv_row(in + (i * (L + CONV_W - 1) + t) * CONV_C, wt, bias, o);
+            conv_row(t < CONV_W - 1 ? head + t * CONV_C : seq + (t - (CONV_W - 1)) * CONV_C, wt, bias, o);
             for (I c = 0; c < CONV_C; c++) o[c] = o[c] / (1.0f + exp_approx(-o[c]));
         }
+    }
     return 0;
 }
 
-/* its backward from the output gradient g [nb, L, C]: gin [nb, W - 1 + L, C] (written), gwt [W, C] and gb [C] (this
-   call's sums, written); the convolution is recomputed row by row, not stored */
-int conv_silu_bwd(const float *restrict in, const float *restrict wt, const float *restrict bias,
-                  const float *restrict g, float *restrict gin, float *restrict gwt, float *restrict gb,
-                  I nb, I L, I C, I W) {
+/* its backward from the output gradient g [nb, L, C]: gin [nb, L, C] and gpast [nb, W - 1, C] (if not NULL), gwt
+   [W, C] and gb [C] (this call's sums), all written; the convolution is recomputed row by row, not stored */
+int conv_silu_bwd(const float *restrict past, const float *restrict in, const float *restrict wt,
+                  const float *restrict bias, const float *restrict g, float *restrict gpast, float *restrict gin,
+                  float *restrict gwt, float *restrict gb, I nb, I L, I C, I W) {
     if (!SHAPE_OK(SSD_H, SSD_P, SSD_G, SSD_N, C, W)) return 1;
     float *pre = malloc(sizeof(float) * (2 + CONV_W + 1) * CONV_C);
     double *acc = calloc((CONV_W + 1) * CONV_C, sizeof(double));
     if (!pre || !acc) { free(pre); free(acc); return 2; }
     float *gp = pre + CONV_C, *part = gp + CONV_C;  /* part: one sequence's sums, added into acc in double */
+    float head[HEAD_ROWS * CONV_C], ghead[HEAD_ROWS * CONV_C];
     memset(part, 0, sizeof(float) * (CONV_W + 1) * CONV_C);
-    memset(gin, 0, sizeof(float) * (size_t)(nb * (L + CONV_W - 1) * CONV_C));
+    memset(gin, 0, sizeof(float) * (size_t)(nb * L * CONV_C));
     for (I i = 0; i < nb; i++) {
+        const float *restrict seq = in + i * L * CONV_C;
+        float *restrict gseq = gin + i * L * CONV_C;
+        conv_head(past ? past + i * (CONV_W - 1) * CONV_C : NULL, seq, head, L);
+        memset(ghead, 0, sizeof(ghead));
         for (I t = 0; t < L; t++) {
-            const float *restrict src = in + (i * (L + CONV_W - 1) + t) * CONV_C;
+            const int early = t < CONV_W - 1;
+            const float *restrict src = early ? head + t * CONV_C : seq + (t - (CONV_W - 1)) * CONV_C;
+            float *restrict gi = early ? ghead + t * CONV_C : gseq + (t - (CONV_W - 1)) * CONV_C;
             const float *restrict gr = g + (i * L + t) * CONV_C;
-            float *restrict gi = gin + (i * (L + CONV_W - 1) + t) * CONV_C;
             conv_row(src, wt, bias, pre);
             for (I c = 0; c < CONV_C; c++) {
                 float s = 1.0f / (1.0f + exp_approx(-pre[c]));
@@ -117,6 +140,11 @@ int conv_silu_bwd(const float *restrict in, const float *restrict wt, const floa
                     part[k * CONV_C + c] += src[k * CONV_C + c] * gp[c];
                 }
         }
+        for (I r = 0; r < CONV_W - 1; r++)  /* the head's gradient: to past, and to the sequence's first rows */
+            for (I c = 0; c < CONV_C; c++) {
+                if (gpast) gpast[(i * (CONV_W - 1) + r) * CONV_C + c] = ghead[r * CONV_C + c];
+                if (r < L) gseq[r * CONV_C + c] += ghead[(CONV_W - 1 + r) * CONV_C + c];
+            }
         for (I j = 0; j < (CONV_W + 1) * CONV_C; j++) { acc[j] += part[j]; part[j] = 0.0f; }
     }
     for (I j = 0; j < CONV_W * CONV_C; j++) gwt[j] = (float)acc[j];
@@ -376,8 +404,8 @@ class BlockShape(NamedTuple):
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    lib.conv_silu_fwd.argtypes = [_P] * 4 + [_N] * 4
-    lib.conv_silu_bwd.argtypes = [_P] * 7 + [_N] * 4
+    lib.conv_silu_fwd.argtypes = [_P] * 5 + [_N] * 4
+    lib.conv_silu_bwd.argtypes = [_P] * 9 + [_N] * 4
     lib.ssd_fwd.argtypes = [_P] * 8 + [_N] * 7
     lib.ssd_bwd.argtypes = [_P] * 12 + [_N] * 7
     lib.norm_fwd.argtypes = [_P] * 5 + [_N] * 2 + [ctypes.c_float]
@@ -419,38 +447,42 @@ def _over_batch(run: Callable[[int, int, int], None], n: int) -> int:
 
 # ------------------------------------------------------------------------------------------------- the convolution
 class _ConvSiLU(torch.autograd.Function):
-    """silu(causal depthwise convolution) of channels-last rows [b, W - 1 + L, channels] -> [b, L, channels]."""
+    """silu(causal depthwise convolution) of channels-last rows [b, L, channels] after the W - 1 rows ``past``
+    [b, W - 1, channels] (None: zeros) -> [b, L, channels]; the padded input is never built."""
 
     @staticmethod
-    def forward(ctx, padded: Tensor, weight: Tensor, bias: Tensor | None, lib: ctypes.CDLL) -> Tensor:  # type: ignore[override]
-        padded = padded.float().contiguous()
+    def forward(ctx, past: Tensor | None, xbc: Tensor, weight: Tensor, bias: Tensor | None,  # type: ignore[override]
+                lib: ctypes.CDLL) -> Tensor:
+        past = None if past is None else past.float().contiguous()
+        xbc = xbc.float().contiguous()
         wt = weight.detach().float()[:, 0].t().contiguous()  # [W, channels]
         b_ = None if bias is None else bias.detach().float().contiguous()
-        nb, rows, ch = padded.shape
+        nb, length, ch = xbc.shape
         width = wt.shape[0]
-        length = rows - width + 1
-        out = padded.new_empty(nb, length, ch)
-        _over_batch(lambda _, lo, hi: _call(lib.conv_silu_fwd, _ptr(padded[lo:hi]), _ptr(wt), _ptr(b_),
-                                            _ptr(out[lo:hi]), hi - lo, length, ch, width), nb)
-        ctx.save_for_backward(padded, wt, b_)
+        out = xbc.new_empty(nb, length, ch)
+        _over_batch(lambda _, lo, hi: _call(lib.conv_silu_fwd, _ptr(None if past is None else past[lo:hi]),
+                                            _ptr(xbc[lo:hi]), _ptr(wt), _ptr(b_), _ptr(out[lo:hi]), hi - lo, length,
+                                            ch, width), nb)
+        ctx.save_for_backward(past, xbc, wt, b_)
         ctx.lib, ctx.param_dtype = lib, weight.dtype
         return out
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor | None, None]:  # type: ignore[override]
-        padded, wt, b_ = ctx.saved_tensors
+    def backward(ctx, grad: Tensor):  # type: ignore[no-untyped-def, override]
+        past, xbc, wt, b_ = ctx.saved_tensors
         grad = grad.float().contiguous()
-        nb, rows, ch = padded.shape
+        nb, length, ch = xbc.shape
         width = wt.shape[0]
-        length = rows - width + 1
-        g_in = torch.empty_like(padded)
+        g_xbc = torch.empty_like(xbc)
+        g_past = None if past is None else torch.empty_like(past)
         parts = len(_ranges(nb))
         g_wt, g_b = wt.new_empty(parts, width, ch), wt.new_empty(parts, ch)
-        _over_batch(lambda j, lo, hi: _call(ctx.lib.conv_silu_bwd, _ptr(padded[lo:hi]), _ptr(wt), _ptr(b_),
-                                            _ptr(grad[lo:hi]), _ptr(g_in[lo:hi]), _ptr(g_wt[j]), _ptr(g_b[j]),
-                                            hi - lo, length, ch, width), nb)
+        _over_batch(lambda j, lo, hi: _call(
+            ctx.lib.conv_silu_bwd, _ptr(None if past is None else past[lo:hi]), _ptr(xbc[lo:hi]), _ptr(wt), _ptr(b_),
+            _ptr(grad[lo:hi]), _ptr(None if g_past is None else g_past[lo:hi]), _ptr(g_xbc[lo:hi]), _ptr(g_wt[j]),
+            _ptr(g_b[j]), hi - lo, length, ch, width), nb)
         g_w = g_wt.sum(0).t()[:, None].to(ctx.param_dtype)
-        return g_in, g_w, None if b_ is None else g_b.sum(0).to(ctx.param_dtype), None
+        return g_past, g_xbc, g_w, None if b_ is None else g_b.sum(0).to(ctx.param_dtype), None
 
 
 # ------------------------------------------------------------------------------------------------------- the SSD
@@ -531,10 +563,11 @@ class _RMSNorm(torch.autograd.Function):
 
 # ------------------------------------------------------------------------------------------------- the interface
 @torch.compiler.disable  # foreign calls: torch.compile runs them as they are, between its graphs
-def conv_silu(lib: ctypes.CDLL, padded: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """silu(causal depthwise convolution) in float32: padded [b, W - 1 + L, channels] (the W - 1 steps before the
-    first output in front), weight [channels, 1, W], bias [channels] or None -> [b, L, channels]."""
-    return _ConvSiLU.apply(padded, weight, bias, lib)
+def conv_silu(lib: ctypes.CDLL, past: Tensor | None, xbc: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """silu(causal depthwise convolution) in float32 of xbc [b, L, channels] after ``past`` [b, W - 1, channels]
+    (the W - 1 steps before the first; None: zeros), weight [channels, 1, W], bias [channels] or None
+    -> [b, L, channels]."""
+    return _ConvSiLU.apply(past, xbc, weight, bias, lib)
 
 
 @torch.compiler.disable  # foreign calls: torch.compile runs them as they are, between its graphs
@@ -580,7 +613,7 @@ def _self_check(shape: BlockShape, lib: ctypes.CDLL) -> bool:
                                                                                          dtype=torch.float64)
         want = [y, final, *torch.autograd.grad((y * gy).sum() + (final * gf).sum(), leaves)]
         fleaves = [t.detach().float().requires_grad_() for t in leaves]
-        fconv = conv_silu(lib, *fleaves[:3])
+        fconv = conv_silu(lib, fleaves[0][:, : w - 1], fleaves[0][:, w - 1 :], *fleaves[1:3])
         fy, ffinal = ssd(lib, shape, fconv, *fleaves[3:], chunk=chunk)
         got = [fy, ffinal, *torch.autograd.grad((fy * gy.float()).sum() + (ffinal * gf.float()).sum(), fleaves)]
         for width, gated in ((d, False), (h * p, True)):
