@@ -1,4 +1,5 @@
-"""The Mamba-2 block's CPU fast path in plain C: its causal convolution with SiLU, and its SSD step by step.
+"""The Mamba-2 block's CPU fast path in plain C: its causal convolution with SiLU, its SSD step by step, and its
+norms (the residual stream's RMSNorm and the gated norm).
 
 On a CPU the chunked SSD (:func:`foxhunt.models.mamba2.ssd_factored`) spends its time in small batched products and
 element-wise passes over [b, L, heads, P] tensors; the recurrence it computes,
@@ -9,14 +10,17 @@ costs 2 P N multiply-adds a step and head, which a C loop does in vector registe
 kept as [N, R P] (the R heads sharing B and C side by side, so one step is N vector updates of R P channels) and never
 leaves the cache. The forward stores the state every Q steps (Q = the block's ``chunk_size``: 1 / Q of the state a
 step); the backward recomputes each chunk of Q steps from its checkpoint and runs it backwards (the adjoint
-recurrence, written out in the C source). The convolution reads the W taps of a row and applies SiLU in one pass; its
-backward recomputes the row instead of storing it. Both are linear in L, as the chunked scan is.
+recurrence, written out in the C source). The convolution reads the W taps of a row, from the W - 1 steps before the
+sequence and the sequence in place (no padded copy), and applies SiLU in one pass; its backward recomputes the row
+instead of storing it. The norms are one pass each way. All are linear in L, as the chunked scan is; the block's
+matrix products stay torch's.
 
-The block's shape (heads, head width, groups, state size, convolved channels, kernel width) is compiled into the
-library (one per shape, built on first use by :mod:`foxhunt.compiled`, cached and verified): the short loops then
+The block's shape (heads, head width, groups, state size, convolved channels, kernel width, d_model) is compiled into
+the library (one per shape, built on first use by :mod:`foxhunt.compiled`, cached and verified): the short loops then
 unroll into registers, about x3 over the same loops with the sizes as arguments. Float32 only, with fused
 multiply-adds and reassociated sums (tolerance ~1e-6 relative against the float64 recurrence, checked when the
-library is loaded). The batch is split over ``torch.get_num_threads()`` threads (ctypes releases the GIL).
+library is loaded). The batch (or the rows, for the norms) is split over ``torch.get_num_threads()`` threads (ctypes
+releases the GIL).
 
 :class:`foxhunt.models.mamba2.Mamba2Block` runs this path on CPU tensors when ``native=True`` (the default) and the
 library is available; its pure-PyTorch paths stay the reference beside it (``native=False``, CUDA, float64, no C
