@@ -595,3 +595,16 @@ def test_close_to_oracle_on_the_weak_planted_signal() -> None:
     assert report["loss_ratio"] < 1.02, report
     assert report["gap_closed"] > 0.6, report
     assert abs(report["tft_coverage"] - 0.80) < 0.03, report  # (evaluate's key names the TFT; here it is the Mamba-2)
+
+
+def test_factored_scan_backward_inside_autocast_matches_outside() -> None:
+    """The factored scan's hand-written backward keeps the forward's float32 even when autograd runs inside an
+    autocast region (it raised a dtype error there before)."""
+    inputs = {k: v.float().requires_grad_() for k, v in ssd_inputs(length=23).items()}
+    gy = torch.randn(2, 23, 4, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ssd_factored(**inputs, chunk_size=8)
+        inside = torch.autograd.grad((y * gy).sum(), list(inputs.values()))
+    outside = torch.autograd.grad((ssd_factored(**inputs, chunk_size=8) * gy).sum(), list(inputs.values()))
+    for a, b in zip(inside, outside, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

@@ -250,6 +250,12 @@ class _SSDFactored(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy, g_final):  # type: ignore[no-untyped-def, override]
+        # in the forward's precision even where autograd runs inside an autocast region
+        with torch.autocast(gy.device.type, enabled=False):
+            return _SSDFactored._backward(ctx, gy, g_final)
+
+    @staticmethod
+    def _backward(ctx, gy, g_final):  # type: ignore[no-untyped-def]
         x, dt, s, Bg, Cg, D, xs_g, M, y_raw_h, entering, own = ctx.saved_tensors
         b, c, q, g, r, p, n = ctx.shape
         n_heads, length, padded = g * r, x.shape[1], c * q
