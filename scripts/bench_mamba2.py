@@ -75,7 +75,7 @@ import sys
 import tempfile
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -93,9 +93,9 @@ MAMBA_VARIANTS = ("reference", "chunked", "factored", "native", "reference_fused
 FUSED = ("factored", "native", "reference_fused_block")  # the versions in the fused block layout
 
 
-def fastest(names: object) -> str | None:
+def fastest(names: Container[str]) -> str | None:
     """The version the others are compared with: native if it runs, else factored."""
-    return next((n for n in ("native", "factored") if n in names), None)  # type: ignore[operator]
+    return next((n for n in ("native", "factored") if n in names), None)
 
 
 # ------------------------------------------------------------------------------------------------------- reference

@@ -26,9 +26,7 @@ import functools
 import numpy as np
 
 from foxhunt import compiled
-from foxhunt.compiled import compiler
-
-__all__ = ["available", "compiler", "library"]
+from foxhunt.compiled import compiler as compiler  # re-exported: the tests ask whether the loops can be built
 
 SOURCE = r"""
 #include <math.h>

@@ -658,7 +658,8 @@ def rms_norm(norm: nn.RMSNorm, h: Tensor, lib: ctypes.CDLL | None) -> Tensor:
     """``norm(h)``, in the block's compiled loops when they are given (one pass, float32)."""
     if lib is None:
         return norm(h)
-    return mamba2_native.rms_norm(lib, h, None, norm.weight, 1e-5 if norm.eps is None else norm.eps)
+    eps = torch.finfo(torch.float32).eps if norm.eps is None else norm.eps  # (nn.RMSNorm's default)
+    return mamba2_native.rms_norm(lib, h, None, norm.weight, eps)
 
 
 class ResidualBlock(nn.Module):

@@ -418,8 +418,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         f.restype = ctypes.c_int
 
 
-def _ptr(t: Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+def _ptr(t: Tensor | None, lo: int = 0, hi: int | None = None) -> int | None:
+    """The address of t[lo:hi] (a slice of the batch or of the rows), or NULL for None."""
+    return None if t is None else t[lo:hi].data_ptr()
 
 
 def _call(f: Callable[..., int], *args: object) -> None:
@@ -429,7 +430,6 @@ def _call(f: Callable[..., int], *args: object) -> None:
                            f"({'shape not compiled in' if status == 1 else 'out of memory'})")
 
 
-
 def _ranges(n: int) -> list[tuple[int, int]]:
     """[lo, hi) slices of n sequences (or rows), one per thread (at most torch's thread count)."""
     k = max(1, min(n, torch.get_num_threads()))
@@ -437,16 +437,14 @@ def _ranges(n: int) -> list[tuple[int, int]]:
     return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
 
-def _over_batch(run: Callable[[int, int, int], None], n: int) -> int:
-    """run(part, lo, hi) for each slice of n sequences (or rows), in threads when there are several; the number of
-    parts."""
+def _over_batch(run: Callable[[int, int, int], None], n: int) -> None:
+    """run(part, lo, hi) for each of :func:`_ranges` (n), in threads when there are several."""
     parts = _ranges(n)
     if len(parts) == 1:
         run(0, *parts[0])
     else:
         with ThreadPoolExecutor(len(parts)) as pool:
             list(pool.map(lambda job: run(job[0], *job[1]), enumerate(parts)))
-    return len(parts)
 
 
 # ------------------------------------------------------------------------------------------------- the convolution
@@ -464,8 +462,8 @@ class _ConvSiLU(torch.autograd.Function):
         nb, length, ch = xbc.shape
         width = wt.shape[0]
         out = xbc.new_empty(nb, length, ch)
-        _over_batch(lambda _, lo, hi: _call(lib.conv_silu_fwd, _ptr(None if past is None else past[lo:hi]),
-                                            _ptr(xbc[lo:hi]), _ptr(wt), _ptr(b_), _ptr(out[lo:hi]), hi - lo, length,
+        _over_batch(lambda _, lo, hi: _call(lib.conv_silu_fwd, _ptr(past, lo, hi),
+                                            _ptr(xbc, lo, hi), _ptr(wt), _ptr(b_), _ptr(out, lo, hi), hi - lo, length,
                                             ch, width), nb)
         ctx.save_for_backward(past, xbc, wt, b_)
         ctx.lib, ctx.param_dtype = lib, weight.dtype
@@ -482,8 +480,8 @@ class _ConvSiLU(torch.autograd.Function):
         parts = len(_ranges(nb))
         g_wt, g_b = wt.new_empty(parts, width, ch), wt.new_empty(parts, ch)
         _over_batch(lambda j, lo, hi: _call(
-            ctx.lib.conv_silu_bwd, _ptr(None if past is None else past[lo:hi]), _ptr(xbc[lo:hi]), _ptr(wt), _ptr(b_),
-            _ptr(grad[lo:hi]), _ptr(None if g_past is None else g_past[lo:hi]), _ptr(g_xbc[lo:hi]), _ptr(g_wt[j]),
+            ctx.lib.conv_silu_bwd, _ptr(past, lo, hi), _ptr(xbc, lo, hi), _ptr(wt), _ptr(b_),
+            _ptr(grad, lo, hi), _ptr(g_past, lo, hi), _ptr(g_xbc, lo, hi), _ptr(g_wt[j]),
             _ptr(g_b[j]), hi - lo, length, ch, width), nb)
         g_w = g_wt.sum(0).t()[:, None].to(ctx.param_dtype)
         return g_past, g_xbc, g_w, None if b_ is None else g_b.sum(0).to(ctx.param_dtype), None
@@ -502,28 +500,27 @@ class _SSD(torch.autograd.Function):
         y, final = xbc.new_empty(nb, length, h * p), xbc.new_empty(nb, h, p, n)
         ckpt = xbc.new_empty(nb, -(-length // chunk), h * p * n)
         _over_batch(lambda _, lo, hi: _call(
-            lib.ssd_fwd, _ptr(xbc[lo:hi]), _ptr(dt[lo:hi]), _ptr(decay[lo:hi]), _ptr(D),
-            _ptr(None if init is None else init[lo:hi]), _ptr(y[lo:hi]), _ptr(final[lo:hi]), _ptr(ckpt[lo:hi]),
+            lib.ssd_fwd, _ptr(xbc, lo, hi), _ptr(dt, lo, hi), _ptr(decay, lo, hi), _ptr(D),
+            _ptr(init, lo, hi), _ptr(y, lo, hi), _ptr(final, lo, hi), _ptr(ckpt, lo, hi),
             hi - lo, length, h, p, g, n, chunk), nb)
         ctx.save_for_backward(xbc, dt, decay, D, ckpt)
         ctx.lib, ctx.shape, ctx.chunk, ctx.has_init = lib, shape, chunk, init is not None
         return y, final
 
     @staticmethod
-    def backward(ctx, gy: Tensor | None, g_final: Tensor | None):  # type: ignore[no-untyped-def, override]
+    def backward(ctx, gy: Tensor, g_final: Tensor):  # type: ignore[no-untyped-def, override]
         xbc, dt, decay, D, ckpt = ctx.saved_tensors
         shape = ctx.shape
         h, p, g, n = shape.heads, shape.headdim, shape.groups, shape.d_state
         nb, length, _ = xbc.shape
-        gy = xbc.new_zeros(nb, length, h * p) if gy is None else gy.float().contiguous()
-        g_final = None if g_final is None else g_final.float().contiguous()
+        gy, g_final = gy.float().contiguous(), g_final.float().contiguous()  # (autograd gives zeros for unused ones)
         g_xbc, g_dt, g_decay = torch.empty_like(xbc), torch.empty_like(dt), torch.empty_like(decay)
         g_D = xbc.new_empty(len(_ranges(nb)), h)
         g_init = xbc.new_empty(nb, h, p, n) if ctx.has_init else None
         _over_batch(lambda j, lo, hi: _call(
-            ctx.lib.ssd_bwd, _ptr(xbc[lo:hi]), _ptr(dt[lo:hi]), _ptr(decay[lo:hi]), _ptr(D), _ptr(ckpt[lo:hi]),
-            _ptr(gy[lo:hi]), _ptr(None if g_final is None else g_final[lo:hi]), _ptr(g_xbc[lo:hi]), _ptr(g_dt[lo:hi]),
-            _ptr(g_decay[lo:hi]), _ptr(g_D[j]), _ptr(None if g_init is None else g_init[lo:hi]),
+            ctx.lib.ssd_bwd, _ptr(xbc, lo, hi), _ptr(dt, lo, hi), _ptr(decay, lo, hi), _ptr(D), _ptr(ckpt, lo, hi),
+            _ptr(gy, lo, hi), _ptr(g_final, lo, hi), _ptr(g_xbc, lo, hi), _ptr(g_dt, lo, hi),
+            _ptr(g_decay, lo, hi), _ptr(g_D[j]), _ptr(g_init, lo, hi),
             hi - lo, length, h, p, g, n, ctx.chunk), nb)
         return g_xbc, g_dt, g_decay, g_D.sum(0), g_init, None, None, None
 
@@ -541,10 +538,9 @@ class _RMSNorm(torch.autograd.Function):
         width = x.shape[-1]
         rows = x.numel() // width
         out, rinv = torch.empty_like(x), x.new_empty(rows)
-        _over_batch(lambda _, lo, hi: _call(lib.norm_fwd, _ptr(x.view(rows, width)[lo:hi]),
-                                            _ptr(None if zf is None else zf.view(rows, width)[lo:hi]), _ptr(w),
-                                            _ptr(out.view(rows, width)[lo:hi]), _ptr(rinv[lo:hi]), hi - lo, width,
-                                            eps), rows)
+        x2, z2, out2 = (None if t is None else t.view(rows, width) for t in (x, zf, out))
+        _over_batch(lambda _, lo, hi: _call(lib.norm_fwd, _ptr(x2, lo, hi), _ptr(z2, lo, hi), _ptr(w),
+                                            _ptr(out2, lo, hi), _ptr(rinv, lo, hi), hi - lo, width, eps), rows)
         ctx.save_for_backward(x, zf, w, rinv)
         ctx.lib, ctx.dtypes = lib, (None if z is None else z.dtype, weight.dtype)
         return out
@@ -557,10 +553,10 @@ class _RMSNorm(torch.autograd.Function):
         rows = x.numel() // width
         gx, gz = torch.empty_like(x), None if zf is None else torch.empty_like(zf)
         gw = w.new_empty(len(_ranges(rows)), width)
+        x2, z2, g2, gx2, gz2 = (None if t is None else t.view(rows, width) for t in (x, zf, grad, gx, gz))
         _over_batch(lambda j, lo, hi: _call(
-            ctx.lib.norm_bwd, _ptr(x.view(rows, width)[lo:hi]), _ptr(None if zf is None else zf.view(rows, width)[lo:hi]),
-            _ptr(w), _ptr(rinv[lo:hi]), _ptr(grad.view(rows, width)[lo:hi]), _ptr(gx.view(rows, width)[lo:hi]),
-            _ptr(None if gz is None else gz.view(rows, width)[lo:hi]), _ptr(gw[j]), hi - lo, width), rows)
+            ctx.lib.norm_bwd, _ptr(x2, lo, hi), _ptr(z2, lo, hi), _ptr(w), _ptr(rinv, lo, hi), _ptr(g2, lo, hi),
+            _ptr(gx2, lo, hi), _ptr(gz2, lo, hi), _ptr(gw[j]), hi - lo, width), rows)
         z_dtype, w_dtype = ctx.dtypes
         return gx, None if gz is None else gz.to(z_dtype), gw.sum(0).to(w_dtype), None, None
 
