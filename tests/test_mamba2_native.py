@@ -40,27 +40,31 @@ def reference(shape: mamba2_native.BlockShape, padded, weight, bias, dt, A, D, i
                          D, init)
 
 
-@pytest.mark.parametrize(("shape", "length", "chunk"), [
-    ((4, 3, 2, 5, 32, 4), 37, 8),   # two groups, an odd head width, L not a multiple of the chunk
-    ((4, 3, 2, 5, 32, 4), 37, 1),   # a checkpoint every step
-    ((4, 3, 2, 5, 32, 4), 37, 64),  # one chunk longer than the sequence
-    ((8, 8, 1, 16, 96, 4), 50, 16),  # the issue's block: one group of 8 heads
-    ((2, 4, 1, 3, 14, 2), 5, 3),
-    ((4, 3, 2, 5, 32, 4), 2, 8),    # fewer steps than the convolution's past
+@pytest.mark.parametrize(("shape", "length", "chunk", "tail"), [
+    ((4, 3, 2, 5, 32, 4), 37, 8, None),   # two groups, an odd head width, L not a multiple of the chunk
+    ((4, 3, 2, 5, 32, 4), 37, 1, None),   # a checkpoint every step
+    ((4, 3, 2, 5, 32, 4), 37, 64, None),  # one chunk longer than the sequence
+    ((8, 8, 1, 16, 96, 4), 50, 16, None),  # the issue's block: one group of 8 heads
+    ((2, 4, 1, 3, 14, 2), 5, 3, None),
+    ((4, 3, 2, 5, 32, 4), 2, 8, None),    # fewer steps than the convolution's past
+    ((4, 3, 2, 5, 32, 4), 37, 8, 11),     # only the last 11 steps' outputs, from inside a chunk
+    ((8, 8, 1, 16, 96, 4), 50, 16, 1),    # the last step's only
+    ((8, 8, 1, 16, 96, 4), 50, 16, 50),   # every step's, asked as a tail
 ])
-def test_values_and_gradients_equal_the_float64_recurrence(shape, length: int, chunk: int) -> None:
+def test_values_and_gradients_equal_the_float64_recurrence(shape, length: int, chunk: int, tail: int | None) -> None:
     shape = mamba2_native.BlockShape(*shape, 6)
     lib = mamba2_native.library(shape)
     assert lib is not None
     leaves = conv_and_ssd_inputs(shape, 3, length)
     y, final = reference(shape, *leaves)
+    y = y if tail is None else y[:, length - tail :]
     gen = torch.Generator().manual_seed(1)
     gy, gf = (torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in (y, final))
     want = [y, final, *torch.autograd.grad((y * gy).sum() + (final * gf).sum(), leaves)]
     f32 = [t.detach().float().requires_grad_() for t in leaves]
     k = shape.d_conv - 1  # the steps before the first, as the convolution's past
     conv = mamba2_native.conv_silu(lib, f32[0][:, :k], f32[0][:, k:], *f32[1:3])
-    fy, ffinal = mamba2_native.ssd(lib, shape, conv, *f32[3:], chunk=chunk)
+    fy, ffinal = mamba2_native.ssd(lib, shape, conv, *f32[3:], chunk=chunk, tail=tail)
     got = [fy, ffinal, *torch.autograd.grad((fy * gy.float()).sum() + (ffinal * gf.float()).sum(), f32)]
     names = ["y", "final", "padded", "weight", "bias", "dt", "A", "D", "initial"]
     for name, a, b in zip(names, got, want, strict=True):
@@ -166,6 +170,16 @@ def test_a_nan_input_reaches_the_outputs_from_its_step_on() -> None:
     y = m(u)
     assert torch.isfinite(y[0, :9]).all() and not torch.isfinite(y[0, 9:]).all(dim=-1).any()
     assert torch.isfinite(y[1]).all()
+
+
+def test_a_tail_outside_the_sequence_is_refused() -> None:
+    """The scan computes the outputs of the last 1..L steps; another tail is an error, not an empty or clipped output."""
+    shape = mamba2_native.BlockShape(2, 4, 1, 3, 14, 2, 6)
+    lib = mamba2_native.library(shape)
+    leaves = [t.detach().float() for t in conv_and_ssd_inputs(shape, 1, 5)]
+    for tail in (0, 6):
+        with pytest.raises(ValueError, match="tail must be in"):
+            mamba2_native.ssd(lib, shape, leaves[0][:, 1:], *leaves[3:], chunk=3, tail=tail)
 
 
 def test_a_library_refuses_another_shape() -> None:

@@ -596,7 +596,8 @@ class Mamba2Block(nn.Module):
         """[b, L, d] -> [b, L, d], every step at once (continuing from ``state`` if given).
 
         ``tail``: return only the last ``tail`` steps' outputs [b, tail, d] (the scan still runs over every step; the
-        gate, norm and output projection of the others, which nothing would read, are skipped).
+        gate, norm and output projection of the others, which nothing would read, are skipped, and so are the scan's
+        outputs there on the compiled path).
         """
         b, length, _ = u.shape
         lib = self.native_library(u)
@@ -624,15 +625,15 @@ class Mamba2Block(nn.Module):
             last_inputs = padded[..., padded.shape[-1] - (self.d_conv - 1) :]
         dt, A = self._dt(dt), -torch.exp(_up(self.A_log))
         initial = state.ssm if state is not None else None
-        if lib is not None:
-            y, final = mamba2_native.ssd(lib, self.native_shape, conv, dt, A, self.D, initial, self.chunk_size)
+        if lib is not None:  # with tail: only the last steps' outputs are computed
+            y, final = mamba2_native.ssd(lib, self.native_shape, conv, dt, A, self.D, initial, self.chunk_size, tail)
         else:
             x, B, C = self._heads(conv)
             out = self.ssd(x, dt, A, B, C, initial, return_state)
             y, final = out if return_state else (out, None)
-        y = y.reshape(b, length, self.d_inner)
+        y = y.reshape(b, y.shape[1], self.d_inner)
         if tail is not None:
-            y, z = y[:, length - tail :], z[:, z.shape[1] - tail :]
+            y, z = y[:, y.shape[1] - tail :], z[:, z.shape[1] - tail :]
         y = self.out_proj(self.norm(y, z, lib))
         if not return_state:
             return y
