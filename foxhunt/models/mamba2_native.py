@@ -314,7 +314,7 @@ int ssd_fwd(const float *restrict xbc, const float *restrict dt, const float *re
     return 0;
 }
 
-/* One step of the backward (see ssd_bwd), with or without an output gradient gyr at this step (``with_y`` is a
+/* One step of the backward (see ssd_bwd), with or without an output gradient gyr at this step (with_y is a
    constant where it is inlined, so each form compiles without the other's work). */
 static inline void ssd_bwd_row(float *restrict dS, const float *restrict hcur, const float *restrict hprev,
                                const float *restrict row, const float *restrict dtr, const float *restrict decr,
@@ -325,7 +325,7 @@ static inline void ssd_bwd_row(float *restrict dS, const float *restrict hcur, c
     for (I w = 0; w < HP; w++) { gu[w] = 0.0f; ga[w] = 0.0f; }
     for (I g = 0; g < SSD_G; g++) {
         const float *restrict B = row + HP + g * SSD_N, *restrict Cm = row + HP + SSD_G * SSD_N + g * SSD_N;
-        const float *restrict ug = u + g * WG, *restrict ag = a + g * WG, *restrict gyg = with_y ? gyr + g * WG : u;
+        const float *restrict ug = u + g * WG, *restrict ag = a + g * WG, *restrict gyg = with_y ? gyr + g * WG : NULL;
         float *restrict gug = gu + g * WG, *restrict gag = ga + g * WG;
         for (I n = 0; n < SSD_N; n++) {
             const I o = (g * SSD_N + n) * WG;
