@@ -183,7 +183,7 @@ class FoxhuntCLI(LightningCLI):
             if "val" in model.splits:  # the validation figures of the weights exported, not of the last epoch
                 model.last_evaluation = model.evaluate(model.split("val"))
         out_dir = Path(cfg.get("export_dir") or Path(trainer.log_dir or "runs") / "export")
-        meta = export_ensemble(model, dm, out_dir, config=self.parser.dump(cfg, skip_none=False))
+        meta = export_ensemble(model, dm, out_dir, config=self.parser.dump(cfg, skip_unset=False))
         print(f"\nexported {', '.join(sorted(meta['files']))} to {out_dir}")
         if not cfg.get("backtest", True):
             return {"export": meta}

@@ -344,6 +344,20 @@ def test_a_retry_that_goes_stale_is_not_retried_again(tmp_path: Path) -> None:
     assert len(study.get_trials()) == 2
 
 
+def test_the_storage_and_its_stale_trial_retry_use_no_deprecated_optuna_api(tmp_path: Path) -> None:
+    """Optuna 4.9 deprecated RetryFailedTrialCallback and RDBStorage's failed_trial_callback (gone in 6.0): opening a
+    study's storage must not warn of either."""
+    import warnings
+
+    from foxhunt.tune.study import open_storage
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        storage = open_storage(f"sqlite:///{tmp_path / 's.db'}", heartbeat_interval=30, grace_period=60)
+    assert storage.heartbeat_stale_trial_callback is not None
+
+
 def test_unknown_objective_metric_stops_the_study(tmp_path: Path, capsys) -> None:
     path = _config(tmp_path, fixed={"trainer.max_epochs": 1}, objective={"metric": "val/sharp"})
     assert main(["--config", str(path), "--n-trials", "3"]) == 2

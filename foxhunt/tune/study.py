@@ -15,11 +15,15 @@ from typing import Any
 import optuna
 from optuna.distributions import BaseDistribution
 from optuna.samplers import BaseSampler
-from optuna.storages import RetryFailedTrialCallback
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from foxhunt.tune.space import _PRUNERS, _SAMPLERS, HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S, TuneConfig, TuneConfigError
+
+try:  # Optuna >= 4.9; the former name, RetryFailedTrialCallback, is deprecated there and goes in 6.0
+    from optuna.storages import RetryHeartbeatStaleTrialCallback as RetryCallback
+except ImportError:  # Optuna < 4.9
+    from optuna.storages import RetryFailedTrialCallback as RetryCallback
 
 log = logging.getLogger("foxhunt.tune")
 
@@ -72,8 +76,8 @@ class TrialSeededSampler(BaseSampler):
 _RUN_ATTRS = ("log_dir", "fit_config", "seconds", "history", "fail_kind", "fail_reason", "pruned_reason", "export_dir")
 
 
-class RetryStaleTrial(RetryFailedTrialCallback):
-    """Optuna's ``RetryFailedTrialCallback`` (once) for stale trials, recording on the retry which trial it repeats
+class RetryStaleTrial(RetryCallback):
+    """Optuna's ``RetryHeartbeatStaleTrialCallback`` (once) for stale trials, recording on the retry which trial it repeats
     (``retry_of``) and why (``retry_reason``); a retry that goes stale in turn is not retried again."""
 
     def __init__(self, grace_period: int) -> None:
@@ -84,7 +88,7 @@ class RetryStaleTrial(RetryFailedTrialCallback):
         worker = trial.user_attrs.get("worker", "an unknown worker")
         reason = (f"trial {trial.number} (worker {worker}) sent no heartbeat for {self.grace_period} s: the worker was "
                   "killed or hung; retried once with the same parameters")
-        if RetryFailedTrialCallback.retry_history(trial):
+        if RetryCallback.retry_history(trial):
             log.warning("trial %d, itself a retry, went stale too (worker %s): not retried again", trial.number, worker)
             return
         log.warning("%s", reason)
