@@ -172,7 +172,8 @@ def test_tied_best_trials_give_the_config_of_the_study_best_trial(tiny_study, tm
         tied.add_trial(optuna.trial.create_trial(params=params, distributions=first.distributions, value=0.0))
     summary = summarize(tied, cfg, out_dir=tmp_path / "best", plots=False)
     assert tied.best_trial.number == 0 and [b["number"] for b in summary["best"]] == [0]
-    assert summary["best"][0]["tied"] == 2 and "tied with 2 other" in format_summary({**summary, "summary_path": "s"}, "db")
+    text = format_summary({**summary, "summary_path": "s"}, "db")
+    assert summary["best"][0]["tied"] == 2 and "tied with 2 other" in text and "edge_confidence" in text
     written = yaml.safe_load((tmp_path / "best" / "config.yaml").read_text())
     assert written["model"]["members"]["tft"]["init_args"]["lr"] == pytest.approx(first.params[lr]) != other[lr]
 

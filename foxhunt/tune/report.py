@@ -129,7 +129,8 @@ def format_summary(summary: Mapping[str, Any], storage: str) -> str:
         lines.append(f"  best trial {b['number']} of {summary['n_trials']}: {vals}")
         if b.get("tied"):
             lines.append(f"    tied with {b['tied']} other complete trial(s), the first is taken (a validation Sharpe of 0 "
-                         "usually means every member was held flat: no significant edge after costs)")
+                         "usually means every member was held flat: no significant edge after costs; tune "
+                         "val/<member>/edge_confidence instead, see docs/TUNING.md)")
         if b.get("deflated_sharpe"):
             d = b["deflated_sharpe"]
             lines.append(f"    deflated Sharpe ratio of its validation Sharpe: {d['value']:.3f} (given {d['n_trials']} "
