@@ -292,18 +292,9 @@ class DQNModule(Agent):
         self.freeze_policy_copy()
         self.n_inputs = n_inputs
 
-    def attach_market(self, train: MarketSplit, val: MarketSplit | None = None) -> None:
-        """Give the agent its training market (the environment) and, optionally, the validation market."""
-        if self.n_inputs is None:
-            self.build_networks(train.n_features)
-        if train.n_features != self.n_inputs:
-            raise ValueError(
-                f"train split {train.name!r} has {train.n_features} features, the Q-network was built for {self.n_inputs}"
-            )
-        if val is not None and val.n_features != train.n_features:
-            raise ValueError(f"validation split {val.name!r} has {val.n_features} features, train has {train.n_features}")
-        self.train_split, self.val_split = train, val
-        self.env, self.replay, self._held_out = None, None, None
+    def release_environment(self) -> None:
+        """Drop the environment and replay buffer of the previous market."""
+        self.env, self.replay = None, None
 
     def _build_environment(self) -> None:
         """Environment, replay buffer and exploration RNG on the module's device (then a resumed state, if any)."""

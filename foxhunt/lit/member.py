@@ -277,7 +277,8 @@ class Agent(Member):
     Flat is the first candidate (it earns 0 after costs): until a candidate's validation reward beats it, the agent
     holds no position, so a member that shows no edge after costs stays flat rather than pay them.
     A subclass sets ``select_every``, ``policy_net`` (a frozen copy of its network when ``select_every`` > 0),
-    ``selected_update``, ``selection``, ``train_split``/``val_split`` and implements :meth:`positions_of`.
+    ``selected_update``, ``selection``, ``train_split``/``val_split``, ``n_inputs`` and implements :meth:`positions_of`,
+    :meth:`build_networks` and :meth:`release_environment`.
     """
 
     kind: ClassVar[MemberKind] = "agent"
@@ -289,6 +290,7 @@ class Agent(Member):
     selection: Selection
     train_split: MarketSplit | None
     val_split: MarketSplit | None
+    n_inputs: int | None  # features a bar the networks were built for (None: not built yet)
     _held_out: tuple[MarketTensors, MarketTensors] | None  # (train tail, val) markets for selection
 
     def positions_of(self, net: nn.Module, market: MarketTensors) -> Tensor:
@@ -417,9 +419,26 @@ class Agent(Member):
     def selection_sharpes(self) -> list[float]:
         return list(self.selection.sharpes)
 
-    def attach_market(self, train: MarketSplit, val: MarketSplit | None = None) -> None:
-        """The market the agent acts in (and the one it is validated on)."""
+    def build_networks(self, n_inputs: int) -> None:
+        """Its networks for ``n_inputs`` features a bar (sets ``n_inputs``)."""
         raise NotImplementedError
+
+    def release_environment(self) -> None:
+        """Drop the environment and buffers built for the previous market (:meth:`start` builds them anew)."""
+        raise NotImplementedError
+
+    def attach_market(self, train: MarketSplit, val: MarketSplit | None = None) -> None:
+        """Give the agent its training market (the environment) and, optionally, the validation market."""
+        if self.n_inputs is None:
+            self.build_networks(train.n_features)
+        if train.n_features != self.n_inputs:
+            raise ValueError(f"train split {train.name!r} has {train.n_features} features, {type(self).__name__}'s "
+                             f"networks were built for {self.n_inputs}")
+        if val is not None and val.n_features != train.n_features:
+            raise ValueError(f"validation split {val.name!r} has {val.n_features} features, train has {train.n_features}")
+        self.train_split, self.val_split = train, val
+        self._held_out = None
+        self.release_environment()
 
     def start(self) -> None:
         """Before the first update: build the environment on the member's device and warm up (e.g. fill replay)."""

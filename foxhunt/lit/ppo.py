@@ -321,18 +321,9 @@ class PPOModule(Agent):
         self.freeze_policy_copy()
         self.n_inputs = n_inputs
 
-    def attach_market(self, train: MarketSplit, val: MarketSplit | None = None) -> None:
-        """Give the agent its training market (the environment) and, optionally, the validation market."""
-        if self.n_inputs is None:
-            self.build_networks(train.n_features)
-        if train.n_features != self.n_inputs:
-            raise ValueError(
-                f"train split {train.name!r} has {train.n_features} features, the actor-critic was built for {self.n_inputs}"
-            )
-        if val is not None and val.n_features != train.n_features:
-            raise ValueError(f"validation split {val.name!r} has {val.n_features} features, train has {train.n_features}")
-        self.train_split, self.val_split = train, val
-        self.env, self.rollout, self._held_out = None, None, None
+    def release_environment(self) -> None:
+        """Drop the environment and rollout buffer of the previous market."""
+        self.env, self.rollout = None, None
 
     def _build_environment(self) -> None:
         """Environment, rollout buffer and sampling RNG on the module's device (then a resumed state, if any)."""
