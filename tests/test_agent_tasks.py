@@ -35,3 +35,31 @@ def test_synthetic_tasks_then_real_per_seed(tmp_path) -> None:
     args = p.parse_args(["--phis", "0.1", "--seeds", "0", "2", "--n-bars", "2000", "--real", str(path)])
     assert [(name, seed) for name, seed, _ in task_family(args)] == [
         ("AR 0.1", 0), ("AR 0.1", 2), ("real x", 0), ("real x", 2)]
+
+
+def test_fetched_eurusd_format_reads_as_a_real_series(tmp_path) -> None:
+    """scripts/fetch_eurusd.py turns the backtesting package's CSV layout into bars that ``real_market`` reads, keeping
+    every row, its UTC time and its close (the download itself needs the package registry and is not run here)."""
+    import importlib.util
+    from pathlib import Path
+
+    from foxhunt.lit.agent_tasks import real_market
+
+    spec = importlib.util.spec_from_file_location("fetch_eurusd", Path(__file__).parents[1] / "scripts" / "fetch_eurusd.py")
+    fetch_eurusd = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(fetch_eurusd)  # type: ignore[union-attr]
+    hours = np.datetime64("2017-04-19T09:00") + np.arange(300).astype("timedelta64[h]")
+    close = 1.07 * np.exp(np.cumsum(np.random.default_rng(1).normal(0.0, 1e-3, 300)))
+    raw = (",Open,High,Low,Close,Volume\n" + "".join(
+        f"{str(h).replace('T', ' ')}:00,{c:.5f},{c * 1.001:.5f},{c * 0.999:.5f},{c:.5f},{100 + i}\n"
+        for i, (h, c) in enumerate(zip(hours, close)))).encode()
+    bars = fetch_eurusd.to_bars(raw)
+    assert list(bars.columns) == ["timestamp", "symbol", "open", "high", "low", "close", "volume"]
+    assert len(bars) == 300 and bars["timestamp"].iloc[0] == "2017-04-19T09:00:00Z"
+    path = tmp_path / "eurusd_hourly.csv"
+    bars.to_csv(path, index=False)
+    market = real_market(path)
+    assert market.train.symbols == ["EURUSD"]
+    n = len(market.train) + len(market.val) + len(market.test)
+    assert 300 - 2 * 16 - 1 <= n <= 300  # purge gaps only
+    np.testing.assert_allclose(market.train.returns[:5].numpy(), np.diff(np.log(np.round(close, 5)))[:5], rtol=1e-5)
