@@ -63,3 +63,12 @@ def test_fetched_eurusd_format_reads_as_a_real_series(tmp_path) -> None:
     n = len(market.train) + len(market.val) + len(market.test)
     assert 300 - 2 * 16 - 1 <= n <= 300  # purge gaps only
     np.testing.assert_allclose(market.train.returns[:5].numpy(), np.diff(np.log(np.round(close, 5)))[:5], rtol=1e-5)
+
+
+def test_a_missing_real_series_says_where_to_get_one(tmp_path) -> None:
+    import pytest
+
+    from foxhunt.lit.agent_tasks import real_market
+
+    with pytest.raises(FileNotFoundError, match=r"eurusd\.csv: no such file .*agent_generalisation\.py.*fetch_eurusd\.py"):
+        real_market(tmp_path / "eurusd.csv")

@@ -146,7 +146,8 @@ def real_market(
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file (see scripts/agent_generalisation.py --help for the SPY series)")
+        raise FileNotFoundError(f"{path}: no such file (daily SPY: see scripts/agent_generalisation.py --help; hourly "
+                                "EURUSD: python scripts/fetch_eurusd.py FILE)")
     df = pd.read_csv(path)
     for col in ("timestamp", "close"):
         if col not in df.columns:
