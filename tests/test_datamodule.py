@@ -186,3 +186,61 @@ def test_features_on_the_gpu_match_the_cpu_path(bars_file: Path) -> None:
         x, y = getattr(cpu, s).features, getattr(gpu, s).features
         assert y.device.type == "cpu"
         torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+
+
+def test_target_statistics_never_see_the_purged_bar_after_training(bars_file: Path, tmp_path: Path, market) -> None:
+    """At a symbol's last training row the whole series' next return runs into the first purged bar. The split never
+    uses that return (a symbol's last row is no decision bar), and now neither does the target fit: a 5% change of
+    that purged bar moved the fitted std ~3x and every training target."""
+    dm = _dm(bars_file, jump_sigmas=None)
+    dm.setup()
+    codes = dm.bars["symbol"].astype("category").cat.codes.to_numpy()
+    train = dm.split_rows["train"]
+    changed = market.bars.copy()
+    for s in (0, 1):
+        purged = int(train[codes[train] == s].max()) + 1  # the first bar after the symbol's training block
+        assert not any(purged in rows for rows in dm.split_rows.values())
+        changed.loc[purged, ["open", "high", "low", "close"]] *= 1.05
+    dm2 = _dm(write_bars(changed, tmp_path / "purged.parquet"), jump_sigmas=None)
+    dm2.setup()
+    a, b = dm.target_transform.state_dict(), dm2.target_transform.state_dict()
+    assert a.keys() == b.keys() and len(a) > 0
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    for name in ("targets", "target_loc", "target_scale", "returns", "valid"):  # bit for bit (NaN where NaN)
+        torch.testing.assert_close(getattr(dm2.train_split, name), getattr(dm.train_split, name), rtol=0, atol=0,
+                                   equal_nan=True, msg=name)
+    # the fit sees exactly the training split's decision-bar returns
+    split = dm.train_split
+    r = split.returns[split.valid].double()
+    torch.testing.assert_close(dm.target_transform.scaler.mean.double().squeeze(), r.mean(), rtol=1e-5, atol=1e-9)
+
+
+def test_known_future_inputs_must_be_known_in_advance(bars_file: Path) -> None:
+    """Decoder inputs are read at bars t+1..t+H: any feature of the bars there is the future itself."""
+    from foxhunt.cli_errors import ConfigError
+
+    feats = FEATS + ["dow_sin"]
+    with pytest.raises(ConfigError) as err:
+        _dm(bars_file, features=feats, known_future=["tod_sin", "rsi_14", "no_such_feature"])
+    assert str(err.value) == (
+        "data.known_future: 'rsi_14' is a momentum feature of the bars; 'no_such_feature' is not a registered feature: "
+        "a known-future input's values at bars t+1..t+H must be known at decision time t, which only features "
+        "computable from the timestamp are (tod_sin, tod_cos, dow_sin, dow_cos, toy_sin, toy_cos)")
+    dm = _dm(bars_file, features=feats, known_future=["tod_sin", "dow_sin"])  # calendar features are fine
+    assert dm.known_future == ["tod_sin", "dow_sin"]
+
+
+def test_requested_symbols_missing_from_the_data_are_an_error(bars_file: Path) -> None:
+    from foxhunt.data.bars import DataError
+
+    with pytest.raises(DataError) as err:
+        _dm(None, synthetic_bars=3_000, symbols=["SYN0", "TYPO"]).setup()
+    assert str(err.value) == ("data.symbols: TYPO not in the synthetic market (its symbols: SYN0, SYN1; "
+                              "data.synthetic_symbols sets how many)")
+    with pytest.raises(DataError) as err:
+        _dm(bars_file, symbols=["SYN1", "SYN7"]).setup()
+    assert str(err.value) == f"{bars_file}: requested symbol(s) SYN7 not in the data; it holds SYN0, SYN1"
+    dm = _dm(None, synthetic_bars=3_000, symbols=["SYN1"])
+    dm.setup()
+    assert dm.train_split.symbols == ["SYN1"] and len(dm.bars) == 3_000

@@ -155,3 +155,28 @@ def test_not_dbn_and_empty_file(tmp_path: Path) -> None:
     empty.write_bytes(b"")
     with pytest.raises(BarLoadError, match=r"empty\.dbn: empty file"):
         load_bars(empty)
+
+
+def test_undefined_ts_event_is_a_missing_timestamp_never_sorted_to_the_front(tmp_path: Path) -> None:
+    """DBN's undefined time (u64::MAX, -1 as int64) read as 1969-12-31T23:59:59.999999999: "out of order", and
+    repair sorted that bar to the front. It is a missing timestamp: reported, or dropped and counted."""
+    path = write_bars(make_bars(10), tmp_path / "undef_ts.dbn")
+    raw = bytearray(path.read_bytes())
+    body = len(raw) - 10 * OHLCV_DTYPE.itemsize
+    rec = np.frombuffer(raw, dtype=OHLCV_DTYPE, offset=body).copy()
+    rec["ts_event"][5] = np.iinfo(np.uint64).max
+    rec["ts_event"][7] = np.uint64(np.iinfo(np.int64).max)  # no bar time either (2262)
+    raw[body:] = rec.tobytes()
+    path.write_bytes(bytes(raw))
+    assert read_dbn(path)["timestamp"].isna().tolist() == [False] * 5 + [True, False, True, False, False]
+    with pytest.raises(BarLoadError) as err:
+        load_bars(path)
+    assert str(err.value) == (f"{path}: row 5 (timestamp missing, symbol ES): missing timestamp (an empty or undefined "
+                              "time; a bar without a time cannot be placed or repaired); 1 more row(s) with missing "
+                              "timestamps. Pass on_bad_bar='drop' or 'repair' to load it anyway.")
+    expected = make_bars(10).drop(index=[5, 7]).reset_index(drop=True)
+    for policy, kind in (("drop", "missing timestamps"), ("repair", "missing timestamps (dropped)")):
+        bars = load_bars(path, on_bad_bar=policy)
+        assert bars.attrs["foxhunt_validation"] == {str(path): {kind: 2}}
+        assert (bars["timestamp"] == expected["timestamp"]).all()
+        np.testing.assert_allclose(bars["close"].to_numpy(), expected["close"].to_numpy(), rtol=0, atol=1e-9)

@@ -92,7 +92,8 @@ def test_csv_non_numeric_value_names_row_and_column(tmp_path: Path) -> None:
 def test_csv_unparseable_timestamp(tmp_path: Path) -> None:
     path = tmp_path / "badts.csv"
     path.write_text("Date,Open,High,Low,Close,Volume\n2024-01-02,1,1,1,1,1\nnot-a-date,1,1,1,1,1\n")
-    with pytest.raises(BarLoadError, match=r"badts\.csv: column 'Date': cannot parse timestamp"):
+    with pytest.raises(BarLoadError, match=r"badts\.csv: row 1: column 'Date': cannot parse timestamp 'not-a-date' "
+                                           r"\(Time data not-a-date is not ISO8601 format\)$"):
         load_bars(path)
 
 
@@ -186,3 +187,114 @@ def test_unreadable_paths(tmp_path: Path) -> None:
     garbage.write_bytes(b"this is not parquet at all")
     with pytest.raises(BarLoadError, match=r"garbage\.parquet: cannot read Parquet"):
         load_bars(garbage)
+
+
+# --- one line for every bad input: file, row, column, reason ---------------------------------------------------------
+def _bar_frame(n: int = 4) -> pd.DataFrame:
+    return make_bars(n, "X")[["timestamp", "open", "high", "low", "close", "volume", "symbol"]]
+
+
+def test_boolean_price_or_volume_columns_are_refused(tmp_path: Path) -> None:
+    """true/false passed pandas' is_numeric_dtype and became volumes of 1.0 and 0.0."""
+    csv = tmp_path / "boolvol.csv"
+    csv.write_text("timestamp,open,high,low,close,volume\n2024-01-02T00:00:00Z,100,101,99,100.5,true\n"
+                   "2024-01-02T00:01:00Z,100.5,102,100,101,false\n")
+    with pytest.raises(BarLoadError) as err:
+        load_bars(csv)
+    assert str(err.value) == f"{csv}: column 'volume' holds true/false values, not numbers: it cannot be the bars' volume"
+    frame = _bar_frame()
+    frame["close"] = [True, False, True, True]
+    pq_path = tmp_path / "boolclose.parquet"
+    frame.to_parquet(pq_path)
+    with pytest.raises(BarLoadError) as err:
+        load_bars(pq_path)
+    assert str(err.value) == f"{pq_path}: column 'close' holds true/false values, not numbers: it cannot be the bars' close"
+
+
+def test_parquet_text_prices_name_file_row_and_column(tmp_path: Path) -> None:
+    """The bar schema's layout with a text price column was cast by numpy: a bare ValueError without file or row."""
+    frame = _bar_frame()
+    frame["close"] = ["100.5", "oops", "101.2", "101.5"]
+    path = tmp_path / "textclose.parquet"
+    frame.to_parquet(path)
+    with pytest.raises(BarLoadError) as err:
+        load_bars(path)
+    assert str(err.value) == f"{path}: row 1: column 'close' value 'oops' is not a number"
+    frame["close"] = ["100.5", "101", "101.2", "101.5"]  # numbers as text read as they do from a CSV
+    frame["high"] = 102.0
+    frame.to_parquet(path)
+    assert load_bars(path)["close"].tolist() == [100.5, 101.0, 101.2, 101.5]
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_local_times_a_clock_change_skips_or_repeats_name_the_row(tmp_path: Path, suffix: str) -> None:
+    times = {"skipped": (["2024-03-10 01:59:00", "2024-03-10 02:30:00"], "does not exist there (the clocks skip it "
+                                                                          "when daylight saving starts)"),
+             "repeated": (["2024-11-03 00:59:00", "2024-11-03 01:30:00"], "is ambiguous there (it happens twice when "
+                                                                          "daylight saving ends)")}
+    for name, (stamps, why) in times.items():
+        frame = make_bars(2, "X")
+        frame["timestamp"] = pd.DatetimeIndex(stamps).as_unit("ns")
+        path = tmp_path / f"{name}{suffix}"
+        frame.to_csv(path, index=False) if suffix == ".csv" else frame.to_parquet(path)
+        with pytest.raises(BarLoadError) as err:
+            load_bars(path, tz="America/New_York")
+        assert str(err.value) == (f"{path}: row 1: column 'timestamp': local time {stamps[1]} in "
+                                  f"tz='America/New_York' {why}; give times with a UTC offset, or in UTC")
+        assert len(load_bars(path)) == 2  # as UTC they are fine
+
+
+def test_timestamps_with_and_without_offsets_in_one_column_name_the_row(tmp_path: Path) -> None:
+    """Was "cannot parse timestamp '2024-01-02T00:00:00Z'", a valid value, with pandas' advice to pass utc=True."""
+    path = tmp_path / "mixed.csv"
+    path.write_text("timestamp,open,high,low,close,volume\n2024-01-02T00:00:00Z,100,101,99,100.5,10\n"
+                    "2024-01-02T01:01:00+01:00,100.5,102,100,101,11\n2024-01-02 00:02:00,101,101.5,100.5,101.2,12\n")
+    with pytest.raises(BarLoadError) as err:
+        load_bars(path)
+    assert str(err.value) == (f"{path}: row 2: column 'timestamp': timestamp '2024-01-02 00:02:00' has no UTC offset "
+                              "while row 0 ('2024-01-02T00:00:00Z') has one; give every timestamp an offset, or none "
+                              "(naive times are read in tz=, UTC by default)")
+
+
+@pytest.mark.parametrize("name", ["offsets.csv", "offsets.csv.gz"])  # pyarrow's reader, pandas' reader
+def test_timestamps_with_different_offsets_are_converted_to_utc(tmp_path: Path, name: str) -> None:
+    text = ("timestamp,open,high,low,close,volume\n2024-01-02T00:00:00+00:00,100,101,99,100.5,10\n"
+            "2024-01-02T01:01:00+01:00,100.5,102,100,101,11\n2024-01-01T19:02:00-05:00,101,101.5,100.5,101.2,12\n")
+    path = tmp_path / name
+    if name.endswith(".gz"):
+        import gzip
+
+        path.write_bytes(gzip.compress(text.encode()))
+    else:
+        path.write_text(text)
+    expected = pd.DatetimeIndex(["2024-01-02 00:00", "2024-01-02 00:01", "2024-01-02 00:02"], tz="UTC").as_unit("ns")
+    assert pd.DatetimeIndex(load_bars(path)["timestamp"]).equals(expected)
+
+
+def test_unparseable_and_out_of_range_timestamps_are_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "month13.csv"
+    bad.write_text("timestamp,open,high,low,close,volume\n2024-01-02T00:00:00Z,100,101,99,100.5,10\n"
+                   "2024-13-45T00:01:00Z,100.5,102,100,101,11\n")
+    with pytest.raises(BarLoadError) as err:
+        load_bars(bad)
+    assert str(err.value) == (f"{bad}: row 1: column 'timestamp': cannot parse timestamp '2024-13-45T00:01:00Z' (Time "
+                              "data 2024-13-45T00:01:00Z is not ISO8601 format)")
+    epoch = tmp_path / "epoch.csv"
+    epoch.write_text("time,open,high,low,close,volume\n1704205800,1,1,1,1,1\n1704205860,1,1,1,1,1\n"
+                     "1704205920,1,1,1,1,1\n1e12,1,1,1,1,1\n")
+    with pytest.raises(BarLoadError) as err:
+        load_bars(epoch)
+    assert str(err.value) == (f"{epoch}: row 3: column 'time': epoch time 1000000000000.0 is out of range (read in s "
+                              "like the column's typical value 1704205890, it lies outside the years 1677-2262)")
+
+
+def test_requested_symbols_that_are_not_in_the_data_are_an_error(tmp_path: Path) -> None:
+    """They were silently ignored: symbols=['AA', 'ESX'] loaded AA alone."""
+    from foxhunt.data.bars import DataError
+
+    path = write_bars(pd.concat([make_bars(10, "AA"), make_bars(10, "ES")], ignore_index=True), tmp_path / "two.parquet")
+    with pytest.raises(DataError) as err:
+        load_bars(path, symbols=["AA", "ESX", "ZZ"])
+    assert str(err.value) == f"{path}: requested symbol(s) ESX, ZZ not in the data; it holds AA, ES"
+    assert load_bars(path, symbols=["ES"])["symbol"].unique().tolist() == ["ES"]
+    assert load_bars(path, symbols="ES")["symbol"].unique().tolist() == ["ES"]  # one name, not its letters

@@ -244,3 +244,128 @@ def test_returns_without_spread_give_no_jump_scale_and_no_false_alarm(tmp_path: 
     ticks["low"] = ticks[["open", "close"]].min(axis=1)
     with pytest.raises(BadBarError, match=r"ticks\.parquet: row 50 .*close jumped from 100\.0 to 1000\.0"):
         load_bars(_write(tmp_path, ticks, "ticks.parquet"))
+
+
+# --- bars without a time or a symbol: never kept ---------------------------------------------------------------------
+def test_a_missing_timestamp_is_its_own_check_and_the_bar_is_never_kept(tmp_path: Path, caplog) -> None:
+    """An empty time cell is not "out of order", and repair cannot sort a bar without a time to the front."""
+    path = tmp_path / "nat.csv"
+    path.write_text("timestamp,open,high,low,close,volume\n2024-01-02T00:00:00Z,100,101,99,100.5,10\n"
+                    ",100.5,102,100,101,11\n2024-01-02T00:02:00Z,101,101.5,100.5,101.2,12\n"
+                    "2024-01-02T00:03:00Z,101.2,101.8,100.9,101.5,13\n")
+    with pytest.raises(BadBarError) as err:
+        load_bars(path)
+    assert str(err.value) == (f"{path}: row 1 (timestamp missing, symbol nat): missing timestamp (an empty or undefined "
+                              "time; a bar without a time cannot be placed or repaired). Pass on_bad_bar='drop' or "
+                              "'repair' to load it anyway.")
+    expected = pd.DatetimeIndex(["2024-01-02 00:00", "2024-01-02 00:02", "2024-01-02 00:03"], tz="UTC").as_unit("ns")
+    with caplog.at_level("WARNING", logger="foxhunt.data"):
+        dropped = load_bars(path, on_bad_bar="drop")
+        repaired = load_bars(path, on_bad_bar="repair")
+    assert _counts(dropped) == {"missing timestamps": 1}
+    assert _counts(repaired) == {"missing timestamps (dropped)": 1}
+    assert "repaired 1 bar(s): missing timestamps (dropped)" in caplog.text
+    for bars in (dropped, repaired):
+        assert pd.DatetimeIndex(bars["timestamp"]).equals(expected)
+        assert bars["close"].tolist() == [100.5, 101.2, 101.5]
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+@pytest.mark.parametrize("blank", [None, "", "  "])
+def test_a_missing_symbol_is_reported_or_dropped_never_given_to_another_symbol(
+    tmp_path: Path, suffix: str, blank: str | None
+) -> None:
+    """A null or blank symbol used to get code -1 and land, silently, in the alphabetically last symbol (ZZZ)."""
+    frame = pd.DataFrame({
+        "timestamp": pd.to_datetime(["2024-01-02 00:00", "2024-01-02 00:01", "2024-01-02 00:00", "2024-01-02 00:01",
+                                     "2024-01-02 00:02"], utc=True).as_unit("ns"),
+        "open": [10.0, 10.5, 500.0, 505.0, 10.8], "high": [11.0, 11.0, 510.0, 510.0, 11.0],
+        "low": [9.0, 10.0, 490.0, 500.0, 10.5], "close": [10.5, 10.8, 505.0, 507.0, 10.9],
+        "volume": [1.0] * 5, "symbol": ["AAA", "AAA", "ZZZ", "ZZZ", blank],
+    })
+    path = tmp_path / f"nullsym{suffix}"
+    if suffix == ".csv":
+        frame.to_csv(path, index=False)
+    else:
+        frame.to_parquet(path)  # the bar schema's own layout: the fast path
+    with pytest.raises(BadBarError) as err:
+        load_bars(path, jump_sigmas=None)
+    assert str(err.value) == (f"{path}: row 4 (timestamp 2024-01-02T00:02:00+00:00, symbol missing): missing symbol (an "
+                              "empty or blank symbol; the bar belongs to no instrument). Pass on_bad_bar='drop' or "
+                              "'repair' to load it anyway.")
+    for policy, kind in (("drop", "missing symbols"), ("repair", "missing symbols (dropped)")):
+        bars = load_bars(path, on_bad_bar=policy, jump_sigmas=None)
+        assert _counts(bars) == {kind: 1}
+        assert bars["symbol"].tolist() == ["AAA", "AAA", "ZZZ", "ZZZ"]
+        assert bars["close"].tolist() == [10.5, 10.8, 505.0, 507.0]
+
+
+# --- the jump check is causal: later bars never change the verdict on an earlier one --------------------------------
+def _walk(returns: np.ndarray) -> pd.DataFrame:
+    close = 100 * np.exp(np.cumsum(returns))
+    open_ = np.r_[100.0, close[:-1]]
+    return pd.DataFrame({
+        "timestamp": pd.date_range("2024-01-02", periods=len(returns), freq="1min", tz="UTC").as_unit("ns"),
+        "open": open_, "high": np.maximum(open_, close) * 1.0001, "low": np.minimum(open_, close) * 0.9999,
+        "close": close, "volume": 10.0, "symbol": pd.Series(["X"] * len(returns), dtype="str"),
+    })
+
+
+def test_later_bars_never_change_whether_an_earlier_bar_is_a_jump(tmp_path: Path) -> None:
+    """The statistics that judge a bar come from the bars before it only. With whole-file statistics, 3,000 volatile
+    bars after a 2% one-bar spike on 0.01% moves (~200 robust standard deviations) hid it: the same bar was a jump in
+    the first 1,000 bars and not in the whole file."""
+    rng = np.random.default_rng(0)
+    early = rng.normal(0, 1e-4, 1000)
+    early[500], early[501] = 0.02, -0.02  # a one-bar spike
+    early[800] = 0.004  # 40 robust standard deviations: a real move, no jump at the default limit
+    later = {
+        "none": np.zeros(0),
+        "calm": rng.normal(0, 1e-5, 3000),
+        "volatile": rng.normal(0, 3e-3, 3000),
+        "volatile with a spike": np.r_[rng.normal(0, 3e-3, 1500), 0.5, -0.5, rng.normal(0, 3e-3, 1498)],
+    }
+    results = {}
+    for name, tail in later.items():
+        path = _write(tmp_path, _walk(np.r_[early, tail]), f"{name.replace(' ', '_')}.parquet")
+        with pytest.raises(BadBarError) as err:
+            load_bars(path)
+        message = str(err.value).replace(str(path), "<file>")
+        results[name] = {
+            "raise": re.sub(r"; \d+ more row\(s\) with price jumps", "", message),
+            "drop": load_bars(path, on_bad_bar="drop").iloc[:999],
+            "repair": load_bars(path, on_bad_bar="repair").iloc[:1000],
+        }
+    base = results["none"]
+    assert base["raise"].startswith("<file>: row 500 (timestamp 2024-01-02T08:20:00+00:00, symbol X): close jumped")
+    assert base["repair"]["volume"].iloc[500] == 0.0 and base["repair"]["volume"].iloc[800] == 10.0
+    assert _walk(early)["timestamp"].iloc[500] not in set(base["drop"]["timestamp"])  # only the spike's bar is gone
+    assert base["drop"]["timestamp"].iloc[500] == _walk(early)["timestamp"].iloc[501]
+    for name, got in results.items():
+        assert got["raise"] == base["raise"], name
+        pd.testing.assert_frame_equal(got["drop"], base["drop"], obj=f"drop, later {name}")
+        pd.testing.assert_frame_equal(got["repair"], base["repair"], obj=f"repair, later {name}")
+
+
+def test_jump_statistics_of_a_bar_use_only_earlier_returns() -> None:
+    """The center and scale at every row equal the median and IQR / 1.349 of its symbol's non-zero returns before it,
+    as of the latest refresh point (20, 40, 80, ... earlier returns), for two symbols in one frame."""
+    from foxhunt.data.bars import _jump_checkpoints, _robust_scale, _segment_first_row
+
+    assert _jump_checkpoints(200).tolist() == [20, 40, 80, 160]
+    rng = np.random.default_rng(4)
+    sym = np.repeat([0, 1], [300, 120])
+    r = rng.standard_t(3, len(sym)) * 1e-3
+    r[rng.random(len(r)) < 0.2] = 0.0  # flat bars: not counted
+    seg = _segment_first_row(sym)
+    r[seg == np.arange(len(r))] = np.nan  # a symbol's first bar has no return
+    center, scale = _robust_scale(r, seg)
+    for i in range(len(r)):
+        before = r[seg[i] : i]
+        before = before[np.isfinite(before) & (before != 0)]
+        if len(before) < 20:
+            assert center[i] == 0.0 and np.isnan(scale[i]), i
+            continue
+        x = before[: _jump_checkpoints(len(before))[-1]]
+        q25, q75 = np.quantile(x, [0.25, 0.75])
+        np.testing.assert_allclose([center[i], scale[i]], [np.median(x), (q75 - q25) / 1.349], rtol=1e-12, atol=0)

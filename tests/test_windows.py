@@ -230,3 +230,21 @@ def test_lightning_reshuffles_each_epoch_through_set_epoch() -> None:
     trainer.fit(model, train_dataloaders=wb)
     assert trainer.num_training_batches == len(wb)
     assert [model.seen[e] for e in range(3)] == expected
+
+
+def test_known_future_columns_must_be_known_in_advance() -> None:
+    """x_future holds rows t+1..t+H: of the registry's features only the calendar ones (known from the timestamp) may
+    be there; rsi_14 is not. A column the registry does not know (a caller's own matrix) is the caller's declaration
+    here; BarDataModule, whose columns are all registry features, refuses it (tests/test_datamodule.py)."""
+    from foxhunt.cli_errors import ConfigError
+    from foxhunt.data.windows import check_known_future
+
+    with pytest.raises(ConfigError) as err:
+        WindowBatches(make_split(), 8, 3, batch_size=4, known_future=["tod_sin", "rsi_14"])
+    assert str(err.value) == (
+        "WindowBatches: known_future: 'rsi_14' is a momentum feature of the bars: a known-future input's values at bars "
+        "t+1..t+H must be known at decision time t, which only features computable from the timestamp are (tod_sin, "
+        "tod_cos, dow_sin, dow_cos, toy_sin, toy_cos)")
+    check_known_future(["f0"], "here", registered_only=True)  # the caller's own column: accepted
+    with pytest.raises(ConfigError, match="'f0' is not a registered feature"):
+        check_known_future(["f0"], "here")

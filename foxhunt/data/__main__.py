@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--path", default=None, help="bars file, directory or glob (default: the embedded synthetic market)")
     parser.add_argument("--on-bad-bar", default="raise", choices=["raise", "drop", "repair"])
     parser.add_argument("--jump-sigmas", type=float, default=DEFAULT_JUMP_SIGMAS,
-                        help="flag a close that moves more than this many robust std of its symbol's log returns (0: off)")
+                        help="flag a close that moves more than this many robust std of its symbol's earlier log returns (0: off)")
     parser.add_argument("--debug", action="store_true", help="a traceback for data and path errors too")
     parser.add_argument("--bars", type=int, default=200_000, help="synthetic bars per symbol")
     parser.add_argument("--symbols", type=int, default=1, help="synthetic symbols")

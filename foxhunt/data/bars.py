@@ -22,18 +22,23 @@ Validation policies (``on_bad_bar``):
 - ``drop``: offending rows are removed.
 - ``repair``: rows are fixed where a fix is well defined (high/low widened to cover open and close, negative volume set
   to 0, non-finite or non-positive prices forward-filled from the previous good close with volume 0, duplicates keep
-  the first bar, out-of-order bars are sorted); rows that cannot be fixed (no previous close) are dropped.
+  the first bar, out-of-order bars are sorted); rows that cannot be fixed (no previous close, no timestamp, no symbol)
+  are dropped.
 
 ``drop`` and ``repair`` log one line per problem kind with its count, and record the counts in
-``frame.attrs["foxhunt_validation"]``. Missing columns, empty files and unreadable or corrupt files always raise.
+``frame.attrs["foxhunt_validation"]``. Missing columns, empty files and unreadable or corrupt files always raise. A bar
+without a timestamp (an empty cell, DBN's undefined time) or a symbol (a null or blank cell) is never kept: under
+``drop`` and ``repair`` it is dropped and counted.
 
 Two checks catch what breaks models rather than the schema: values outside float32's range (the tensors' dtype: a
 price of 1e39 would become inf) are treated like non-finite ones, and a **jump check** flags a bar whose close's log
-return from the previous bar lies more than ``jump_sigmas`` robust standard deviations from its symbol's median log
-return (1.4826 x the median absolute deviation of the non-zero ones; ``None`` turns the check off). Under ``drop``
-the bar that starts a jump is removed and under ``repair`` it becomes a flat bar at the previous close with volume 0;
-the next bar is then compared with the bar before it, so a one-bar spike costs one bar (a lasting level shift, e.g.
-an unadjusted split, is left after a few rounds, with a warning).
+return from the previous bar lies more than ``jump_sigmas`` robust standard deviations from the median of its
+symbol's earlier log returns (the scale: the interquartile range / 1.349 of the earlier non-zero ones; see
+:func:`_robust_scale`; ``None`` turns the check off). The statistics are causal: a bar is judged only by the bars
+before it, so bars added later never change the verdict on an earlier one. Under ``drop`` the bar that starts a jump
+is removed and under ``repair`` it becomes a flat bar at the previous close with volume 0; the next bar is then
+compared with the bar before it, so a one-bar spike costs one bar (a lasting level shift, e.g. an unadjusted split,
+is left after a few rounds, with a warning).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ PRICE_COLUMNS: tuple[str, ...] = ("open", "high", "low", "close")
 BAR_COLUMNS: tuple[str, ...] = ("timestamp", *PRICE_COLUMNS, "volume", "symbol")
 ROW_COLUMN = "_row"  # position of the bar in its source file; dropped before the frame is returned
 DEFAULT_JUMP_SIGMAS = 100.0  # a 1000x spike is thousands of robust std on any bar spacing; real crashes stay below
-JUMP_MIN_RETURNS = 20  # a symbol with fewer non-zero returns has no robust scale to judge jumps by
+JUMP_MIN_RETURNS = 20  # a bar with fewer non-zero returns of its symbol before it has no robust scale to judge it by
 JUMP_ROUNDS = 5  # drop/repair rounds (each fixes the first bar of every jump left)
 _JUMP_SCALE_FLOOR = 1e-9  # returns that do not vary (rounding noise only) must not make every bar a jump
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -136,8 +141,10 @@ def check_policy(on_bad_bar: str) -> BadBarPolicy:
 def _describe_row(frame: pd.DataFrame, i: int) -> str:
     row = frame.iloc[i]
     ts = row["timestamp"]
-    ts_text = ts.isoformat() if isinstance(ts, pd.Timestamp) else str(ts)
-    return f"row {int(row[ROW_COLUMN])} (timestamp {ts_text}, symbol {row['symbol']})"
+    ts_text = "missing" if pd.isna(ts) else ts.isoformat() if isinstance(ts, pd.Timestamp) else str(ts)
+    sym = row["symbol"]
+    sym_text = "missing" if pd.isna(sym) or not str(sym).strip() else str(sym)
+    return f"row {int(row[ROW_COLUMN])} (timestamp {ts_text}, symbol {sym_text})"
 
 
 def _fail(frame: pd.DataFrame, mask: np.ndarray, source: str, reason_of_row, kind: str) -> None:
@@ -150,9 +157,43 @@ def _fail(frame: pd.DataFrame, mask: np.ndarray, source: str, reason_of_row, kin
     )
 
 
-def _group_by_symbol(frame: pd.DataFrame) -> pd.DataFrame:
-    """Add integer symbol codes and make each symbol's rows contiguous, keeping file order within a symbol."""
+_NAT = np.iinfo(np.int64).min  # NaT as int64 nanoseconds
+
+
+def _check_missing(
+    frame: pd.DataFrame, source: str, policy: BadBarPolicy, report: ValidationReport
+) -> tuple[pd.DataFrame, np.ndarray, list[str]]:
+    """Bars without a timestamp (an empty cell, DBN's undefined time) or without a symbol (a null or blank cell) cannot
+    be placed in any series, so they are never kept: an error under ``raise``, dropped and counted otherwise. Returns
+    the frame, its integer symbol codes and their symbols (blank ones removed)."""
     codes, categories = symbol_codes(frame)
+    blank = np.array([not str(c).strip() for c in categories], dtype=bool)
+    no_symbol = codes < 0
+    if blank.any():
+        no_symbol |= blank[np.maximum(codes, 0)] & (codes >= 0)
+    no_time = timestamps_ns(frame) == _NAT
+    checks = (
+        (no_time, "missing timestamps", "missing timestamp (an empty or undefined time; a bar without a time cannot be "
+                                        "placed or repaired)"),
+        (no_symbol, "missing symbols", "missing symbol (an empty or blank symbol; the bar belongs to no instrument)"),
+    )
+    for mask, kind, reason in checks:
+        if mask.any():
+            if policy == "raise":
+                _fail(frame, mask, source, lambda i, reason=reason: reason, kind)
+            report.add(kind if policy == "drop" else f"{kind} (dropped)", int(mask.sum()))
+    bad = no_time | no_symbol
+    if bad.any():
+        frame, codes = frame[~bad], codes[~bad]
+    if blank.any():
+        new_code = np.cumsum(~blank) - 1
+        codes = new_code[codes]
+        categories = categories[~blank]
+    return frame, codes, list(categories)
+
+
+def _group_by_symbol(frame: pd.DataFrame, codes: np.ndarray, categories: list[str]) -> pd.DataFrame:
+    """Add integer symbol codes and make each symbol's rows contiguous, keeping file order within a symbol."""
     frame = frame.assign(**{SYM_COLUMN: codes})
     frame.attrs["symbols"] = list(categories)
     if len(categories) > 1 and not bool(np.all(codes[1:] >= codes[:-1])):
@@ -178,7 +219,9 @@ def validate_bars(
     policy = check_policy(on_bad_bar)
     jump_sigmas = check_jump_sigmas(jump_sigmas)
     report = ValidationReport(source, policy)
-    frame = _group_by_symbol(frame)
+    # 0. Bars without a time or a symbol (never kept: they belong nowhere).
+    frame, codes, categories = _check_missing(frame, source, policy, report)
+    frame = _group_by_symbol(frame, codes, categories)
     categories = frame.attrs["symbols"]
     prices = frame[list(PRICE_COLUMNS)].to_numpy(dtype=np.float64)
     volume = frame["volume"].to_numpy(dtype=np.float64)
@@ -328,24 +371,70 @@ def _check_time(frame: pd.DataFrame, source: str, policy: BadBarPolicy, report: 
     return frame[~dup_sorted]
 
 
+def _jump_checkpoints(n: int) -> np.ndarray:
+    """The counts of earlier non-zero returns at which the jump statistics are recomputed, up to ``n``:
+    ``JUMP_MIN_RETURNS``, then each time the count has doubled (20, 40, 80, 160, ...)."""
+    out = []
+    k = JUMP_MIN_RETURNS
+    while k <= n:
+        out.append(k)
+        k *= 2
+    return np.asarray(out, dtype=np.int64)
+
+
 def _robust_scale(r: np.ndarray, seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row, the median of its symbol's non-zero log returns and 1.4826 x their median absolute deviation (the
-    mean absolute deviation x 1.2533 where that median is 0; at least ``_JUMP_SCALE_FLOOR``; NaN, no check: fewer
-    than ``JUMP_MIN_RETURNS`` of them). Rows are grouped by symbol, so each symbol is one slice."""
-    starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])
-    center = np.zeros(len(seg))
-    scale = np.full(len(seg), np.nan)
-    for a, b in zip(starts, np.r_[starts[1:], len(seg)], strict=True):
-        x = r[a:b]
-        x = x[np.isfinite(x) & (x != 0)]
-        if len(x) < JUMP_MIN_RETURNS:
-            continue
-        med = float(np.median(x))
-        dev = np.abs(x - med)
-        mad = float(np.median(dev))
-        center[a:b] = med
-        scale[a:b] = max(1.4826 * mad if mad > 0 else 1.2533 * float(dev.mean()), _JUMP_SCALE_FLOOR)
-    return center, scale
+    """Per row, a causal center and robust scale of its symbol's non-zero log returns *before* that row.
+
+    The center is the median and the scale the interquartile range / 1.349 (1.4826 x the MAD for a symmetric
+    distribution; 1.2533 x the mean absolute deviation from the median where the range is 0; at least
+    ``_JUMP_SCALE_FLOOR``) of the first k of those returns, k the largest of :func:`_jump_checkpoints` not above the
+    count of non-zero returns before the row (so at least half of them); NaN scale (no check) while fewer than
+    ``JUMP_MIN_RETURNS`` precede it. A row's statistics depend only on earlier rows, so later bars never change whether
+    an earlier bar is a jump. Rows are grouped by symbol (``seg``: each row's first row of its symbol). Work: one
+    partition of k values per checkpoint for all symbols at once, about twice the returns in all (an exact expanding
+    median per row, e.g. pandas' expanding quantile, took seconds per million bars)."""
+    n = len(r)
+    nz = np.isfinite(r)
+    nz &= r != 0
+    excl = np.cumsum(nz)
+    excl -= nz  # non-zero returns before the row, over the whole frame
+    firsts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]]) if n else np.zeros(0, dtype=np.int64)
+    x = r[nz]  # every symbol's non-zero returns, in row order
+    x_start = excl[firsts]
+    x_len = np.diff(np.r_[x_start, len(x)])
+    checkpoints = _jump_checkpoints(int(x_len.max()) if len(x_len) else 0)
+    if not len(checkpoints):
+        return np.zeros(n), np.full(n, np.nan)
+    n_cp = len(checkpoints)
+    med = np.zeros((len(firsts), n_cp + 1))  # column 0: fewer than JUMP_MIN_RETURNS earlier returns, no check
+    sd = np.full((len(firsts), n_cp + 1), np.nan)
+    for j, k in enumerate(checkpoints.tolist(), start=1):
+        sym = np.flatnonzero(x_len >= k)
+        if not len(sym):
+            break
+        starts = x_start[sym].tolist()
+        part = np.stack([x[a : a + k] for a in starts]) if len(starts) > 1 else x[None, starts[0] : starts[0] + k].copy()
+        h25, h75 = 0.25 * (k - 1), 0.75 * (k - 1)
+        i25, i75 = int(h25), int(h75)
+        part.partition(sorted({i25, min(i25 + 1, k - 1), (k - 1) // 2, k // 2, i75, min(i75 + 1, k - 1)}), axis=1)
+        m = 0.5 * (part[:, (k - 1) // 2] + part[:, k // 2])
+        q25 = part[:, i25] + (h25 - i25) * (part[:, min(i25 + 1, k - 1)] - part[:, i25])
+        q75 = part[:, i75] + (h75 - i75) * (part[:, min(i75 + 1, k - 1)] - part[:, i75])
+        s = (q75 - q25) / 1.349
+        flat = ~(s > 0)
+        if flat.any():  # more than half the returns alike: the mean absolute deviation from the median
+            s[flat] = 1.2533 * np.abs(part[flat] - m[flat, None]).mean(axis=1)
+        med[sym, j] = m
+        sd[sym, j] = np.maximum(s, _JUMP_SCALE_FLOOR)
+    # each row's column: the latest checkpoint not above its count of earlier returns of its symbol
+    if len(firsts) == 1:
+        at = np.searchsorted(checkpoints, excl, side="right")
+        return med[0].take(at), sd[0].take(at)
+    counts = np.diff(np.r_[firsts, n])
+    excl -= np.repeat(x_start, counts)  # ... within the row's symbol
+    at = np.searchsorted(checkpoints, excl, side="right")
+    at += np.repeat(np.arange(len(firsts)) * (n_cp + 1), counts)
+    return med.ravel().take(at), sd.ravel().take(at)
 
 
 def _jumps(close: np.ndarray, seg: np.ndarray, keep: np.ndarray, center: np.ndarray, scale: np.ndarray,

@@ -26,12 +26,22 @@ from foxhunt.data.bars import (
 )
 from foxhunt.data.io import load_bars
 from foxhunt.data.market import MarketSpec, MarketSplit
-from foxhunt.data.windows import WindowBatches
+from foxhunt.data.windows import WindowBatches, check_known_future
 from foxhunt.features import KNOWN_FUTURE, FeatureSet
 from foxhunt.preprocessing import FeatureNormalizer, TargetTransform, next_log_returns
 
 log = logging.getLogger("foxhunt.data")
 SPLITS = ("train", "val", "test")
+
+
+def split_returns(returns: torch.Tensor, symbol_index: torch.Tensor) -> torch.Tensor:
+    """A split's next-bar returns (float32) from the whole series' ``returns`` of its rows (ordered by symbol, time):
+    NaN at each symbol's last row, whose next bar lies outside the split (purged, or another split's)."""
+    r = returns.float()
+    last = torch.ones(r.shape[0], dtype=torch.bool, device=r.device)
+    if r.shape[0] > 1:
+        last[:-1] = symbol_index[1:] != symbol_index[:-1]
+    return torch.where(last, torch.nan, r)
 
 
 def assemble_split(
@@ -51,11 +61,7 @@ def assemble_split(
 
     A symbol's last row has no next return inside the rows, so it is never a decision bar.
     """
-    r = returns.float()
-    last = torch.ones(r.shape[0], dtype=torch.bool)
-    if r.shape[0] > 1:
-        last[:-1] = symbol_index[1:] != symbol_index[:-1]
-    r = torch.where(last, torch.nan, r)
+    r = split_returns(returns, symbol_index)
     scaled = target_transform.transform(r, segment=symbol_index)
     valid = ready & torch.isfinite(r) & torch.isfinite(scaled.value)
     return MarketSplit(
@@ -174,6 +180,7 @@ class BarDataModule(pl.LightningDataModule):
             raise ValueError(f"BarDataModule: feature_device must be 'cpu', 'cuda[:N]' or 'auto', got {feature_device!r}")
         self.feature_device = feature_device
         self.known_future = list(KNOWN_FUTURE if known_future is None else known_future)
+        check_known_future(self.known_future, "data.known_future")
         missing = [k for k in self.known_future if k not in self.feature_set.names]
         if missing:
             raise ValueError(f"BarDataModule: known_future features {missing} are not among the selected features")
@@ -212,9 +219,15 @@ class BarDataModule(pl.LightningDataModule):
         bars = self.market.bars
         self._oracle_mean = torch.from_numpy(self.market.oracle_mean.copy())
         if self.symbols is not None:
-            keep = bars["symbol"].isin(self.symbols).to_numpy()
+            wanted = [self.symbols] if isinstance(self.symbols, str) else list(self.symbols)
+            held = list(pd.unique(bars["symbol"]))
+            missing = [s for s in dict.fromkeys(wanted) if s not in held]
+            if missing:
+                raise DataError(f"data.symbols: {', '.join(map(str, missing))} not in the synthetic market (its symbols: "
+                                f"{', '.join(map(str, held))}; data.synthetic_symbols sets how many)")
+            keep = bars["symbol"].isin(wanted).to_numpy()
             bars = bars[keep].reset_index(drop=True)
-            self._oracle_mean = self._oracle_mean[torch.from_numpy(keep)]
+            self._oracle_mean = self._oracle_mean[torch.from_numpy(keep.copy())]
         return bars
 
     @property
@@ -248,7 +261,10 @@ class BarDataModule(pl.LightningDataModule):
         train_ok = ready[train] & torch.isfinite(returns[train])
         self.feature_normalizer.fit(raw_features[train][train_ok], names=self.feature_set.names)
         features = self.normalise(raw_features)
-        train_r = torch.where(train_ok, returns[train], torch.nan).float()
+        # the training split's own returns, as assemble_split builds them: at a symbol's last training row the return
+        # runs into the first purged bar, outside the split, so it is NaN there and no statistic sees that bar
+        train_r = split_returns(returns[train], sym[train])
+        train_r = torch.where(ready[train], train_r, torch.nan)
         self.target_transform.fit(train_r, segment=sym[train])
 
         for name in SPLITS:

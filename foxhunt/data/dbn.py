@@ -24,6 +24,10 @@ from foxhunt.data.bars import ROW_COLUMN, BarLoadError, empty_bars, timestamps_n
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 FIXED_PRICE_SCALE = 1e-9
 UNDEF_PRICE = np.iinfo(np.int64).max
+# DBN's undefined timestamp is u64::MAX (-1 as int64, 1969 as a time). It and every ts_event from int64's maximum up
+# (no bar time: 2262 and beyond, or negative as int64) become NaT, a missing timestamp that validation reports.
+UNDEF_TS_FROM = np.uint64(np.iinfo(np.int64).max)
+_NAT = np.iinfo(np.int64).min
 OHLCV_SCHEMAS: dict[str, int] = {"ohlcv-1s": 0x20, "ohlcv-1m": 0x21, "ohlcv-1h": 0x22, "ohlcv-1d": 0x23, "ohlcv-eod": 0x24}
 OHLCV_RTYPES = np.array([0x11, *OHLCV_SCHEMAS.values()], dtype=np.uint8)  # 0x11: the deprecated generic OHLCV rtype
 BAR_SECONDS_TO_SCHEMA = {1: "ohlcv-1s", 60: "ohlcv-1m", 3600: "ohlcv-1h", 86400: "ohlcv-1d"}
@@ -141,6 +145,9 @@ def read_dbn(path: str | Path) -> pd.DataFrame:
             px[undefined] = np.nan
         prices[col] = px
     ts = rec["ts_event"].astype(np.int64)
+    undefined_ts = rec["ts_event"] >= UNDEF_TS_FROM
+    if undefined_ts.any():
+        ts[undefined_ts] = _NAT
     frame = pd.DataFrame(
         {
             "timestamp": pd.DatetimeIndex(ts.view("datetime64[ns]"), tz="UTC"),

@@ -106,8 +106,12 @@ def load_bars(
     """
     policy = check_policy(on_bad_bar)
     jump_sigmas = check_jump_sigmas(jump_sigmas)
+    if isinstance(symbols, str):
+        symbols = [symbols]
     files = resolve_paths(path_or_glob)
+    source = ", ".join(map(str, files)) if len(files) < 4 else f"{path_or_glob} ({len(files)} files)"
     frames = []
+    found: set[str] = set()  # every symbol in the files, to name requested ones that are not there
     for path in files:
         kind = reader_kind(path)
         if kind == "dbn":
@@ -122,16 +126,24 @@ def load_bars(
             log.warning("%s: skipped an empty file (no bars)", path)
             continue
         if symbols is not None:
+            found.update(str(v) for v in pd.unique(raw["symbol"].dropna()))
             raw = raw[raw["symbol"].isin(list(symbols))]
             if len(raw) == 0:
                 continue
         frames.append(validate_bars(raw, str(path), policy, jump_sigmas))
+    if symbols is not None:
+        missing = [s for s in dict.fromkeys(symbols) if s not in found]
+        if missing:
+            held = sorted(found)
+            shown = ", ".join(held[:20]) + (f", ... ({len(held)} in all)" if len(held) > 20 else "")
+            raise DataError(f"{source}: requested symbol(s) {', '.join(map(str, missing))} not in the data; it holds "
+                            f"{shown or 'no symbols'}")
     if not frames:
         wanted = f" for symbols {list(symbols)}" if symbols is not None else ""
         raise BarLoadError(f"{path_or_glob}: no bars{wanted} in any file")
     bars = finalize_bars(frames)
     _check_cross_file(bars, files, policy)
-    check_bar_spacing(bars, ", ".join(map(str, files)) if len(files) < 4 else f"{path_or_glob} ({len(files)} files)")
+    check_bar_spacing(bars, source)
     return bars
 
 
@@ -200,37 +212,135 @@ def _map_columns(columns: Sequence[str], path: Path) -> dict[str, str]:
 
 
 def _to_utc_ns(values: pd.Series | pd.Index, tz: str | None, path: Path, column: str) -> pd.DatetimeIndex:
-    """Parse timestamps (strings, epoch numbers or datetimes) to UTC at nanosecond resolution."""
+    """Parse timestamps (strings, epoch numbers or datetimes) to UTC at nanosecond resolution. Empty cells become NaT
+    (validation reports them as missing timestamps); anything else that is not a time raises one line naming the file,
+    the column, the first bad row and why."""
+    values = pd.Series(values).reset_index(drop=True)
     if pd.api.types.is_numeric_dtype(values.dtype) and not pd.api.types.is_bool_dtype(values.dtype):
-        v = np.asarray(values, dtype=np.float64)
-        finite = v[np.isfinite(v)]
-        mag = float(np.nanmedian(np.abs(finite))) if finite.size else 0.0
-        unit = "ns" if mag > 1e17 else "us" if mag > 1e14 else "ms" if mag > 1e11 else "s"
-        idx = pd.DatetimeIndex(pd.to_datetime(np.asarray(values), unit=unit, utc=True))
+        return _epoch_to_utc_ns(values, path, column)
+    if isinstance(values.dtype, pd.DatetimeTZDtype):
+        idx = pd.DatetimeIndex(values)
     else:
+        idx = _parse_times(values, path, column)
+    if idx.tz is None:
+        idx = _localize(idx, tz, path, column)
+    return idx.tz_convert("UTC").as_unit("ns")
+
+
+_EPOCH_UNITS = (("ns", 1), ("us", 1_000), ("ms", 1_000_000), ("s", 1_000_000_000))
+
+
+def _epoch_to_utc_ns(values: pd.Series, path: Path, column: str) -> pd.DatetimeIndex:
+    """Epoch numbers, in s/ms/us/ns by the magnitude of their median."""
+    v = np.asarray(values, dtype=np.float64)
+    finite = v[np.isfinite(v)]
+    mag = float(np.nanmedian(np.abs(finite))) if finite.size else 0.0
+    unit = "ns" if mag > 1e17 else "us" if mag > 1e14 else "ms" if mag > 1e11 else "s"
+    per_ns = dict(_EPOCH_UNITS)[unit]
+    with np.errstate(invalid="ignore"):
+        outside = np.isfinite(v) & (np.abs(v) * per_ns >= 2.0**63)
+    if outside.any():
+        i = int(np.flatnonzero(outside)[0])
+        raise BarLoadError(f"{path}: row {i}: column {column!r}: epoch time {float(v[i])!r} is out of range (read "
+                           f"in {unit} like the column's typical value {mag:.0f}, it lies outside the years 1677-2262)")
+    return pd.DatetimeIndex(pd.to_datetime(np.asarray(values), unit=unit, utc=True)).as_unit("ns")
+
+
+# a time of day followed by a UTC offset (Z, UTC, +hh, +hhmm, +hh:mm) at the end of the text
+_OFFSET = r"(?i)\d{1,2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?\s*(?:Z|UTC|GMT|[+-]\d{2}(?::?\d{2})?)$"
+
+
+def _parse_times(values: pd.Series, path: Path, column: str) -> pd.DatetimeIndex:
+    """Timestamps from text (or Python datetimes). Values with different UTC offsets are converted to UTC; a value that
+    is no time, or a column mixing values with and without an offset, raises one line naming the first such row."""
+    fmt = "ISO8601" if _looks_iso(values) else None
+    try:
+        return pd.DatetimeIndex(pd.to_datetime(values, format=fmt))
+    except (ValueError, TypeError, OverflowError) as exc:
+        error = exc
+    present = values.notna().to_numpy() & (values.astype(str).str.strip() != "").to_numpy()
+    coerced = pd.DatetimeIndex(pd.to_datetime(values, format=fmt, errors="coerce", utc=True))
+    bad = np.flatnonzero(present & coerced.isna())
+    if len(bad):
+        i = int(bad[0])
+        raise BarLoadError(f"{path}: row {i}: column {column!r}: cannot parse timestamp {_show(values.iloc[i])} "
+                           f"({_parse_reason(values, i, fmt)})") from error
+    aware = _has_offset(values)
+    if aware is not None and aware[present].any():
+        if aware[present].all():  # every value carries an offset: each is one instant, converted to UTC
+            return coerced
+        first = int(np.flatnonzero(present)[0])  # with and without an offset: the naive ones' zone is unknown
+        i = int(np.flatnonzero(present & (aware != aware[first]))[0])
+        has, other = ("has", "has none") if aware[i] else ("has no", "has one")
+        raise BarLoadError(
+            f"{path}: row {i}: column {column!r}: timestamp {_show(values.iloc[i])} {has} UTC offset while row {first} "
+            f"({_show(values.iloc[first])}) {other}; give every timestamp an offset, or none (naive times are read in tz=, "
+            "UTC by default)"
+        ) from error
+    i = int(np.flatnonzero(present)[0]) if present.any() else 0
+    raise BarLoadError(f"{path}: column {column!r}: cannot parse its timestamps, first {_show(values.iloc[i])} "
+                       f"({_first_sentence(error)})") from error
+
+
+def _parse_reason(values: pd.Series, i: int, fmt: str | None) -> str:
+    """Why value ``i`` is no time: pandas' reason for it alone, or that it does not share the first value's format."""
+    try:
+        pd.to_datetime(values.iloc[i : i + 1], format=fmt)
+    except (ValueError, TypeError, OverflowError) as exc:
+        return _first_sentence(exc)
+    first = values.loc[values.first_valid_index()]
+    return f"not in the format of the column's first value {_show(first)}"
+
+
+def _show(value: object) -> str:
+    """A cell as an error shows it: repr of the Python value (True, not np.True_)."""
+    return repr(value.item() if isinstance(value, np.generic) else value)
+
+
+def _has_offset(values: pd.Series) -> np.ndarray | None:
+    """Per value: does it carry a UTC offset (text ending in Z or +hh:mm; an aware datetime)? None: cannot tell."""
+    if pd.api.types.is_string_dtype(values.dtype) or values.dtype == object:
+        text = values.where(values.notna(), "")
+        if all(isinstance(v, str) for v in text.iloc[:1000]):
+            return text.astype(str).str.strip().str.contains(_OFFSET, regex=True).to_numpy(dtype=bool)
+        return np.array([getattr(v, "tzinfo", None) is not None for v in text], dtype=bool)
+    return None
+
+
+def _first_sentence(error: BaseException) -> str:
+    """pandas' reason without its multi-line advice ("You might want to try: ...")."""
+    text = " ".join(str(error).split("You might want to try")[0].split()).rstrip(" .:,")
+    return text or type(error).__name__
+
+
+def _localize(idx: pd.DatetimeIndex, tz: str | None, path: Path, column: str) -> pd.DatetimeIndex:
+    """Naive times as local times of ``tz`` (UTC when None). A local time that a daylight-saving change skips or
+    repeats has no single UTC instant: one line names the first such row."""
+    zone = tz or "UTC"
+    try:
+        return idx.tz_localize(zone, ambiguous="raise", nonexistent="raise")
+    except Exception as exc:  # pandas' ValueError for a skipped or repeated time; the zone library's for a bad name
         try:
-            idx = pd.DatetimeIndex(pd.to_datetime(values, format="ISO8601" if _looks_iso(values) else None))
-        except (ValueError, TypeError) as exc:
-            bad = _first_unparseable(values)
-            raise BarLoadError(f"{path}: column {column!r}: cannot parse timestamp {bad!r} ({exc})") from exc
-        if idx.tz is None:
-            idx = idx.tz_localize(tz or "UTC", ambiguous="raise", nonexistent="raise")
-        idx = idx.tz_convert("UTC")
-    return idx.as_unit("ns")
+            probe = idx.tz_localize(zone, ambiguous="NaT", nonexistent="NaT")
+        except Exception:  # not a zone at all
+            raise BarLoadError(f"{path}: column {column!r}: tz={tz!r} is not a time zone ({_first_sentence(exc)})") from exc
+        bad = np.flatnonzero(probe.isna() & ~idx.isna())
+        if not len(bad):
+            raise BarLoadError(f"{path}: column {column!r}: cannot place its times in {zone} ({_first_sentence(exc)})") from exc
+        i = int(bad[0])
+        skipped = not idx[i : i + 1].tz_localize(zone, ambiguous="NaT", nonexistent="shift_forward").isna()[0]
+        why = ("does not exist there (the clocks skip it when daylight saving starts)" if skipped else
+               "is ambiguous there (it happens twice when daylight saving ends)")
+        raise BarLoadError(
+            f"{path}: row {i}: column {column!r}: local time {idx[i]} in tz={zone!r} {why}; give times with a UTC "
+            "offset, or in UTC"
+        ) from exc
 
 
 def _looks_iso(values: pd.Series) -> bool:
-    first = values.iloc[0] if len(values) else None
+    at = values.first_valid_index()
+    first = None if at is None else values.loc[at]
     return isinstance(first, str) and len(first) >= 10 and first[4] == "-" and first[7] == "-"
-
-
-def _first_unparseable(values: pd.Series) -> str:
-    for v in values:
-        try:
-            pd.Timestamp(v)
-        except (ValueError, TypeError):
-            return str(v)
-    return str(values.iloc[0])
 
 
 def read_csv_bars(path: str | Path, *, tz: str | None = None, symbol: str | None = None) -> pd.DataFrame:
@@ -263,6 +373,11 @@ def _normalise_table(raw: pd.DataFrame, path: Path, *, tz: str | None, symbol: s
     out = pd.DataFrame({"timestamp": _to_utc_ns(raw[mapping["timestamp"]], tz, path, mapping["timestamp"])})
     for col in (*PRICE_COLUMNS, "volume"):
         src = raw[mapping[col]]
+        if pd.api.types.is_bool_dtype(src.dtype) or (
+            src.dtype == object and pd.api.types.infer_dtype(src, skipna=True) == "boolean"
+        ):
+            raise BarLoadError(f"{path}: column {mapping[col]!r} holds true/false values, not numbers: it cannot be the "
+                               f"bars' {col}")
         if not pd.api.types.is_numeric_dtype(src.dtype):
             num = pd.to_numeric(src, errors="coerce")
             bad = num.isna() & src.notna() & (src.astype(str).str.strip().str.lower().isin(["nan", "inf", "-inf", ""]) == False)
@@ -271,8 +386,9 @@ def _normalise_table(raw: pd.DataFrame, path: Path, *, tz: str | None, symbol: s
                 raise BarLoadError(f"{path}: row {i}: column {mapping[col]!r} value {src.iloc[i]!r} is not a number")
             src = num
         out[col] = src.to_numpy(dtype=np.float64, na_value=np.nan)
-    if "symbol" in mapping:
-        out["symbol"] = pd.Categorical(raw[mapping["symbol"]].astype(str))
+    if "symbol" in mapping:  # null cells stay null (validation drops or reports them), not the text "nan"
+        sym = raw[mapping["symbol"]]
+        out["symbol"] = pd.Categorical(sym.astype(str).where(sym.notna().to_numpy()))
     else:
         name = symbol or path.name.split(".")[0]
         out["symbol"] = pd.Categorical.from_codes(np.zeros(len(out), dtype=np.int8), categories=[name])
@@ -296,19 +412,31 @@ def read_parquet_bars(path: str | Path, *, tz: str | None = None, symbol: str | 
         raise BarLoadError(f"{path}: cannot read Parquet: {exc}") from exc
     except pa.ArrowException as exc:
         raise BarLoadError(f"{path}: cannot read Parquet: {exc}") from exc
-    names = table.column_names
-    if list(names[:7]) == list(BAR_COLUMNS) and pa.types.is_timestamp(table.schema.field("timestamp").type):
-        frame = _fast_parquet(table, tz)
-    else:
+    if _is_bar_schema(table):
+        frame = _fast_parquet(table, tz, path)
+    else:  # aliased names or other types (text prices, ...): the checks of the CSV reader
         frame = _normalise_table(table.to_pandas(), path, tz=tz, symbol=symbol)
     return frame
 
 
-def _fast_parquet(table: pa.Table, tz: str | None) -> pd.DataFrame:
+def _is_bar_schema(table: pa.Table) -> bool:
+    """The bar schema itself: a timestamp column, integer or float prices and volume, a text symbol column."""
+    schema = table.schema
+    if list(schema.names[:7]) != list(BAR_COLUMNS) or not pa.types.is_timestamp(schema.field("timestamp").type):
+        return False
+    numeric = all(pa.types.is_integer(schema.field(c).type) or pa.types.is_floating(schema.field(c).type)
+                  for c in (*PRICE_COLUMNS, "volume"))
+    sym = schema.field("symbol").type
+    sym = sym.value_type if pa.types.is_dictionary(sym) else sym
+    is_view = getattr(pa.types, "is_string_view", lambda t: False)  # pyarrow >= 16
+    return numeric and (pa.types.is_string(sym) or pa.types.is_large_string(sym) or is_view(sym))
+
+
+def _fast_parquet(table: pa.Table, tz: str | None, path: Path) -> pd.DataFrame:
     ts_type = table.schema.field("timestamp").type
     ts = table.column("timestamp")
     if ts_type.tz is None:
-        idx = pd.DatetimeIndex(ts.to_numpy()).tz_localize(tz or "UTC").tz_convert("UTC")
+        idx = _localize(pd.DatetimeIndex(ts.to_numpy()), tz, path, "timestamp").tz_convert("UTC")
     else:
         idx = pd.DatetimeIndex(ts.to_pandas()).tz_convert("UTC")
     out = {"timestamp": idx.as_unit("ns")}

@@ -10,9 +10,31 @@ import torch
 from torch import Tensor
 from torch.utils.data import IterableDataset, get_worker_info
 
+from foxhunt.cli_errors import ConfigError
 from foxhunt.data.market import MarketSplit
+from foxhunt.features.catalog import KNOWN_FUTURE, REGISTRY
 
-__all__ = ["WindowBatches", "valid_window_starts"]
+__all__ = ["WindowBatches", "check_known_future", "valid_window_starts"]
+
+
+def check_known_future(names: Sequence[str], where: str, registered_only: bool = False) -> None:
+    """Known-future inputs are fed at bars t+1..t+H of a window decided at t, so they must be features the registry
+    marks as known in advance (computable from the timestamp alone: the calendar features); any other feature's
+    values there are the future itself. One line naming every offending feature and why. ``registered_only``: judge
+    only the registry's features and take a column the registry does not know (a caller's own feature matrix, e.g.
+    a synthetic task's scheduled inputs) as the caller's declaration."""
+    bad = [name for name in names
+           if not (name in REGISTRY and REGISTRY[name].known_future) and (name in REGISTRY or not registered_only)]
+    if not bad:
+        return
+    why = "; ".join(
+        f"{name!r} is " + (f"a {REGISTRY[name].family} feature of the bars" if name in REGISTRY else "not a registered feature")
+        for name in bad
+    )
+    raise ConfigError(
+        f"{where}: {why}: a known-future input's values at bars t+1..t+H must be known at decision time t, which only "
+        f"features computable from the timestamp are ({', '.join(KNOWN_FUTURE)})"
+    )
 
 
 def _window_all(flags: Tensor, first: Tensor, length: int) -> Tensor:
@@ -84,6 +106,7 @@ class WindowBatches(IterableDataset):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"WindowBatches: batch_size must be >= 1, got {batch_size}")
+        check_known_future(known_future, "WindowBatches: known_future", registered_only=True)
         missing = [name for name in known_future if name not in split.feature_names]
         if missing:
             raise ValueError(
