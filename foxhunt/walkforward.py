@@ -359,15 +359,6 @@ def _sharpe_summary() -> Any:
     return sharpe_summary
 
 
-def policy_pnl(position: torch.Tensor, split: MarketSplit, cost_bps: float) -> torch.Tensor:
-    """Per-bar after-cost log returns of a position series at the split's decision bars (float64)."""
-    from foxhunt.evaluation.trading import strategy_log_returns
-
-    decision = split.valid
-    held = torch.where(decision, position.double(), torch.zeros_like(position, dtype=torch.float64))
-    return strategy_log_returns(held, split.returns.double(), cost_bps, split.first_bar)[decision]
-
-
 SIGNIFICANCE = ("sharpe_se", "sharpe_ci_low", "sharpe_ci_high", "psr_vs_flat", "psr_vs_benchmark")
 
 
@@ -376,7 +367,7 @@ def _score(positions: dict[str, torch.Tensor], split: MarketSplit, cost_bps: flo
     """Back-test metrics of every policy on a split and, with ``significance`` where ``evaluation.significance``
     exists, the significance of each Sharpe ratio (``SIGNIFICANCE``: standard error, 95% stationary-bootstrap interval
     of ``n_boot`` replicates, PSR against flat and against buy-and-hold), under the names the back-test tables use."""
-    from foxhunt.evaluation.backtest import policy_metrics
+    from foxhunt.evaluation.backtest import policy_metrics, policy_pnl
 
     metrics = policy_metrics(positions, split, cost_bps, bars_per_year)
     summary = _sharpe_summary()

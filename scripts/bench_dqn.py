@@ -7,7 +7,8 @@ progress bar, model summary, sanity check and validation off; ``max_steps`` = gr
 semantics of foxhunt's ``MarketEnv``.
 
 Same task for both (scripts/dqn_quality.py's AR(1) market): observation = the last W rows of the features flattened,
-plus the one-hot held position; actions short/flat/long; reward = scale·(position·r − cost·|Δposition|), the same
+plus the one-hot held position; actions short/flat/long; reward = scale·(log1p(position·expm1(r)) + log1p(−cost·|Δposition|)),
+foxhunt's own exact per-bar log return (``MarketTensors.rewards_all``, tabulated for the gym env), the same
 scale (1 / std of the training returns); episodes of the same length start flat at random bars and end by time limit
 (bootstrapped by both). Same learner settings, SB3's own DQN configuration: a 128-128 ReLU MLP without LayerNorm,
 Adam at lr 1e-4 without decay or schedule, batch 64, γ, Huber loss (δ = 1), gradient clipping at 10, the same replay
@@ -130,9 +131,10 @@ def make_gym_env(market: MarketTensors, episode_length: int, seed: int):
 
     starts = MarketEnv(market, n_envs=1, episode_length=episode_length).starts.numpy()
     feats = market.features.numpy()
-    signal = market.signal.numpy().astype(np.float64)
-    actions = market.actions.numpy().astype(np.float64)
-    cost, scale, w, n_act, flat = market.signal_cost, market.reward_scale, market.window, market.n_actions, market.flat_index
+    w, n_act, flat = market.window, market.n_actions, market.flat_index
+    # [held, bar, action] training reward, from foxhunt's own reward function: the same reward for both learners
+    bars = torch.arange(market.n_bars)
+    rewards = torch.stack([market.rewards_all(bars, torch.full_like(bars, p)) for p in range(n_act)]).double().numpy()
 
     class MarketGymEnv(gym.Env):
         observation_space = gym.spaces.Box(-np.inf, np.inf, (w * feats.shape[1] + n_act,), np.float32)
@@ -155,7 +157,7 @@ def make_gym_env(market: MarketTensors, episode_length: int, seed: int):
 
         def step(self, action):
             a = int(action)
-            reward = scale * (actions[a] * signal[self.t] - cost * abs(actions[a] - actions[self.pos]))
+            reward = rewards[self.pos, self.t, a]
             self.t, self.pos, self.k = self.t + 1, a, self.k + 1
             return self._obs(), float(reward), False, self.k >= episode_length, {}
 

@@ -29,12 +29,36 @@ def test_policy_metrics_by_hand() -> None:
     s = split()
     long = torch.ones(8)
     m = policy_metrics({"long": long}, s, cost_bps=10.0, bars_per_year=100.0)["long"]
-    # a new symbol starts flat: the position is bought twice (once per symbol), 10 bp each
-    pnl = s.returns.double() - 1e-3 * torch.tensor([1, 0, 0, 0, 1, 0, 0, 0], dtype=torch.float64)
+    # a new symbol starts flat: the position is bought twice (once per symbol), 10 bp each, i.e. log(1 - 0.001)
+    pnl = s.returns.double() + math.log1p(-1e-3) * torch.tensor([1, 0, 0, 0, 1, 0, 0, 0], dtype=torch.float64)
     assert math.isclose(m["total_log_return"], float(pnl.sum()), rel_tol=1e-12)
     assert math.isclose(m["sharpe"], float(pnl.mean() / pnl.std() * 10.0), rel_tol=1e-9)
     assert math.isclose(m["sortino"], sortino(pnl, 100.0), rel_tol=1e-12)
     assert m["n_trades"] == 2 and m["turnover"] == 0.25
+
+
+def test_policy_metrics_count_the_exits_at_excluded_bars() -> None:
+    """Each symbol's last bar (no next return) and a data hole force the position flat: the closing costs there count
+    in reward per bar, turnover and trades, and total == reward_per_bar * n_bars; a short earns ln(2 - e^r)."""
+    s = split()
+    s.returns = s.returns.clone()
+    s.returns[[3, 7]] = float("nan")  # each symbol's last bar
+    s.valid = torch.isfinite(s.returns)
+    s.valid[1] = False  # a data hole inside the first symbol
+    r = torch.nan_to_num(s.returns.double()).tolist()
+    c = math.log1p(-1e-3)
+    short = -torch.ones(8)
+    m = policy_metrics({"short": short}, s, cost_bps=10.0, bars_per_year=100.0)["short"]
+    # counted bars 0, 2, 4, 5, 6; open at 0, close at 1 (hole, counted at 0), open at 2, close at 3 (counted at 2),
+    # open at 4, close at 7 (counted at 6)
+    short_log = [math.log(2.0 - math.exp(x)) for x in r]
+    pnl = [short_log[0] + 2 * c, short_log[2] + 2 * c, short_log[4] + c, short_log[5], short_log[6] + c]
+    assert math.isclose(m["total_log_return"], math.fsum(pnl), rel_tol=1e-12)
+    assert math.isclose(m["reward_per_bar"] * m["n_bars"], m["total_log_return"], rel_tol=1e-12)
+    assert math.isclose(m["reward_per_bar"], math.fsum(pnl) / 5, rel_tol=1e-12)
+    x = torch.tensor(pnl, dtype=torch.float64)
+    assert math.isclose(m["sharpe"], float(x.mean() / x.std() * 10.0), rel_tol=1e-9)
+    assert m["n_trades"] == 6 and math.isclose(m["turnover"], 6 / 5)
 
 
 def test_sortino_uses_downside_deviation() -> None:
@@ -84,9 +108,9 @@ def test_reported_tables_carry_significance() -> None:
 
 
 def strategy_pnl(s: MarketSplit) -> torch.Tensor:
-    from foxhunt.evaluation.trading import strategy_log_returns
+    from foxhunt.evaluation.trading import counted_log_returns
 
-    return strategy_log_returns(s.valid.double(), torch.nan_to_num(s.returns.double()), 1.0, s.first_bar)[s.valid]
+    return counted_log_returns(s.valid.double(), torch.nan_to_num(s.returns.double()), 1.0, s.valid, s.first_bar)[s.valid]
 
 
 def _bpy(s: MarketSplit) -> float:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
 from foxhunt.data.market import MarketSplit
+from foxhunt.evaluation.trading import strategy_log_returns, trading_metrics
 from foxhunt.rl.env import (
+    ContinuousMarketEnv,
     MarketEnv,
     MarketTensors,
     greedy_positions,
@@ -66,29 +71,57 @@ def test_window_gather_is_the_past_only() -> None:
     assert torch.equal(m2.windows(torch.tensor([t])), m.windows(torch.tensor([t])))
 
 
-def test_rewards_follow_the_formula_and_all_actions_agree() -> None:
+def test_rewards_are_exact_log_returns_and_all_actions_agree() -> None:
+    """Raw and training rewards (source "returns") are log1p(w (e^r - 1)) + log1p(-c |Δw|), not w r - c |Δw|."""
     split = make_split()
-    m = MarketTensors(split, window=4, actions=(-1.0, 0.0, 0.5, 1.0), cost_bps=2.0, reward_scale=10.0)
-    bars = torch.tensor([10, 20, 30])
-    held = torch.tensor([0, 1, 3])
-    act = torch.tensor([3, 1, 2])
-    r = split.returns[bars]
-    new, old = m.actions[act], m.actions[held]
-    expected = 10.0 * (new * r - 2e-4 * (new - old).abs())
-    assert torch.allclose(m.rewards(bars, held, act), expected)
-    assert torch.allclose(m.raw_rewards(bars, held, act), expected / 10.0)
-    every = m.rewards_all(bars, held)
-    assert torch.allclose(every.gather(1, act.unsqueeze(1)).squeeze(1), expected)
+    bars = torch.tensor([10, 20, 30, 40])
+    split.returns[bars] = torch.tensor([0.05, -0.04, 0.03, 0.02])  # moves large enough to tell the forms apart
+    acts = (-1.0, 0.0, 0.5, 1.0)
+    m = MarketTensors(split, window=4, actions=acts, cost_bps=20.0, reward_scale=10.0)
+    held = torch.tensor([0, 1, 3, 2])
+    act = torch.tensor([2, 0, 0, 3])
+    r = split.returns[bars].double().numpy()
+    new, old = np.array(acts)[act.numpy()], np.array(acts)[held.numpy()]
+    exact = np.log1p(new * np.expm1(r)) + np.log1p(-2e-3 * np.abs(new - old))
+    np.testing.assert_allclose(m.raw_rewards(bars, held, act).double().numpy(), exact, rtol=2e-6, atol=1e-9)
+    np.testing.assert_allclose(m.rewards(bars, held, act).double().numpy(), 10.0 * exact, rtol=2e-6, atol=1e-8)
+    every = m.rewards_all(bars, held)  # [B, A], every action's reward from the held position
+    r_all = np.log1p(np.outer(np.expm1(r), acts)) + np.log1p(-2e-3 * np.abs(np.array(acts)[None] - old[:, None]))
+    np.testing.assert_allclose(every.double().numpy(), 10.0 * r_all, rtol=2e-6, atol=1e-8)
+    assert torch.equal(every.gather(1, act.unsqueeze(1)).squeeze(1), m.rewards(bars, held, act))
     assert m.flat_index == 1
+    # the continuous form (position values) is the same function
+    vals = torch.tensor(new, dtype=torch.float32)
+    prior = torch.tensor(old, dtype=torch.float32)
+    torch.testing.assert_close(m.raw_position_rewards(bars, prior, vals), m.raw_rewards(bars, held, act))
+    torch.testing.assert_close(m.position_rewards(bars, prior, vals), m.rewards(bars, held, act))
+    # what the environments' steps call: both at once, the same values
+    for both, one in ((m.step_rewards(bars, held, act), (m.rewards(bars, held, act), m.raw_rewards(bars, held, act))),
+                      (m.step_position_rewards(bars, prior, vals),
+                       (m.position_rewards(bars, prior, vals), m.raw_position_rewards(bars, prior, vals)))):
+        torch.testing.assert_close(both, one, rtol=0, atol=0)
 
 
 def test_targets_reward_source_scales_costs() -> None:
+    """Targets are a normalised surrogate, not a return: their training reward stays linear, costs converted."""
     split = make_split()
     split.targets = split.returns * 1000.0
     m = MarketTensors(split, window=4, reward_source="targets", cost_bps=1.0)
     assert m.signal_cost == pytest.approx(1e-4 * 1000.0, rel=1e-4)
     bars, held, act = torch.tensor([10]), torch.tensor([1]), torch.tensor([2])
     assert torch.allclose(m.rewards(bars, held, act), 1000.0 * m.raw_rewards(bars, held, act), rtol=1e-4)
+    bars, held, act = torch.tensor([10, 11]), torch.tensor([2, 1]), torch.tensor([0, 0])
+    tgt = split.targets[bars]
+    linear = -tgt - m.signal_cost * (m.actions[act] - m.actions[held]).abs()
+    torch.testing.assert_close(m.rewards(bars, held, act), linear)
+    torch.testing.assert_close(m.rewards_all(bars, held)[:, 0], linear)
+    torch.testing.assert_close(m.position_rewards(bars, m.actions[held], m.actions[act]), linear)
+    torch.testing.assert_close(m.step_rewards(bars, held, act)[0], linear)
+    torch.testing.assert_close(m.step_position_rewards(bars, m.actions[held], m.actions[act])[0], linear)
+    # the raw reward is still the exact log return of the short
+    r = split.returns[bars].double()
+    want = torch.log(2.0 - torch.exp(r)) + torch.log1p(-1e-4 * (m.actions[act] - m.actions[held]).abs().double())
+    torch.testing.assert_close(m.raw_rewards(bars, held, act).double(), want, rtol=1e-6, atol=1e-9)
 
 
 def test_episodes_stay_inside_one_symbol_and_start_flat() -> None:
@@ -163,3 +196,52 @@ def test_greedy_positions_equal_a_sequential_rollout() -> None:
                 held = m.flat_index
             assert table[t, :].ge(0).all()
             assert m.actions[held] == pos[t], t
+
+
+def episode_paths(env: MarketEnv, actions: list[torch.Tensor]) -> list[tuple[list[int], list[float], list[float]]]:
+    """Step ``env`` through ``actions``; per completed-or-running episode of agent 0..N-1: (bars, positions, raw)."""
+    n = env.n_envs
+    current: list[tuple[list[int], list[float], list[float]]] = [([], [], []) for _ in range(n)]
+    done = []
+    for a in actions:
+        tr = env.step(a)
+        taken = tr.actions if tr.actions.is_floating_point() else env.market.actions[tr.actions]
+        for i in range(n):
+            current[i][0].append(int(tr.bars[i]))
+            current[i][1].append(float(taken[i]))
+            current[i][2].append(float(tr.raw_rewards[i]))
+            if tr.last[i]:
+                done.append(current[i])
+                current[i] = ([], [], [])
+    return done + [c for c in current if c[0]]
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+def test_env_raw_rewards_are_the_back_tests_per_bar_log_returns(continuous: bool) -> None:
+    """A rollout's raw rewards equal trading.py's per-bar strategy log returns of the same positions on the same bars,
+    and an episode's sum equals the back-test's total log return (the log of its wealth multiple)."""
+    split = make_split()
+    split.returns = split.returns * 30.0  # daily-sized moves (~3%): the linear form would be visibly off
+    m = MarketTensors(split, window=4, actions=(-1.0, -0.5, 0.0, 0.5, 1.0), cost_bps=10.0)
+    cls = ContinuousMarketEnv if continuous else MarketEnv
+    env = cls(m, n_envs=6, episode_length=25, seed=2)
+    g = torch.Generator().manual_seed(5)
+    steps = [torch.rand(6, generator=g) * 2 - 1 if continuous else torch.randint(0, 5, (6,), generator=g)
+             for _ in range(60)]
+    episodes = episode_paths(env, steps)
+    assert len(episodes) >= 12
+    for bars, positions, raw in episodes:
+        assert bars == list(range(bars[0], bars[0] + len(bars)))  # one run of consecutive bars, starting flat
+        pos = torch.tensor(positions, dtype=torch.float64)
+        ret = split.returns[bars].double()
+        want = strategy_log_returns(pos, ret, 10.0)
+        np.testing.assert_allclose(raw, want.numpy(), rtol=1e-5, atol=2e-8)
+        total = trading_metrics(pos, ret, 10.0, 252.0).total_log_return.item()
+        assert math.fsum(raw) == pytest.approx(total, rel=1e-5, abs=1e-7)
+        linear = float((pos * ret).sum() - 1e-3 * position_changes_sum(pos))
+        shorts = bool((pos < 0).any())
+        assert not shorts or abs(linear - total) > 1e-6  # what the old linear reward would have said instead
+
+
+def position_changes_sum(pos: torch.Tensor) -> float:
+    return float((pos - torch.cat([pos.new_zeros(1), pos[:-1]])).abs().sum())

@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 import torch
 
+from foxhunt.evaluation.trading import trading_metrics
 from foxhunt.rl.oracle import oracle_positions
 
 ACTIONS = torch.tensor([-1.0, 0.0, 1.0])
@@ -83,3 +85,37 @@ def test_myopic_matches_a_loop() -> None:
         scores = [a * float(m[t]) - 1e-4 * abs(a - held) for a in (-1.0, 0.0, 1.0)]
         held = (-1.0, 0.0, 1.0)[int(np.argmax(scores))]
         assert pos[t] == held
+
+
+def exact_total(seq: np.ndarray, r: np.ndarray, cost: float) -> float:
+    """The back-test's total log return of positions ``seq`` on realised log returns ``r`` (independent numpy)."""
+    prev = np.concatenate([[0.0], seq[:-1]])
+    return float((np.log1p(seq * np.expm1(r)) + np.log1p(-cost * np.abs(seq - prev))).sum())
+
+
+def test_exact_hindsight_on_realised_returns_is_the_brute_force_optimum_of_the_back_test() -> None:
+    """``exact=True`` scores realised log returns as the back-test does, so hindsight is the true best sequence."""
+    actions = torch.tensor([-1.0, -0.5, 0.0, 0.5, 1.0])
+    rng = np.random.default_rng(4)
+    seqs = np.array(list(itertools.product(actions.tolist(), repeat=6)))
+    for trial in range(6):
+        r = rng.normal(0.0, 0.15, 6)
+        best = max(exact_total(seq, r, 2e-3) for seq in seqs)
+        pos = oracle_positions(torch.from_numpy(r), actions, 20.0, kind="hindsight", exact=True).double()
+        assert exact_total(pos.numpy(), r, 2e-3) == pytest.approx(best, abs=1e-12), trial
+        total = trading_metrics(pos, torch.from_numpy(r), 20.0, 252.0).total_log_return.item()
+        assert total == pytest.approx(best, abs=1e-12)
+
+
+def test_linear_hindsight_keeps_a_short_the_exact_one_lightens() -> None:
+    """Short through a +9.5% bar between two -30% bars at 5% costs: the linear reward (-r) says the short costs less
+    than the round trip (0.095 < 2 x 0.05); exactly, log(2 - e^0.095) = -0.105 is worse, and lightening pays."""
+    actions = torch.tensor([-1.0, -0.5, 0.0, 0.5, 1.0])
+    r = np.array([-0.3, 0.095, -0.3])
+    linear = oracle_positions(torch.from_numpy(r), actions, 500.0, kind="hindsight").double().numpy()
+    exact = oracle_positions(torch.from_numpy(r), actions, 500.0, kind="hindsight", exact=True).double().numpy()
+    assert linear.tolist() == [-1.0, -1.0, -1.0]
+    best = max(exact_total(np.array(seq), r, 0.05) for seq in itertools.product(actions.tolist(), repeat=3))
+    assert exact.tolist() != linear.tolist()
+    assert exact_total(exact, r, 0.05) == pytest.approx(best, abs=1e-12)
+    assert best > exact_total(linear, r, 0.05) + 1e-3

@@ -4,24 +4,37 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from foxhunt.evaluation.trading import (
+    LOG_RUIN_FLOOR,
+    RUIN_FLOOR,
     bars_per_year,
+    counted_log_returns,
+    counted_position_changes,
     position_changes,
     strategy_log_returns,
     trading_metrics,
 )
 
 
+def exact_pnl(pos: np.ndarray, ret: np.ndarray, c: float) -> np.ndarray:
+    """Per-bar log return of an account rebalanced to ``pos`` of equity each bar, paying c per unit traded (numpy)."""
+    prev = np.concatenate([[0.0], pos[:-1]])
+    return np.log1p(pos * np.expm1(ret)) + np.log1p(-c * np.abs(pos - prev))
+
+
 def test_hand_computed_series() -> None:
     pos = torch.tensor([1.0, 1.0, -1.0, 0.0])
-    ret = torch.tensor([0.01, -0.02, -0.01, 0.05])
+    ret = torch.tensor([0.01, -0.02, -0.01, 0.05], dtype=torch.float64)
     m = trading_metrics(pos, ret, cost_bps=10.0, bars_per_year=4.0)
     c = 1e-3
-    pnl = torch.tensor([0.01 - c, -0.02, 0.01 - 2 * c, 0.0 - c], dtype=torch.float64)
-    assert torch.allclose(strategy_log_returns(pos, ret, 10.0).double(), pnl.float().double(), atol=1e-7)
+    # exact per-bar log returns: long bars earn r, the short earns ln(2 - e^r), each trade pays ln(1 - c |Δw|)
+    pnl = torch.tensor([0.01 + math.log1p(-c), -0.02, math.log(2 - math.exp(-0.01)) + math.log1p(-2 * c),
+                        math.log1p(-c)], dtype=torch.float64)
+    assert torch.allclose(strategy_log_returns(pos.double(), ret, 10.0), pnl, rtol=0, atol=1e-15)
     assert m.reward_per_bar.item() == pytest.approx(pnl.mean().item(), abs=1e-9)
     assert m.total_log_return.item() == pytest.approx(pnl.sum().item(), abs=1e-9)
     assert m.sharpe.item() == pytest.approx((pnl.mean() / pnl.std() * 2.0).item(), rel=1e-6)
@@ -45,7 +58,7 @@ def test_batched_matches_rows_and_a_loop_reference() -> None:
             assert torch.allclose(v.double(), batch.as_dict()[k][i].double(), equal_nan=True), k
         prev, pnl = 0.0, []
         for p, r in zip(pos[i].tolist(), ret.tolist()):
-            pnl.append(p * r - 2e-4 * abs(p - prev))
+            pnl.append(math.log1p(p * math.expm1(r)) + math.log1p(-2e-4 * abs(p - prev)))
             prev = p
         assert row.total_log_return.item() == pytest.approx(sum(pnl), abs=1e-9)
 
@@ -55,9 +68,9 @@ def test_flat_policy_and_costs() -> None:
     flat = trading_metrics(torch.zeros(100), ret, 1.0, 252.0)
     assert flat.reward_per_bar.item() == 0 and flat.turnover.item() == 0 and flat.sharpe.item() == 0
     assert math.isnan(flat.hit_rate.item()) and flat.max_drawdown.item() == 0
-    # Churning loses exactly the cost of the flips on a zero-return market.
+    # Churning loses exactly the cost of the flips on a zero-return market: equity x (1 - c)(1 - 2c)^99.
     churn = trading_metrics(torch.tensor([1.0, -1.0] * 50), torch.zeros(100), 1.0, 252.0)
-    assert churn.total_log_return.item() == pytest.approx(-(1 + 2 * 99) * 1e-4)
+    assert churn.total_log_return.item() == pytest.approx(math.log1p(-1e-4) + 99 * math.log1p(-2e-4), rel=1e-12)
 
 
 def test_mask_and_reset() -> None:
@@ -66,7 +79,10 @@ def test_mask_and_reset() -> None:
     # NaN returns are excluded by default and the position is closed there (a cost is paid at the masked bar).
     m = trading_metrics(pos, ret, 10.0, 1.0)
     assert m.n_bars.item() == 3
-    assert m.n_trades.item() == 2  # open at bar 0, re-open at bar 3 (the close at bar 2 is outside the mask)
+    # open at bar 0, close at bar 2 (outside the mask: counted at bar 1, the last counted bar), re-open at bar 3
+    assert m.n_trades.item() == 3
+    assert m.turnover.item() == pytest.approx(3 / 3)
+    assert m.total_log_return.item() == pytest.approx(m.reward_per_bar.item() * 3, rel=1e-12)
     # A reset bar sees a flat position coming in, so it pays to open again.
     changes = position_changes(pos, reset=torch.tensor([False, False, True, False]))
     assert changes.tolist() == [1.0, 0.0, 1.0, 0.0]
@@ -114,3 +130,121 @@ def test_bars_per_year_follows_the_trading_calendar() -> None:
     ts = _ns(pd.DatetimeIndex(bars["timestamp"]))
     sym = torch.from_numpy(bars["symbol"].astype("category").cat.codes.to_numpy().astype("int64"))
     assert abs(bars_per_year(ts, sym) - 52.18 * 5 * 23 * 60) / (52.18 * 5 * 23 * 60) < 0.03
+
+
+# ------------------------------------------------------------------------------------------- exact log returns
+def test_short_long_and_fractional_positions_are_exact_log_returns() -> None:
+    """A position w rebalanced each bar multiplies wealth by (1 - c|Δw|)(1 + w (e^r - 1)): checked against the
+    account simulated on prices, for a short, a long, fractional and levered positions (w·r is exact only for 0/1)."""
+    rng = np.random.default_rng(7)
+    close = 100.0 * np.exp(np.cumsum(np.concatenate([[0.0], rng.normal(0.0, 0.03, 60)])))
+    ret = np.diff(np.log(close))  # [60]
+    c = 5e-4
+    rows = [np.full(60, -1.0), np.full(60, 1.0), np.full(60, 0.5), np.full(60, -0.3), np.full(60, 1.5),
+            rng.choice([-1.0, -0.5, 0.0, 0.25, 1.0], 60)]
+    pos = np.stack(rows)
+    got = strategy_log_returns(torch.from_numpy(pos), torch.from_numpy(ret), 5.0)
+    np.testing.assert_allclose(got.numpy(), np.stack([exact_pnl(p, ret, c) for p in pos]), rtol=0, atol=1e-15)
+    m = trading_metrics(torch.from_numpy(pos), torch.from_numpy(ret), 5.0, 252.0)
+    for i, p in enumerate(pos):
+        wealth, held = 1.0, 0.0  # the account itself: pay the trade, then hold w of equity in the asset for the bar
+        for t in range(60):
+            wealth *= 1.0 - c * abs(p[t] - held)
+            wealth *= 1.0 + p[t] * (close[t + 1] / close[t] - 1.0)
+            held = p[t]
+        assert m.total_log_return[i].item() == pytest.approx(math.log(wealth), rel=1e-12, abs=1e-14)
+    # the linear form overstates a short by about r² a bar (and understates a half position by about σ²/8)
+    short_linear = float((-ret).sum() - c)
+    assert m.total_log_return[0].item() < short_linear - 0.5 * float((ret**2).sum())
+    pnl = exact_pnl(pos[0], ret, c)
+    assert m.sharpe[0].item() == pytest.approx(pnl.mean() / pnl.std(ddof=1) * math.sqrt(252.0), rel=1e-12)
+    assert m.reward_per_bar[0].item() == pytest.approx(pnl.mean(), rel=1e-12)
+
+
+def test_ruin_is_floored_and_finite() -> None:
+    """A short through a bar on which the price triples would leave negative equity: the multiplier is floored."""
+    ret = torch.tensor([0.01, math.log(3.0), -0.01], dtype=torch.float64)
+    pos = torch.tensor([-1.0, -1.0, -1.0], dtype=torch.float64)
+    pnl = strategy_log_returns(pos, ret, 0.0)
+    assert pnl[1].item() == pytest.approx(math.log(RUIN_FLOOR), rel=1e-9) and LOG_RUIN_FLOOR == math.log(RUIN_FLOOR)
+    assert pnl[0].item() == pytest.approx(math.log(2 - math.exp(0.01)), rel=1e-12)
+    # exactly at ruin (the price doubles) and in float32 too
+    assert strategy_log_returns(torch.tensor([-1.0]), torch.tensor([math.log(2.0)]), 0.0).item() == pytest.approx(
+        LOG_RUIN_FLOOR, rel=1e-6)
+    m = trading_metrics(pos, ret, 1.0, 252.0)
+    assert all(math.isfinite(float(v)) for k, v in m.as_dict().items() if k != "hit_rate")
+    assert m.max_drawdown.item() == pytest.approx(1.0, abs=1e-11)
+    # a cost of 100% of equity or more is floored the same way
+    assert strategy_log_returns(torch.tensor([1.0]), torch.tensor([0.0]), 10_000.0).item() == pytest.approx(
+        LOG_RUIN_FLOOR, rel=1e-6)
+
+
+def loop_counted(pos: np.ndarray, ret: np.ndarray, mask: np.ndarray, reset: np.ndarray, c: float):
+    """Reference: P&L and |Δw| per bar, each excluded bar's moved to the last counted bar before it of its symbol."""
+    n = len(pos)
+    held = np.where(mask, pos, 0.0)
+    pnl, chg, trades = np.zeros(n), np.zeros(n), np.zeros(n)
+    prev, last = 0.0, -1
+    for t in range(n):
+        if reset[t]:
+            prev, last = 0.0, -1
+        d = abs(held[t] - prev)
+        v = math.log1p(held[t] * math.expm1(0.0 if not np.isfinite(ret[t]) else ret[t])) + math.log1p(-c * d)
+        at = t if mask[t] else last
+        if at >= 0:
+            pnl[at] += v
+            chg[at] += d
+            trades[at] += d > 0
+        else:
+            assert v == 0.0 and d == 0.0  # flat since the symbol started: nothing to pay
+        if mask[t]:
+            last = t
+        prev = held[t]
+    return pnl, chg, trades
+
+
+def test_closing_costs_at_excluded_bars_are_counted() -> None:
+    """Always long at 10 bp on zero returns: entry and exit (at the symbol's last bar, outside the mask) both count
+    in reward per bar, turnover and trades, and total == the sum of the counted per-bar P&L."""
+    ret = torch.zeros(10, dtype=torch.float64)
+    ret[-1] = float("nan")
+    m = trading_metrics(torch.ones(10), ret, 10.0, 252.0)
+    assert m.total_log_return.item() == pytest.approx(2 * math.log1p(-1e-3), rel=1e-12)
+    assert m.reward_per_bar.item() * m.n_bars.item() == pytest.approx(2 * math.log1p(-1e-3), rel=1e-12)
+    assert m.n_trades.item() == 2 and m.turnover.item() * 9 == pytest.approx(2.0)
+    counted = counted_log_returns(torch.ones(10), ret, 10.0)
+    assert counted.tolist() == [math.log1p(-1e-3)] + [0.0] * 7 + [math.log1p(-1e-3), 0.0]
+
+
+def test_counted_log_returns_match_a_loop_with_holes_symbols_and_a_batch() -> None:
+    rng = np.random.default_rng(3)
+    n = 40
+    ret = rng.normal(0, 0.02, n)
+    reset = np.zeros(n, bool)
+    reset[[0, 17, 30]] = True
+    mask = np.ones(n, bool)
+    mask[[5, 6, 16, 17, 18, 29, 39]] = False  # holes, a symbol's last bar, a symbol's first bars
+    ret[[16, 29, 39]] = np.nan
+    pos = rng.choice([-1.0, -0.5, 0.0, 0.5, 1.0], (4, n))
+    c = 3e-4
+    got = counted_log_returns(torch.from_numpy(pos), torch.from_numpy(ret), 3.0, torch.from_numpy(mask),
+                              torch.from_numpy(reset))
+    m = trading_metrics(torch.from_numpy(pos), torch.from_numpy(ret), 3.0, 100.0, torch.from_numpy(mask),
+                        torch.from_numpy(reset))
+    moved = 0
+    for i in range(4):
+        pnl, chg, trades = loop_counted(pos[i], ret, mask, reset, c)
+        np.testing.assert_allclose(got[i].numpy(), pnl, rtol=0, atol=1e-15)
+        uncounted = strategy_log_returns(torch.from_numpy(np.where(mask, pos[i], 0.0)), torch.from_numpy(ret), 3.0,
+                                         torch.from_numpy(reset))
+        assert got[i].sum().item() == pytest.approx(uncounted.sum().item(), abs=1e-15)  # nothing lost or added
+        assert m.total_log_return[i].item() == pytest.approx(pnl.sum(), abs=1e-14)
+        assert m.reward_per_bar[i].item() == pytest.approx(pnl[mask].mean(), abs=1e-15)
+        x = pnl[mask]
+        assert m.sharpe[i].item() == pytest.approx(x.mean() / x.std(ddof=1) * 10.0, rel=1e-12)
+        assert m.turnover[i].item() == pytest.approx(chg[mask].mean(), abs=1e-15)
+        traded = counted_position_changes(torch.from_numpy(pos[i]), torch.from_numpy(mask), torch.from_numpy(reset))
+        np.testing.assert_allclose(traded.numpy(), chg, rtol=0, atol=1e-15)
+        assert m.n_trades[i].item() == int(trades.sum())
+        moved += int((uncounted.numpy()[~mask] != 0).sum())
+    assert moved > 0  # the case exercised exits at excluded bars

@@ -16,7 +16,7 @@ from torch import Tensor
 from foxhunt.data.market import MarketSplit
 from foxhunt.evaluation.significance import sharpe_summary
 from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
-from foxhunt.evaluation.trading import strategy_log_returns, trading_metrics
+from foxhunt.evaluation.trading import counted_log_returns, strategy_log_returns, trading_metrics
 from foxhunt.rl.oracle import oracle_positions
 
 BACKTEST_KEYS = ("sharpe", "total_log_return", "reward_per_bar", "max_drawdown", "turnover", "hit_rate", "n_trades")
@@ -65,18 +65,18 @@ def oracle_split_positions(split: MarketSplit, cost_bps: float, device: torch.de
     # the Markov oracle approximates the GARCH-scaled signal; the myopic one is sometimes better on a given stretch
     for kind in ("markov", "myopic"):
         p = oracle_positions(mean, actions, cost_bps, decision, reset, kind=kind).float()
-        reward = float(strategy_log_returns(p.double(), returns, cost_bps, reset)[decision].mean())
+        reward = float(counted_log_returns(p.double(), returns, cost_bps, decision, reset)[decision].mean())
         if reward > best_reward:
             best, best_reward = p, reward
     return best
 
 
 def policy_pnl(positions: Tensor, split: MarketSplit, cost_bps: float) -> Tensor:
-    """Per-bar log return after costs of a position series, at the split's decision bars (float64)."""
+    """Per-bar log return after costs of a position series at the split's decision bars (float64); the cost of
+    closing at a bar that is not one (a symbol's last bar, a hole) counts at the decision bar before it."""
     dev = positions.device
     decision, reset = split.valid.to(dev), split.first_bar.to(dev)
-    held = torch.where(decision, positions.double(), torch.zeros_like(positions, dtype=torch.float64))
-    return strategy_log_returns(held, split.returns.to(dev).double(), cost_bps, reset)[decision]
+    return counted_log_returns(positions.double(), split.returns.to(dev).double(), cost_bps, decision, reset)[decision]
 
 
 def sortino(pnl: Tensor, bars_per_year: float) -> float:

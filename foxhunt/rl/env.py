@@ -1,8 +1,16 @@
 """A vectorised market environment over a MarketSplit: N price-taking agents stepped in one tensor call.
 
 The agent's state at bar t is (the last ``window`` rows of features up to and including t, the position held
-coming into t). Its action is a target position from ``actions``, held from bar t to t+1, and the reward is
-``position_t * r_t - cost * |position_t - position_{t-1}|`` with r_t = ln C[t+1] - ln C[t] (``returns[t]``).
+coming into t). Its action is a target position w_t from ``actions`` (a fraction of equity), held from bar t to t+1,
+and the raw reward is the back-test's per-bar strategy log return (:mod:`foxhunt.evaluation.trading`), exactly:
+
+    log1p(w_t * expm1(r_t)) + log1p(-cost * |w_t - w_{t-1}|),    r_t = ln C[t+1] - ln C[t] (``returns[t]``),
+
+so the sum of an episode's raw rewards is the log of its wealth multiple and the agents are trained on what they are
+scored on (the linear w·r - cost·|Δw| would favour shorts by about r² a bar). With ``reward_source="returns"`` the
+training reward is that times ``reward_scale``. With ``reward_source="targets"`` it is the linear surrogate
+``w_t * target_t - cost' * |Δw|`` on the preprocessed (normalised) targets, with the cost converted into target units:
+a training signal, not a return, so it has no exact form; raw rewards are the exact log returns either way.
 The observation never reads past bar t; r_t enters only the reward. Because the market is exogenous the reward of
 every action at every bar is known (:meth:`MarketTensors.rewards_all`), which the DQN's exogenous mode exploits.
 """
@@ -18,6 +26,7 @@ import torch
 from torch import Tensor
 
 from foxhunt.data.market import MarketSplit
+from foxhunt.evaluation.trading import cost_log_returns, log_growth, position_log_returns
 
 RewardSource = Literal["returns", "targets"]
 
@@ -64,6 +73,7 @@ class MarketTensors:
         raw = split.returns.to(device=device, dtype=torch.float32)
         finite = torch.isfinite(raw)
         self.returns = torch.where(finite, raw, torch.zeros_like(raw))  # raw log returns, 0 where undefined
+        self.simple_returns = torch.expm1(self.returns)  # e^r - 1: a position w earns log1p(w * simple) over the bar
         self.symbol_index = split.symbol_index.to(device)
         self.reset_mask = split.first_bar.to(device)
         t = torch.arange(len(split), device=device)
@@ -80,8 +90,10 @@ class MarketTensors:
                 f"MarketSplit {split.name!r}: no bar has a valid decision state (valid bars, finite next return and"
                 f" features, and {self.window - 1} earlier bars of the same symbol for the window)"
             )
-        # Rewards are computed in "reward units": the chosen signal (raw returns, or the preprocessed targets with
-        # costs converted by the targets' scale) times reward_scale. Metrics always use raw returns and raw costs.
+        # Rewards are computed in "reward units": the chosen signal times reward_scale. "returns": the exact per-bar
+        # log return (as raw_rewards); "targets": the linear surrogate on the preprocessed targets, with costs
+        # converted by the targets' scale. Raw rewards and metrics always use raw returns and raw costs, exactly.
+        self.exact = reward_source == "returns"
         if reward_source == "targets":
             tgt = split.targets.to(device=device, dtype=torch.float32)
             tgt_ok = torch.isfinite(tgt) & self.decision
@@ -92,8 +104,12 @@ class MarketTensors:
         else:
             self.signal = self.returns
             self.signal_cost = self.cost
-        # [P, A] cost (signal units) of moving from held position p to action a.
-        self.switch_cost = self.signal_cost * (self.actions.unsqueeze(0) - self.actions.unsqueeze(1)).abs()
+        # [P, A] cost of moving from held position p to action a: -log1p(-cost |a - p|) for the raw rewards, and in
+        # signal units for the training rewards (the same with "returns"; linear in target units with "targets").
+        # The training one may carry a member's extra turnover penalty (DQNModule adds one); the raw one never does.
+        moves = (self.actions.unsqueeze(0) - self.actions.unsqueeze(1)).abs()
+        self.raw_switch_cost = -cost_log_returns(moves, self.cost_bps)
+        self.switch_cost = self.raw_switch_cost.clone() if self.exact else self.signal_cost * moves
         self._span_views: dict[int, Tensor] = {}
         self.position_eye = torch.eye(self.n_actions, device=device)  # rows gathered: cheaper than one_hot per call
 
@@ -135,26 +151,57 @@ class MarketTensors:
         """[B, A] one-hot of the held position's action index (the agent's own state)."""
         return self.position_eye[positions]
 
+    def _gain(self, positions: Tensor, bars: Tensor) -> Tensor:
+        """Training reward (signal units, before costs) of holding ``positions`` through ``bars``: the exact gross log
+        return with "returns", the linear surrogate position * target with "targets"."""
+        if self.exact:
+            return position_log_returns(positions, self.simple_returns[bars])
+        return positions * self.signal[bars]
+
     def rewards(self, bars: Tensor, positions: Tensor, actions: Tensor) -> Tensor:
         """Reward (reward units) of moving from position index ``positions`` to ``actions`` at ``bars``."""
-        return self.reward_scale * (self.actions[actions] * self.signal[bars] - self.switch_cost[positions, actions])
+        return self.reward_scale * (self._gain(self.actions[actions], bars) - self.switch_cost[positions, actions])
 
     def rewards_all(self, bars: Tensor, positions: Tensor) -> Tensor:
         """[B, A] reward of every action: the market is exogenous, so all of them are known."""
-        return self.reward_scale * (torch.outer(self.signal[bars], self.actions) - self.switch_cost[positions])
+        if self.exact:
+            gain = log_growth(torch.outer(self.simple_returns[bars], self.actions))
+        else:
+            gain = torch.outer(self.signal[bars], self.actions)
+        return self.reward_scale * (gain - self.switch_cost[positions])
 
     def raw_rewards(self, bars: Tensor, positions: Tensor, actions: Tensor) -> Tensor:
-        """Per-bar strategy log return after raw costs (what the back-test metrics count)."""
-        new = self.actions[actions]
-        return new * self.returns[bars] - self.cost * (new - self.actions[positions]).abs()
+        """Per-bar strategy log return after raw costs (what the back-test metrics count), exactly."""
+        gross = position_log_returns(self.actions[actions], self.simple_returns[bars])
+        return gross - self.raw_switch_cost[positions, actions]
+
+    def step_rewards(self, bars: Tensor, positions: Tensor, actions: Tensor) -> tuple[Tensor, Tensor]:
+        """(:meth:`rewards`, :meth:`raw_rewards`) of one step, the gross log return computed once."""
+        gross = position_log_returns(self.actions[actions], self.simple_returns[bars])
+        raw = gross - self.raw_switch_cost[positions, actions]
+        gain = gross if self.exact else self.actions[actions] * self.signal[bars]
+        return self.reward_scale * (gain - self.switch_cost[positions, actions]), raw
+
+    def step_position_rewards(self, bars: Tensor, held: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """(:meth:`position_rewards`, :meth:`raw_position_rewards`) of one step, each log return computed once."""
+        gross = position_log_returns(positions, self.simple_returns[bars])
+        moves = (positions - held).abs()
+        raw = gross + cost_log_returns(moves, self.cost_bps)
+        if self.exact:
+            return self.reward_scale * raw, raw
+        return self.reward_scale * (positions * self.signal[bars] - self.signal_cost * moves), raw
 
     def position_rewards(self, bars: Tensor, held: Tensor, positions: Tensor) -> Tensor:
         """Reward (reward units) of moving from position value ``held`` to ``positions`` (values, e.g. in [-1, 1])."""
-        return self.reward_scale * (positions * self.signal[bars] - self.signal_cost * (positions - held).abs())
+        moves = (positions - held).abs()
+        if self.exact:
+            return self.reward_scale * (self._gain(positions, bars) + cost_log_returns(moves, self.cost_bps))
+        return self.reward_scale * (self._gain(positions, bars) - self.signal_cost * moves)
 
     def raw_position_rewards(self, bars: Tensor, held: Tensor, positions: Tensor) -> Tensor:
         """Per-bar strategy log return after raw costs of moving from position value ``held`` to ``positions``."""
-        return positions * self.returns[bars] - self.cost * (positions - held).abs()
+        gross = position_log_returns(positions, self.simple_returns[bars])
+        return gross + cost_log_returns((positions - held).abs(), self.cost_bps)
 
 
 def reward_scale_for(market: MarketTensors, configured: float | None = None) -> float:
@@ -319,8 +366,7 @@ class MarketEnv:
     def step(self, actions: Tensor) -> Transition:
         """Apply one action per agent; episodes that reach their length restart at a new random bar, flat."""
         bars, held = self.bars, self.positions
-        rewards = self.market.rewards(bars, held, actions)
-        raw = self.market.raw_rewards(bars, held, actions)
+        rewards, raw = self.market.step_rewards(bars, held, actions)
         steps = self.steps + 1
         last = steps >= self.episode_length
         self.episode_returns += raw.to(torch.float64)
@@ -356,9 +402,10 @@ class ContinuousMarketEnv(MarketEnv):
     """:class:`MarketEnv` whose agents choose a position value (e.g. in [-1, 1]) instead of an action index.
 
     Same episodes, starts and RNG draws as the discrete environment; the held position is a float (flat, 0.0, at every
-    episode start) and the reward is ``position_t * r_t - cost * |position_t - position_{t-1}|``. A target within
-    ``no_trade_band`` of the held position is not traded (:func:`apply_no_trade_band`: under proportional costs the
-    optimal policy has a no-trade region, and a continuous policy's small corrections would otherwise pay the cost
+    episode start) and the raw reward is the exact per-bar log return
+    ``log1p(position_t * expm1(r_t)) + log1p(-cost * |position_t - position_{t-1}|)`` (the module docstring). A target
+    within ``no_trade_band`` of the held position is not traded (:func:`apply_no_trade_band`: under proportional costs
+    the optimal policy has a no-trade region, and a continuous policy's small corrections would otherwise pay the cost
     every bar). A step's :class:`Transition` holds position values in ``positions`` (held) and ``actions`` (the
     position taken, after the band).
     """
@@ -383,8 +430,7 @@ class ContinuousMarketEnv(MarketEnv):
         episodes that reach their length restart flat."""
         bars, held = self.bars, self.positions
         actions = apply_no_trade_band(actions.to(torch.float32), held, self.no_trade_band)
-        rewards = self.market.position_rewards(bars, held, actions)
-        raw = self.market.raw_position_rewards(bars, held, actions)
+        rewards, raw = self.market.step_position_rewards(bars, held, actions)
         steps = self.steps + 1
         last = steps >= self.episode_length
         self.episode_returns += raw.to(torch.float64)

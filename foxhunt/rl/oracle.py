@@ -1,7 +1,13 @@
 """Oracle trading policies from the generator's conditional mean returns, the yardstick of the DQN's quality.
 
-Given m_t = E[r_t | bars <= t] (the synthetic generator knows it exactly), the expected reward of moving from
-position p to a at bar t is a·m_t − c·|a − p|. Three policies, all vectorised over bars:
+Given m_t = E[r_t | bars <= t] (the synthetic generator knows it exactly), the oracles score moving from position p
+to a at bar t by a·m_t − c·|a − p|: the linear (first-order) approximation of the expected per-bar log return. The
+exact per-bar log return the back-test counts is log1p(a·(e^r − 1)) + log1p(−c·|a − p|)
+(:mod:`foxhunt.evaluation.trading`), whose expectation also depends on the conditional variance of r (about
+a·m + (a − a²)·σ²/2 − c·|a − p|), which the oracle is not given; so the oracles maximise the linear approximation,
+and their positions are scored exactly, like every policy's, by :func:`~foxhunt.evaluation.trading.trading_metrics`.
+For a ±1/0 action set and small per-bar returns the two differ by about σ² a bar for a short (and not at all for a
+long), typically far below a planted signal's m. Three policies, all vectorised over bars:
 
 - ``markov`` (the default, causal): the optimal policy of the MDP whose state is (m_t, p), assuming m is a Markov
   process. m is discretised into quantile bins, the bin-to-bin transition matrix is counted on the sequence itself
@@ -12,6 +18,12 @@ position p to a at bar t is a·m_t − c·|a − p|. Three policies, all vectori
 - ``myopic`` (causal): the same without continuation value (one-bar greedy with a cost hurdle).
 - ``hindsight`` (NOT causal, an upper bound): a backward dynamic programme over positions on the realised
   sequence of m, i.e. knowing future conditional means; computed as a max-plus parallel suffix scan.
+
+``exact=True`` reads the signal as realised log returns r and uses the exact per-bar log return
+log1p(a·expm1(r)) + log1p(−c·|a − p|) as the reward instead: with ``kind="hindsight"`` on a split's realised returns
+the positions are then the best sequence of actions in hindsight by the back-test's own measure (its total log
+return is the maximum over all such sequences). On a conditional mean it would have no meaning (E[log1p(a·(e^r − 1))]
+is not log1p(a·(e^m − 1))), so the default stays linear.
 """
 
 from __future__ import annotations
@@ -21,15 +33,19 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from foxhunt.evaluation.trading import cost_log_returns, log_growth
 from foxhunt.rl.env import rollout_policy_table
 
 OracleKind = Literal["markov", "myopic", "hindsight"]
 
 
-def _reward_matrices(expected: Tensor, actions: Tensor, cost: float) -> Tensor:
-    """[T, P, A] expected reward of moving from position P to action A at each bar."""
+def _reward_matrices(expected: Tensor, actions: Tensor, cost: float, exact: bool = False) -> Tensor:
+    """[T, P, A] reward of moving from position P to action A at each bar: linear a·m − c·|a − p|, or with ``exact``
+    the exact log return log1p(a·expm1(r)) + log1p(−c·|a − p|) of a realised log return r."""
     a = actions.view(1, 1, -1)
     p = actions.view(1, -1, 1)
+    if exact:
+        return log_growth(a * torch.expm1(expected).view(-1, 1, 1)) + cost_log_returns((a - p).abs(), cost * 1e4)
     return a * expected.view(-1, 1, 1) - cost * (a - p).abs()
 
 
@@ -48,8 +64,12 @@ def oracle_positions(
     kind: OracleKind = "markov",
     gamma: float = 0.99,
     n_bins: int = 64,
+    exact: bool = False,
 ) -> Tensor:
-    """[T] positions (values from ``actions``) of the oracle policy; flat where ``decision`` is False."""
+    """[T] positions (values from ``actions``) of the oracle policy; flat where ``decision`` is False.
+
+    ``expected`` is m_t = E[r_t | bars <= t], scored linearly (the module docstring); with ``exact`` it is read as
+    realised log returns and scored by the exact per-bar log return (meant for ``kind="hindsight"``)."""
     expected = expected.to(torch.float64)
     actions = actions.to(device=expected.device, dtype=torch.float64)
     n = expected.shape[0]
@@ -62,11 +82,12 @@ def oracle_positions(
     m = torch.where(decision, expected, torch.zeros_like(expected))
     flat = int(torch.argmin(actions.abs()))
     cost = cost_bps * 1e-4
-    rewards = _reward_matrices(m, actions, cost)
+    rewards = _reward_matrices(m, actions, cost, exact)
     if kind == "myopic":
         table = rewards.argmax(-1)
     elif kind == "markov":
-        table = (rewards + _markov_continuation(m, decision, reset, actions, cost, gamma, n_bins).unsqueeze(1)).argmax(-1)
+        cont = _markov_continuation(m, decision, reset, actions, cost, gamma, n_bins, exact)
+        table = (rewards + cont.unsqueeze(1)).argmax(-1)
     elif kind == "hindsight":
         table = _hindsight_table(rewards, decision, reset, flat)
     else:
@@ -76,7 +97,8 @@ def oracle_positions(
 
 
 def _markov_continuation(
-    m: Tensor, decision: Tensor, reset: Tensor, actions: Tensor, cost: float, gamma: float, n_bins: int
+    m: Tensor, decision: Tensor, reset: Tensor, actions: Tensor, cost: float, gamma: float, n_bins: int,
+    exact: bool = False,
 ) -> Tensor:
     """[T, A] γ·E[V(m_{t+1}, a) | bin(m_t)] from value iteration on the binned Markov chain of m."""
     if not 0.0 <= gamma < 1.0:
@@ -93,7 +115,7 @@ def _markov_continuation(
     occupied = torch.zeros(n_bins, dtype=torch.float64, device=dev).index_add_(0, bins[decision], torch.ones_like(m[decision]))
     bin_mean = torch.zeros(n_bins, dtype=torch.float64, device=dev).index_add_(0, bins[decision], m[decision])
     bin_mean = bin_mean / occupied.clamp_min(1.0)
-    r = _reward_matrices(bin_mean, actions, cost)  # [K, P, A]
+    r = _reward_matrices(bin_mean, actions, cost, exact)  # [K, P, A]
     v = torch.zeros(n_bins, actions.shape[0], dtype=torch.float64, device=dev)  # V[bin, held position]
     for _ in range(10_000):
         cont = gamma * transition @ v  # [K, A]: continuation after choosing a in bin k
