@@ -4,15 +4,23 @@ Files written to the export directory:
 
 - ``ensemble.safetensors``: every tensor of the ensemble (members, combination weights, stacking snapshots and
   statistics) and of the preprocessing (``data.feature_normalizer.*``, ``data.target_transform.*``);
-- ``<member>.safetensors``: each member's network alone, for use outside foxhunt;
-- ``metadata.json``: format version, package versions, the fit config, each member's class and hyperparameters, the
-  data spec the members were bound to (feature names in column order, known-future inputs, symbols, window sizes),
-  the data fingerprint, the latest validation back-test, and the SHA-256 of every tensor file it lists (``sha256``).
+- ``<member>.safetensors``: for use outside foxhunt, each member's network that trades, alone, under the keys of the
+  member's ``network``: a forecaster's network; an agent's validation-selected weights (``policy_net``) once it chose
+  some, else its learning network; no tensor at all when the agent's selection chose flat (it trades nothing). Its
+  safetensors header and ``metadata.json`` ``members.<name>.traded`` say which (``network``, ``policy_net`` or
+  ``flat``; an agent's header also records ``selected_update``);
+- ``metadata.json``: format version, package versions, the fit config, each member's class, hyperparameters and run
+  values, the data spec the members were bound to (feature names in column order, known-future inputs, symbols,
+  window sizes), the data fingerprint, the latest validation back-test, the SHA-256 of every tensor file it lists
+  (``sha256``) and the SHA-256 of its own canonical form (``metadata_sha256``: sorted keys, no spaces, ASCII, of
+  everything but ``metadata_sha256`` and the file hashes in ``sha256``, which the files themselves check).
 
 Every file is written atomically (a temporary file beside it, fsync, rename), metadata.json last. ``load`` verifies
-each listed file's SHA-256, validates every metadata field it reads (keys, types, the spec, the feature names against
-the registry, the spec and the normaliser) and refuses non-finite tensors: each refusal is one ``ExportError`` line
-naming the file and the field or tensor.
+metadata.json's own SHA-256 and each listed file's, validates every metadata field it reads (keys, types, finite
+values, the spec, the feature names against the registry, the spec and the normaliser), refuses non-finite tensors
+and tensors of another dtype or shape than the model's, and checks that each ``<member>.safetensors`` holds exactly
+the weights the loaded member trades with: each refusal is one ``ExportError`` line naming the file and the field or
+tensor.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import json
 import math
 import platform
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,11 +45,12 @@ from foxhunt.cli_errors import UserError
 from foxhunt.data.datamodule import BarDataModule
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.lit.ensemble import EnsembleModule
-from foxhunt.lit.member import Member
+from foxhunt.lit.member import Agent, Member
 from foxhunt.version import __version__
 
 FORMAT = "foxhunt-export"
-FORMAT_VERSION = 2  # 2: metadata.json records the SHA-256 of every tensor file
+FORMAT_VERSION = 3  # 2: metadata.json records the SHA-256 of every tensor file; 3: and of itself (metadata_sha256),
+# and <member>.safetensors holds the weights the member trades (members.<name>.traded)
 
 
 class ExportError(UserError, ValueError):
@@ -68,6 +78,29 @@ def _tensors(prefix: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {f"{prefix}{k}": v.detach().cpu().contiguous().clone() for k, v in module.state_dict().items()}
 
 
+TRADED = ("network", "policy_net", "flat")
+
+
+def traded_network(member: Member) -> tuple[str, torch.nn.Module | None]:
+    """Which of a member's networks trades, and that network: a forecaster's ``network``; an agent's
+    ``policy_network`` (``policy_net`` once validation chose weights, else the learning ``network``); ``("flat",
+    None)`` when the agent's selection found nothing that beats flat, so it holds no position."""
+    if isinstance(member, Agent):
+        if member.holds_flat:
+            return "flat", None
+        net = member.policy_network
+        return ("policy_net" if member.policy_net is not None and net is member.policy_net else "network"), net
+    return "network", member.network
+
+
+def metadata_digest(meta: dict[str, Any]) -> str:
+    """SHA-256 of metadata.json's canonical form (keys sorted, no spaces, ASCII): everything but ``metadata_sha256``
+    itself and the tensor files' hashes in ``sha256`` (each checked against its file)."""
+    body = {k: v for k, v in meta.items() if k not in ("metadata_sha256", "sha256")}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    return _sha256(text.encode("ascii"))
+
+
 def export_ensemble(model: EnsembleModule, dm: BarDataModule, out_dir: str | Path, config: Any = None) -> dict[str, Any]:
     """Write the export of a fitted EnsembleModule and its BarDataModule; returns the metadata."""
     import lightning
@@ -88,12 +121,17 @@ def export_ensemble(model: EnsembleModule, dm: BarDataModule, out_dir: str | Pat
     for name in model.member_names:
         member = model.member(name)
         files[name] = f"{name}.safetensors"
-        sha256[name] = _save_tensors(_tensors("", member.network), out / files[name])
+        traded, net = traded_network(member)
+        header = {"member": name, "traded": traded}
+        if isinstance(member, Agent):
+            header["selected_update"] = str(int(member.selected_update))
+        sha256[name] = _save_tensors(_tensors("", net) if net is not None else {}, out / files[name], header)
         members[name] = {
             "class_path": f"{type(member).__module__}.{type(member).__qualname__}",
             "init_args": _hparams(member),
             "run": _jsonable(member.export_state()),
             "updates": model.updates[name],
+            "traded": traded,
         }
     meta = {
         "format": FORMAT,
@@ -130,17 +168,19 @@ def export_ensemble(model: EnsembleModule, dm: BarDataModule, out_dir: str | Pat
     }
     from foxhunt.files import atomic_file
 
+    meta = json.loads(json.dumps(meta))  # what a reader parses (tuples are lists, floats round-trip), then hashed
+    meta["metadata_sha256"] = metadata_digest(meta)
     with atomic_file(out / "metadata.json") as tmp:  # last: it vouches for the files above
         tmp.write_text(json.dumps(meta, indent=2))
     return meta
 
 
-def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> str:
-    """Write a safetensors file atomically; returns its SHA-256."""
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path, header: dict[str, str] | None = None) -> str:
+    """Write a safetensors file atomically (``header``: more string entries of its metadata); returns its SHA-256."""
     from foxhunt.files import atomic_file
 
     with atomic_file(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": FORMAT})
+        save_file(tensors, str(tmp), metadata={"format": FORMAT, **(header or {})})
     return _sha256(path.read_bytes())
 
 
@@ -234,7 +274,8 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> LoadedEn
     _check_metadata(meta, meta_path)
     data = meta["data"]
     feature_set = FeatureSet(data["feature_names"])
-    state = _verified_tensors(root, meta, meta_path)
+    files = _verified_tensors(root, meta, meta_path)
+    state = files.pop("ensemble")[0]
     tensor_file = root / meta["files"]["ensemble"]
     members = {name: _member(entry, meta_path, name) for name, entry in meta["members"].items()}
     model = _build(meta_path, "ensemble", lambda: EnsembleModule(members=members, **meta["ensemble"]))
@@ -263,8 +304,12 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> LoadedEn
                 f"{tensor_file}: tensor {key!r} has shape {tuple(state[key].shape)}, but {meta_path.name} "
                 f"data.feature_names lists {n_features} features"
             )
+    former: set[str] = set()  # members whose tensors were in a former layout (converted by _upgraded)
     for prefix, (module, what) in parts.items():
-        own = _upgraded(module, {k[len(prefix):]: v.to(map_location) for k, v in state.items() if k.startswith(prefix)})
+        given = {k[len(prefix):]: v.to(map_location) for k, v in state.items() if k.startswith(prefix)}
+        own = _upgraded(module, given)
+        if module is model and own is not given:
+            former = {name for name in meta["members"] if _member_keys(own, name) != _member_keys(given, name)}
         _load_strict(module, own, what, tensor_file, shapes=module is not normalizer)
     for name, entry in meta["members"].items():
         member = model.member(name)
@@ -272,6 +317,9 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> LoadedEn
         model.updates[name] = int(entry.get("updates", -1))  # -1: not recorded
         if name in model.forecaster_names:
             member.target_transform = transform  # type: ignore[attr-defined]
+        if name not in former:  # a former layout's member file is not the traded network's (it predates that rule)
+            tensors, header = files[name]
+            _check_traded(member, name, entry, tensors, header, root / meta["files"][name], meta_path, tensor_file)
     model._snapshots_loaded = bool(meta.get("stack_ready"))
     model.eval()
     return LoadedEnsemble(model, feature_set, normalizer, transform, meta)
@@ -290,10 +338,51 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def _verified_tensors(root: Path, meta: dict[str, Any], meta_path: Path) -> dict[str, torch.Tensor]:
-    """Check every listed tensor file against its recorded SHA-256 (before anything in it is used); returns the
-    ensemble file's tensors, read from the very bytes that were hashed."""
-    state: dict[str, torch.Tensor] = {}
+def _member_keys(state: dict[str, torch.Tensor], name: str) -> set[str]:
+    return {k for k in state if k.startswith(f"members.{name}.")}
+
+
+def _check_traded(member: Member, name: str, entry: dict[str, Any], tensors: dict[str, torch.Tensor],
+                  header: dict[str, str], file: Path, meta_path: Path, ensemble_file: Path) -> None:
+    """``<member>.safetensors`` holds exactly the weights the loaded member trades with (none when it holds flat), and
+    its header and ``members.<name>.traded`` say which network that is."""
+    traded, net = traded_network(member)
+    if entry.get("traded") != traded:
+        raise ExportError(
+            f"{meta_path}: members.{name}.traded: says {_show(entry.get('traded'))}, but the loaded member trades "
+            f"{traded!r} (by its selected_update in {ensemble_file.name})"
+        )
+    if header.get("traded") != traded:
+        raise ExportError(f"{file}: its header says it holds {header.get('traded')!r}, the member trades {traded!r}")
+    expected = _tensors("", net) if net is not None else {}
+    if set(tensors) != set(expected):
+        missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+        raise ExportError(
+            f"{file}: does not hold the {traded} weights member {name!r} trades with: missing {missing[:5]}, "
+            f"unexpected {extra[:5]}"
+        )
+    for key, value in expected.items():
+        if tensors[key].dtype != value.dtype or not torch.equal(tensors[key], value):
+            raise ExportError(
+                f"{file}: tensor {key!r} differs from the {traded} weights member {name!r} trades with "
+                f"(in {ensemble_file.name})"
+            )
+
+
+def _safetensors_header(blob: bytes) -> dict[str, str]:
+    """The ``__metadata__`` string map of a safetensors file's bytes (empty when it has none)."""
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    extra = header.get("__metadata__") if isinstance(header, dict) else None
+    return {str(k): str(v) for k, v in extra.items()} if isinstance(extra, dict) else {}
+
+
+def _verified_tensors(
+    root: Path, meta: dict[str, Any], meta_path: Path
+) -> dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]]:
+    """Check every listed tensor file against its recorded SHA-256 (before anything in it is used); returns each
+    file's tensors and header entries by its key in ``files``, read from the very bytes that were hashed."""
+    out: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]] = {}
     for key, name in meta["files"].items():
         file = root / name
         if not file.is_file():
@@ -307,11 +396,11 @@ def _verified_tensors(root: Path, meta: dict[str, Any], meta_path: Path) -> dict
             )
         try:
             tensors = load_safetensors(blob)
+            header = _safetensors_header(blob)
         except Exception as e:  # a re-hashed file that is not safetensors: say which, in one line
             raise ExportError(f"{file}: not a readable safetensors file ({_one_line(e)})") from None
-        if key == "ensemble":
-            state = tensors
-    return state
+        out[key] = (tensors, header)
+    return out
 
 
 def _check_finite(state: dict[str, torch.Tensor], defaults: dict[str, torch.Tensor], file: Path) -> None:
@@ -336,9 +425,10 @@ def _check_finite(state: dict[str, torch.Tensor], defaults: dict[str, torch.Tens
 
 _TOP_REQUIRED = (
     "format", "format_version", "versions", "ensemble", "members", "stack_ready", "spec", "data", "files", "sha256",
+    "metadata_sha256",
 )
 _TOP_OPTIONAL = ("metrics", "config")
-_MEMBER_REQUIRED, _MEMBER_OPTIONAL = ("class_path", "init_args"), ("run", "updates")
+_MEMBER_REQUIRED, _MEMBER_OPTIONAL = ("class_path", "init_args", "traded"), ("run", "updates")
 _SPEC_FIELDS = ("feature_names", "known_future", "symbols", "lookback", "horizon")
 _DATA_REQUIRED = (*_SPEC_FIELDS, "feature_clip", "target_transform")
 _DATA_OPTIONAL = ("fingerprint", "seen_span")
@@ -351,6 +441,10 @@ _KINDS = {
     "count": ("a positive integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0),
     "positive": ("a finite positive number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
                  and math.isfinite(v) and v > 0),
+    "nonnegative": ("a finite number >= 0", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and math.isfinite(v) and v >= 0),
+    "updates": ("an integer >= -1 (-1: not recorded)", lambda v: isinstance(v, int) and not isinstance(v, bool)
+                and v >= -1),
     "names": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
     "sha256": ("64 lowercase hex digits", lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v) is not None),
 }
@@ -386,6 +480,12 @@ class _Fields:
         return value
 
 
+# What a member's ``export_state`` may record (``members.<name>.run``), each field's kind; null is allowed for all
+# (the member keeps or derives its own value). Agents record the cost they traded with and the reward scale fitted on
+# their training split; forecasters record nothing.
+_RUN_FIELDS = {"cost_bps": "nonnegative", "reward_scale": "positive"}
+
+
 def _show(value: Any) -> str:
     text = json.dumps(value) if isinstance(value, (dict, list, str, int, float, bool)) or value is None else repr(value)
     return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
@@ -405,6 +505,13 @@ def _check_metadata(meta: Any, meta_path: Path) -> None:
             f"{meta_path}: export format version {meta.get('format_version')} is not {FORMAT_VERSION}, which this "
             "foxhunt reads"
         )
+    recorded = f.get(meta, "metadata_sha256", "", "sha256")
+    actual = metadata_digest(meta)
+    if actual != recorded:
+        raise ExportError(
+            f"{meta_path}: its contents' SHA-256 {actual[:16]}... differs from {recorded[:16]}... recorded in its "
+            "metadata_sha256: the file is corrupt or was edited after export"
+        )
     f.keys(meta, "", _TOP_REQUIRED, _TOP_OPTIONAL)
     versions = f.get(meta, "versions", "", "object")
     exported = f.get(versions, "foxhunt", "versions", "str")
@@ -423,10 +530,16 @@ def _check_metadata(meta: Any, meta_path: Path) -> None:
         f.keys(entry, where, _MEMBER_REQUIRED, _MEMBER_OPTIONAL)
         f.get(entry, "class_path", where, "str")
         f.get(entry, "init_args", where, "object")
+        if entry["traded"] not in TRADED:
+            raise f.error(f"{where}.traded", f"must be one of {', '.join(TRADED)}, got {_show(entry['traded'])}")
         if "run" in entry:
-            f.get(entry, "run", where, "object", nullable=True)
+            run = f.get(entry, "run", where, "object", nullable=True) or {}
+            f.keys(run, f"{where}.run", (), tuple(_RUN_FIELDS))
+            for key, kind in _RUN_FIELDS.items():
+                if key in run:
+                    f.get(run, key, f"{where}.run", kind, nullable=True)
         if "updates" in entry:
-            f.get(entry, "updates", where, "int")
+            f.get(entry, "updates", where, "updates")
     f.get(meta, "ensemble", "", "object")
     f.get(meta, "stack_ready", "", "bool")
     if "metrics" in meta:
@@ -534,7 +647,9 @@ def _upgraded(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[s
 def _load_strict(
     module: torch.nn.Module, state: dict[str, torch.Tensor], what: str, file: Path, shapes: bool = True
 ) -> None:
-    """Load a state dict, naming the missing, unexpected or mis-shaped tensors (fitted statistics are sized at load)."""
+    """Load a state dict, naming the missing, unexpected, mis-shaped or mistyped tensors (fitted statistics are sized
+    at load). A dtype must be the model's, but for a narrower float in a wider one (a ``bf16-true`` fit's weights),
+    which is exact: ``load_state_dict`` would cast silently (float64 rounded, 0.5 a True flag, 2.7 update 2)."""
     own = {k: v for k, v in module.state_dict().items() if ".target_transform." not in k}
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
@@ -546,4 +661,19 @@ def _load_strict(
                 f"{file}: {what} tensor {k!r} has shape {tuple(v.shape)} in the export, the model expects "
                 f"{tuple(own[k].shape)}"
             )
+        if not _exact_cast(v.dtype, own[k].dtype):
+            raise ExportError(
+                f"{file}: {what} tensor {k!r} has dtype {str(v.dtype).removeprefix('torch.')} in the export, the "
+                f"model expects {str(own[k].dtype).removeprefix('torch.')}"
+            )
     module.load_state_dict(state, strict=False)
+
+
+def _exact_cast(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether every value of ``source`` is the same value in ``target``: the same dtype, or a narrower float into
+    float32 or float64."""
+    if source == target:
+        return True
+    floats = (torch.float16, torch.bfloat16, torch.float32)
+    return (source in floats and target in (torch.float32, torch.float64)
+            and torch.finfo(target).bits > torch.finfo(source).bits)

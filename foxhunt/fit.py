@@ -4,9 +4,11 @@ Everything is a typed constructor argument of ``EnsembleModule`` (with its named
 ``class_path``/``init_args`` entry), ``BarDataModule`` or ``Trainer``, so the usual LightningCLI conventions hold:
 ``--print_config``, overrides such as ``--trainer.max_epochs 3`` or ``--model.members.tft.init_args.hidden_size 64``,
 ``--ckpt_path last`` to resume (from the newest checkpoint that loads, ``--checkpoint_every_n_steps`` ones
-included). Sizes that follow from the data (feature counts, names, symbols, windows) reach the members when the
-coordinator binds them to the data, so configs never write them. After training, the best
-checkpoint is exported as safetensors with JSON metadata and back-tested on the test split.
+included; the resumed run logs to a new version but keeps checkpointing where the run it resumes did, so the best
+checkpoint, and the export, are the best of the whole run). Sizes that follow from the data (feature counts, names,
+symbols, windows) reach the members when the coordinator binds them to the data, so configs never write them. After
+training, the best checkpoint (read with its recorded SHA-256 verified) is exported as safetensors with JSON metadata
+and back-tested on the test split.
 
 A mistake in the config, the data or a path is one line, ``error: <file/field>: <reason>``, and exit status 2
 (:mod:`foxhunt.cli_errors`; ``--debug`` for the traceback); every constructor argument is checked when the classes are
@@ -135,12 +137,48 @@ class FoxhuntCLI(LightningCLI):
         cfg = self.config
         trainer, model, dm = self.trainer, self.model, self.datamodule
         ckpt_path = self._resolve_ckpt_path(cfg.get("ckpt_path"))  # before the logger writes: a refusal leaves no run
+        continued = self._continue_checkpoint_dirs(ckpt_path) if ckpt_path else False
         if cfg.get("hparams_tab", True):  # every hyperparameter, against the metrics filled in when the fit is over
             for lg in trainer.loggers:
                 lg.log_hyperparams(model.hparam_params(), dict.fromkeys(model.hparam_metric_names(), float("nan")))
         with retain_freed_memory(bool(cfg.get("retain_freed_memory", True))):
-            trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+            with warnings.catch_warnings():
+                if continued:  # the resumed run's own checkpoints are there, as they should be
+                    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+                trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
             return self.export_and_backtest()
+
+    def _continue_checkpoint_dirs(self, ckpt_path: str) -> bool:
+        """Checkpoint where the run being resumed did. A resumed run logs to a new ``version_N``, and a
+        ``ModelCheckpoint`` left to derive its directory from the logger would write there; Lightning then sees that
+        its ``dirpath`` changed and restores none of its best score and best-k files (only ``best_model_path``), so the
+        best checkpoint, and the export, would be the best since the resume. Each ``ModelCheckpoint`` without a
+        configured ``dirpath`` whose state the checkpoint records, with a ``dirpath`` that is the resumed checkpoint's
+        own directory, gets that ``dirpath`` (exactly as recorded, which is what Lightning compares), so its whole state
+        is restored and the run lineage keeps one best checkpoint. Returns whether any was kept."""
+        from foxhunt.training.checkpoint_io import recorded_checkpoint_dirs
+
+        recorded = recorded_checkpoint_dirs(ckpt_path)
+        here = Path(ckpt_path).resolve().parent
+        kept = False
+        for cb in self.trainer.checkpoint_callbacks:
+            if not isinstance(cb, ModelCheckpoint) or cb.dirpath is not None or cb.state_key not in recorded:
+                continue
+            dirpath = recorded[cb.state_key]
+            if Path(dirpath).resolve() == here:
+                cb.dirpath = dirpath
+                kept = True
+            else:
+                log.warning(
+                    "--ckpt_path %s: the checkpoint is not in the directory its run checkpointed to (%s): this run "
+                    "checkpoints to its own version, and its best checkpoint (the export) is the best since the "
+                    "resume", ckpt_path, dirpath,
+                )
+                break
+        if kept:
+            log.info("checkpoints continue in %s, the resumed run's: the best checkpoint is the best of the whole run",
+                     here)
+        return kept
 
     def _resolve_ckpt_path(self, ckpt_path: str | None) -> str | None:
         """'last' means the newest last.ckpt or last-steps.ckpt (``--checkpoint_every_n_steps``) of any earlier
@@ -170,6 +208,7 @@ class FoxhuntCLI(LightningCLI):
     def export_and_backtest(self) -> dict[str, Any]:
         from foxhunt.evaluation.backtest import format_table
         from foxhunt.export import export_ensemble
+        from foxhunt.training.checkpoint_io import load_verified_checkpoint  # the recorded SHA-256 verified
 
         cfg = self.config
         trainer, model, dm = self.trainer, self.model, self.datamodule
@@ -178,10 +217,10 @@ class FoxhuntCLI(LightningCLI):
         ckpt = trainer.checkpoint_callback
         best = getattr(ckpt, "best_model_path", "") if ckpt is not None else ""
         if best:
-            model.load_weights(torch.load(best, map_location="cpu", weights_only=True))
+            model.load_weights(load_verified_checkpoint(best, use="export"))
             log.info("loaded the best checkpoint %s for export", best)
             if "val" in model.splits:  # the validation figures of the weights exported, not of the last epoch
-                model.last_evaluation = model.evaluate(model.split("val"))
+                model.last_evaluation = model.evaluate(model.split("val"), recheck_flat=True)
         out_dir = Path(cfg.get("export_dir") or Path(trainer.log_dir or "runs") / "export")
         meta = export_ensemble(model, dm, out_dir, config=self.parser.dump(cfg, skip_unset=False))
         print(f"\nexported {', '.join(sorted(meta['files']))} to {out_dir}")

@@ -98,6 +98,28 @@ def test_constructor_rejects_bad_configuration() -> None:
         _ = DQNModule().network  # no n_features, not bound: no networks yet
 
 
+@pytest.mark.parametrize("n_envs,replay_capacity,learning_starts,n_step", [
+    (8, 8 * 40, 8 * 60, 1),  # more warm-up than the replay holds
+    (64, 1000, 1000, 1),  # equal, but the capacity rounds down to 15 steps of 64 agents and the warm-up needs 16
+    (8, 24, 0, 3),  # an n-step sample needs n_step + 1 steps, the replay keeps 3
+])
+def test_a_warm_up_the_replay_cannot_hold_is_refused(market, n_envs, replay_capacity, learning_starts, n_step) -> None:
+    """start() fills the replay until it holds the warm-up; a replay too small for it would loop forever, so the
+    constructor refuses it in one line naming the settings."""
+    kwargs = {"n_envs": n_envs, "replay_capacity": replay_capacity, "learning_starts": learning_starts, "n_step": n_step,
+              "exogenous": "none"}
+    with pytest.raises(ValueError, match=rf"learning_starts={learning_starts} with n_envs={n_envs} .*"
+                                         rf"replay_capacity={replay_capacity} .*the warm-up would never end"):
+        DQNModule(**kwargs)
+    # the largest warm-up that fits fills the replay exactly and returns
+    slots = replay_capacity // n_envs
+    kwargs.update(learning_starts=slots * n_envs if slots > n_step else 0, replay_capacity=max(replay_capacity, (n_step + 1) * n_envs))
+    module = DQNModule(window=4, hidden=(8,), dropout=0.0, obs_noise=0.0, select_every=0, **kwargs)
+    module.attach_market(market.train)
+    module.start()
+    assert module.replay.size == max(slots if slots > n_step else 0, n_step + 1)
+
+
 def test_attach_market_and_bind_check_features(tmp_path, market) -> None:
     assert market.train.n_features == 3
     with pytest.raises(ValueError, match="built for 5"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -12,10 +13,13 @@ import torch
 
 import foxhunt
 from foxhunt.data.datamodule import BarDataModule
-from foxhunt.data.market import MarketSpec
+from foxhunt.data.market import MarketSpec, MarketSplit
+from foxhunt.evaluation.significance import psr_from_moments, sharpe_moments
+from foxhunt.evaluation.trading import strategy_log_returns
 from foxhunt.export import export_ensemble
+from foxhunt.lit import agent_quality as quality
 from foxhunt.lit.dqn import DQNModule
-from foxhunt.lit.ensemble import EnsembleModule
+from foxhunt.lit.ensemble import EnsembleModule, null_max_sharpe
 from foxhunt.lit.member import Agent, Forecaster
 from foxhunt.lit.tft import TFTModule
 
@@ -196,3 +200,141 @@ def test_an_empty_validation_split_is_refused_before_training() -> None:
                        cache_dir=None, val_fraction=0.05)
     with pytest.raises(ValueError, match=r"the val split has no complete window of lookback 64 \+ horizon 8 bars"):
         dm.setup()
+
+
+def test_a_member_max_steps_leaves_no_step_is_refused_before_training(tmp_path: Path) -> None:
+    """max_steps counts every member's updates: the TFT's ten updates end the fit before the DQN's start step."""
+    late = DQNModule(window=4, hidden=(16,), n_envs=16, episode_length=32, batch_size=32, replay_capacity=2048,
+                     learning_starts=128, start_step=12)
+    model = EnsembleModule(members={"tft": four_members()["tft_small"], "dqn": late}, combine="vote")
+    with pytest.raises(ValueError, match=r"member 'dqn' has start_step=12, but this fit runs 10 coordinator steps "
+                                         r"\(max_steps=10 counts the updates of every member together\)"):
+        fit(model, datamodule(), tmp_path, max_steps=10, max_epochs=-1)
+
+
+# ------------------------------------------------------------------------------------- do no harm: the candidates
+def stubbed_forecaster(monkeypatch: pytest.MonkeyPatch) -> tuple[EnsembleModule, TFTModule, dict]:
+    """A coordinator with one forecaster whose policy's positions are ``script["pos"]`` (no costs), so each
+    validation's P&L is the test's to choose."""
+    tft = TFTModule(hidden_size=8, attention_heads=2, hidden_continuous_size=4)
+    monkeypatch.setattr(tft, "forecast", lambda split, batch_size=2048, net=None: torch.zeros(len(split), 1, 3))
+    script: dict = {}
+    monkeypatch.setattr("foxhunt.lit.ensemble.forecast_policy", lambda *args: script["pos"])
+    return EnsembleModule(members={"tft": tft}, cost_bps=0.0), tft, script
+
+
+def long_or_flat(split: MarketSplit, q: float, seed: int) -> torch.Tensor:
+    """Long before a rise and flat before a fall with probability q, the other way round otherwise (0.5: no edge)."""
+    u = torch.rand(len(split), generator=torch.Generator().manual_seed(seed))
+    up = split.returns > 0
+    return torch.where(u < q, up, ~up).float() * split.valid.float()
+
+
+def confidence(split: MarketSplit, pos: torch.Tensor, n_candidates: int) -> float:
+    pnl = strategy_log_returns(pos, split.returns, 0.0, split.first_bar)
+    m = sharpe_moments(pnl[split.valid & torch.isfinite(split.returns)])
+    return psr_from_moments(m.sr_per_bar, m.n_bars, m.skew, m.kurtosis, null_max_sharpe(n_candidates, m.n_bars))
+
+
+@pytest.fixture(scope="module")
+def martingale_val() -> MarketSplit:
+    return quality.ar1_market(n_bars=20_000, phi=0.0, seed=3).val
+
+
+@pytest.fixture(scope="module")
+def lucky(martingale_val: MarketSplit) -> torch.Tensor:
+    """Positions whose validation edge passes the rule as one candidate (PSR >= 0.97), not as the best of ten."""
+    for k in range(60):
+        pos = long_or_flat(martingale_val, 0.5 + 0.002 * k, seed=0)
+        if confidence(martingale_val, pos, 1) >= 0.97 and confidence(martingale_val, pos, 10) <= 0.85:
+            return pos
+    raise AssertionError("no q in the grid gives the edge the test needs")
+
+
+def test_a_forecasters_candidates_are_its_validations(monkeypatch, martingale_val, lucky) -> None:
+    """A forecaster is compared on validation at every validation of the fit: the rule deflates its edge for the
+    number of validations, so the same policy that passes as the first candidate is held flat as the tenth."""
+    model, tft, script = stubbed_forecaster(monkeypatch)
+    script["pos"] = lucky
+    model.evaluate(martingale_val, choose_weights=True)  # the first validation
+    assert len(tft.selection_sharpes()) == 1 and not bool(model.held_flat[0])
+    assert float(model.edge_confidence[0]) == pytest.approx(confidence(martingale_val, lucky, 1), abs=0.01)
+    for _ in range(9):
+        model.evaluate(martingale_val, choose_weights=True)
+    assert len(tft.selection_sharpes()) == 10 and bool(model.held_flat[0])
+    assert float(model.edge_confidence[0]) == pytest.approx(confidence(martingale_val, lucky, 10), abs=0.01)
+    assert tft.selection_sharpes()[0] == pytest.approx(tft.selection_sharpes()[-1])  # the same policy each time
+    model.evaluate(martingale_val)  # a report (or the sanity check) compares nothing
+    model.evaluate(martingale_val, recheck_flat=True)  # nor does the rule applied again
+    assert len(tft.selection_sharpes()) == 10 and tft.run_state()["validation_sharpes"] == tft.selection_sharpes()
+
+
+def test_the_export_of_the_best_validation_is_held_to_the_runs_candidates(monkeypatch, martingale_val, lucky) -> None:
+    """e4: a forecaster without edge over ten validations; the first is lucky and passes as one candidate, so its
+    checkpoint has the best validation Sharpe and is exported. Loaded, it keeps the run's ten candidates, and the
+    rule applied again holds it flat, without choosing the ensemble's weights again."""
+    model, tft, script = stubbed_forecaster(monkeypatch)
+    checkpoints, sharpes = [], []
+    for epoch in range(10):
+        script["pos"] = lucky if epoch == 0 else long_or_flat(martingale_val, 0.5, seed=100 + epoch)
+        model.updates["tft"] = model.steps = 6 * (epoch + 1)
+        sharpe = model.evaluate(martingale_val, choose_weights=True).metrics["ensemble"]["sharpe"]
+        sharpes.append(-math.inf if math.isnan(sharpe) else sharpe)
+        checkpoint = {"state_dict": {k: v.clone() for k, v in model.state_dict().items()}}
+        model.on_save_checkpoint(checkpoint)
+        checkpoints.append(checkpoint)
+    best = max(range(10), key=sharpes.__getitem__)  # ModelCheckpoint(monitor="val/sharpe", mode="max")
+    assert best == 0 and checkpoints[0]["ensemble_state"]["candidates"] == {"tft": 1}
+    assert not bool(checkpoints[0]["state_dict"]["held_flat"][0])  # decided with the candidates up to its epoch
+
+    model.load_weights(checkpoints[best])
+    assert model.updates == {"tft": 6} and model.steps == 6  # the counts of the weights loaded
+    assert model.candidate_counts() == {"tft": 10} and not bool(model.held_flat[0])
+    weights = model.weights.clone()
+    assert float(weights[0]) == 1.0
+    script["pos"] = lucky  # the exported epoch's policy
+    evaluation = model.evaluate(martingale_val, recheck_flat=True)
+    assert bool(model.held_flat[0]) and float(evaluation.positions["tft"].abs().sum()) == 0.0
+    assert float(model.edge_confidence[0]) == pytest.approx(confidence(martingale_val, lucky, 10), abs=0.01)
+    assert torch.equal(model.weights, weights) and len(tft.selection_sharpes()) == 10
+    assert model.recheck_edges(martingale_val).metrics["tft"]["held_flat"] == 1.0
+
+    # a coordinator that did not run the fit takes the count the checkpoint recorded, and keeps the larger one
+    fresh, _, script = stubbed_forecaster(monkeypatch)
+    fresh.load_weights(checkpoints[-1])
+    fresh.load_weights(checkpoints[0])
+    assert fresh.candidate_counts() == {"tft": 10}
+
+
+def test_the_best_checkpoint_brings_its_update_counts_and_the_runs_candidates(tmp_path: Path) -> None:
+    """The exported checkpoint's weights come with its own update counts (an untrained DQN is marked untrained);
+    every validation (not the sanity check) is a candidate of the TFT and of a DQN that does not choose its weights,
+    saved in the checkpoint's run state for a resume; loading keeps the run's counts."""
+    from foxhunt.evaluation.backtest import format_table
+
+    dqn = DQNModule(window=4, hidden=(16,), n_envs=16, episode_length=32, batch_size=32, replay_capacity=2048,
+                    learning_starts=128, epsilon_steps=20, updates_per_step=2, start_step=7, select_every=0)
+    tft = four_members()["tft_small"]
+    model = EnsembleModule(members={"tft": tft, "dqn": dqn}, combine="vote")
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ck", filename="{epoch}", save_top_k=-1)
+    fit(model, datamodule(), tmp_path, max_epochs=3, num_sanity_val_steps=1, enable_checkpointing=True, callbacks=[saver])
+    assert model.updates == {"tft": 18, "dqn": 2 * (18 - 7)} and model.steps == 18
+    assert len(tft.selection_sharpes()) == len(dqn.selection_sharpes()) == 3
+
+    first = torch.load(tmp_path / "ck" / "epoch=0.ckpt", map_location="cpu", weights_only=True)
+    state = first["ensemble_state"]
+    assert state["updates"] == {"tft": 6, "dqn": 0} and state["steps"] == 6 and state["candidates"] == {"tft": 1, "dqn": 1}
+    assert state["members"]["tft"]["validation_sharpes"] == pytest.approx(tft.selection_sharpes()[:1], nan_ok=True)
+    model.load_weights(first)
+    assert model.updates == {"tft": 6, "dqn": 0} and model.steps == 6
+    assert model.candidate_counts() == {"tft": 3, "dqn": 3}
+    model.last_evaluation = model.evaluate(model.split("val"), recheck_flat=True)
+    assert model.candidate_counts() == {"tft": 3, "dqn": 3} and model.last_evaluation.metrics["dqn"]["updates"] == 0
+    table = format_table(model.evaluate(model.split("test")).metrics, split="test")
+    assert "dqn (untrained)" in table and "tft (untrained)" not in table
+
+    last = torch.load(tmp_path / "ck" / "epoch=2.ckpt", map_location="cpu", weights_only=True)
+    resumed = TFTModule(hidden_size=8, attention_heads=2, hidden_continuous_size=4)
+    resumed.load_run_state(last["ensemble_state"]["members"]["tft"])
+    assert resumed.selection_sharpes() == pytest.approx(tft.selection_sharpes(), nan_ok=True)
+    assert len(resumed.selection_sharpes()) == 3

@@ -54,7 +54,7 @@ def _event_file(tmp_path: Path) -> Path:
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fit")
-    cli = _fit(tmp)
+    cli = _fit(tmp, "--model.members.dqn.init_args.select_every", "2")  # the DQN chooses its weights on validation
     return tmp, cli
 
 
@@ -102,20 +102,51 @@ def test_export_loads_without_trainer_and_matches(tiny_run) -> None:
     assert "data" in meta["config"] and meta["data"]["fingerprint"]
     loaded = foxhunt.load(export)
     model = cli.model
+    for name in ("val", "test"):  # bit for bit
+        split = model.split(name)
+        mine = model.positions(split)
+        theirs = loaded.model.positions(split)
+        for who in ("tft", "dqn", "ensemble"):
+            assert torch.equal(theirs[who].cpu(), mine[who].cpu()), f"{who} positions on {name} differ after reload"
     split = model.split("test")
-    mine = model.positions(split)
-    theirs = loaded.model.positions(split)
-    for who in ("tft", "dqn", "ensemble"):
-        torch.testing.assert_close(theirs[who].cpu(), mine[who].cpu())
     # the loader recomputes features from bars with the exported statistics: same as the DataModule's
     rebuilt = loaded.split(cli.datamodule.bars)
     rows = torch.from_numpy(cli.datamodule.split_rows["test"])
     torch.testing.assert_close(rebuilt.features[rows], split.features)
 
 
+def test_member_files_hold_the_weights_each_member_trades(tiny_run) -> None:
+    """dqn.safetensors holds the network the DQN trades after its validation choice (policy_net, or nothing when it
+    chose flat), not its learning network; the reloaded member trades exactly those weights."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from foxhunt.export import traded_network
+
+    tmp, cli = tiny_run
+    export = tmp / "export"
+    meta = json.loads((export / "metadata.json").read_text())
+    dqn = cli.model.member("dqn")
+    assert int(dqn.selected_update) >= 0 and len(dqn.selection.sharpes) > 0  # validation chose
+    traded, net = traded_network(dqn)
+    assert traded == ("flat" if int(dqn.selected_update) == 0 else "policy_net")
+    assert meta["members"]["dqn"]["traded"] == traded and meta["members"]["tft"]["traded"] == "network"
+    with safe_open(str(export / "dqn.safetensors"), framework="pt") as f:
+        assert f.metadata()["traded"] == traded and f.metadata()["selected_update"] == str(int(dqn.selected_update))
+    in_file = load_file(str(export / "dqn.safetensors"))
+    loaded = foxhunt.load(export).model.member("dqn")
+    if net is None:
+        assert in_file == {} and loaded.holds_flat
+    else:
+        assert net is dqn.policy_net
+        for key, value in loaded.policy_network.state_dict().items():
+            assert torch.equal(in_file[key], value) and torch.equal(in_file[key], net.state_dict()[key].cpu())
+
+
 def test_export_is_the_best_checkpoint_exactly(tiny_run) -> None:
-    """Every exported tensor (combination weights included) is the best checkpoint's, and the printed test table is
-    what the reloaded export computes."""
+    """Every exported tensor (combination weights included) is the best checkpoint's, except the do-no-harm rule's
+    decisions, which the export re-applies with the whole run's candidate counts (never less cautious), and the
+    printed test table is what the reloaded export computes."""
     from safetensors.torch import load_file
 
     tmp, cli = tiny_run
@@ -125,8 +156,14 @@ def test_export_is_the_best_checkpoint_exactly(tiny_run) -> None:
     exported = {k[len("model."):]: v for k, v in load_file(str(tmp / "export" / "ensemble.safetensors")).items()
                 if k.startswith("model.")}
     assert set(exported) == {k for k in state if ".target_transform." not in k}
+    rechecked = ("edge_confidence", "held_flat")
     for key, value in exported.items():
-        assert torch.equal(value, state[key].cpu()), f"{key} differs from the best checkpoint"
+        if key not in rechecked:
+            assert torch.equal(value, state[key].cpu()), f"{key} differs from the best checkpoint"
+    # deflated for at least as many candidates: confidence no higher, and a member held flat at the checkpoint stays so
+    assert (exported["edge_confidence"] <= state["edge_confidence"] + 1e-12).all()
+    assert (exported["held_flat"] >= state["held_flat"]).all()
+    assert torch.equal(exported["held_flat"], exported["edge_confidence"] < cli.model.hparams.min_edge_confidence)
     loaded = foxhunt.load(tmp / "export")
     table = loaded.model.evaluate(cli.model.split("test")).metrics
     for who, row in cli.results["backtest"].items():
@@ -137,9 +174,11 @@ def test_export_is_the_best_checkpoint_exactly(tiny_run) -> None:
 
 
 def test_load_refuses_mismatches(tiny_run, tmp_path: Path) -> None:
+    """Edits of metadata.json are refused by its own SHA-256; re-sealed (a tool that knows the format), each mismatch
+    is still refused by name."""
     import shutil
 
-    from foxhunt.export import ExportError
+    from foxhunt.export import ExportError, metadata_digest
 
     src, _ = tiny_run
     bad = tmp_path / "bad"
@@ -147,21 +186,29 @@ def test_load_refuses_mismatches(tiny_run, tmp_path: Path) -> None:
     meta = json.loads((bad / "metadata.json").read_text())
     meta["members"]["tft"]["init_args"]["hidden_size"] = 12
     (bad / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(ExportError, match=r"metadata\.json: its contents' SHA-256 .* recorded in its metadata_sha256"):
+        foxhunt.load(bad)
+
+    def write(meta: dict) -> None:
+        meta["metadata_sha256"] = metadata_digest(meta)
+        (bad / "metadata.json").write_text(json.dumps(meta))
+
+    write(meta)
     with pytest.raises(ExportError, match=r"model tensor 'members\.tft\.net\..*' has shape"):
         foxhunt.load(bad)
     meta["members"]["tft"]["init_args"]["hidden_size"] = 8
     meta["members"]["tft"]["class_path"] = "os.system"
-    (bad / "metadata.json").write_text(json.dumps(meta))
+    write(meta)
     with pytest.raises(ExportError, match="not one of foxhunt's"):
         foxhunt.load(bad)
     meta["members"]["tft"]["class_path"] = "foxhunt.lit.tft.TFTModule"
     meta["versions"]["foxhunt"] = "9.9.0"
-    (bad / "metadata.json").write_text(json.dumps(meta))
+    write(meta)
     with pytest.raises(ExportError, match=r"exported by foxhunt 9\.9\.0"):
         foxhunt.load(bad)
     meta["versions"]["foxhunt"] = foxhunt.__version__
     meta["data"]["feature_names"] = ["logret_2", "logret_1"] + meta["data"]["feature_names"][2:]
-    (bad / "metadata.json").write_text(json.dumps(meta))
+    write(meta)
     with pytest.raises(ExportError, match="feature order differs"):
         foxhunt.load(bad)
     assert not list(bad.glob("*.pt")) and not list(bad.glob("*.pkl"))
@@ -236,10 +283,12 @@ def test_bf16_mixed_on_cpu_runs_without_nan(tmp_path: Path) -> None:
     assert cli.model.updates["tft"] > 0 and cli.model.updates["dqn"] > 0
 
 
-def _fit_subprocess(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
+def _fit_subprocess(tmp: Path, *extra: str, version: bool = True) -> subprocess.CompletedProcess:
+    """``python -m foxhunt.fit`` on the tiny config; ``version``: log to version_0 always (else a new version a run)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(ROOT)]))
     args = [sys.executable, "-m", "foxhunt.fit", "--config", TINY, "--trainer.max_epochs", "2",
-            "--trainer.logger.init_args.save_dir", str(tmp / "runs"), "--trainer.logger.init_args.version", "0",
+            "--trainer.logger.init_args.save_dir", str(tmp / "runs"),
+            *(("--trainer.logger.init_args.version", "0") if version else ()),
             "--trainer.default_root_dir", str(tmp), "--export_dir", str(tmp / "export"), "--backtest", "false",
             "--trainer.enable_progress_bar", "false", *extra]
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, check=False)
@@ -267,6 +316,43 @@ def test_resume_after_kill_is_exact(tmp_path: Path) -> None:
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=f"{key} differs after resume")
+
+
+def test_a_resumed_run_exports_the_best_checkpoint_of_the_whole_run(tmp_path: Path) -> None:
+    """The audit's drill: a run killed after its second epoch (of four) and resumed with --ckpt_path last (logging
+    to a new version) exports the checkpoint an uninterrupted run exports, though that best epoch came before the
+    cut: the resumed run checkpoints where the run it resumes did, so Lightning restores its best score."""
+    from safetensors.torch import load_file
+
+    def best(run: subprocess.CompletedProcess) -> Path:
+        (line,) = [x for x in run.stderr.splitlines() if "loaded the best checkpoint" in x]
+        return Path(line.split("loaded the best checkpoint ")[1].split(" for export")[0])
+
+    common = ("--trainer.max_epochs", "4", "--log_figures", "false", "--hparams_tab", "false")
+    whole = _fit_subprocess(tmp_path / "whole", *common, version=False)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = _fit_subprocess(tmp_path / "cut", *common, "--trainer.callbacks+=_resume_helpers.KillAfterEpoch",
+                             "--trainer.callbacks.epoch=1", version=False)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = _fit_subprocess(tmp_path / "cut", *common, "--ckpt_path", "last", version=False)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    runs = tmp_path / "cut" / "runs" / "foxhunt"
+    assert f"resuming from {runs / 'version_0' / 'checkpoints' / 'last.ckpt'}" in resumed.stderr
+    assert (runs / "version_1").is_dir()  # the resumed run logs to its own version ...
+    assert best(resumed).parent == runs / "version_0" / "checkpoints"  # ... and checkpoints with the run it resumes
+    assert "dirpath has changed" not in resumed.stderr and "exists and is not empty" not in resumed.stderr
+    # the uninterrupted run's best epoch came before the cut: the resumed run only had it if it kept the state
+    assert best(whole).name == best(resumed).name and best(whole).name.startswith(("best-epoch=0-", "best-epoch=1-"))
+    a = load_file(str(tmp_path / "whole" / "export" / "ensemble.safetensors"))
+    b = load_file(str(tmp_path / "cut" / "export" / "ensemble.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs between the uninterrupted and the resumed run's export"
+    metrics = [json.loads((tmp_path / run / "export" / "metadata.json").read_text())["metrics"] for run in ("whole", "cut")]
+    assert metrics[0] == metrics[1]
+    assert sorted(p.name for p in (runs / "version_0" / "checkpoints").glob("*.ckpt")) == [best(whole).name, "last.ckpt"]
+    final = torch.load(runs / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert final["epoch"] == 3
 
 
 def test_periodic_checkpoints_inside_an_epoch_and_ckpt_path_last_resumes_from_the_newest(tmp_path: Path) -> None:
@@ -435,12 +521,49 @@ def test_flipped_bytes_in_a_checkpoint_replay_buffer_are_refused_naming_the_file
         _fit(tmp_path, "--ckpt_path", str(bad), "--trainer.max_epochs", "3", "--backtest", "false")
 
 
+def test_a_changed_best_checkpoint_is_not_exported(tiny_run, tmp_path: Path, monkeypatch) -> None:
+    """The audit's drill: bytes flipped inside a weight of the best checkpoint after it was written. The export reads
+    it through the verified path: one line naming the file, and no export written."""
+    import shutil
+
+    from foxhunt.cli_errors import UserError
+    from foxhunt.training.checkpoint_io import CheckpointError
+
+    _, cli = tiny_run
+    best = Path(cli.trainer.checkpoint_callback.best_model_path)
+    bad = tmp_path / best.name
+    shutil.copy(best, bad)
+    state = torch.load(bad, map_location="cpu", weights_only=True)["state_dict"]
+    key = next(k for k, v in state.items() if v.is_floating_point() and v.numel() >= 64)
+    raw = state[key].contiguous().view(-1).view(torch.uint8).numpy().tobytes()[:16]
+    blob = bytearray(bad.read_bytes())
+    at = bytes(blob).find(raw)
+    assert at > 0 and bytes(blob).count(raw) == 1
+    for i in range(16):
+        blob[at + i] ^= 0xFF
+    bad.write_bytes(bytes(blob))
+    monkeypatch.setattr(cli.trainer.checkpoint_callback, "best_model_path", str(bad))
+    monkeypatch.setitem(cli.config, "export_dir", str(tmp_path / "export"))
+    with pytest.raises(CheckpointError) as info:
+        cli.export_and_backtest()
+    assert isinstance(info.value, UserError)  # python -m foxhunt.fit: "error: <file>: ..." and exit status 2
+    assert str(info.value) == (f"{bad}: not a checkpoint to export: its contents differ from the SHA-256 recorded "
+                               "when it was saved (corrupted after writing)")
+    assert not (tmp_path / "export").exists()
+
+
 def test_ckpt_path_last_resumes_the_newest_run(tiny_run, caplog) -> None:
     tmp, first = tiny_run
     with caplog.at_level("INFO", logger="foxhunt.fit"):
-        cli = _fit(tmp, "--ckpt_path", "last", "--trainer.max_epochs", "3", "--backtest", "false")
+        cli = _fit(tmp, "--ckpt_path", "last", "--trainer.max_epochs", "3", "--backtest", "false",
+                   "--model.members.dqn.init_args.select_every", "2")
     assert "resuming from" in caplog.text and "version_0/checkpoints/last.ckpt" in caplog.text
-    assert cli.trainer.current_epoch == 3 and cli.model.updates["tft"] > first.model.updates["tft"]
+    assert cli.trainer.current_epoch == 3 and cli.trainer.global_step > first.trainer.global_step
+    # the best checkpoint (the export) is the best of the whole run, in the directory the run checkpointed to
+    ours, theirs = cli.trainer.checkpoint_callback, first.trainer.checkpoint_callback
+    assert "checkpoints continue in" in caplog.text and ours.dirpath == theirs.dirpath
+    assert float(ours.best_model_score) >= float(theirs.best_model_score)
+    assert Path(ours.best_model_path).parent == Path(theirs.best_model_path).parent
 
 
 def test_ensemble_dqn_steps_its_agents_every_env_step_every_updates(tmp_path: Path) -> None:

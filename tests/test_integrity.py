@@ -20,16 +20,22 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _export_helpers import refusal
 from safetensors.torch import load_file, save_file
 
 import foxhunt
 from foxhunt.data.datamodule import BarDataModule
-from foxhunt.export import ExportError, export_ensemble
+from foxhunt.export import export_ensemble, metadata_digest
 from foxhunt.fit import FoxhuntCLI
 from foxhunt.lit.dqn import DQNModule
 from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.lit.tft import TFTModule
-from foxhunt.training.checkpoint_io import AtomicCheckpointIO, CheckpointError, checkpoint_problem
+from foxhunt.training.checkpoint_io import (
+    AtomicCheckpointIO,
+    CheckpointError,
+    checkpoint_problem,
+    load_verified_checkpoint,
+)
 
 FEATS = ["logret_1", "logret_2", "rsi_14", "tod_sin", "tod_cos"]
 TINY = str(Path(__file__).parent / "configs" / "tiny.yaml")
@@ -72,16 +78,14 @@ def _meta(root: Path) -> dict:
 
 
 def _write_meta(root: Path, meta: object) -> None:
+    """Write metadata.json with its own SHA-256 recomputed (a tool that knows the format): the field checks below
+    are what stands between such an edit and the model (an edit alone is refused by the hash:
+    tests/test_export_integrity.py)."""
+    if isinstance(meta, dict):
+        meta["metadata_sha256"] = metadata_digest(meta)
     (root / "metadata.json").write_text(json.dumps(meta))
 
 
-def _refusal(root: Path) -> str:
-    """The one-line ExportError that loading ``root`` raises."""
-    with pytest.raises(ExportError) as info:
-        foxhunt.load(root)
-    message = str(info.value)
-    assert "\n" not in message, message
-    return message
 
 
 def _tensor_bytes(path: Path, key: str) -> tuple[int, int]:
@@ -102,7 +106,8 @@ def _rehash(root: Path, name: str) -> None:
 
 def test_export_records_the_sha256_of_every_tensor_file_and_loads(export_copy: Path) -> None:
     meta = _meta(export_copy)
-    assert meta["format_version"] == 2 and set(meta["sha256"]) == set(meta["files"]) == {"ensemble", "tft", "dqn"}
+    assert meta["format_version"] == 3 and set(meta["sha256"]) == set(meta["files"]) == {"ensemble", "tft", "dqn"}
+    assert meta["metadata_sha256"] == metadata_digest(meta)
     for key, name in meta["files"].items():
         assert meta["sha256"][key] == hashlib.sha256((export_copy / name).read_bytes()).hexdigest()
     assert not [p for p in export_copy.iterdir() if p.name.startswith(".")]  # no temporary file left behind
@@ -126,7 +131,7 @@ def test_flipped_bytes_in_a_tensor_file_are_refused(export_copy: Path, name: str
     blob = bytearray(path.read_bytes())
     blob[(start + end) // 2] ^= 0xFF
     path.write_bytes(bytes(blob))
-    message = _refusal(export_copy)
+    message = refusal(export_copy)
     assert str(path) in message and "SHA-256" in message and "metadata.json sha256." in message
 
 
@@ -143,7 +148,7 @@ def test_non_finite_tensors_of_a_rehashed_file_are_refused(export_copy: Path, ke
     state[key].view(-1)[0] = value
     save_file(state, str(path), metadata={"format": "foxhunt-export"})
     _rehash(export_copy, path.name)
-    message = _refusal(export_copy)
+    message = refusal(export_copy)
     assert str(path) in message and repr(key) in message and "non-finite" in message
 
 
@@ -151,7 +156,7 @@ def test_last_feature_name_removed_is_one_error_naming_data_feature_names(export
     meta = _meta(export_copy)
     meta["data"]["feature_names"] = meta["data"]["feature_names"][:-1]
     _write_meta(export_copy, meta)
-    message = _refusal(export_copy)
+    message = refusal(export_copy)
     assert "metadata.json: data.feature_names: lists 4 features" in message and "missing ['tod_cos']" in message
 
 
@@ -161,7 +166,7 @@ def test_a_feature_normaliser_of_another_width_is_refused(export_copy: Path) -> 
     state["data.feature_normalizer.mean"] = torch.zeros(7)
     save_file(state, str(path), metadata={"format": "foxhunt-export"})
     _rehash(export_copy, path.name)
-    message = _refusal(export_copy)
+    message = refusal(export_copy)
     assert "'data.feature_normalizer.mean' has shape (7,)" in message
     assert "data.feature_names lists 5 features" in message
 
@@ -211,7 +216,7 @@ def _set(*keys, value):
         (_set("data", "feature_names", value="logret_1"), "data.feature_names: must be a list of strings"),
         (_set("data", "feature_names", value=["logret_1", "nope"]), "data.feature_names: ValueError: unknown"),
         (_set("unexpected", value=1), "unexpected: is not a field this foxhunt reads"),
-        (_set("format_version", value=1), "export format version 1 is not 2"),
+        (_set("format_version", value=2), "export format version 2 is not 3"),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
@@ -221,15 +226,15 @@ def test_missing_or_mistyped_metadata_is_one_line_naming_the_field(export_copy: 
     meta = _meta(export_copy)
     edit(meta)
     _write_meta(export_copy, meta)
-    message = _refusal(export_copy)
+    message = refusal(export_copy)
     assert "metadata.json" in message and expected in message, message
 
 
 def test_metadata_that_is_not_an_object_or_not_json_is_refused(export_copy: Path) -> None:
     _write_meta(export_copy, ["not", "an", "object"])
-    assert "metadata.json: holds list" in _refusal(export_copy)
+    assert "metadata.json: holds list" in refusal(export_copy)
     (export_copy / "metadata.json").write_text('{"format": "foxhunt-export", ')
-    assert "metadata.json: not valid JSON" in _refusal(export_copy)
+    assert "metadata.json: not valid JSON" in refusal(export_copy)
 
 
 # --- feature cache ---------------------------------------------------------------------------------------------------
@@ -470,7 +475,63 @@ def test_a_corrupt_checkpoint_is_one_line_naming_the_file(tmp_path: Path, conten
     assert checkpoint_problem(path) is not None
 
 
-def test_fit_registers_the_atomic_checkpoint_io_and_names_a_corrupt_ckpt_path(tmp_path: Path) -> None:
+class _RunsCode:
+    """Unpickling it (a full, not weights-only, torch.load) creates ``marker``: code a crafted .ckpt would run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def _crafted_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
+    marker, path = tmp_path / "code-ran", tmp_path / "crafted.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(2)}, "epoch": 0, "x": _RunsCode(marker)}, path)
+    return path, marker
+
+
+@pytest.mark.parametrize("weights_only", [None, False, True])
+@pytest.mark.parametrize("force", [None, "1"], ids=["default", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"])
+def test_a_crafted_checkpoint_never_runs_code(tmp_path: Path, monkeypatch, weights_only, force) -> None:
+    """Drill: with TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (a documented torch switch), the weights_only=None that
+    Trainer.fit(ckpt_path=FILE) passes became a full unpickling that ran the file's code. Every read is weights-only:
+    the file is refused in one line naming it, and nothing runs."""
+    if force is None:
+        monkeypatch.delenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", force)
+    path, marker = _crafted_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError) as info:
+        AtomicCheckpointIO().load_checkpoint(path, weights_only=weights_only)
+    message = str(info.value)
+    assert message.startswith(f"{path}: not a readable checkpoint (UnpicklingError: Weights only load failed")
+    assert "\n" not in message
+    with pytest.raises(CheckpointError, match=f"^{path}: not a readable checkpoint"):
+        load_verified_checkpoint(path, use="export")
+    assert "not a readable checkpoint" in (checkpoint_problem(path) or "")
+    assert not marker.exists()
+
+
+def test_verified_read_names_a_changed_checkpoint_for_its_use(tmp_path: Path) -> None:
+    """The best checkpoint's read for the export (foxhunt.fit) verifies the SHA-256 as a resume does."""
+    path = tmp_path / "best.ckpt"
+    AtomicCheckpointIO().save_checkpoint(_ckpt(1.0), path)
+    assert torch.equal(load_verified_checkpoint(path)["state_dict"]["w"], torch.full((4,), 1.0))
+    blob = bytearray(path.read_bytes())
+    raw = torch.full((4,), 1.0).numpy().tobytes()
+    at = bytes(blob).find(raw)
+    blob[at + 1] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError) as info:
+        load_verified_checkpoint(path, use="export")
+    assert str(info.value) == (f"{path}: not a checkpoint to export: its contents differ from the SHA-256 recorded "
+                               "when it was saved (corrupted after writing)")
+    with pytest.raises(CheckpointError, match="not a checkpoint to resume from: .*; resume from an earlier one$"):
+        AtomicCheckpointIO().load_checkpoint(path)
+
+
+def test_fit_registers_the_atomic_checkpoint_io_and_names_a_corrupt_ckpt_path(tmp_path: Path, monkeypatch) -> None:
     from lightning.pytorch.plugins.io import TorchCheckpointIO
 
     from foxhunt.fit import build_cli
@@ -483,6 +544,12 @@ def test_fit_registers_the_atomic_checkpoint_io_and_names_a_corrupt_ckpt_path(tm
     bad.write_bytes(b"")
     with pytest.raises(RuntimeError, match=f"^{bad}: not a readable checkpoint \\(the file is empty"):
         cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=str(bad))
+    # --ckpt_path FILE of a crafted checkpoint, with torch told to unpickle fully where the caller does not say
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    crafted, marker = _crafted_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match=f"^{crafted}: not a readable checkpoint \\(UnpicklingError"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=str(crafted))
+    assert not marker.exists()
     # a checkpoint-IO plugin the config names is kept
     mine = build_cli([*args, "--trainer.plugins", "lightning.pytorch.plugins.io.TorchCheckpointIO"])
     assert type(mine.trainer.strategy.checkpoint_io) is TorchCheckpointIO

@@ -810,7 +810,11 @@ def test_an_ensemble_with_a_ppo_member_trains_exports_and_reloads(tmp_path) -> N
                 "--model.members", json.dumps(members), "--log_figures", "false"])
     model = cli.model
     assert set(model.member_names) == {"tft", "dqn", "ppo"}
-    assert model.updates["ppo"] == (2 * 6 - 2) * 2 and model.updates["tft"] > 0 and model.updates["dqn"] > 0
+    best = cli.trainer.checkpoint_callback.best_model_path
+    last = torch.load(Path(best).parent / "last.ckpt", map_location="cpu", weights_only=True)["ensemble_state"]["updates"]
+    assert last["ppo"] == (2 * 6 - 2) * 2 and last["tft"] > 0 and last["dqn"] > 0
+    # the exported weights are the best checkpoint's, and so are the update counts beside them
+    assert model.updates == torch.load(best, map_location="cpu", weights_only=True)["ensemble_state"]["updates"]
     assert {"ppo", "ensemble"} <= set(cli.results["backtest"])
     assert (tmp_path / "export" / "ppo.safetensors").is_file()
     loaded = foxhunt.load(tmp_path / "export")
@@ -819,3 +823,19 @@ def test_an_ensemble_with_a_ppo_member_trains_exports_and_reloads(tmp_path) -> N
     assert set(mine) >= {"tft", "dqn", "ppo", "ensemble"}
     for who in mine:
         torch.testing.assert_close(theirs[who].cpu(), mine[who].cpu())
+
+
+def test_two_members_fitted_with_max_steps_anneal_over_their_own_share(tmp_path, market) -> None:
+    """max_steps counts every member's updates together: each member's linear schedule spans its own share of them
+    (here 40 and 14 of the 54 updates the fit takes) and reaches 0 at the member's last update."""
+    small = {**SMALL, "n_minibatches": 2, "log_grad_norm_every": 0, "scheduler": "linear", "select_every": 0}
+    members = {"ppo": PPOModule(**small), "ppo_b": PPOModule(**{**small, "updates_per_step": 2, "start_step": 3}, seed=1)}
+    model = EnsembleModule(members=members, min_edge_confidence=None)
+    t = trainer(tmp_path, max_steps=50, max_epochs=-1, limit_val_batches=0)
+    fit(members["ppo"], market, t, model=model)
+    assert model.updates == {"ppo": 40, "ppo_b": 14} and t.global_step == 54  # the tenth step overshoots 50
+    for name, member in members.items():
+        assert member.estimated_updates() == model.updates[name]
+        schedule = model._schedulers[name]
+        assert schedule.last_epoch == model.updates[name] and schedule.lr_lambdas[0].total_steps == model.updates[name]
+        assert model._optimizer(name).param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12), name

@@ -374,3 +374,33 @@ def test_guard_foreach_kernels_equal_the_public_path() -> None:
     assert math.isinf(total_norm(big, foreach=True)) and math.isinf(total_norm(big, foreach=False))
     bad = [grads[0], torch.tensor([float("nan")])]
     assert math.isnan(total_norm(bad, foreach=True)) and math.isnan(total_norm(bad, foreach=False))
+
+
+def _simulate_fit(paces: list[tuple[int, int]], epoch_steps: float, max_steps: int | None) -> tuple[int, list[int]]:
+    """The coordinator's loop step by step: every started member's updates, global_step checked between steps."""
+    updates, steps = [0] * len(paces), 0
+    while steps < epoch_steps and not (max_steps and sum(updates) >= max_steps):
+        for i, (k, start) in enumerate(paces):
+            if steps >= start:
+                updates[i] += k
+        steps += 1
+    return steps, updates
+
+
+@pytest.mark.parametrize("paces,epoch_steps,max_steps", [
+    ([(4, 0)], math.inf, 64),
+    ([(4, 0), (4, 0)], math.inf, 64),  # two equal members: half of max_steps each
+    ([(4, 0), (2, 3)], math.inf, 50),  # the last step overshoots max_steps (Lightning checks between batches)
+    ([(1, 0), (16, 5), (3, 2)], math.inf, 1000),
+    ([(1, 0), (16, 5)], 12, 1000),  # the epoch limit ends it first
+    ([(2, 0), (16, 5)], 40, 100),  # max_steps ends it first
+    ([(3, 0), (5, 7)], 30, None),
+    ([(4, 0), (1, 100)], math.inf, 10),  # the second never starts
+])
+def test_fit_updates_equals_the_coordinators_loop(paces, epoch_steps, max_steps) -> None:
+    """Each member's share of a fit: global_step (so max_steps) counts every member's updates together."""
+    from foxhunt.lit.member import fit_updates
+
+    steps, updates = fit_updates(paces, epoch_steps, max_steps)
+    assert (steps, updates) == _simulate_fit(paces, epoch_steps, max_steps)
+    assert fit_updates([(2, 0)], math.inf, None) == (math.inf, [math.inf])  # nothing bounds it

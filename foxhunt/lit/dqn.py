@@ -60,6 +60,24 @@ def double_dqn_target(
     return rewards + discounts * next_value
 
 
+def _check_warm_up(learning_starts: int, replay_capacity: int, n_envs: int, n_step: int) -> int:
+    """Steps of all agents the warm-up takes before the first update (``learning_starts`` transitions, and at least
+    ``n_step`` + 1 steps for a first n-step sample); a ValueError when the replay cannot hold them (it keeps
+    ``replay_capacity // n_envs`` steps of every agent, so the warm-up would never end)."""
+    if learning_starts < 0:
+        raise ValueError(f"learning_starts must be >= 0, got {learning_starts}")
+    warm = max(math.ceil(learning_starts / n_envs), n_step + 1)
+    slots = replay_capacity // n_envs
+    if warm > slots:
+        raise ValueError(
+            f"learning_starts={learning_starts} with n_envs={n_envs} and n_step={n_step} needs {warm} warm-up steps of "
+            f"every agent ({warm * n_envs} transitions), but replay_capacity={replay_capacity} holds {slots} steps of "
+            f"{n_envs} agents: the warm-up would never end. Raise replay_capacity to at least {warm * n_envs}"
+            + (f" or lower learning_starts to at most {slots * n_envs}" if slots > n_step else "")
+        )
+    return warm
+
+
 @dataclass
 class _Counters:
     """Running tallies of the acting loop (not parameters: they travel in the checkpoint's run state)."""
@@ -220,8 +238,11 @@ class DQNModule(Agent):
             raise ValueError(f"cost_bps must be >= 0, got {cost_bps}")
         if gradient_clip_val is not None and not gradient_clip_val >= 0:
             raise ValueError(f"gradient_clip_val must be >= 0 or None, got {gradient_clip_val}")
+        if n_envs < 1:
+            raise ValueError(f"n_envs must be >= 1, got {n_envs}")
         if replay_capacity < n_envs * max(2, n_step):
             raise ValueError(f"replay_capacity ({replay_capacity}) must hold at least {max(2, n_step)} steps of {n_envs} agents")
+        _check_warm_up(learning_starts, replay_capacity, n_envs, n_step)
         self.updates_per_step = int(updates_per_step)
         self.obs_noise = float(obs_noise)  # read every update: a plain attribute
         self.start_step = int(start_step)
@@ -328,8 +349,9 @@ class DQNModule(Agent):
         if self.env is None:
             self._build_environment()
         assert self.replay is not None and self.env is not None
-        warm = math.ceil(self.hparams.learning_starts / self.env.n_envs)
-        while self.replay.size < max(warm, self.hparams.n_step + 1):
+        hp = self.hparams
+        warm = _check_warm_up(hp.learning_starts, self.replay.capacity, self.env.n_envs, hp.n_step)
+        while self.replay.size < warm:
             self.act(1.0)
         self.counters.clock = (time.perf_counter(), self.counters.env_steps)
 
@@ -517,7 +539,7 @@ class DQNModule(Agent):
     # ----------------------------------------------------------------------------------------------- checkpoints
     def run_state(self) -> dict[str, Any]:
         """Environment, replay buffer, RNGs and unused presampled batches: a resumed run continues exactly."""
-        state: dict[str, Any] = {"guard": self.guard.state_dict()}
+        state = super().run_state()  # the guard and the validation candidates
         if self.env is None:
             return state
         assert self.replay is not None and self.explore_rng is not None

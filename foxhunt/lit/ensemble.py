@@ -23,9 +23,13 @@ Combinations (``combine``), for any set of members:
   train on those later bars only. The ensemble's position is the agents' vote.
 
 Do no harm (``min_edge_confidence``, any member, on by default): at each validation a member whose validation
-edge after costs is not significant (PSR against :func:`null_max_sharpe` of the candidates it compared) is held flat
-until a later validation clears it. Members that stop early (``Member.finished``) are skipped; the Trainer stops
-when all have.
+edge after costs is not significant (PSR against :func:`null_max_sharpe` of the candidates it was compared on) is
+held flat until a later validation clears it. A member's candidates are every policy of it compared on validation
+over the fit (``Member.selection_sharpes``): an agent's own validation scores when it chooses its weights, else its
+policy at each validation (the export takes the epoch of the best validation). The export loads the best
+checkpoint, whose state knows only the candidates up to its epoch: :meth:`EnsembleModule.load_weights` keeps the
+run's counts and ``evaluate(split, recheck_flat=True)`` applies the rule again with them. Members that stop early
+(``Member.finished``) are skipped; the Trainer stops when all have.
 
 Logged names: ``train/<member>/<key>``, ``lr/<member>`` (every ``log_every_n_steps`` coordinator steps),
 ``grad_norm/<member>/<block>`` (every member's ``log_grad_norm_every`` updates), ``val/<member>/<metric>`` (forecast
@@ -54,8 +58,8 @@ from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.evaluation.backtest import BACKTEST_KEYS, PolicyEvaluation, oracle_split_positions, policy_metrics
 from foxhunt.evaluation.policies import Combine, forecast_policy, sharpe_weights, vote, weighted
 from foxhunt.evaluation.significance import expected_max_sharpe, psr_from_moments, sharpe_moments
-from foxhunt.evaluation.trading import strategy_log_returns
-from foxhunt.lit.member import Agent, Forecaster, Member
+from foxhunt.evaluation.trading import counted_log_returns
+from foxhunt.lit.member import Agent, Forecaster, Member, fit_updates
 from foxhunt.training.gradnorm import grad_norms
 
 _BACKWARD_HOOKS = ("on_before_backward", "on_after_backward")
@@ -160,6 +164,7 @@ class EnsembleModule(pl.LightningModule):
         self._resume_rng: Tensor | None = None
         self._plan: _LoopPlan | None = None  # looked up at the first update of a fit
         self._snapshots_loaded = False  # set when a checkpoint or an export brings taken snapshots back
+        self._candidate_floor: dict[str, int] = {}  # the run's candidate counts, kept by load_weights
 
     def member(self, name: str) -> Member:
         member = self.members[name]
@@ -244,8 +249,12 @@ class EnsembleModule(pl.LightningModule):
         self._plan = None
         optimizers, schedulers = [], []
         self._schedulers = {}
+        paces = self._paces()
         for name in self.member_names:
-            config = self.member(name).configure_optimizers()
+            member = self.member(name)
+            # global_step (so max_steps) counts every member's updates: a schedule spans the member's share of them
+            member.fit_peers = tuple(pace for other, pace in paces.items() if other != name)
+            config = member.configure_optimizers()
             optimizers.append(config["optimizer"] if isinstance(config, dict) else config)
             sched = config.get("lr_scheduler") if isinstance(config, dict) else None
             if sched is not None:
@@ -259,6 +268,11 @@ class EnsembleModule(pl.LightningModule):
 
     def _optimizer(self, name: str) -> Any:
         return self._loop_plan().optimizers[name]
+
+    def _paces(self) -> dict[str, tuple[int, int]]:
+        """(updates_per_step, start_step) of every member still training."""
+        return {n: (self.member(n).updates_per_step, self.member(n).start_step) for n in self.member_names
+                if not self.member(n).finished}
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         """Every started member's updates of this step, in rounds of one backward each."""
@@ -438,10 +452,13 @@ class EnsembleModule(pl.LightningModule):
 
     @torch.no_grad()
     def positions(
-        self, split: MarketSplit, forecasts: dict[str, Tensor] | None = None, choose_flat: bool = False
+        self, split: MarketSplit, forecasts: dict[str, Tensor] | None = None, choose_flat: bool = False,
+        recheck_flat: bool = False,
     ) -> dict[str, Tensor]:
         """[T] positions of every member, the ensemble, buy-and-hold (and the oracle when the data knows it).
-        ``choose_flat`` (validation only) first decides from this split which members are held flat."""
+        ``choose_flat`` (validation only) first decides from this split which members are held flat, each member's
+        policy on it counting as one more candidate; ``recheck_flat`` decides it again with the candidates the
+        members already have (and those :meth:`load_weights` kept), adding none."""
         device = self.weights.device
         decision, reset = split.valid.to(device), split.first_bar.to(device)
         forecasts = self.forecasts(split) if forecasts is None else forecasts
@@ -459,8 +476,8 @@ class EnsembleModule(pl.LightningModule):
         inputs = self.stacked(split) if stack and agents else split
         for name in agents:
             pos[name] = self.agent(name).positions(inputs).to(device).float()
-        if choose_flat:
-            self._choose_flat(pos, split)
+        if choose_flat or recheck_flat:
+            self._choose_flat(pos, split, new_candidate=choose_flat)
         for i, name in enumerate(self.member_names):
             if name in pos and bool(self.held_flat[i]):
                 pos[name] = torch.zeros_like(pos[name])
@@ -477,13 +494,18 @@ class EnsembleModule(pl.LightningModule):
         return pos
 
     @torch.no_grad()
-    def evaluate(self, split: MarketSplit, choose_weights: bool = False, significance: bool = False) -> PolicyEvaluation:
+    def evaluate(
+        self, split: MarketSplit, choose_weights: bool = False, significance: bool = False, recheck_flat: bool = False
+    ) -> PolicyEvaluation:
         """Positions and after-cost metrics of every policy on a split. ``choose_weights`` (validation only) sets the
         Sharpe weights from this split first: what chooses is the validation split, never the one that reports.
         ``significance`` adds each policy's Sharpe standard error, bootstrap interval and probabilistic Sharpe ratios
-        (for the reported tables)."""
+        (for the reported tables). ``recheck_flat`` (validation only; after :meth:`load_weights` for an export)
+        applies the do-no-harm rule again on this split with every member's candidates of the whole run, without
+        choosing the combination weights again: a checkpoint's own state knows only the candidates up to its epoch,
+        but it was chosen among all the run's validations."""
         forecasts = self.forecasts(split)
-        pos = self.positions(split, forecasts, choose_flat=choose_weights)
+        pos = self.positions(split, forecasts, choose_flat=choose_weights, recheck_flat=recheck_flat)
         metrics = policy_metrics(pos, split, self.hparams.cost_bps, self.hparams.bars_per_year, significance=significance)
         for i, name in enumerate(self.member_names):  # a member that never updated is marked in every table
             if name in metrics:
@@ -503,26 +525,40 @@ class EnsembleModule(pl.LightningModule):
                                                  self.hparams.bars_per_year, significance=significance)["ensemble"]
         return PolicyEvaluation(split, pos, metrics, self.hparams.cost_bps, forecasts)
 
-    def _choose_flat(self, pos: dict[str, Tensor], split: MarketSplit) -> None:
+    def _choose_flat(self, pos: dict[str, Tensor], split: MarketSplit, new_candidate: bool = True) -> None:
         """Do no harm: each member's confidence that its edge on ``split`` (validation) after costs is real; members
         below ``min_edge_confidence`` are held flat. The PSR of its validation P&L against the Sharpe the best of the
-        candidates it compared on this split would show with no edge at all (:func:`null_max_sharpe`; 0 without a
-        choice), since choosing the best of N on the same bars inflates its Sharpe."""
+        candidates it was compared on over the fit would show with no edge at all (:func:`null_max_sharpe`; 0 for a
+        single candidate), since choosing the best of N on the same bars inflates its Sharpe. ``new_candidate`` (a
+        validation of the fit): each member's policy here is one more candidate (``Member.record_validation_sharpe``;
+        an agent choosing its own weights has already counted it)."""
         threshold = self.hparams.min_edge_confidence
-        if threshold is None:
-            return
         decision = split.valid.to(self.weights.device)
         returns = split.returns.to(self.weights.device)
         for i, name in enumerate(self.member_names):
             if name not in pos:
                 continue
-            pnl = strategy_log_returns(pos[name], returns, self.hparams.cost_bps, split.first_bar.to(decision.device))
-            m = sharpe_moments(pnl[decision & torch.isfinite(returns)])
-            sr0 = null_max_sharpe(len(self.member(name).selection_sharpes()), m.n_bars)
+            counted = decision & torch.isfinite(returns)
+            pnl = counted_log_returns(pos[name], returns, self.hparams.cost_bps, counted, split.first_bar.to(decision.device))
+            m = sharpe_moments(pnl[counted])
+            if new_candidate:
+                self.member(name).record_validation_sharpe(m.sr_per_bar)
+            if threshold is None:
+                continue
+            sr0 = null_max_sharpe(self.candidate_counts()[name], m.n_bars)
             conf = psr_from_moments(m.sr_per_bar, m.n_bars, m.skew, m.kurtosis, sr0)
             conf = 0.0 if math.isnan(conf) else conf  # no variance (e.g. a flat member): no evidence of an edge
             self.edge_confidence[i] = conf
             self.held_flat[i] = conf < threshold
+
+    def candidate_counts(self) -> dict[str, int]:
+        """Each member's candidates for the do-no-harm rule: the policies it was compared on over the fit
+        (``Member.selection_sharpes``), or the count :meth:`load_weights` kept from the run when larger."""
+        return {n: max(len(self.member(n).selection_sharpes()), self._candidate_floor.get(n, 0)) for n in self.member_names}
+
+    def recheck_edges(self, split: MarketSplit) -> PolicyEvaluation:
+        """:meth:`evaluate` with ``recheck_flat``: the rule again on ``split`` (validation) with the run's candidates."""
+        return self.evaluate(split, recheck_flat=True)
 
     # ------------------------------------------------------------------------------------------------ validation
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -598,6 +634,7 @@ class EnsembleModule(pl.LightningModule):
         checkpoint["ensemble_state"] = {
             "updates": dict(self.updates),
             "steps": self.steps,
+            "candidates": self.candidate_counts(),
             "started": sorted(self.started),
             "members": {name: self.member(name).run_state() for name in self.member_names},
             "torch_rng": torch.get_rng_state(),
@@ -617,9 +654,23 @@ class EnsembleModule(pl.LightningModule):
         self._resume_rng = state["torch_rng"]
 
     def load_weights(self, checkpoint: dict[str, Any]) -> None:
-        """The parameters and buffers of a checkpoint of this module (weights, snapshots), for evaluation or export."""
+        """The parameters and buffers of a checkpoint of this module (weights, snapshots) and the update counts
+        they were trained with, for evaluation or export (not the run state a resume needs).
+
+        The checkpoint was chosen among every validation of the run, so each member's candidate count for the
+        do-no-harm rule stays the larger of the run's (counted before loading) and the checkpoint's:
+        ``evaluate(split, recheck_flat=True)`` applies the rule with them (the held-flat flags loaded are the
+        checkpoint's, decided with its epoch's counts)."""
+        run = self.candidate_counts()
+        state = checkpoint.get("ensemble_state", {})
+        saved = state.get("candidates", {})
         self.load_state_dict(checkpoint["state_dict"])
-        started = checkpoint.get("ensemble_state", {}).get("started", [])
+        self._candidate_floor = {n: max(run[n], int(saved.get(n, 0))) for n in self.member_names}
+        if "updates" in state:
+            self.updates.update({k: int(v) for k, v in state["updates"].items() if k in self.updates})
+        if "steps" in state:
+            self.steps = int(state["steps"])
+        started = state.get("started", [])
         self.started, self._snapshots_loaded = set(started), bool(started)
 
     @property
@@ -645,20 +696,21 @@ class EnsembleModule(pl.LightningModule):
     def _check_run(self) -> None:
         """Before training: a member that would never start is an error; settings that outlast the run are warnings."""
         planned = self.planned_steps()
-        if planned is None:
+        paces = self._paces()
+        max_steps = self.trainer.max_steps
+        steps, updates = fit_updates(list(paces.values()), math.inf if planned is None else planned, max_steps)
+        if steps == math.inf:
             return
-        for name in self.member_names:
+        bound = ("max_epochs x batches per epoch" if steps == planned
+                 else f"max_steps={max_steps} counts the updates of every member together")
+        for name, n in zip(paces, updates, strict=True):
             member = self.member(name)
-            if member.start_step >= planned:
+            if member.start_step >= steps:
                 raise ValueError(
-                    f"member {name!r} has start_step={member.start_step}, but this fit runs {planned} coordinator steps "
-                    f"(max_epochs x batches per epoch): it would never train. Lower its start_step or train longer"
+                    f"member {name!r} has start_step={member.start_step}, but this fit runs {int(steps)} coordinator steps "
+                    f"({bound}): it would never train. Lower its start_step or train longer"
                 )
-            updates = (planned - member.start_step) * member.updates_per_step
-            max_steps = self.trainer.max_steps
-            if max_steps is not None and max_steps > 0:
-                updates = min(updates, max_steps)
-            for note in member.check_run(updates):
+            for note in member.check_run(int(n)):
                 rank_zero_warn(f"member {name!r}: {note}")
 
     def on_train_start(self) -> None:

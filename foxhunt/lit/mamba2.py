@@ -262,10 +262,6 @@ class Mamba2Module(Forecaster):
             net.train(was)
         return out
 
-    def run_state(self) -> dict[str, Any]:
-        return {"guard": self.guard.state_dict()}
-
-
     # ----------------------------------------------------------------------------------------------------------- steps
     def _run(self, net: nn.Module, batch: dict[str, Tensor]) -> Mamba2Output:
         return net(batch["x_past"][:, -self.lookback :], batch.get("x_future"), batch.get("symbol"))

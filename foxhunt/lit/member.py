@@ -20,6 +20,8 @@ One coordinator step calls, for every member whose ``start_step`` has passed, ``
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -32,12 +34,43 @@ from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.evaluation.forecast_metrics import pinball_loss
 from foxhunt.evaluation.significance import sharpe_moments
 from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
-from foxhunt.evaluation.trading import strategy_log_returns, trading_metrics
+from foxhunt.evaluation.trading import counted_log_returns, counted_position_changes, trading_metrics
 from foxhunt.rl.env import MarketTensors
 from foxhunt.training.guard import NonFiniteGuard
 from foxhunt.training.optim import configure_adamw
 
 MemberKind = Literal["forecaster", "agent"]
+
+
+def fit_updates(
+    paces: Sequence[tuple[int, int]], max_coordinator_steps: float = math.inf, max_steps: int | None = None
+) -> tuple[float, list[float]]:
+    """How a coordinator fit divides its steps among its members: (coordinator steps it runs, optimizer updates of
+    each member), ``math.inf`` where nothing bounds the fit.
+
+    ``paces`` is every active member's ``(updates_per_step, start_step)``: coordinator step s (0-based) gives each
+    member whose ``start_step`` <= s its ``updates_per_step`` updates. ``global_step``, and so ``max_steps``, counts the
+    optimizer steps of all members together, and Lightning checks it between batches, so the fit stops after the first
+    coordinator step at whose end the members' updates sum to ``max_steps`` or more; ``max_coordinator_steps`` is the
+    epoch limit (``max_epochs`` x batches per epoch). Exact unless a member stops early or skips non-finite updates.
+    """
+    if not paces:
+        return max_coordinator_steps, []
+    steps = max_coordinator_steps
+    if max_steps is not None and max_steps > 0:
+
+        def total(s: int) -> int:
+            return sum(k * max(0, s - start) for k, start in paces)
+
+        lo, hi = 0, max(start for _, start in paces) + int(max_steps)  # total(hi) >= max_steps: every k >= 1
+        while lo < hi:  # the fewest coordinator steps whose updates reach max_steps
+            mid = (lo + hi) // 2
+            if total(mid) >= max_steps:
+                hi = mid
+            else:
+                lo = mid + 1
+        steps = min(steps, lo)
+    return steps, [k * max(0, steps - start) for k, start in paces]
 
 
 class Member(pl.LightningModule):
@@ -50,6 +83,14 @@ class Member(pl.LightningModule):
     log_grad_norm_every: int  # updates between grad-norm logs (0: never)
     gradient_clip_val: float | None  # max gradient 2-norm (None: the coordinator's; 0: no clipping)
     finished: bool = False  # stopped early (e.g. no validation gain for its patience): the coordinator skips it
+    # (updates_per_step, start_step) of the other members of the coordinator's fit, set by the coordinator before it
+    # configures the member's optimizer (global_step counts every member's updates); empty: the member trains alone
+    fit_peers: tuple[tuple[int, int], ...] = ()
+    validation_sharpes: list[float]  # per-bar Sharpe of its policy at each validation of the fit (run state)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.validation_sharpes = []
 
     def bind(self, spec: MarketSpec, extra_inputs: int = 0, seed_offset: int = 0, cost_bps: float | None = None) -> None:
         """Build the networks for the data described by ``spec`` (``extra_inputs`` more feature columns when
@@ -79,25 +120,31 @@ class Member(pl.LightningModule):
         return {}
 
     def selection_sharpes(self) -> list[float]:
-        """Per-bar validation Sharpe of every candidate the member compared when choosing its weights (empty: no
-        choice made), so the coordinator can deflate the chosen one's edge for the selection."""
-        return []
+        """Per-bar validation Sharpe of every candidate policy the member was compared on over the fit, so the
+        coordinator can deflate the edge of the one it trades for the choice. By default the policy of each
+        validation (:meth:`record_validation_sharpe`): the export takes the epoch of the best validation, so every
+        validation's policy was a candidate; an agent that chooses its own weights on validation lists its own."""
+        return list(self.validation_sharpes)
+
+    def record_validation_sharpe(self, sharpe: float) -> None:
+        """The coordinator's per-bar Sharpe of the member's policy at a (non-sanity) validation: one more candidate."""
+        self.validation_sharpes.append(float(sharpe))
 
     def estimated_updates(self) -> int:
-        """Updates this member will take in the attached Trainer's fit (for a cosine schedule without total_steps):
-        its coordinator steps after ``start_step`` times ``updates_per_step``, capped by ``max_steps`` (which counts
-        optimizer updates)."""
+        """Updates this member will take in the attached Trainer's fit (for a schedule without total_steps): its
+        share of the coordinator steps the fit runs (:func:`fit_updates`, given ``fit_peers``), where the epoch limit
+        is ``max_epochs`` x batches per epoch and ``max_steps`` counts the updates of every member together."""
         trainer = self.trainer
         trainer.estimated_stepping_batches  # noqa: B018 - sets up the train loader, so num_training_batches is known
-        per_epoch, epochs, max_steps = trainer.num_training_batches, trainer.max_epochs, trainer.max_steps
-        limit: float = float("inf")
+        per_epoch, epochs = trainer.num_training_batches, trainer.max_epochs
+        epoch_limit = math.inf
         if epochs is not None and epochs > 0 and per_epoch != float("inf"):
-            limit = (per_epoch * epochs - self.start_step) * self.updates_per_step
-        if max_steps is not None and max_steps > 0:
-            limit = min(limit, max_steps)
-        if limit == float("inf"):
+            epoch_limit = per_epoch * epochs
+        _, updates = fit_updates([(self.updates_per_step, self.start_step), *self.fit_peers], epoch_limit,
+                                 trainer.max_steps)
+        if updates[0] == math.inf:
             raise ValueError("a cosine schedule needs total_steps, or a trainer with max_steps or max_epochs")
-        return max(1, int(limit))
+        return max(1, int(updates[0]))
 
     def check_run(self, planned_updates: int) -> list[str]:
         """Settings that do not fit a run of ``planned_updates`` updates (each a warning naming the setting)."""
@@ -111,12 +158,15 @@ class Member(pl.LightningModule):
         """Restore what :meth:`export_state` wrote."""
 
     def run_state(self) -> dict[str, Any]:
-        """State beyond parameters that an exact resume needs (environment, replay, RNGs, guard)."""
-        return {"guard": self.guard.state_dict()}
+        """State beyond parameters that an exact resume needs (environment, replay, RNGs, guard, the validation
+        candidates)."""
+        return {"guard": self.guard.state_dict(), "validation_sharpes": list(self.validation_sharpes)}
 
     def load_run_state(self, state: dict[str, Any]) -> None:
         if "guard" in state:
             self.guard.load_state_dict(state["guard"])
+        if "validation_sharpes" in state:  # absent in older checkpoints
+            self.validation_sharpes = [float(x) for x in state["validation_sharpes"]]
 
     def check_optimizer_state(self, state: dict[str, Any]) -> None:
         """Raise ValueError (one line, the reason) for a checkpoint's optimizer state this member's optimizer cannot
@@ -379,9 +429,9 @@ class Agent(Member):
             pos = self.positions_of(net, market)
         finally:
             net.train(was_training)
-        pnl = strategy_log_returns(pos, market.returns, market.cost_bps, market.reset_mask)[market.decision]
-        changes = (pos - torch.cat([pos.new_zeros(1), pos[:-1]]).masked_fill(market.reset_mask, 0.0)).abs()
-        return float(pnl.mean()), sharpe_moments(pnl).sr_per_bar, float(changes[market.decision].mean())
+        pnl = counted_log_returns(pos, market.returns, market.cost_bps, market.decision, market.reset_mask)[market.decision]
+        changes = counted_position_changes(pos, market.decision, market.reset_mask)[market.decision]
+        return float(pnl.mean()), sharpe_moments(pnl).sr_per_bar, float(changes.mean())
 
     @torch.no_grad()
     def select(self, update: int) -> None:
@@ -417,7 +467,13 @@ class Agent(Member):
         return latest
 
     def selection_sharpes(self) -> list[float]:
-        return list(self.selection.sharpes)
+        """Its own validation scores when it chooses its weights (each validation's policy is one of them), else
+        the policy of each validation (the learning network's), as every member's."""
+        return list(self.selection.sharpes) if self.select_every else super().selection_sharpes()
+
+    def record_validation_sharpe(self, sharpe: float) -> None:
+        if not self.select_every:  # choosing on validation, its own scores are the candidates
+            super().record_validation_sharpe(sharpe)
 
     def build_networks(self, n_inputs: int) -> None:
         """Its networks for ``n_inputs`` features a bar (sets ``n_inputs``)."""

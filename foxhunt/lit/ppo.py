@@ -573,7 +573,7 @@ class PPOModule(Agent):
     # ----------------------------------------------------------------------------------------------- checkpoints
     def run_state(self) -> dict[str, Any]:
         """Environment, rollout (contents, minibatch schedule, shuffling RNG), sampling RNG and counters."""
-        state: dict[str, Any] = {"guard": self.guard.state_dict()}
+        state = super().run_state()  # the guard and the validation candidates
         if self.env is None:
             return state
         assert self.rollout is not None and self.sample_rng is not None

@@ -245,9 +245,6 @@ class TFTModule(Forecaster):
             net.train(was)
         return out
 
-    def run_state(self) -> dict[str, Any]:
-        return {"guard": self.guard.state_dict()}
-
     # ----------------------------------------------------------------------------------------------------------- steps
     def forward(self, batch: dict[str, Tensor]) -> TFTOutput:
         return self.network(batch["x_past"], batch.get("x_future"), batch.get("symbol"))

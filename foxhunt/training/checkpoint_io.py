@@ -11,10 +11,15 @@ corrupt checkpoint named in one line.
   a word, and training would go on from corrupt state;
 - ``load_checkpoint`` turns a file ``torch.load`` cannot read (empty, truncated, not a checkpoint) or whose contents
   differ from its SHA-256 into one :class:`CheckpointError` that names the file, instead of a bare ``EOFError`` from
-  deep inside the unpickler.
+  deep inside the unpickler;
+- it always reads with ``weights_only=True``, whatever the caller passes (Lightning passes ``None`` for
+  ``Trainer.fit(ckpt_path=...)``, which ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` would turn into a full unpickling
+  that runs code a crafted ``.ckpt`` carries).
 
-Remote paths (``s3://`` and the like) go to ``TorchCheckpointIO`` unchanged. ``checkpoint_problem`` says why a file
-cannot be resumed from (``--ckpt_path last`` skips such files). ``PeriodicCheckpoint`` writes ``last-steps.ckpt``
+Remote paths (``s3://`` and the like) go to ``TorchCheckpointIO``, also with ``weights_only=True``.
+:func:`load_verified_checkpoint` is the same verified read for other uses (``foxhunt.fit`` reads the best checkpoint
+through it for the export). ``checkpoint_problem`` says why a file cannot be resumed from (``--ckpt_path last``
+skips such files); ``recorded_checkpoint_dirs`` reads which directory each ModelCheckpoint of a run wrote to. ``PeriodicCheckpoint`` writes ``last-steps.ckpt``
 every N training steps inside an epoch (``foxhunt.fit --checkpoint_every_n_steps N``), through the same IO.
 """
 
@@ -94,6 +99,15 @@ def _digest_problem(checkpoint: Any) -> str | None:
     return None
 
 
+def _load_lazily(p: Path) -> Any:
+    """``torch.load(weights_only=True)`` with tensors memory-mapped (a large checkpoint is not read into memory), or
+    read plainly where mmap cannot be used (not the zip format), so a failure says the real reason."""
+    try:
+        return torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - mmap needs the zip format: read it plainly for the real reason
+        return torch.load(p, map_location="cpu", weights_only=True)
+
+
 def checkpoint_problem(path: str | Path) -> str | None:
     """Why ``path`` cannot be resumed from (None when ``torch.load(weights_only=True)`` reads it and it holds a
     ``state_dict``). Tensors are memory-mapped, so a large checkpoint is not read into memory to be checked."""
@@ -105,10 +119,7 @@ def checkpoint_problem(path: str | Path) -> str | None:
     if size == 0:
         return "the file is empty (0 bytes)"
     try:
-        try:
-            ckpt = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
-        except Exception:  # noqa: BLE001 - mmap needs the zip format: read it plainly for the real reason
-            ckpt = torch.load(p, map_location="cpu", weights_only=True)
+        ckpt = _load_lazily(p)
     except Exception as e:  # noqa: BLE001 - any failure to read is the reason to skip it
         return f"not a readable checkpoint ({first_line(e)})"
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
@@ -116,8 +127,52 @@ def checkpoint_problem(path: str | Path) -> str | None:
     return _digest_problem(ckpt)
 
 
+def recorded_checkpoint_dirs(path: str | Path) -> dict[str, str]:
+    """``{state_key: dirpath}`` of every callback state in the checkpoint at ``path`` that records a ``dirpath`` (the
+    directory a ``ModelCheckpoint`` wrote to), exactly as recorded; empty when the file cannot be read (loading it
+    names the problem). Tensors are memory-mapped, not read."""
+    if not _is_local(path):
+        return {}
+    try:
+        ckpt = _load_lazily(_local(path))
+    except Exception:  # noqa: BLE001 - the resume itself reports an unreadable file in one line
+        return {}
+    states = ckpt.get("callbacks") if isinstance(ckpt, dict) else None
+    if not isinstance(states, dict):
+        return {}
+    return {str(key): state["dirpath"] for key, state in states.items()
+            if isinstance(state, dict) and isinstance(state.get("dirpath"), str) and state["dirpath"]}
+
+
+def load_verified_checkpoint(path: Any, map_location: Any = "cpu", use: str = "resume from") -> dict[str, Any]:
+    """A checkpoint read with ``weights_only=True`` and its recorded SHA-256 verified: anything unreadable or changed
+    since it was saved is one :class:`CheckpointError` naming the file (``use``: what the caller wanted it for, said in
+    the message). Remote paths are read through ``TorchCheckpointIO``."""
+    if not _is_local(path):
+        checkpoint = TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=True)
+        where: Any = path
+    else:
+        where = p = _local(path)
+        if not p.exists():
+            raise FileNotFoundError(f"{p}: no such checkpoint file")
+        try:
+            checkpoint = torch.load(p, map_location=map_location, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - every unreadable file gets the same one-line error
+            reason = "the file is empty (0 bytes)" if p.stat().st_size == 0 else first_line(e)
+            advice = "; resume from an earlier one" if use == "resume from" else ""
+            error = CheckpointError(f"{p}: not a readable checkpoint ({reason}){advice}")
+            # a weights_only refusal's advice spans many lines: keep it as the cause; corruption needs no frames
+            raise error from (e if isinstance(e, pickle.UnpicklingError) else None)
+    problem = _digest_problem(checkpoint)
+    if problem is not None:
+        advice = "; resume from an earlier one" if use == "resume from" else ""
+        raise CheckpointError(f"{where}: not a checkpoint to {use}: {problem}{advice}")
+    return checkpoint
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """TorchCheckpointIO writing local checkpoints atomically in their own directory and naming unreadable ones."""
+    """TorchCheckpointIO writing local checkpoints atomically in their own directory, reading every checkpoint with
+    ``weights_only=True`` and naming unreadable or changed ones."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None or not _is_local(path):
@@ -129,22 +184,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any = lambda storage, loc: storage, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        if not _is_local(path):
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        p = _local(path)
-        if not p.exists():
-            raise FileNotFoundError(f"{p}: no such checkpoint file")
-        try:
-            checkpoint = torch.load(p, map_location=map_location, weights_only=weights_only)
-        except Exception as e:  # noqa: BLE001 - every unreadable file gets the same one-line error
-            reason = "the file is empty (0 bytes)" if p.stat().st_size == 0 else first_line(e)
-            error = CheckpointError(f"{p}: not a readable checkpoint ({reason}); resume from an earlier one")
-            # a weights_only refusal's advice spans many lines: keep it as the cause; corruption needs no frames
-            raise error from (e if isinstance(e, pickle.UnpicklingError) else None)
-        problem = _digest_problem(checkpoint)
-        if problem is not None:
-            raise CheckpointError(f"{p}: not a checkpoint to resume from: {problem}; resume from an earlier one")
-        return checkpoint
+        """``weights_only`` is ignored: a checkpoint is always read with ``weights_only=True`` (a pickled object that
+        is not plain data is refused, never run), whatever the caller or ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says."""
+        return load_verified_checkpoint(path, map_location=map_location)
 
 
 class PeriodicCheckpoint(Callback):
