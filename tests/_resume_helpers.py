@@ -32,3 +32,16 @@ class KillAtBatch(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.current_epoch == self.epoch and batch_idx == self.batch:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class BatchLog(Callback):
+    """Append one line per training batch to ``path``: epoch, batch index and the decision rows ``t`` the batch holds
+    (every member, the agents included, gets the coordinator's batch), so two runs can be compared batch by batch."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        rows = ",".join(str(t) for t in batch["t"].tolist())
+        with open(self.path, "a") as f:
+            f.write(f"{trainer.current_epoch} {batch_idx} {rows}\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -244,3 +245,86 @@ def test_requested_symbols_missing_from_the_data_are_an_error(bars_file: Path) -
     dm = _dm(None, synthetic_bars=3_000, symbols=["SYN1"])
     dm.setup()
     assert dm.train_split.symbols == ["SYN1"] and len(dm.bars) == 3_000
+
+
+def test_a_fit_resumed_inside_an_epoch_sees_the_batches_of_an_uninterrupted_one(tmp_path: Path) -> None:
+    """The training loader's position travels in the datamodule's state: a fit whose configure_optimizers reads
+    trainer.estimated_stepping_batches (as foxhunt's members do, which sets the loader up before Lightning restores
+    its loops and so before the loop's own copy of the position could be loaded) resumes from a checkpoint written
+    inside an epoch at the next batch, not at the epoch's first."""
+    import lightning.pytorch as pl
+
+    class Recorder(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(len(FEATS), 1)
+            self.seen: list[tuple[int, int, list[int]]] = []
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            self.seen.append((self.current_epoch, batch_idx, batch["t"].tolist()))
+            return self.layer(batch["x_past"][:, -1]).pow(2).mean()
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=1e-3)
+            steps = self.trainer.estimated_stepping_batches  # sets up the train loader now
+            return [optimizer], [torch.optim.lr_scheduler.LinearLR(optimizer, total_iters=int(steps))]
+
+    class Crash(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if trainer.current_epoch == 1 and batch_idx == 2:
+                trainer.save_checkpoint(tmp_path / "mid.ckpt")
+                raise RuntimeError("crash")
+
+    def fit(model: Recorder, *callbacks: pl.Callback, ckpt_path: Path | None = None,
+            dm: BarDataModule | None = None) -> BarDataModule:
+        dm = dm or _dm(synthetic_symbols=1, batch_size=64)
+        trainer = pl.Trainer(max_epochs=2, limit_train_batches=5, limit_val_batches=0, accelerator="cpu", logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=list(callbacks))
+        trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+        return dm
+
+    whole = Recorder()
+    dm = fit(whole)
+    cut = Recorder()
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(cut, Crash())
+    resumed = Recorder()
+    fit(resumed, ckpt_path=tmp_path / "mid.ckpt", dm=dm)  # a datamodule that served a whole fit before
+    assert len(whole.seen) == 10 and cut.seen == whole.seen[:8]
+    assert resumed.seen == whole.seen[8:]
+    again = Recorder()
+    fit(again, dm=dm)  # and a fresh fit of it after the resume starts from the beginning
+    assert again.seen == whole.seen
+    state = torch.load(tmp_path / "mid.ckpt", weights_only=True)["BarDataModule"]["train_batches"]
+    assert (state["epoch"], state["served"]) == (1, 3)
+
+
+def test_a_file_of_a_few_bars_is_one_line_naming_it_and_what_it_lacks(tmp_path: Path, market, capsys) -> None:
+    """`python -m foxhunt.data` on a file whose bars all fall in the features' warm-up: one error line naming the
+    file, the bars it has and about how many the splits need (it used to be FeatureNormalizer.fit's traceback)."""
+    from foxhunt.cli_errors import run_command
+    from foxhunt.data.__main__ import main
+    from foxhunt.data.bars import DataError
+
+    few = write_bars(market.bars[market.bars["symbol"] == "SYN0"].iloc[:150], tmp_path / "few.parquet")
+    assert run_command(main, ["--path", str(few)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"error: data: {few}: too few bars for the features' warm-up and the splits: 150 bars, "
+                             "105 in the training split and 0 of them past the features' warm-up of 200 bars"), err[0]
+    assert "about 934 bars per symbol" in err[0]  # default features: warm-up 200, lookback 64 + horizon 6, purge 70
+    dm = _dm(write_bars(market.bars.iloc[:25], tmp_path / "fewer.parquet"), synthetic_symbols=1)
+    with pytest.raises(DataError, match=r"fewer.parquet: too few bars .*: 25 bars, 17 in the training split and 0 of "
+                                        r"them past the features' warm-up of 20 bars per symbol \(std_logret_20\)"):
+        dm.setup()
+    # enough for the warm-up but not for a validation window: the split error names the file and the bars needed
+    short = write_bars(market.bars[market.bars["symbol"] == "SYN0"].iloc[:400], tmp_path / "short.parquet")
+    assert run_command(main, ["--path", str(short)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: data: the val split has no complete window") and str(short) in line, line
+    assert "about 934 bars per symbol needed" in line
+    with pytest.raises(DataError, match=r"feature\(s\) rsi_14 have at most one finite value on the 3 training bars"):
+        x = torch.ones(3, len(FEATS))
+        x[:, dm.feature_names.index("rsi_14")] = math.nan  # degenerate bars: a feature never defined on them
+        dm._check_normaliser_rows(x, 10)

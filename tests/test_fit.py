@@ -294,17 +294,19 @@ def _fit_subprocess(tmp: Path, *extra: str, version: bool = True) -> subprocess.
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, check=False)
 
 
-def test_resume_after_kill_is_exact(tmp_path: Path) -> None:
-    """A run killed after its first epoch (of two) and resumed from last.ckpt ends with an uninterrupted run's weights."""
-    whole = _fit_subprocess(tmp_path / "whole")
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    killed = _fit_subprocess(tmp_path / "cut", "--trainer.callbacks+=_resume_helpers.KillAfterEpoch",
-                             "--trainer.callbacks.epoch=0")
-    assert killed.returncode == -9, killed.stderr[-3000:]
-    last = tmp_path / "cut" / "runs" / "foxhunt" / "version_0" / "checkpoints" / "last.ckpt"
-    assert last.exists()
-    resumed = _fit_subprocess(tmp_path / "cut", "--ckpt_path", str(last))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+def _batch_log(path: Path) -> tuple[str, ...]:
+    """Fit arguments that log every training batch the run sees to ``path`` (``_resume_helpers.BatchLog``)."""
+    return ("--trainer.callbacks+=_resume_helpers.BatchLog", f"--trainer.callbacks.path={path}")
+
+
+def _batches(path: Path) -> list[str]:
+    """(epoch, batch index, decision rows) of every training batch a run logged, one string each."""
+    return path.read_text().splitlines()
+
+
+def _assert_same_final_tensors(tmp_path: Path, a: str, b: str) -> None:
+    """The runs ``a`` and ``b`` end with bit-identical weights (last.ckpt) and exports."""
+    from safetensors.torch import load_file
 
     def final(run: str) -> dict[str, torch.Tensor]:
         ckpt = torch.load(tmp_path / run / "runs" / "foxhunt" / "version_0" / "checkpoints" / "last.ckpt",
@@ -312,10 +314,30 @@ def test_resume_after_kill_is_exact(tmp_path: Path) -> None:
         assert ckpt["epoch"] == 1
         return ckpt["state_dict"]
 
-    a, b = final("whole"), final("cut")
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=f"{key} differs after resume")
+    for key_a, key_b in ((final(a), final(b)),
+                         (load_file(str(tmp_path / a / "export" / "ensemble.safetensors")),
+                          load_file(str(tmp_path / b / "export" / "ensemble.safetensors")))):
+        assert key_a.keys() == key_b.keys()
+        differ = [key for key in key_a if not torch.equal(key_a[key], key_b[key])]
+        assert not differ, f"{len(differ)} of {len(key_a)} tensors differ after resume, e.g. {differ[:5]}"
+
+
+def test_resume_after_kill_is_exact(tmp_path: Path) -> None:
+    """A run killed after its first epoch (of two) and resumed from last.ckpt sees the batches of an uninterrupted
+    run's second epoch and ends with its weights, bit for bit."""
+    whole = _fit_subprocess(tmp_path / "whole", *_batch_log(tmp_path / "whole.batches"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = _fit_subprocess(tmp_path / "cut", "--trainer.callbacks+=_resume_helpers.KillAfterEpoch",
+                             "--trainer.callbacks.epoch=0", *_batch_log(tmp_path / "killed.batches"))
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    last = tmp_path / "cut" / "runs" / "foxhunt" / "version_0" / "checkpoints" / "last.ckpt"
+    assert last.exists()
+    resumed = _fit_subprocess(tmp_path / "cut", "--ckpt_path", str(last), *_batch_log(tmp_path / "resumed.batches"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    seen = _batches(tmp_path / "whole.batches")
+    assert len(seen) == 12 and _batches(tmp_path / "killed.batches") == seen[:6]
+    assert _batches(tmp_path / "resumed.batches") == seen[6:]
+    _assert_same_final_tensors(tmp_path, "whole", "cut")
 
 
 def test_a_resumed_run_exports_the_best_checkpoint_of_the_whole_run(tmp_path: Path) -> None:
@@ -357,22 +379,37 @@ def test_a_resumed_run_exports_the_best_checkpoint_of_the_whole_run(tmp_path: Pa
 
 def test_periodic_checkpoints_inside_an_epoch_and_ckpt_path_last_resumes_from_the_newest(tmp_path: Path) -> None:
     """--checkpoint_every_n_steps 2: a run killed at the third step of its second epoch loses one step, not the
-    epoch; --ckpt_path last picks that mid-epoch checkpoint (the newest that loads) and the run finishes."""
-    killed = _fit_subprocess(tmp_path, "--checkpoint_every_n_steps", "2",
+    epoch; --ckpt_path last picks that mid-epoch checkpoint (the newest that loads), and the resumed run sees exactly
+    the batches an uninterrupted run sees from there (none replayed, none skipped: the training loader's position
+    is in the checkpoint) and ends with its weights and export, bit for bit."""
+    periodic_every = ("--checkpoint_every_n_steps", "2")
+    whole = _fit_subprocess(tmp_path / "whole", *periodic_every, *_batch_log(tmp_path / "whole.batches"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = _fit_subprocess(tmp_path / "cut", *periodic_every,
                              "--trainer.callbacks+=_resume_helpers.KillAtBatch", "--trainer.callbacks.epoch=1",
-                             "--trainer.callbacks.batch=2")
+                             "--trainer.callbacks.batch=2", *_batch_log(tmp_path / "killed.batches"))
     assert killed.returncode == -9, killed.stderr[-3000:]
-    ckpts = tmp_path / "runs" / "foxhunt" / "version_0" / "checkpoints"
+    ckpts = tmp_path / "cut" / "runs" / "foxhunt" / "version_0" / "checkpoints"
     epoch_end = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=True)
     periodic = torch.load(ckpts / "last-steps.ckpt", map_location="cpu", weights_only=True)
     assert epoch_end["epoch"] == 0 and periodic["epoch"] == 1 and periodic["global_step"] > epoch_end["global_step"]
     assert periodic["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["processed"] == 2  # 2 steps in
     assert not list(ckpts.glob(".*.tmp"))  # written atomically: no temporary file left beside them
-    resumed = _fit_subprocess(tmp_path, "--ckpt_path", "last", "--checkpoint_every_n_steps", "2")
+    resumed = _fit_subprocess(tmp_path / "cut", "--ckpt_path", "last", *periodic_every,
+                              *_batch_log(tmp_path / "resumed.batches"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {ckpts / 'last-steps.ckpt'}" in resumed.stderr
     final = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=True)
     assert final["epoch"] == 1 and final["global_step"] > periodic["global_step"]
+    # 6 batches an epoch: the killed run trained epoch 0 and batches 0-2 of epoch 1, the last after its periodic
+    # checkpoint, so the resumed run starts again at batch 2, and from there sees the uninterrupted run's batches
+    seen = _batches(tmp_path / "whole.batches")
+    assert len(seen) == 12 and _batches(tmp_path / "killed.batches") == seen[:9]
+    assert _batches(tmp_path / "resumed.batches") == seen[8:]
+    _assert_same_final_tensors(tmp_path, "whole", "cut")
+    # the loader's position that brought it back (epoch 1, 2 batches served); Lightning sees a resumable loader
+    assert "dataloader is not resumable" not in resumed.stderr
+    assert {k: periodic["BarDataModule"]["train_batches"][k] for k in ("epoch", "served")} == {"epoch": 1, "served": 2}
 
 
 TFT_ONLY = {"class_path": "foxhunt.lit.tft.TFTModule", "init_args": {"hidden_size": 8, "attention_heads": 2, "hidden_continuous_size": 4}}

@@ -232,6 +232,126 @@ def test_lightning_reshuffles_each_epoch_through_set_epoch() -> None:
     assert [model.seen[e] for e in range(3)] == expected
 
 
+def _rows(batches) -> list[list[int]]:
+    return [b["t"].tolist() for b in batches]
+
+
+def test_resumes_mid_epoch_from_its_state_dict() -> None:
+    """state_dict after k batches of an epoch + load_state_dict into a new loader: the new one serves batches k.. of
+    that epoch, then the next epochs in full, and a second cut in the same epoch resumes as exactly."""
+    split = make_split()
+
+    def new() -> WindowBatches:
+        return WindowBatches(split, 6, 2, batch_size=7, shuffle=True, seed=3, drop_last=True)
+
+    ref = new()
+    expected = {}
+    for e in (1, 2):
+        ref.set_epoch(e)
+        expected[e] = _rows(ref)
+    n = len(expected[1])
+    assert n > 8
+
+    first = new()
+    first.set_epoch(1)
+    it = iter(first)
+    head = [next(it) for _ in range(3)]
+    state = first.state_dict()
+    assert (state["epoch"], state["served"]) == (1, 3)
+    assert _rows(head) == expected[1][:3]
+
+    second = new()
+    second.load_state_dict(state)
+    assert second.state_dict() == state  # loaded, not yet resumed: a checkpoint now keeps the same position
+    second.set_epoch(1)  # Lightning sets the epoch it resumes, then iterates
+    it = iter(second)
+    middle = [next(it) for _ in range(2)]
+    assert _rows(middle) == expected[1][3:5]
+    state = second.state_dict()
+    assert (state["epoch"], state["served"]) == (1, 5)  # counts on from the resumed position
+
+    third = new()
+    third.load_state_dict(state)  # a plain loop, no set_epoch: the state's epoch is the next pass
+    assert _rows(third) == expected[1][5:]
+    assert third.state_dict()["served"] == n
+    assert _rows(third) == expected[2]  # the next pass is the next epoch, whole
+
+
+def test_a_position_saved_at_an_epoch_end_starts_the_next_epoch_whole() -> None:
+    split = make_split()
+    a = WindowBatches(split, 6, 2, batch_size=7, shuffle=True, seed=3)
+    a.set_epoch(0)
+    list(a)
+    b = WindowBatches(split, 6, 2, batch_size=7, shuffle=True, seed=3)
+    b.load_state_dict(a.state_dict())
+    b.set_epoch(1)
+    ref = WindowBatches(split, 6, 2, batch_size=7, shuffle=True, seed=3)
+    ref.set_epoch(1)
+    assert _rows(b) == _rows(ref)
+    fresh = WindowBatches(split, 6, 2, batch_size=7, shuffle=True, seed=3).state_dict()
+    assert (fresh["epoch"], fresh["served"]) == (0, 0)  # before any pass: nothing served
+
+
+def test_a_position_of_other_batches_is_refused_with_a_warning() -> None:
+    split = make_split()
+    a = WindowBatches(split, 6, 2, batch_size=7, shuffle=True, seed=3)
+    it = iter(a)
+    next(it)
+    b = WindowBatches(split, 6, 2, batch_size=8, shuffle=True, seed=3)
+    with pytest.warns(UserWarning, match=r"batch_size 7 -> 8.*restarts from its first batch"):
+        b.load_state_dict(a.state_dict())
+    assert len(list(b)) == len(b)
+
+
+def test_lightning_resumes_mid_epoch_through_the_loaders_state(tmp_path) -> None:
+    """Lightning's own mechanism: a checkpoint written inside an epoch holds the loader's state_dict, and a fit
+    resumed from it sees the rest of that epoch's batches, not its first ones again."""
+    import lightning.pytorch as pl
+
+    split = make_split()
+
+    class Recorder(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(len(FEATURES), 1)
+            self.seen: list[tuple[int, int, list[int]]] = []
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            self.seen.append((self.current_epoch, batch_idx, batch["t"].tolist()))
+            return self.layer(batch["x_past"][:, -1]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    class Crash(pl.Callback):
+        def __init__(self, path: str) -> None:
+            self.path = path
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if trainer.current_epoch == 1 and batch_idx == 2:
+                trainer.save_checkpoint(self.path)
+                raise RuntimeError("crash")
+
+    def trainer(*callbacks: pl.Callback) -> pl.Trainer:
+        return pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks))
+
+    def loader() -> WindowBatches:
+        return WindowBatches(split, 6, 2, batch_size=16, shuffle=True, seed=5)
+
+    whole = Recorder()
+    trainer().fit(whole, train_dataloaders=loader())
+    path = str(tmp_path / "mid.ckpt")
+    cut = Recorder()
+    with pytest.raises(RuntimeError, match="crash"):
+        trainer(Crash(path)).fit(cut, train_dataloaders=loader())
+    resumed = Recorder()
+    trainer().fit(resumed, train_dataloaders=loader(), ckpt_path=path)
+    n = len(loader())
+    assert cut.seen == whole.seen[: n + 3]
+    assert resumed.seen == whole.seen[n + 3 :]
+
+
 def test_known_future_columns_must_be_known_in_advance() -> None:
     """x_future holds rows t+1..t+H: of the registry's features only the calendar ones (known from the timestamp) may
     be there; rsi_14 is not. A column the registry does not know (a caller's own matrix) is the caller's declaration

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Literal
@@ -199,6 +200,8 @@ class BarDataModule(pl.LightningDataModule):
         self.train_window_mask: torch.Tensor | None = None  # optional restriction of TFT training windows (stacking)
         self.split_rows: dict[str, np.ndarray] = {}
         self._oracle_mean: torch.Tensor | None = None  # the synthetic market's conditional means, row-aligned with bars
+        self._train_batches: WindowBatches | None = None  # the last training loader handed out, whose position ...
+        self._train_batches_state: dict | None = None  # ... a checkpoint saves, and one loaded for the next loader
 
     # --- loading -------------------------------------------------------------------------------------------------
 
@@ -259,6 +262,7 @@ class BarDataModule(pl.LightningDataModule):
         if train.numel() == 0:
             raise DataError("data: the training split is empty; check data.train_fraction, data.val_start or data.start")
         train_ok = ready[train] & torch.isfinite(returns[train])
+        self._check_normaliser_rows(raw_features[train][train_ok], int(train.numel()))
         self.feature_normalizer.fit(raw_features[train][train_ok], names=self.feature_set.names)
         features = self.normalise(raw_features)
         # the training split's own returns, as assemble_split builds them: at a symbol's last training row the return
@@ -277,6 +281,50 @@ class BarDataModule(pl.LightningDataModule):
         self._check_splits()
         log.info("%s", self.describe())
 
+    def _source(self) -> str:
+        """The bars, as an error names them: the path, or the synthetic market."""
+        return str(self.path) if self.path is not None else f"the synthetic market (seed {self.synthetic_seed})"
+
+    def _bars_needed(self) -> int | None:
+        """About how many bars per symbol the splits need: the training split the features' warm-up and one window
+        (lookback + horizon), validation and test each the purge and one window. None when dates, not fractions,
+        cut the splits (or start/end limit them)."""
+        if any(x is not None for x in (self.val_start, self.test_start, self.start, self.end)):
+            return None
+        window = self.lookback + self.horizon
+        shares = [(self.feature_set.max_warmup + window, self.train_fraction),
+                  (self.purge + window, self.val_fraction),
+                  (self.purge + window, 1 - self.train_fraction - self.val_fraction)]
+        return max(math.ceil(bars / share) for bars, share in shares if share > 0)
+
+    def _check_normaliser_rows(self, train_features: torch.Tensor, n_train: int) -> None:
+        """The feature normalisation is fitted on the training bars past the features' warm-up: too few of them (a
+        file of a few bars) is one line naming the bars and what they lack, not the normaliser's traceback."""
+        rows = int(train_features.shape[0])
+        finite = torch.isfinite(train_features).sum(0)
+        if rows > 1 and bool((finite > 1).all()):
+            return
+        assert self.bars is not None
+        n_symbols = int(self.bars["symbol"].nunique())
+        bars = f"{len(self.bars):,} bars" + (f" of {n_symbols} symbols" if n_symbols > 1 else "")
+        if rows <= 1:
+            warmup = self.feature_set.max_warmup
+            longest = max(self.feature_set.warmup, key=self.feature_set.warmup.get)
+            needed = self._bars_needed()
+            need = f"about {needed:,} bars per symbol or more, " if needed is not None else "more bars, "
+            raise DataError(
+                f"data: {self._source()}: too few bars for the features' warm-up and the splits: {bars}, "
+                f"{n_train:,} in the training split and {rows} of them past the features' warm-up of {warmup} bars "
+                f"per symbol ({longest}), where the feature normalisation needs at least 2; use {need}features with "
+                "a shorter warm-up (data.features), or a larger data.train_fraction"
+            )
+        bad = [name for name, n in zip(self.feature_set.names, finite.tolist(), strict=True) if n <= 1]
+        raise DataError(
+            f"data: {self._source()}: feature(s) {', '.join(bad[:10])} have at most one finite value on the {rows:,} "
+            f"training bars past the warm-up ({bars}), so they cannot be normalised; leave them out of data.features "
+            "or check the bars"
+        )
+
     def _check_splits(self) -> None:
         """Every split must hold at least one complete window: say so before training, with the sizes that decide it."""
         from foxhunt.data.windows import valid_window_starts
@@ -285,6 +333,8 @@ class BarDataModule(pl.LightningDataModule):
             n_windows = int(valid_window_starts(split, self.lookback, self.horizon).numel()) if len(split) else 0
             if n_windows == 0:
                 sizes = ", ".join(f"{k} {len(v):,} bars ({int(v.valid.sum()):,} decision bars)" for k, v in self.splits.items())
+                needed = self._bars_needed()
+                sizes = f"{self._source()}: {sizes}" + (f"; about {needed:,} bars per symbol needed" if needed else "")
                 raise DataError(
                     f"data: the {name} split has no complete window of lookback {self.lookback} + horizon "
                     f"{self.horizon} bars after the purge of {self.purge} bars and the features' warm-up ({sizes}); use "
@@ -502,7 +552,41 @@ class BarDataModule(pl.LightningDataModule):
         )
 
     def train_dataloader(self) -> WindowBatches:
-        return self.windows("train", shuffle=True)
+        """Shuffled training windows; on a resume, from the position the checkpoint recorded (see ``load_state_dict``)."""
+        batches = self.windows("train", shuffle=True)
+        if self._train_batches_state is not None:
+            batches.load_state_dict(self._train_batches_state)
+            self._train_batches_state = None
+        self._train_batches = batches
+        return batches
+
+    def state_dict(self) -> dict:
+        """The training loader's position (``WindowBatches.state_dict``: the epoch under way and its batches served),
+        saved by Lightning with every checkpoint of a fit.
+
+        The loader is stateful, so Lightning also keeps its position in the fit loop's state; but it loads that state
+        only into a loader set up after the checkpoint's loops are restored, and foxhunt's members read
+        ``trainer.estimated_stepping_batches`` in ``configure_optimizers``, which sets the loader up before (Lightning
+        issue #20550): resuming from a checkpoint written inside an epoch would replay the epoch's first batches. The
+        datamodule's own state is restored before any loader is made, so the position comes back through it."""
+        return {} if self._train_batches is None else {"train_batches": self._train_batches.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume the training loader where the checkpoint's fit was: the next loader ``train_dataloader`` makes
+        (Lightning restores the datamodule before it asks for one), and the loader already handed out, in case a
+        strategy restores only after setting up."""
+        batches = state.get("train_batches")
+        if batches is None:
+            return
+        self._train_batches_state = dict(batches)
+        if self._train_batches is not None:
+            self._train_batches.load_state_dict(batches)
+
+    def teardown(self, stage: str) -> None:
+        """After a fit: forget its training loader and any position not taken up, so a later fit of this datamodule
+        starts from its own beginning (or its own checkpoint)."""
+        if stage == "fit":
+            self._train_batches = self._train_batches_state = None
 
     def val_dataloader(self) -> WindowBatches:
         return self.windows("val")

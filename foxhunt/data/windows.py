@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -89,6 +90,15 @@ class WindowBatches(IterableDataset):
     each epoch through ``sampler``. Without ``set_epoch``, each new pass advances the epoch by one, so a plain loop
     reshuffles too. The order of epoch e depends only on (seed, e). Inside a DataLoader (``batch_size=None``) with
     workers, batches are dealt round-robin to workers.
+
+    It resumes mid-epoch: :meth:`state_dict` says which epoch's pass is under way and how many of its batches it has
+    served, and after :meth:`load_state_dict` the next pass of that epoch starts at the next batch, so a run resumed
+    from a checkpoint written inside an epoch sees exactly the batches an uninterrupted run does. Lightning saves a
+    train dataloader's ``state_dict`` with the fit loop in every checkpoint and loads it on resume when it sets the
+    loader up after restoring the loops; ``BarDataModule`` carries it in its own state for fits that set the loader up
+    earlier (foxhunt's, see ``BarDataModule.state_dict``). Served counts batches handed out, which is the batches
+    trained on because Lightning fetches a sized loader's batches one at a time, without prefetching (one process:
+    with DataLoader workers the count stays in the workers).
     """
 
     def __init__(
@@ -140,6 +150,9 @@ class WindowBatches(IterableDataset):
         self._past_offsets = torch.arange(-self.lookback + 1, 1, device=dev)
         self._target_offsets = torch.arange(self.horizon, device=dev)
         self._epoch = 0
+        self._pass_epoch: int | None = None  # the epoch of the pass under way (None before the first) ...
+        self._served = 0  # ... and how many of its batches it has handed out
+        self._resume: tuple[int, int] | None = None  # (epoch, batches to skip) from load_state_dict, for the next pass
 
     @property
     def num_windows(self) -> int:
@@ -193,12 +206,58 @@ class WindowBatches(IterableDataset):
             return self.features.index_select(0, rows)
         return torch.from_numpy(np.take(self._features_np, rows.numpy(), axis=0))
 
+    def _layout(self) -> dict[str, int | bool]:
+        """What fixes the batches of an epoch: a saved position only means the same batches under the same layout."""
+        return {"num_windows": self.num_windows, "batch_size": self.batch_size, "shuffle": self.shuffle,
+                "seed": self.seed, "drop_last": self.drop_last}
+
+    def state_dict(self) -> dict[str, int | bool]:
+        """The position in the pass under way: its epoch and the batches it has served (plus the layout that makes
+        them the same batches again). Before any pass: the epoch the next one uses, nothing served; after
+        :meth:`load_state_dict` and before the next pass: the position loaded."""
+        if self._resume is not None:
+            epoch, served = self._resume
+        elif self._pass_epoch is None:
+            epoch, served = self._epoch, 0
+        else:
+            epoch, served = self._pass_epoch, self._served
+        return {"epoch": epoch, "served": served, **self._layout()}
+
+    def load_state_dict(self, state: dict[str, int | bool]) -> None:
+        """Resume inside the pass :meth:`state_dict` described: the next pass of that epoch (after ``set_epoch`` or
+        by the running count) skips the batches it had served. Ignored by a pass of any other epoch (a position
+        saved at an epoch's end resumes at the next epoch's start). A state of another layout (other windows, batch
+        size, shuffle, seed or drop_last) cannot name the same batches: a warning, and epochs run from their start."""
+        layout = self._layout()
+        changed = [f"{k} {state.get(k)!r} -> {v!r}" for k, v in layout.items() if state.get(k) != v]
+        if changed:
+            warnings.warn(
+                f"WindowBatches({self.split_name!r}): the saved position is for other batches ({', '.join(changed)}): "
+                "the epoch restarts from its first batch instead of resuming exactly",
+                stacklevel=2,
+            )
+            self._resume = None
+            return
+        epoch, served = int(state["epoch"]), int(state["served"])
+        self._epoch = epoch
+        self._resume = (epoch, served)
+
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
         epoch = self._epoch
         self._epoch = epoch + 1
+        skip = 0
+        if self._resume is not None:
+            if self._resume[0] == epoch:
+                skip = self._resume[1]
+            self._resume = None
+        self._pass_epoch, self._served = epoch, skip
         rows = self.order(epoch)
         n_batches = len(self)
         worker = get_worker_info()
         first, step = (worker.id, worker.num_workers) if worker is not None else (0, 1)
         for i in range(first, n_batches, step):
-            yield self.gather(rows[i * self.batch_size : (i + 1) * self.batch_size])
+            if i < skip:
+                continue
+            batch = self.gather(rows[i * self.batch_size : (i + 1) * self.batch_size])
+            self._served = i + 1
+            yield batch

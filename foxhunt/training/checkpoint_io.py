@@ -192,7 +192,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 class PeriodicCheckpoint(Callback):
     """Saves ``last-steps.ckpt`` beside the run's other checkpoints every ``every_n_steps`` training steps (batches of
     the coordinator, counted within the epoch), so a crash inside a long epoch loses at most that many steps. It goes
-    through ``Trainer.save_checkpoint`` (on every rank, as that requires), hence through ``AtomicCheckpointIO``."""
+    through ``Trainer.save_checkpoint`` (on every rank, as that requires), hence through ``AtomicCheckpointIO``.
+    A resume from it is exact: the checkpoint holds the training loader's position in the epoch
+    (``BarDataModule.state_dict``, ``WindowBatches.state_dict``), so the resumed run goes on with the next batch."""
 
     FILENAME = "last-steps.ckpt"
 
