@@ -257,18 +257,18 @@ def test_predict_step_returns_original_scale(tmp_path: Path) -> None:
     batch = next(iter(loader(split, 16, shuffle=False)))
     raw_pred = m.eval()(batch).prediction
     out = m.predict_step(batch, 0)
-    torch.testing.assert_close(out["quantiles"], raw_pred * 2e-3)  # y_scale carried by the batch
+    torch.testing.assert_close(out["quantiles"], (raw_pred * 2e-3).sort(-1).values)  # y_scale carried by the batch
     assert torch.equal(out["t"], batch["t"]) and torch.equal(out["symbol"], batch["symbol"])
     no_stats = {k: v for k, v in batch.items() if k not in ("y_loc", "y_scale")}
     with pytest.raises(ValueError, match="no y_loc/y_scale and no target_transform"):
         m.predict_step(no_stats, 0)  # predictions of the preprocessed target cannot pass for log returns
     per_row = {**no_stats, "y_scale": torch.full((16,), 3.0), "y_loc": torch.full((16,), 1.0)}
-    torch.testing.assert_close(m.predict_step(per_row, 0)["quantiles"], raw_pred * 3 + 1)
+    torch.testing.assert_close(m.predict_step(per_row, 0)["quantiles"], (raw_pred * 3 + 1).sort(-1).values)
     # a fitted target transform is applied when the batch has no per-row statistics
     tt = TargetTransform(scale="fitted").fit(split.returns[torch.isfinite(split.returns)])
     m.target_transform = tt
     expected = raw_pred * tt.scaler.std + tt.scaler.mean
-    torch.testing.assert_close(m.predict_step(no_stats, 0)["quantiles"], expected)
+    torch.testing.assert_close(m.predict_step(no_stats, 0)["quantiles"], expected.sort(-1).values)
     assert not any("target_transform" in k for k in m.state_dict())
     preds = trainer(tmp_path).predict(module(), loader(split, 64, shuffle=False))
     assert preds[0]["quantiles"].shape == (64, HORIZON, 3)
@@ -325,3 +325,20 @@ def test_checkpoint_round_trip(tmp_path: Path) -> None:
     assert loaded.hparams.hidden_size == 8 and loaded.guard.skipped_loss == 2
     batch = next(iter(loader(make_split(), 8, shuffle=False)))
     torch.testing.assert_close(loaded.eval()(batch).prediction, m.eval()(batch).prediction)
+
+
+def test_forecasts_are_mapped_back_with_the_decision_rows_statistics_and_never_cross() -> None:
+    """Step h's row t+h statistics of a rolling target scale read returns up to t+h-1, r[t] among them (the return the
+    position at t earns): every step is mapped back with row t's. Crossed quantile heads come back sorted."""
+    split = make_split(scale=2.0)
+    m = module().eval()
+    batch = next(iter(loader(split, 16, shuffle=False)))
+    raw = m(batch).prediction
+    steps = torch.arange(1, HORIZON + 1, dtype=torch.float32)
+    per_step = {**batch, "y_loc": 0.1 * steps.expand(16, -1), "y_scale": steps.expand(16, -1) * 1e-3}
+    out = m.to_return_scale(raw, per_step)
+    torch.testing.assert_close(out, (raw * 1e-3 + 0.1).sort(-1).values)  # row t's (step 0's) loc and scale only
+    crossed = raw.flip(-1)  # the heads in the wrong order
+    back = m.to_return_scale(crossed, batch)
+    assert (back.diff(dim=-1) >= 0).all()
+    torch.testing.assert_close(back, m.to_return_scale(raw, batch))

@@ -223,13 +223,19 @@ class Forecaster(Member):
         super().__setattr__(name, value)
 
     def to_return_scale(self, prediction: Tensor, batch: dict[str, Tensor]) -> Tensor:
-        """Quantile forecasts [B, H, Q] on the original log-return scale (per-row loc/scale first, then the transform)."""
+        """Quantile forecasts [B, H, Q] on the original log-return scale, as known at the decision bar t: every step
+        is mapped back with row t's loc/scale (a rolling scale's row t+h reads returns up to t+h-1, r[t] among them),
+        then the transform; the quantiles are sorted (monotone rearrangement: the heads are free to cross, and a
+        crossed interval would read as a signal)."""
         pred = prediction.float()
         loc, scale = batch.get("y_loc"), batch.get("y_scale")
         if loc is not None:
-            loc = _broadcast_rows(loc, pred)
+            loc = _broadcast_rows(_decision_row(loc), pred)
         if scale is not None:
-            scale = _broadcast_rows(scale, pred)
+            scale = _broadcast_rows(_decision_row(scale), pred)
+        return self._inverse(pred, loc, scale).sort(-1).values
+
+    def _inverse(self, pred: Tensor, loc: Tensor | None, scale: Tensor | None) -> Tensor:
         transform = self._target_transform
         if transform is None and loc is None and scale is None:
             raise ValueError(
@@ -529,6 +535,11 @@ class Agent(Member):
         if state.get("cost_bps") is not None:
             self.cost_bps = float(state["cost_bps"])
         self.reward_scale_used = state.get("reward_scale")
+
+
+def _decision_row(stat: Tensor) -> Tensor:
+    """Per-step [B, H] statistics reduced to the decision row's, [B, 1] (per-row [B] ones are already)."""
+    return stat[:, :1] if stat.dim() == 2 else stat
 
 
 def _broadcast_rows(stat: Tensor, pred: Tensor) -> Tensor:
