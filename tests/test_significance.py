@@ -144,6 +144,14 @@ def test_expected_max_sharpe_by_hand() -> None:
     assert expected_max_sharpe([0.05] * 10) == 0.0  # identical trials: no selection bias
     assert expected_max_sharpe([float("nan"), 0.05]) == 0.0  # a failed trial (no Sharpe) does not count
     assert math.isnan(expected_max_sharpe([]))
+    # n_trials: the trials the selection ran over, some without a Sharpe (pruned); the spread is the finite ones'
+    assert expected_max_sharpe(trials, n_trials=len(trials)) == expected_max_sharpe(trials)
+    assert expected_max_sharpe(trials + [float("nan")] * 3, n_trials=len(trials)) == pytest.approx(sr0, rel=1e-12)
+    assert expected_max_sharpe(trials, n_trials=len(trials) + 5) > sr0
+    assert expected_max_sharpe([0.05], n_trials=10) == 0.0  # one Sharpe: no spread to estimate
+    assert math.isnan(expected_max_sharpe([float("nan")], n_trials=3))
+    with pytest.raises(ValueError, match="below"):
+        expected_max_sharpe(trials, n_trials=len(trials) - 1)
 
 
 def test_dsr_is_psr_for_one_trial_and_falls_as_trials_grow() -> None:
@@ -162,6 +170,8 @@ def test_dsr_is_psr_for_one_trial_and_falls_as_trials_grow() -> None:
         dsrs.append(deflated_sharpe_ratio(*args, trials))
     assert psr_vs_flat(pnl) > dsrs[0]
     assert all(a > b for a, b in zip(dsrs, dsrs[1:], strict=False))
+    # the same Sharpes with pruned trials (no Sharpe) among them: more trials tried, lower DSR
+    assert deflated_sharpe_ratio(*args, trials, n_trials=2000) < dsrs[-1]
     assert dsrs[-1] < 0.5 < psr_vs_flat(pnl)  # 1000 trials of this spread explain away a Sharpe of 0.08 per bar
 
 

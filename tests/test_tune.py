@@ -107,12 +107,13 @@ def test_study_prunes_the_bad_region_logs_each_trial_and_summarises(tiny_study) 
     assert summary["counts"]["pruned"] == len(summary["pruned"]) >= 1
     best_trial = study.best_trial
     assert summary["best"][0]["number"] == best_trial.number
-    # the best trial's validation Sharpe deflated by the number and spread of the complete trials' Sharpes
+    # the best trial's validation Sharpe deflated by the number of trials tried (pruned ones included) and the spread
+    # of the Sharpes of the complete ones
     deflated = summary["best"][0]["deflated_sharpe"]
-    assert deflated["n_trials"] == len(complete)
+    assert deflated["n_trials"] == len(complete) + len(summary["pruned"])
     mine = best_trial.user_attrs["validation_moments"]
     if math.isnan(mine["sr_per_bar"]):  # an ensemble that never traded has no Sharpe to deflate
-        assert math.isnan(deflated["value"])
+        assert deflated["value"] is None and deflated["reason"]
     else:
         assert 0.0 <= deflated["value"] <= 1.0
     assert all("validation_moments" in t.user_attrs for t in complete)
@@ -494,3 +495,76 @@ def test_lightning_config_is_valid() -> None:
     assert cfg.base_config == (ROOT / "lightning_configs" / "quickstart.yaml").resolve()
     assert cfg.objectives[0].metric == "val/sharpe" and cfg.objectives[0].direction == "maximize"
     assert cfg.sampler["name"] == "tpe" and cfg.sampler["seed"] == 0
+
+
+# ---- the deflated Sharpe ratio of the best trial, on fixed trials ----------------------------------------------------
+_X = {"x": optuna.distributions.FloatDistribution(0.0, 1.0)}
+
+
+def _moments(sr: float, held_flat: bool = False) -> dict[str, Any]:
+    return {"validation_moments": {"sr_per_bar": sr, "n_bars": 400, "skew": -0.2, "kurtosis": 4.0,
+                                   "held_flat": held_flat}}
+
+
+def _fixed_study(srs: list[float], pruned: int = 0, failed: tuple[tuple[str, bool], ...] = (), held_flat: bool = False):
+    """Complete trials with validation Sharpes ``srs`` (objective = the Sharpe), ``pruned`` pruned trials with an
+    intermediate value, and failed trials of (fail_kind, scored on validation before failing)."""
+    study = optuna.create_study(direction="maximize")
+    for i, sr in enumerate(srs):
+        value = sr if math.isfinite(sr) else 0.0
+        study.add_trial(optuna.trial.create_trial(params={"x": i / 10}, distributions=_X, value=value,
+                                                  user_attrs=_moments(sr, held_flat)))
+    for i in range(pruned):
+        study.add_trial(optuna.trial.create_trial(params={"x": 0.5 + i / 10}, distributions=_X,
+                                                  state=TrialState.PRUNED, intermediate_values={0: -1.0}))
+    for kind, scored in failed:
+        attrs = {"fail_kind": kind, "fail_reason": kind, "history": {"val/sharpe": [-0.5] if scored else []}}
+        study.add_trial(optuna.trial.create_trial(params={"x": 0.9}, distributions=_X, state=TrialState.FAIL,
+                                                  user_attrs=attrs))
+    return study
+
+
+def test_deflated_sharpe_counts_pruned_and_scored_failed_trials() -> None:
+    from foxhunt.evaluation.significance import deflated_sharpe_ratio
+    from foxhunt.tune.report import deflated_sharpe
+
+    srs = [0.12, 0.02, -0.03]
+    complete_only = _fixed_study(srs)
+    d0 = deflated_sharpe(complete_only, complete_only.best_trial)
+    assert d0["n_trials"] == 3 and d0["n_sharpes"] == 3 and d0["trials"] == {"complete": 3}
+    # two pruned, one error scored on validation before it failed (counted); an error before any validation, an
+    # interrupted and a surplus trial were never judged (not counted)
+    pruned = _fixed_study(srs, pruned=2, failed=(("error", True), ("error", False), ("interrupted", True),
+                                                 ("surplus", False)))
+    d = deflated_sharpe(pruned, pruned.best_trial)
+    assert d["n_trials"] == 6 and d["n_sharpes"] == 3 and d["trials"] == {"complete": 3, "pruned": 2, "error": 1}
+    assert d["value"] == pytest.approx(deflated_sharpe_ratio(0.12, 400, -0.2, 4.0, srs, n_trials=6), rel=1e-12)
+    assert 0.0 < d["value"] < d0["value"] < 1.0  # more trials tried, same spread: deflated further
+
+    from foxhunt.tune.report import format_summary
+
+    summary = {"study": "s", "n_trials": 9, "counts": {}, "pruned": [3, 4], "failed": {}, "importances": {}, "plots": [],
+               "summary_path": "p", "best": [{"number": 0, "values": {"val/sharpe": 0.12}, "params": {}, "config": "c",
+                                              "export_dir": "e", "deflated_sharpe": d}]}
+    text = format_summary(summary, "db")
+    assert "given 6 trials tried: 3 complete, 1 error, 2 pruned; spread of 3 validation Sharpe(s)" in text
+
+
+def test_held_flat_best_trial_prints_the_reason_not_nan() -> None:
+    from foxhunt.tune.report import deflated_sharpe, format_summary
+
+    study = _fixed_study([math.nan, math.nan], pruned=2, held_flat=True)
+    d = deflated_sharpe(study, study.best_trial)
+    assert d["value"] is None and d["n_trials"] == 4 and d["n_sharpes"] == 0  # NaN Sharpes give no spread
+    summary = {"study": "s", "n_trials": 4, "counts": {"complete": 2, "pruned": 2}, "pruned": [2, 3], "failed": {},
+               "importances": {}, "plots": [], "summary_path": "p",
+               "best": [{"number": 0, "values": {"val/sharpe": 0.0}, "params": {}, "config": "c", "export_dir": "e",
+                         "deflated_sharpe": d}]}
+    text = format_summary(summary, "db")
+    line = next(ln for ln in text.splitlines() if "deflated Sharpe ratio" in ln)
+    assert "held flat" in line and "no Sharpe to deflate" in line
+    assert "nan" not in text.lower()
+    # a best trial with a Sharpe among trials without one: counted in N, left out of the spread
+    mixed = _fixed_study([0.1, math.nan, 0.02])
+    d = deflated_sharpe(mixed, mixed.best_trial)
+    assert d["n_trials"] == 3 and d["n_sharpes"] == 2 and 0.0 < d["value"] < 1.0

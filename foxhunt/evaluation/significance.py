@@ -145,19 +145,24 @@ def psr_vs_benchmark(pnl: Tensor | Sequence[float], benchmark_pnl: Tensor | Sequ
     return probabilistic_sharpe_ratio(pnl, sharpe_moments(benchmark_pnl).sr_per_bar)
 
 
-def expected_max_sharpe(trial_srs_per_bar: Tensor | Sequence[float]) -> float:
+def expected_max_sharpe(trial_srs_per_bar: Tensor | Sequence[float], n_trials: int | None = None) -> float:
     """SR0 of Bailey & Lopez de Prado (2014): the expected maximum of N trial Sharpes whose true Sharpe is zero.
 
-    ``sqrt(V) ((1 - γ) Φ⁻¹(1 - 1/N) + γ Φ⁻¹(1 - 1/(N e)))`` with V the sample variance (divisor N - 1) of the trials'
-    per-bar Sharpes, γ the Euler-Mascheroni constant and N the number of trials with a finite Sharpe. 0 for a single
-    trial (no selection) and for trials of equal Sharpe (zero variance); NaN when no trial has a finite Sharpe.
+    ``sqrt(V) ((1 - γ) Φ⁻¹(1 - 1/N) + γ Φ⁻¹(1 - 1/(N e)))`` with V the sample variance (divisor K - 1) of the K trials
+    with a finite per-bar Sharpe and γ the Euler-Mascheroni constant. N is ``n_trials``, the number of trials the
+    selection ran over, which may exceed K when some trials were tried but have no Sharpe (pruned or failed before
+    their Sharpe was measured); by default N = K. 0 for a single trial (no selection), for trials of equal Sharpe
+    (zero variance) and when fewer than two trials have a Sharpe (no spread to estimate); NaN when none has one.
     """
     srs = torch.as_tensor(trial_srs_per_bar, dtype=torch.float64).flatten()
     srs = srs[torch.isfinite(srs)]
-    n = srs.numel()
-    if n == 0:
+    k = srs.numel()
+    n = k if n_trials is None else int(n_trials)
+    if n < k:
+        raise ValueError(f"n_trials={n_trials} is below the {k} trials with a finite Sharpe")
+    if k == 0:
         return math.nan
-    if n == 1:
+    if n == 1 or k == 1:
         return 0.0
     std = float(srs.std())
     if std <= 1e-12 * float(srs.abs().max()):  # equal Sharpes, up to rounding
@@ -173,14 +178,17 @@ def deflated_sharpe_ratio(
     skew: float,
     kurt: float,
     trial_srs_per_bar: Tensor | Sequence[float],
+    n_trials: int | None = None,
 ) -> float:
     """Bailey & Lopez de Prado (2014) DSR: the PSR of the selected strategy against SR0 = :func:`expected_max_sharpe`.
 
     ``sr_per_bar``, ``n_bars``, ``skew`` and ``kurt`` describe the selected trial's P&L (:func:`sharpe_moments`);
-    ``trial_srs_per_bar`` holds the per-bar Sharpe of every trial tried, the selected one included, on the same bars'
-    frequency. With one trial the DSR is the PSR against flat; it falls as more trials of the same spread are tried.
+    ``trial_srs_per_bar`` holds the per-bar Sharpe of every trial that has one, the selected one included, on the same
+    bars' frequency; ``n_trials`` the number of trials the selection ran over (default: those with a finite Sharpe),
+    pruned ones included. With one trial the DSR is the PSR against flat; it falls as more trials of the same spread
+    are tried.
     """
-    sr0 = expected_max_sharpe(trial_srs_per_bar)
+    sr0 = expected_max_sharpe(trial_srs_per_bar, n_trials)
     return psr_from_moments(sr_per_bar, n_bars, skew, kurt, sr0)
 
 

@@ -104,16 +104,18 @@ def _scalar_params(params: Mapping[str, Any]) -> dict[str, Any]:
 
 def _record_validation_moments(trial: optuna.Trial, model: Any) -> None:
     """The moments of the ensemble's validation P&L with the exported weights: what the study's deflated Sharpe
-    ratio needs of each trial (per-bar Sharpe, bars, skewness, kurtosis)."""
+    ratio needs of each trial (per-bar Sharpe, bars, skewness, kurtosis), and whether it was held flat throughout."""
     evaluation = getattr(model, "last_evaluation", None)
     if evaluation is None or "ensemble" not in evaluation.positions:
         return
     from foxhunt.evaluation.backtest import policy_pnl
     from foxhunt.evaluation.significance import sharpe_moments
 
-    m = sharpe_moments(policy_pnl(evaluation.positions["ensemble"], evaluation.split, evaluation.cost_bps))
+    positions = evaluation.positions["ensemble"]
+    m = sharpe_moments(policy_pnl(positions, evaluation.split, evaluation.cost_bps))
+    # held_flat: no position at any bar (the do-no-harm rule held every member flat), so no P&L and no Sharpe
     trial.set_user_attr("validation_moments", {"sr_per_bar": m.sr_per_bar, "n_bars": m.n_bars, "skew": m.skew,
-                                               "kurtosis": m.kurtosis})
+                                               "kurtosis": m.kurtosis, "held_flat": bool((positions == 0).all())})
 
 
 def _classify(e: BaseException) -> tuple[str, str]:

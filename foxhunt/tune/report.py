@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -12,6 +13,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from foxhunt.tune.space import TuneConfig, compose_fit_config, decoded_params, write_fit_config
+from foxhunt.tune.study import COUNTED_FAIL_KINDS
 
 
 # ------------------------------------------------------------------------------------------------------- summary
@@ -100,19 +102,61 @@ def _plots(study: optuna.Study, target: Callable[[FrozenTrial], float] | None, m
     return written
 
 
-def deflated_sharpe(study: optuna.Study, best: FrozenTrial) -> dict[str, float] | None:
-    """The deflated Sharpe ratio (Bailey and Lopez de Prado 2014) of the best trial's validation Sharpe, given every
-    complete trial's: the probability that it beats the best Sharpe expected from that many trials of no skill."""
+def dsr_trials(study: optuna.Study) -> list[FrozenTrial]:
+    """The trials the best one was selected over, the N of its deflated Sharpe ratio: every complete and every pruned
+    trial (the sampler proposed it and validation judged it, a pruned one before its fit ended), and every failure
+    that uses up the budget (error, out of memory) once it had been scored on validation at least once. Interrupted,
+    surplus and stale trials, and failures before any validation, were never judged and do not count."""
+    def counted(t: FrozenTrial) -> bool:
+        if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
+            return True
+        if t.state != TrialState.FAIL or t.user_attrs.get("fail_kind") not in COUNTED_FAIL_KINDS:
+            return False
+        history = t.user_attrs.get("history") or {}
+        return bool(t.intermediate_values) or any(len(h) for h in history.values())
+
+    return [t for t in study.get_trials(deepcopy=False) if counted(t)]
+
+
+def deflated_sharpe(study: optuna.Study, best: FrozenTrial) -> dict[str, Any] | None:
+    """The deflated Sharpe ratio (Bailey and Lopez de Prado 2014) of the best trial's validation Sharpe: the
+    probability that it beats the best Sharpe expected from that many trials of no skill.
+
+    N counts every trial of :func:`dsr_trials`; the spread of the trials' Sharpes comes from those that have one (the
+    complete trials' validation moments: a pruned trial's intermediate values are its objective, not a per-bar
+    Sharpe). ``value`` is None, with ``reason`` saying why, when the best trial has no Sharpe to deflate."""
     from foxhunt.evaluation.significance import deflated_sharpe_ratio
 
     mine = best.user_attrs.get("validation_moments")
-    trials = [t.user_attrs["validation_moments"] for t in study.get_trials(deepcopy=False)
-              if t.state == TrialState.COMPLETE and "validation_moments" in t.user_attrs]
-    if mine is None or not trials:
+    if mine is None:
         return None
-    value = deflated_sharpe_ratio(mine["sr_per_bar"], int(mine["n_bars"]), mine["skew"], mine["kurtosis"],
-                                  [t["sr_per_bar"] for t in trials])
-    return {"value": float(value), "n_trials": len(trials)}
+    tried = dsr_trials(study)
+    kinds: dict[str, int] = {}
+    for t in tried:
+        kinds[_kind(t)] = kinds.get(_kind(t), 0) + 1
+    srs = [float(t.user_attrs["validation_moments"]["sr_per_bar"]) for t in tried
+           if t.state == TrialState.COMPLETE and "validation_moments" in t.user_attrs]
+    srs = [sr for sr in srs if math.isfinite(sr)]
+    out: dict[str, Any] = {"value": None, "n_trials": len(tried), "trials": kinds, "n_sharpes": len(srs),
+                           "reason": None}
+    if not math.isfinite(mine["sr_per_bar"]):
+        out["reason"] = ("the ensemble was held flat on validation (the do-no-harm rule: no trade, no P&L), so there "
+                         "is no Sharpe to deflate" if mine.get("held_flat") else
+                         "its validation P&L has no Sharpe (constant or non-finite), so there is none to deflate")
+        return out
+    value = deflated_sharpe_ratio(mine["sr_per_bar"], int(mine["n_bars"]), mine["skew"], mine["kurtosis"], srs,
+                                  n_trials=max(len(tried), len(srs)))
+    out["value"] = float(value)
+    return out
+
+
+def _format_dsr(d: Mapping[str, Any]) -> str:
+    if d.get("value") is None:
+        return f"    deflated Sharpe ratio of its validation Sharpe: none, {d['reason']}"
+    trials = d.get("trials") or {}
+    kinds = ", ".join(f"{v} {k}" for k, v in sorted(trials.items()))
+    return (f"    deflated Sharpe ratio of its validation Sharpe: {d['value']:.3f} (given {d['n_trials']} trials tried: "
+            f"{kinds}; spread of {d['n_sharpes']} validation Sharpe(s); Bailey and Lopez de Prado 2014)")
 
 
 def format_summary(summary: Mapping[str, Any], storage: str) -> str:
@@ -132,9 +176,7 @@ def format_summary(summary: Mapping[str, Any], storage: str) -> str:
                          "usually means every member was held flat: no significant edge after costs; tune "
                          "val/<member>/edge_confidence instead, see docs/TUNING.md)")
         if b.get("deflated_sharpe"):
-            d = b["deflated_sharpe"]
-            lines.append(f"    deflated Sharpe ratio of its validation Sharpe: {d['value']:.3f} (given {d['n_trials']} "
-                         "complete trials; Bailey and Lopez de Prado 2014)")
+            lines.append(_format_dsr(b["deflated_sharpe"]))
         lines += [f"    {k}: {v}" for k, v in b["params"].items()]
         lines.append(f"    fit config: {b['config']}")
         lines.append(f"    weights:    {b['export_dir']}")
