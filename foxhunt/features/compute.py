@@ -8,6 +8,8 @@ ops elsewhere (CUDA), so the same code serves both.
 from __future__ import annotations
 
 import functools
+import math
+import warnings
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -171,6 +173,7 @@ def _compute(
         group = torch.cat((moved.new_zeros(1, dtype=torch.int64), torch.cumsum(moved, 0)))  # symbol row of each row
         pos = torch.arange(n, device=dev) - panel.starts[group]  # bar within its symbol
         flat = group * T + pos
+    nonfinite: list[torch.Tensor | int] = []  # per feature: non-finite values past its warm-up
     with ops.recycling() as pool:  # CPU intermediates reuse the memory of those already freed (released by the plan)
         for j, f in enumerate(selected):
             dest = out[j].view(1, T) if S == 1 and f.writes_out else None  # one symbol: its output row, by the last step
@@ -184,11 +187,38 @@ def _compute(
             else:
                 out[j].copy_(torch.take(v, flat).masked_fill_(pos < f.warmup, float("nan")))
             del v
+            nonfinite.append(_nonfinite_after_warmup(out[j], f.warmup, pos, S == 1))
             panel.forget(plan[j])
             pool.trim()  # a few idle buffers stay for the next feature: peak memory stays near the live set
         del panel
+    _report_nonfinite(selected, nonfinite)
     warm = max((f.warmup for f in selected), default=0)
     return out, pos >= warm
+
+
+def _nonfinite_after_warmup(row: torch.Tensor, warmup: int, pos: torch.Tensor, single: bool) -> torch.Tensor | int:
+    """How many values of one feature's output row are NaN or infinite past each symbol's warm-up (an int on the CPU,
+    a 0-d tensor elsewhere, read with every other feature's in one host synchronisation). On the CPU one sum first:
+    it is finite when every value is (or nearly: an overflowing sum is then counted exactly, to 0)."""
+    tail = row[warmup:] if single else row.masked_fill(pos < warmup, 0.0)
+    if tail.device.type != "cpu":
+        return torch.isfinite(tail).logical_not_().sum()
+    if math.isfinite(float(tail.sum())):
+        return 0
+    return int(torch.isfinite(tail).logical_not_().sum())
+
+
+def _report_nonfinite(selected: list[Feature], counts: list[torch.Tensor | int]) -> None:
+    """One RuntimeWarning naming every feature with NaN or infinite values past its warm-up (the ``ready`` mask does
+    not cover them: they are defects of the bars or of the feature, never to pass silently)."""
+    tensors = [c for c in counts if isinstance(c, torch.Tensor)]
+    values = iter(torch.stack(tensors).tolist() if tensors else [])
+    counts = [next(values) if isinstance(c, torch.Tensor) else c for c in counts]
+    bad = {f.name: int(c) for f, c in zip(selected, counts, strict=True) if c}
+    if bad:
+        listed = ", ".join(f"{name} ({n:,})" for name, n in bad.items())
+        warnings.warn(f"features: {sum(bad.values()):,} NaN or infinite value(s) after the warm-up, in {listed}",
+                      RuntimeWarning, stacklevel=4)
 
 
 class FeatureSet:

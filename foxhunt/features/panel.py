@@ -129,8 +129,14 @@ class Panel:
         return self.memo(("atr", n), lambda: ops.wilder(self.true_range(), n, start=1))
 
     def inv_atr(self) -> Tensor:
-        """1 / ATR(14): features in ATR units multiply by it (a multiply is cheaper than a divide)."""
-        return self.memo("inv_atr_14", lambda: torch.reciprocal(self.atr(14), out=ops.like(self.close)))
+        """1 / ATR(14), 0 where ATR(14) is 0 (a flat stretch: 0 where a denominator is 0, as elsewhere, not inf,
+        whose product with a 0 distance is NaN): features in ATR units multiply by it (cheaper than a divide)."""
+
+        def f():
+            r = torch.reciprocal(self.atr(14), out=ops.like(self.close))
+            return r.nan_to_num_(nan=ops.NAN, posinf=0.0)  # ATR >= 0: only 1 / 0 is infinite; warm-up stays NaN
+
+        return self.memo("inv_atr_14", f)
 
     def per_atr(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         """x / ATR(14): price units to ATR units, into ``out`` when given."""
