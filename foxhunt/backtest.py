@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     evaluation = loaded.model.evaluate(split, significance=True)
     print(format_table(evaluation.metrics, split=split.name if args.data is not None else f"{args.split} (training data)"))
     if unseen is not None:
-        print(f"\nthe same positions on the {int(unseen.valid.sum()):,} bars after the training span only:")
+        print(f"\nthe model on the {int(unseen.valid.sum()):,} decision bars after the training span only (positions "
+              "decided again there, starting flat):")
         print(format_table(loaded.model.evaluate(unseen, significance=True).metrics, split=unseen.name))
     equity_figure(evaluation.positions, split, evaluation.cost_bps).savefig(out / "equity.png", dpi=110)
     (out / "backtest.json").write_text(json.dumps(evaluation.metrics, indent=2))
@@ -76,6 +77,12 @@ def _guard_overlap(loaded: LoadedEnsemble, split: MarketSplit, allow: bool) -> M
     if not bool(seen.any()):
         return None
     spans = loaded.metadata["data"].get("seen_span", {})
+    # the second table's bars: those after the span only (a model fitted on later bars has in effect seen the future
+    # of earlier ones); a symbol it never saw keeps all its bars
+    after = torch.ones(len(split), dtype=torch.bool)
+    for code, symbol in enumerate(split.symbols):
+        if symbol in spans:
+            after &= (split.symbol_index != code) | (split.timestamps > spans[symbol][1])
     where = "; ".join(
         f"{sym}: {int((seen & (split.symbol_index == i)).sum()):,} bars inside {_date(spans[sym][0])} .. {_date(spans[sym][1])}"
         for i, sym in enumerate(split.symbols) if sym in spans and bool((seen & (split.symbol_index == i)).any())
@@ -86,7 +93,10 @@ def _guard_overlap(loaded: LoadedEnsemble, split: MarketSplit, allow: bool) -> M
             "figures there would be in-sample. Back-test later bars, or pass --allow-overlap to see both"
         )
     log.warning("%s overlaps the training/validation span (%s): the first table includes those bars", split.name, where)
-    return replace(split.select(~seen), name=f"{split.name} (bars after the training span)")
+    if not bool((after & split.valid).any()):
+        log.warning("%s: no decision bar after the training span, so no second table", split.name)
+        return None
+    return replace(split.select(after), name=f"{split.name} (bars after the training span)")
 
 
 def _date(ns: int) -> str:
@@ -99,7 +109,7 @@ def training_split(loaded: LoadedEnsemble, name: str) -> MarketSplit:
     """The named split of the training data, rebuilt from the export's data config with the exported statistics."""
     import yaml
 
-    from foxhunt.data.datamodule import BarDataModule
+    from foxhunt.data.datamodule import BarDataModule, split_returns
 
     config = loaded.metadata.get("config")
     cfg = yaml.safe_load(config) if isinstance(config, str) else (config or {})
@@ -115,7 +125,11 @@ def training_split(loaded: LoadedEnsemble, name: str) -> MarketSplit:
     dm.setup()
     mask = torch.zeros(len(split), dtype=torch.bool)
     mask[torch.from_numpy(dm.split_rows[name])] = True
-    return split.select(mask)
+    picked = split.select(mask)
+    # as the fit built it: a symbol's last row has no next return inside the split (it would run into a purged bar,
+    # the next split or past data.end), so it is no decision bar and every position is closed there
+    returns = split_returns(picked.returns, picked.symbol_index)
+    return replace(picked, returns=returns, valid=picked.valid & torch.isfinite(returns))
 
 
 if __name__ == "__main__":

@@ -283,6 +283,7 @@ def run_fold(fit: _FitConfig, layout: dict[str, Any], k: int, out: Path) -> dict
     and ``done.json`` (last, so a fold without it is unfinished). A finished fold is skipped."""
     from safetensors.torch import save_file
 
+    from foxhunt.data.bars import timestamps_ns
     from foxhunt.evaluation.backtest import format_table
     from foxhunt.export import load, overlap_with_training
     from foxhunt.files import atomic_file
@@ -307,6 +308,11 @@ def run_fold(fit: _FitConfig, layout: dict[str, Any], k: int, out: Path) -> dict
     cli.fit()
     bars, oracle_mean = cli.datamodule.bars, cli.datamodule.oracle_mean
     del cli
+    if fit.data.get("end") is not None:  # the config's own end bounds the walk-forward: no bar at or after it is
+        # traded, and the last bar before it has no next return (it would run into data.end); features are causal
+        keep = torch.from_numpy(timestamps_ns(bars) < _ns(fit.data["end"]))
+        bars = bars[keep.numpy()].reset_index(drop=True)
+        oracle_mean = None if oracle_mean is None else oracle_mean[keep]
 
     loaded = load(export)
     split = loaded.split(bars, name=f"fold {k} test", oracle_mean=oracle_mean)
@@ -316,7 +322,8 @@ def run_fold(fit: _FitConfig, layout: dict[str, Any], k: int, out: Path) -> dict
         raise WalkForwardError(f"fold {k}: {int(seen.sum())} test bars inside the export's training/validation span")
     evaluation = loaded.model.evaluate(test)
     positions = {**evaluation.positions, "flat": torch.zeros(len(test), dtype=torch.float32)}
-    metrics = _score(positions, test, evaluation.cost_bps, layout["bars_per_year"], significance=False)  # at gather
+    metrics = _score(*_own_account(positions, test), evaluation.cost_bps, layout["bars_per_year"],
+                     significance=False)  # significance at gather
     for policy, extra in evaluation.metrics.items():  # members' updates and ensemble weights, for the table's marks
         metrics[policy].update({key: extra[key] for key in ("updates", "weight") if key in extra})
 
@@ -382,6 +389,33 @@ def _score(positions: dict[str, torch.Tensor], split: MarketSplit, cost_bps: flo
     return metrics
 
 
+def _own_account(positions: dict[str, torch.Tensor], split: MarketSplit,
+                 close_after: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], MarketSplit]:
+    """One fold's stretch as an account of its own, flat before its first bar and after its last: each symbol's
+    rows get one more row after them that is no decision bar (no return, position flat), so a position still held at
+    the stretch's last bar (whose return runs into the next fold) is closed and its cost counted there, as
+    ``counted_log_returns`` counts every exit. ``close_after`` [T] (bool) closes the account after those rows too
+    (before a gap: a fold not gathered). Decision bars, and so every per-bar figure's bar count, are unchanged."""
+    from dataclasses import fields, replace
+
+    n = len(split)
+    if n == 0:
+        return positions, split
+    last = torch.ones(n, dtype=torch.bool)
+    last[:-1] = split.symbol_index[1:] != split.symbol_index[:-1]
+    if close_after is not None:
+        last |= close_after
+    rows = torch.cat([torch.arange(n), last.nonzero().squeeze(1)])
+    order = torch.argsort(rows, stable=True)  # each extra row right after its symbol's last row
+    rows, extra = rows[order], (order >= n)
+    picked = {f.name: getattr(split, f.name)[rows] for f in fields(split) if isinstance(getattr(split, f.name), torch.Tensor)}
+    closed = replace(split, **picked)
+    closed.returns = torch.where(extra, torch.full_like(closed.returns, float("nan")), closed.returns)
+    closed.valid = closed.valid & ~extra
+    held = {p: v[rows.to(v.device)] for p, v in positions.items()}
+    return {p: torch.where(extra.to(v.device), torch.zeros_like(v), v) for p, v in held.items()}, closed
+
+
 # -------------------------------------------------------------------------------------------------------- gather
 @dataclass
 class OutOfSample:
@@ -442,12 +476,15 @@ def gather(out: Path, figure: bool = True, n_boot: int | None = None) -> dict[st
     layout = read_layout(out)
     oos = load_out_of_sample(out, layout)
     cost, bpy = oos.done[0]["cost_bps"], layout["bars_per_year"]
-    overall = _score(oos.positions, oos.split, cost, bpy, n_boot=n_boot)
+    # a fold not gathered is a gap in the account: what was held before it is sold there, and bought again after it
+    gap = torch.zeros(len(oos.split), dtype=torch.bool)
+    gap[:-1] = (oos.fold[1:] > oos.fold[:-1] + 1) & (oos.split.symbol_index[1:] == oos.split.symbol_index[:-1])
+    overall = _score(*_own_account(oos.positions, oos.split, gap), cost, bpy, n_boot=n_boot)
     per_fold = []
     for meta in oos.done:
         rows = oos.fold == meta["fold"]
         split = oos.split.select(rows)
-        metrics = _score({p: v[rows] for p, v in oos.positions.items()}, split, cost, bpy, n_boot=n_boot)
+        metrics = _score(*_own_account({p: v[rows] for p, v in oos.positions.items()}, split), cost, bpy, n_boot=n_boot)
         for policy, m in metrics.items():
             m.update({key: meta["metrics"][policy][key] for key in ("updates", "weight") if key in meta["metrics"][policy]})
         per_fold.append({**meta["cuts"], "fold": meta["fold"], "bars": len(split), "decision_bars": int(split.valid.sum()),

@@ -104,6 +104,10 @@ def policy_metrics(
     for who, p in positions.items():
         dev = p.device
         returns, decision, reset = split.returns.to(dev), split.valid.to(dev), split.first_bar.to(dev)
+        bad = decision & ~torch.isfinite(p)  # would make its P&L NaN and its Sharpe a silent 0
+        if bool(bad.any()):
+            raise ValueError(f"{who}: {int(bad.sum())} non-finite position(s) at decision bars of split {split.name!r} "
+                             f"(first at row {int(bad.nonzero()[0])}); refusing to score it")
         m = trading_metrics(p, returns, cost_bps, bpy, mask=decision, reset=reset)
         results[who] = {k: float(v) for k, v in m.as_dict().items()}
         pnls[who] = policy_pnl(p, split, cost_bps)
