@@ -476,11 +476,13 @@ def test_bf16_mixed_on_cpu_trains_through_the_coordinator(tmp_path: Path) -> Non
 
 
 def test_predict_returns_original_scale_and_checkpoint_round_trip(tmp_path: Path) -> None:
+    pl.seed_everything(0, verbose=False)
     split = make_split(scale=2.0)
     m = module(nonfinite="skip")
     batch = next(iter(loader(split, 16, shuffle=False)))
     raw = m.eval()(batch).prediction
-    torch.testing.assert_close(m.predict_step(batch, 0)["quantiles"], raw * 2e-3)
+    # mapped back with the batch's y_scale, the quantiles sorted (the untrained heads may cross)
+    torch.testing.assert_close(m.predict_step(batch, 0)["quantiles"], (raw * 2e-3).sort(-1).values)
     t = trainer(tmp_path, max_steps=3, limit_val_batches=0, enable_checkpointing=True)
     t.fit(m, loader(split))
     m.guard.skipped_loss = 2

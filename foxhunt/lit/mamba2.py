@@ -141,6 +141,9 @@ class Mamba2Module(Forecaster):
         for q in policy_interval:
             if not any(abs(q - x) < 1e-9 for x in self.quantiles):
                 raise ValueError(f"policy_interval quantile {q} is not one of the quantiles {list(self.quantiles)}")
+        if not policy_interval[0] <= 0.5 <= policy_interval[1]:
+            raise ValueError(f"policy_interval must be (lower, upper) with lower <= 0.5 <= upper (the long edge is the "
+                             f"lower quantile, the short edge the upper one), got {tuple(policy_interval)}")
         if updates_per_step < 1 or start_step < 0:
             raise ValueError(f"updates_per_step must be >= 1 and start_step >= 0, got {updates_per_step}, {start_step}")
         if lookback is not None and lookback < 1:
@@ -236,6 +239,9 @@ class Mamba2Module(Forecaster):
         out = self(batch)
         self.val_metrics.update(self.to_return_scale(out.prediction, batch), batch["y_raw"].float())
         return self.quantile_loss(out.prediction, batch["y"])
+
+    def test_update(self, batch: dict[str, Tensor]) -> None:
+        self.test_metrics.update(self.to_return_scale(self(batch).prediction, batch), batch["y_raw"].float())
 
     def validation_metrics(self) -> dict[str, Tensor]:
         values = self.val_metrics.compute()

@@ -136,6 +136,9 @@ class TFTModule(Forecaster):
         for q in policy_interval:
             if not any(abs(q - x) < 1e-9 for x in self.quantiles):
                 raise ValueError(f"policy_interval quantile {q} is not one of the quantiles {list(self.quantiles)}")
+        if not policy_interval[0] <= 0.5 <= policy_interval[1]:
+            raise ValueError(f"policy_interval must be (lower, upper) with lower <= 0.5 <= upper (the long edge is the "
+                             f"lower quantile, the short edge the upper one), got {tuple(policy_interval)}")
         if updates_per_step < 1 or start_step < 0:
             raise ValueError(f"updates_per_step must be >= 1 and start_step >= 0, got {updates_per_step}, {start_step}")
         self.policy_interval = (float(policy_interval[0]), float(policy_interval[1]))
@@ -317,8 +320,13 @@ class TFTModule(Forecaster):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["nonfinite_guard"] = self.guard.state_dict()
+        if self.spec is not None:
+            checkpoint["market_spec"] = self.spec.as_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Rebuild the network for the spec it was trained on (Lightning loads the state dict after this hook)."""
+        if "market_spec" in checkpoint:
+            self.bind(MarketSpec(**checkpoint["market_spec"]))
         if "nonfinite_guard" in checkpoint:
             self.guard.load_state_dict(checkpoint["nonfinite_guard"])
 
