@@ -27,6 +27,20 @@ def test_features_and_targets_are_causal() -> None:
     torch.testing.assert_close(s.valid, lg.valid[:n])
 
 
+def test_features_of_a_short_market_do_not_read_past_its_warm_up() -> None:
+    """Markets shorter than 2,000 bars too: the volatility seed comes from the warm-up bars only (it was the mean square
+    of the first 2,000 returns, so every early row read returns after it)."""
+    q = _quality_module()
+    short = q.build_quality_data(1200, seed=5, lookback=16, horizon=2, fractions=(0.98, 0.01))
+    long = q.build_quality_data(4000, seed=5, lookback=16, horizon=2, fractions=(0.98, 0.01))
+    s, lg = short.splits["train"], long.splits["train"]
+    n = len(s)
+    assert n > 1000
+    torch.testing.assert_close(short.normalizer.inverse(s.features), long.normalizer.inverse(lg.features[:n]),
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(short.target_scale["train"], long.target_scale["train"][:n])
+
+
 def test_tft_close_to_oracle_small() -> None:
     """30k bars, 200 steps (~10-30 s on 2 shared cores): quantile loss near the oracle's and calibrated coverage."""
     torch.set_num_threads(1)

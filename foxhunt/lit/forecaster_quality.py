@@ -48,13 +48,17 @@ def _ewma(x: np.ndarray, alpha: float, init: float) -> np.ndarray:
     return y
 
 
-def _symbol_features(ts_ns: np.ndarray, close: np.ndarray, bar_seconds: int, n_extra: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+_WARMUP = 200  # bars before a symbol's features are used; the volatility seed is their mean square
+
+
+def _symbol_features(ts_ns: np.ndarray, close: np.ndarray, bar_seconds: int, bars_per_session: int, n_extra: int,
+                     rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Causal features of one symbol (row t reads bars <= t, calendar of bar t), the target scale, and warm-up mask."""
     n = close.shape[0]
     logc = np.log(close)
     r = np.zeros(n)
     r[1:] = np.diff(logc)
-    var0 = float(np.mean(r[1 : min(n, 2000)] ** 2))
+    var0 = float(np.mean(r[1 : min(n, _WARMUP)] ** 2))  # seeded from the warm-up bars only: no row after them reads later bars
     fast = np.sqrt(_ewma(r * r, 0.06, var0))
     slow = np.sqrt(_ewma(r * r, 0.01, var0))
     prev_fast = np.r_[math.sqrt(var0), fast[:-1]]
@@ -66,8 +70,8 @@ def _symbol_features(ts_ns: np.ndarray, close: np.ndarray, bar_seconds: int, n_e
     session_id = np.cumsum(new_session) - 1
     start_idx = np.flatnonzero(new_session)
     pos = np.arange(n) - start_idx[session_id]
-    typical = np.median(np.bincount(session_id))  # bars per full session, a calendar constant
-    phase = pos / typical
+    phase = pos / bars_per_session  # the calendar's bars per full session (not counted from the data: a later bar
+    # could change the count)
     cols = [r, ret_z, np.abs(ret_z), np.log(fast), np.log(slow), np.sin(2 * np.pi * phase), np.cos(2 * np.pi * phase), np.log1p(gap)]
     for i in range(n_extra):  # extra inputs for width benchmarks: lagged/smoothed returns and noise
         kind = i % 3
@@ -78,7 +82,7 @@ def _symbol_features(ts_ns: np.ndarray, close: np.ndarray, bar_seconds: int, n_e
             cols.append(_ewma(ret_z, 1.0 / (2 + i), 0.0))
         else:
             cols.append(rng.standard_normal(n))
-    warm = np.arange(n) >= 200
+    warm = np.arange(n) >= _WARMUP
     return np.stack(cols, axis=1), slow, warm
 
 
@@ -106,7 +110,8 @@ def build_quality_data(
     feats, scale, warm = [], [], []
     for s in range(len(symbols)):
         rows = sym == s
-        f, sc, w = _symbol_features(ts[rows], close[rows], market.params.bar_seconds, n_extra_features, rng)
+        f, sc, w = _symbol_features(ts[rows], close[rows], market.params.bar_seconds, market.params.bars_per_session,
+                                   n_extra_features, rng)
         feats.append(f), scale.append(sc), warm.append(w)
     features, target_scale, warm_ok = np.concatenate(feats), np.concatenate(scale), np.concatenate(warm)
     names = BASE_FEATURES + [f"extra_{i}" for i in range(n_extra_features)]
