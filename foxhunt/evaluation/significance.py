@@ -12,7 +12,8 @@ references):
   ``m4 / m2**2`` with central moments ``m_k = mean((x - mean(x))**k)`` (divisor n, as in Bailey & Lopez de Prado
   and ``scipy.stats.skew`` / ``kurtosis(fisher=False)``).
 - A series with fewer than 3 bars, a non-finite value or zero variance has no Sharpe: every result is NaN, never an
-  exception. Invalid arguments (a non-positive ``bars_per_year``, a ``level`` outside (0, 1), ...) raise.
+  exception; except that a flat book (every bar 0, or none) has the Sharpe 0 that ``trading_metrics`` reports too
+  (it earned nothing at no risk), with no standard error, interval or PSR. Invalid arguments (a non-positive ``bars_per_year``, a ``level`` outside (0, 1), ...) raise.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import Tensor
 
 EULER_MASCHERONI = 0.5772156649015329
 MIN_BARS = 3
+SHARPE_RTOL = 1e-12  # a spread at most this times the largest |P&L| is rounding: the series is constant, no Sharpe
 _MAX_BOOTSTRAP_ELEMENTS = 1 << 22  # bars resampled per chunk of replicates (~200 MiB of temporaries at most)
 
 
@@ -56,7 +58,7 @@ def _has_sharpe(x: Tensor) -> bool:
     """At least 3 finite bars whose spread is more than the rounding of their mean (a constant series has none)."""
     if x.numel() < MIN_BARS or not bool(torch.isfinite(x).all()):
         return False
-    return float(x.std()) > 1e-12 * float(x.abs().max())
+    return float(x.std()) > SHARPE_RTOL * float(x.abs().max())
 
 
 def sharpe_moments(pnl: Tensor | Sequence[float]) -> SharpeMoments:
@@ -238,7 +240,7 @@ def stationary_bootstrap_sharpe_ci(
     mean_block = max(1.0, n ** (1.0 / 3.0)) if mean_block is None else float(mean_block)
     generator = torch.Generator(device=x.device).manual_seed(seed)
     chunk = max(1, _MAX_BOOTSTRAP_ELEMENTS // n)
-    tol = 1e-12 * float(x.abs().max())
+    tol = SHARPE_RTOL * float(x.abs().max())
     srs = []
     for first in range(0, n_boot, chunk):
         sample = x[stationary_bootstrap_indices(n, min(chunk, n_boot - first), mean_block, generator)]
@@ -266,14 +268,16 @@ def sharpe_summary(
 
     Keys: ``sharpe`` (annualised), ``sharpe_se`` (annualised, ``method``), ``sharpe_ci_low`` / ``sharpe_ci_high``
     (stationary bootstrap at ``level``), ``psr_vs_flat``, ``psr_vs_benchmark`` (against ``benchmark_pnl``'s Sharpe;
-    NaN without one), ``n_bars``, ``skew`` and ``kurtosis`` (non-excess). NaN where undefined.
+    NaN without one), ``n_bars``, ``skew`` and ``kurtosis`` (non-excess). NaN where undefined; a flat book's
+    ``sharpe`` is 0, as in ``trading_metrics`` (the rest NaN: nothing to test).
     """
     se = sharpe_standard_error(pnl, bars_per_year, method)
     m = sharpe_moments(pnl)
     low, high = stationary_bootstrap_sharpe_ci(pnl, bars_per_year, level, n_boot, mean_block, seed)
     benchmark_sr = math.nan if benchmark_pnl is None else sharpe_moments(benchmark_pnl).sr_per_bar
+    flat = not bool(_series(pnl).ne(0).any())  # no bar with P&L: Sharpe 0, the table's and trading_metrics' figure
     return {
-        "sharpe": m.sr_per_bar * math.sqrt(bars_per_year),
+        "sharpe": 0.0 if flat else m.sr_per_bar * math.sqrt(bars_per_year),
         "sharpe_se": se,
         "sharpe_ci_low": low,
         "sharpe_ci_high": high,

@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
+from foxhunt.evaluation.significance import MIN_BARS, SHARPE_RTOL
+
 NS_PER_YEAR = 365.25 * 24 * 3600 * 1e9
 RUIN_FLOOR = 1e-12  # the smallest wealth multiplier of one bar (an account wiped out), keeps log returns finite
 LOG_RUIN_FLOOR = math.log(RUIN_FLOOR)
@@ -45,7 +47,7 @@ class TradingMetrics:
     """Back-test figures of one or a batch of position series (each field has the batch shape)."""
 
     reward_per_bar: Tensor  # mean per-bar strategy log return after costs over the counted bars (exits included)
-    sharpe: Tensor  # annualised: mean / std * sqrt(bars_per_year) of the counted per-bar log returns
+    sharpe: Tensor  # annualised mean / std * sqrt(bars_per_year) of the counted per-bar log returns (0 flat, NaN: none)
     total_log_return: Tensor  # sum of the counted per-bar strategy log returns (= reward_per_bar * n_bars)
     max_drawdown: Tensor  # largest peak-to-trough fall of equity, as a fraction in [0, 1)
     turnover: Tensor  # mean |Δposition| per counted bar (the closes at excluded bars included)
@@ -174,6 +176,10 @@ def trading_metrics(
 
     Positions are forced flat outside ``mask`` (default: the bars with a finite return); every exit paid at an
     excluded bar is counted at the last counted bar before it (:func:`counted_log_returns`).
+
+    The Sharpe follows :mod:`foxhunt.evaluation.significance`: a flat book (no counted bar with P&L) has Sharpe 0, it
+    earned nothing at no risk; any other P&L with fewer than 3 counted bars or no spread beyond rounding (a constant
+    P&L) has none, NaN (tables print n/a), never a ratio of rounding errors.
     """
     if bars_per_year <= 0 or not math.isfinite(bars_per_year):
         raise ValueError(f"bars_per_year must be a positive number, got {bars_per_year}")
@@ -195,7 +201,10 @@ def trading_metrics(
     mean = total / n_safe
     var = (((pnl - mean.unsqueeze(-1)) ** 2) * w).sum(-1) / (n_safe - 1.0).clamp_min(1.0)
     std = var.sqrt()
-    sharpe = torch.where(std > 0, mean / std.clamp_min(1e-300) * math.sqrt(bars_per_year), torch.zeros_like(mean))
+    scale = torch.where(mask, pnl.abs(), torch.zeros_like(pnl)).amax(-1) if pnl.shape[-1] else torch.zeros_like(mean)
+    has_sharpe = (n >= MIN_BARS) & (std > SHARPE_RTOL * scale)  # significance's rule: no spread beyond rounding, none
+    no_sharpe = torch.where(scale == 0, torch.zeros_like(mean), torch.full_like(mean, math.nan))  # flat: 0
+    sharpe = torch.where(has_sharpe, mean / std.clamp_min(1e-300) * math.sqrt(bars_per_year), no_sharpe)
     equity = torch.cumsum(pnl, -1)
     peak = torch.cummax(torch.cat([torch.zeros_like(equity[..., :1]), equity], -1), -1).values[..., 1:]
     drawdown_log = (peak - equity).amax(-1) if equity.shape[-1] else torch.zeros_like(mean)
