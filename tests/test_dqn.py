@@ -364,6 +364,29 @@ def test_plateau_schedule_steps_on_the_validation_reward(tmp_path, market) -> No
     assert sched.best == pytest.approx(min(seen))  # the scheduler saw exactly the negated validation rewards
 
 
+def test_plateau_schedule_steps_on_the_agents_own_reward_while_the_rule_holds_it_flat(tmp_path, market) -> None:
+    """Held flat by the do-no-harm rule, the agent's table reward is 0 at every validation; its plateau schedule
+    must see the reward of its own policy, or it cuts the rate every plateau_patience epochs whatever it learns."""
+    from foxhunt.evaluation.backtest import policy_metrics
+
+    own: list[float] = []
+    held: list[bool] = []
+
+    class Record(L.Callback):
+        def on_validation_end(self, trainer, pl_module) -> None:
+            split = pl_module._splits["val"]
+            pos = pl_module.agent("dqn").positions(split)
+            own.append(-policy_metrics({"dqn": pos}, split, pl_module.hparams.cost_bps)["dqn"]["reward_per_bar"])
+            held.append(bool(pl_module.held_flat[0]))
+
+    module = DQNModule(scheduler="plateau", lr=1e-3, **SMALL)
+    model = EnsembleModule(members={"dqn": module}, min_edge_confidence=0.999999)
+    model = fit(module, market, trainer(tmp_path, max_epochs=3, callbacks=[Record()]), validate=True, model=model)
+    sched = model.lr_schedulers()
+    assert len(own) == 3 and all(held) and any(v != 0.0 for v in own)
+    assert sched.best == pytest.approx(min(own))  # its own policy's negated rewards, not the held table's zeros
+
+
 def test_polyak_every_k_updates(tmp_path, market) -> None:
     kwargs = {**SMALL, "polyak_every": 4, "tau": 0.5, "updates_per_step": 1}
     three = DQNModule(**kwargs)

@@ -178,7 +178,9 @@ class DQNModule(Agent):
             exogenous: "all_actions" regresses Q(s, a) for every action of a sampled state onto its known reward
                 plus the bootstrapped value of (t+1, a); "none" is plain DQN on the taken action.
             huber_delta: Huber loss threshold (in reward units).
-            dropout: dropout rate after each hidden layer of the Q-networks while learning (0: none).
+            dropout: dropout rate after each hidden layer of the Q-networks while learning (0: none): in acting and
+                in both networks' values of the TD target too, as in DroQ (Hiraoka et al. 2021); the greedy policies
+                scored on validation, traded and exported run without it.
             obs_noise: standard deviation of Gaussian noise added to the (z-scored) feature windows of the states
                 the online network learns from (0: none); the successors' targets see clean windows.
             turnover_penalty_bps: extra cost per unit of position traded, in basis points, in the training reward

@@ -58,6 +58,7 @@ from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.evaluation.backtest import BACKTEST_KEYS, PolicyEvaluation, oracle_split_positions, policy_metrics
 from foxhunt.evaluation.policies import Combine, forecast_policy, sharpe_weights, vote, weighted
 from foxhunt.evaluation.significance import expected_max_sharpe, psr_from_moments, sharpe_moments
+from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
 from foxhunt.evaluation.trading import counted_log_returns
 from foxhunt.lit.member import Agent, Forecaster, Member, fit_updates
 from foxhunt.training.gradnorm import grad_norms
@@ -115,7 +116,9 @@ class EnsembleModule(pl.LightningModule):
             cost_bps: transaction cost per unit of position traded, in basis points, for every policy and back-test
                 (and for the agents' rewards unless they set their own).
             stack_fraction: with combine="stack", the share of the training split (in time) the forecasters train on.
-            bars_per_year: Sharpe annualisation; None infers it from each split's observed bar density.
+            bars_per_year: Sharpe annualisation; None infers it once at setup from the training split's observed bar
+                density (the longest split) and records it here, so every split's table, the checkpoints and the
+                export (and a back-test of a reloaded export) annualise with that one value.
             direct_backward: call ``loss.backward()`` directly when nothing listens to Lightning's backward dispatch
                 (one device, no GradScaler, no callback hooking backward), which costs a small network's update
                 about a tenth; False always goes through ``manual_backward`` (the reference path; same gradients).
@@ -161,6 +164,7 @@ class EnsembleModule(pl.LightningModule):
         self._splits: dict[str, MarketSplit] = {}
         self._stacked: dict[str, MarketSplit] = {}
         self._schedulers: dict[str, Any] = {}
+        self._own_val_reward: dict[str, float] = {}  # each member's validation reward per bar before the rule's hold
         self._resume_rng: Tensor | None = None
         self._plan: _LoopPlan | None = None  # looked up at the first update of a fit
         self._snapshots_loaded = False  # set when a checkpoint or an export brings taken snapshots back
@@ -204,6 +208,11 @@ class EnsembleModule(pl.LightningModule):
             raise RuntimeError("EnsembleModule needs a DataModule with MarketSplits (BarDataModule or MarketDataModule)")
         dm.setup(stage)
         self._splits = dict(dm.splits)
+        train = self._splits.get("train")
+        if self.hparams.bars_per_year is None and train is not None and len(train) > 1:
+            # one annualisation for every split: each short split's own density moves with the weekends inside it
+            with contextlib.suppress(ValueError):  # no symbol with two timestamps: each split infers its own
+                self.hparams.bars_per_year = infer_bars_per_year(train.timestamps, train.symbol_index)
         for member in self.members.values():
             member.trainer = self.trainer  # members sit in a ModuleDict, which Lightning's setter does not walk
         # each DDP rank explores its own episodes: environment, replay and exploration seeds differ by rank
@@ -541,6 +550,7 @@ class EnsembleModule(pl.LightningModule):
             counted = decision & torch.isfinite(returns)
             pnl = counted_log_returns(pos[name], returns, self.hparams.cost_bps, counted, split.first_bar.to(decision.device))
             m = sharpe_moments(pnl[counted])
+            self._own_val_reward[name] = float(pnl[counted].mean()) if bool(counted.any()) else math.nan
             if new_candidate:
                 self.member(name).record_validation_sharpe(m.sr_per_bar)
             if threshold is None:
@@ -585,9 +595,11 @@ class EnsembleModule(pl.LightningModule):
         if not self.trainer.sanity_checking:
             for name, sched in self._schedulers.items():
                 if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
-                    # lower is better: a forecaster's quantile loss, an agent's negated reward per bar
+                    # lower is better: a forecaster's quantile loss, an agent's negated reward per bar of its own
+                    # policy (held flat by the rule its table's reward is 0 at every validation, which would cut the
+                    # rate every plateau_patience epochs whatever it learns)
                     value = (forecast_values[name]["quantile_loss"] if name in forecast_values
-                             else -evaluation.metrics[name]["reward_per_bar"])
+                             else -self._own_val_reward.get(name, evaluation.metrics[name]["reward_per_bar"]))
                     sched.step(float(value))
         self.last_evaluation = evaluation
 
