@@ -54,6 +54,10 @@ class MarketTensors:
             raise ValueError(f"window must be >= 1, got {window}")
         if len(actions) < 2:
             raise ValueError(f"need at least two actions (target positions), got {actions!r}")
+        if 0.0 not in actions:
+            # episodes start flat, non-decision bars and symbol starts are flat, and the back-test's position before
+            # the first bar is 0: without a flat action the nearest one would stand in for it, free of entry costs
+            raise ValueError(f"actions must include 0.0 (flat), got {actions!r}")
         if cost_bps < 0:
             raise ValueError(f"cost_bps must be >= 0, got {cost_bps}")
         if reward_source not in ("returns", "targets"):
