@@ -11,9 +11,10 @@ keeps the traceback of user mistakes too. This module imports nothing of foxhunt
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 EXIT_USER_ERROR = 2
 
@@ -26,10 +27,20 @@ class ConfigError(UserError, ValueError):
     """A config value that the object it configures refused (raised before any data is loaded), named by its key."""
 
 
+class CommandLineError(UserError):
+    """A command line its parser refused (an unknown option, a bad value, a missing argument)."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose refusals are one line through :func:`run_command`,
+    ``error: <prog>: <message>``, exit status 2, instead of the usage text (``--help`` prints it as usual)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CommandLineError(f"{self.prog}: {message} (--help lists the options)")
+
+
 def user_error_types() -> tuple[type[BaseException], ...]:
     """The exceptions that report a mistake in a config, a data file or a path."""
-    import argparse
-
     return (UserError, argparse.ArgumentError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
             PermissionError)
 

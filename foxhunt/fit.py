@@ -111,6 +111,8 @@ class FoxhuntCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         threads = self.config.get("torch_threads")
+        if threads is not None and threads < 1:
+            raise ConfigError(f"torch_threads: must be a positive number of threads (or null: torch's default), got {threads}")
         if threads:
             torch.set_num_threads(int(threads))
         every = self.config.get("checkpoint_every_n_steps")
@@ -255,22 +257,26 @@ def config_source(config: Any) -> str:
 
 
 def constructor_key(error: BaseException, config: Any) -> str:
-    """The config key of the object whose constructor raised ``error`` (its innermost foxhunt or Lightning
-    ``__init__`` frame): ``data``, ``trainer``, ``model`` or ``model.members.<name> (<class>)``."""
+    """The config key of the object whose constructor raised ``error`` (the innermost ``__init__`` frame of a
+    configured object: the data module, the Trainer, the ensemble or a member, not the helpers they build, such as a
+    data module's ``FeatureSet`` or a member's network): ``data``, ``trainer``, ``model`` or
+    ``model.members.<name> (<class>)``."""
+    from lightning.pytorch import LightningDataModule
+
+    from foxhunt.lit.member import Member
+
     owner = None
     tb: types.TracebackType | None = error.__traceback__
     while tb is not None:
         frame = tb.tb_frame
         candidate = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
-        if candidate is not None and type(candidate).__module__.startswith(("foxhunt.", "lightning.")):
+        if isinstance(candidate, (LightningDataModule, Trainer, EnsembleModule, Member)):
             owner = candidate
         tb = tb.tb_next
-    if isinstance(owner, BarDataModule):
+    if isinstance(owner, LightningDataModule):
         return "data"
     if isinstance(owner, Trainer):
         return "trainer"
-    from foxhunt.lit.member import Member
-
     if isinstance(owner, Member):
         members = (config.get("model") or {}).get("members") or {}
         def class_name(m: Any) -> str:

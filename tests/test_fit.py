@@ -263,6 +263,23 @@ def test_cli_conventions(tmp_path: Path, capsys) -> None:
         main(["--config", TINY, "--model.combine", "average"])
 
 
+def test_a_refused_value_names_the_key_of_the_configured_object(tmp_path: Path, monkeypatch) -> None:
+    """A value refused inside a helper the data module builds (its FeatureSet) is named as the data's, not the
+    model's; the same for the run-level torch_threads, refused before any object is built."""
+    from foxhunt.cli_errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"tiny\.yaml: data: unknown feature name\(s\) \['nope'\]"):
+        build_cli(["--config", TINY, "--data.features", "[nope]"])
+    with pytest.raises(ConfigError, match=r"tiny\.yaml: data: unknown feature family 'nope'"):
+        build_cli(["--config", TINY, "--data.feature_families", "[nope]"])
+    with pytest.raises(ConfigError, match=r"tiny\.yaml: model\.members\.tft \(TFTModule\): quantiles"):
+        build_cli(["--config", TINY, "--model.members.tft.init_args.quantiles", "[0.9, 0.1]"])
+    for threads in ("0", "-2"):  # 0 was silently ignored, -2 a RuntimeError traceback from torch
+        with pytest.raises(ConfigError, match=rf"torch_threads: must be a positive number of threads.*got {threads}"):
+            build_cli(["--config", TINY, "--torch_threads", threads])
+
+
 def test_seed_everything_offsets_the_agents_own_seeds(tmp_path: Path, monkeypatch) -> None:
     """A new run seed gives new agents (their weights, environments, exploration come from their own seed), and
     seed_everything 0 leaves the configured seeds alone."""

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import time
 
-from foxhunt.cli_errors import run_command
+from foxhunt.cli_errors import ArgumentParser, run_command
 from foxhunt.data.bars import DEFAULT_JUMP_SIGMAS
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m foxhunt.data", description=__doc__.split(":", 1)[1].strip())
+    parser = ArgumentParser(prog="python -m foxhunt.data", description=__doc__.split(":", 1)[1].strip())
     parser.add_argument("--path", default=None, help="bars file, directory or glob (default: the embedded synthetic market)")
     parser.add_argument("--on-bad-bar", default="raise", choices=["raise", "drop", "repair"])
     parser.add_argument("--jump-sigmas", type=float, default=DEFAULT_JUMP_SIGMAS,

@@ -1,6 +1,6 @@
 """`python -m foxhunt.tune --config lightning_configs/tune.yaml`: Optuna studies over ``foxhunt.fit`` configs.
 
-A tune config (YAML) names a base fit config, a search space over any dotted fit key (``model.tft.hidden_size``,
+A tune config (YAML) names a base fit config, a search space over any dotted fit key (``model.members.tft.hidden_size``,
 ``data.lookback``, ``trainer.max_epochs``...), the objective(s), the sampler and the pruner. Each trial writes the
 fit config it runs (base + ``fixed`` + its parameters) to ``<runs_dir>/<study>/trial_<n>/fit_config.yaml``, trains it
 through :func:`foxhunt.fit.build_cli` with TensorBoard logging into the same folder, and reports the objective.
