@@ -9,7 +9,6 @@ config. The scoring itself is :mod:`foxhunt.evaluation.backtest`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from foxhunt.cli_errors import run_command
+from foxhunt.cli_errors import ArgumentParser, run_command
 from foxhunt.data.bars import DEFAULT_JUMP_SIGMAS, DataError
 from foxhunt.data.market import MarketSplit
 from foxhunt.evaluation.backtest import format_table
@@ -29,7 +28,7 @@ log = logging.getLogger("foxhunt.backtest")
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
-    parser = argparse.ArgumentParser(prog="python -m foxhunt.backtest", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m foxhunt.backtest", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="export directory (or its metadata.json) written by foxhunt.fit")
     parser.add_argument("--data", default=None, help="bars file, directory or glob to trade (default: the training data)")
     parser.add_argument("--split", default="test", choices=["train", "val", "test", "all"], help="split of the training data (without --data)")

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from foxhunt.cli_errors import UserError, one_line, run_command
+from foxhunt.cli_errors import ArgumentParser, UserError, one_line, run_command
 
 if TYPE_CHECKING:
     from foxhunt.data.market import MarketSplit
@@ -573,7 +573,7 @@ def format_folds(per_fold: list[dict[str, Any]]) -> str:
 
 # ------------------------------------------------------------------------------------------------------- command
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m foxhunt.walkforward",
         description="Walk-forward test of a foxhunt.fit config: train on each fold's past, trade its unseen test "
                     "stretch with its export, and score the concatenated out-of-sample positions. Arguments after "

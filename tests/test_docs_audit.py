@@ -229,3 +229,37 @@ def test_python_m_foxhunt_data_refuses_a_bad_command_line_in_one_line(capsys) ->
         assert run_command(main, argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith(f"error: python -m foxhunt.data: {reason}"), err
+
+
+@pytest.mark.parametrize("module", ["foxhunt.backtest", "foxhunt.walkforward", "foxhunt.tune.cli"])
+def test_every_command_refuses_a_bad_command_line_in_one_line(module: str, capsys) -> None:
+    """backtest, walkforward and tune as foxhunt.data: an unknown option is one ``error:`` line and exit status 2,
+    not argparse's usage text."""
+    import importlib
+
+    from foxhunt.cli_errors import run_command
+
+    main = importlib.import_module(module).main
+    assert run_command(main, ["--no-such-option", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: python -m foxhunt."), err
+    assert "usage:" not in err
+
+
+@pytest.mark.parametrize("kwargs,match", [({"synthetic_bars": -5}, "synthetic_bars"), ({"batch_size": 0}, "batch_size"),
+                                          ({"eval_batch_size": 0}, "batch_size")])
+def test_datamodule_refuses_sizes_below_one_before_loading(kwargs: dict, match: str) -> None:
+    from foxhunt.data.datamodule import BarDataModule
+
+    with pytest.raises(ValueError, match=match):
+        BarDataModule(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"cost_bps": -1.0}, "cost_bps"), ({"cost_bps": float("nan")}, "cost_bps"),
+                                          ({"bars_per_year": 0.0}, "bars_per_year")])
+def test_ensemble_refuses_a_negative_cost_or_a_bad_annualisation(kwargs: dict, match: str) -> None:
+    from foxhunt.lit.dqn import DQNModule
+    from foxhunt.lit.ensemble import EnsembleModule
+
+    with pytest.raises(ValueError, match=match):
+        EnsembleModule(members={"dqn": DQNModule()}, **kwargs)

@@ -161,6 +161,12 @@ class BarDataModule(pl.LightningDataModule):
         self.jump_sigmas = check_jump_sigmas(jump_sigmas)
         if lookback < 1 or horizon < 1:
             raise ValueError(f"BarDataModule: lookback and horizon must be >= 1 bar, got {lookback} and {horizon}")
+        if synthetic_bars < 1 or synthetic_symbols < 1:
+            raise ValueError(f"BarDataModule: synthetic_bars and synthetic_symbols must be >= 1, got {synthetic_bars} "
+                             f"and {synthetic_symbols}")
+        if batch_size < 1 or eval_batch_size < 1:
+            raise ValueError(f"BarDataModule: batch_size and eval_batch_size must be >= 1, got {batch_size} and "
+                             f"{eval_batch_size}")
         self.tz = tz
         self.synthetic_bars = synthetic_bars
         self.synthetic_symbols = synthetic_symbols

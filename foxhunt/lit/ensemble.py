@@ -147,6 +147,10 @@ class EnsembleModule(pl.LightningModule):
             raise ValueError(f"min_edge_confidence must be in [0, 1) or None, got {min_edge_confidence}")
         if not 0.0 < stack_fraction < 1.0:
             raise ValueError(f"stack_fraction must be in (0, 1), got {stack_fraction}")
+        if not (math.isfinite(cost_bps) and cost_bps >= 0.0):
+            raise ValueError(f"cost_bps must be a finite number >= 0, got {cost_bps}")
+        if bars_per_year is not None and not (math.isfinite(bars_per_year) and bars_per_year > 0.0):
+            raise ValueError(f"bars_per_year must be a positive number or None, got {bars_per_year}")
         self.save_hyperparameters(ignore=["members"])
         self.automatic_optimization = False
         self.members = nn.ModuleDict(members)

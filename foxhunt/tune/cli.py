@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 
 import optuna
 
-from foxhunt.cli_errors import run_command
+from foxhunt.cli_errors import ArgumentParser, run_command
 from foxhunt.tune.objective import Terminated, run_study
 from foxhunt.tune.report import format_summary, summarize
 from foxhunt.tune.space import TuneConfigError, load_tune_config
@@ -21,7 +21,7 @@ DESCRIPTION = "`python -m foxhunt.tune --config lightning_configs/tune.yaml`: Op
 
 # -------------------------------------------------------------------------------------------------------- command
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m foxhunt.tune", description=DESCRIPTION)
+    p = ArgumentParser(prog="python -m foxhunt.tune", description=DESCRIPTION)
     p.add_argument("--config", required=True, help="tune config YAML (base fit config, search space, objective...)")
     p.add_argument("--n-trials", type=int, default=None,
                    help="the study's total of trials, shared by all workers (default: the config's n_trials)")
