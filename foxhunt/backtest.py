@@ -73,9 +73,17 @@ def _guard_overlap(loaded: LoadedEnsemble, split: MarketSplit, allow: bool) -> M
         if symbol not in trained:
             log.warning("symbol %s was not among the symbols the model was trained on (%s)", symbol, sorted(trained))
     seen = overlap_with_training(loaded.metadata, split)
+    spans = loaded.metadata["data"].get("seen_span", {})
+    before = torch.zeros(len(split), dtype=torch.bool)  # bars earlier than the span: the model learned from their future
+    for code, symbol in enumerate(split.symbols):
+        if symbol in spans:
+            before |= (split.symbol_index == code) & (split.timestamps < spans[symbol][0])
+    if bool((before & split.valid).any()):
+        log.warning("%s: %s decision bars lie before the span the model was trained and selected on (it was fitted on "
+                    "their future), so their figures are no out-of-sample test in time", split.name,
+                    f"{int((before & split.valid).sum()):,}")
     if not bool(seen.any()):
         return None
-    spans = loaded.metadata["data"].get("seen_span", {})
     # the second table's bars: those after the span only (a model fitted on later bars has in effect seen the future
     # of earlier ones); a symbol it never saw keeps all its bars
     after = torch.ones(len(split), dtype=torch.bool)
