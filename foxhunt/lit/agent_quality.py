@@ -58,6 +58,9 @@ def generator_market(
     return splits_from_returns(r, m.oracle_mean, ts, fractions, purge)
 
 
+_VOL_WARMUP = 32  # returns the volatility feature's EWMA is seeded with
+
+
 def splits_from_returns(
     r: np.ndarray, expected: np.ndarray, timestamps_ns: np.ndarray, fractions: tuple[float, float], purge: int
 ) -> SyntheticMarket:
@@ -67,13 +70,16 @@ def splits_from_returns(
     mean8 = np.convolve(np.nan_to_num(last_ret), np.ones(8) / 8.0, mode="full")[:n_bars]
     mean8[:8] = np.nan
     # Volatility-scaled last return: a causal EWMA of squared returns (half-life ~ 22 bars).
+    # Seeded with the mean square of the first _VOL_WARMUP returns; the rows that read the seed before those bars
+    # are known are warm-up (NaN, so no decision bar), so no row reads a later bar.
     sq = np.nan_to_num(last_ret) ** 2
     ewm = np.empty(n_bars)
-    acc, lam = float(np.nanmean(sq[: max(2, n_bars // 10)])), 0.97
+    acc, lam = float(np.mean(sq[1 : _VOL_WARMUP + 1])), 0.97
     for t in range(n_bars):  # scalar recurrence of data preparation
         acc = lam * acc + (1 - lam) * sq[t]
         ewm[t] = acc
     vol_scaled = last_ret / np.sqrt(np.concatenate([[np.nan], ewm[:-1]]))
+    vol_scaled[: _VOL_WARMUP + 1] = np.nan
     raw = np.stack([last_ret, mean8, vol_scaled], 1)
     names = ["ret_1_z", "ret_mean_8_z", "ret_1_over_ewm_vol_z"]
     return split_market(r, expected, raw, names, timestamps_ns, fractions, purge)
