@@ -9,7 +9,6 @@ config. The scoring itself is :mod:`foxhunt.evaluation.backtest`.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from dataclasses import replace
@@ -23,6 +22,7 @@ from foxhunt.data.market import MarketSplit
 from foxhunt.evaluation.backtest import format_table
 from foxhunt.evaluation.figures import equity_figure
 from foxhunt.export import LoadedEnsemble, load, overlap_with_training
+from foxhunt.files import write_json
 
 log = logging.getLogger("foxhunt.backtest")
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
               "decided again there, starting flat):")
         print(format_table(loaded.model.evaluate(unseen, significance=True).metrics, split=unseen.name))
     equity_figure(evaluation.positions, split, evaluation.cost_bps).savefig(out / "equity.png", dpi=110)
-    (out / "backtest.json").write_text(json.dumps(evaluation.metrics, indent=2))
+    write_json(out / "backtest.json", evaluation.metrics)  # strict JSON: a figure without a value is null
     print(f"\nwrote {out / 'backtest.json'} and {out / 'equity.png'}")
     return evaluation.metrics
 

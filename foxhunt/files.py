@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import math
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 @functools.lru_cache(maxsize=1)
@@ -63,3 +66,21 @@ def first_line(error: BaseException) -> str:
     """``Type: first line of the message``: an error's gist for a one-line report."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN and infinity as None (null): JSON has no such numbers, and strict parsers (jq, a
+    browser's JSON.parse) refuse the bare ``NaN`` Python's json writes by default."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def write_json(target: str | Path, value: Any) -> None:
+    """``value`` as strict JSON (:func:`json_safe`), indented, written atomically (:func:`atomic_file`)."""
+    with atomic_file(target) as tmp:
+        tmp.write_text(json.dumps(json_safe(value), indent=2, allow_nan=False))

@@ -229,11 +229,11 @@ def make_layout(fit: _FitConfig, folds: int, mode: str, initial_fraction: float 
 
 
 def _write_json(path: Path, value: Any) -> None:
-    """Atomically (a reader never sees half a file; concurrent writers of the same content are harmless)."""
-    from foxhunt.files import atomic_file
+    """Atomically (a reader never sees half a file; concurrent writers of the same content are harmless), as strict
+    JSON (NaN as null)."""
+    from foxhunt.files import write_json
 
-    with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps(value, indent=2))
+    write_json(path, value)
 
 
 def settle_layout(out: Path, layout: dict[str, Any]) -> dict[str, Any]:
@@ -520,13 +520,9 @@ def gather(out: Path, figure: bool = True, n_boot: int | None = None) -> dict[st
 
 def _finite(value: Any) -> Any:
     """NaN and infinities as null (JSON has none)."""
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
+    from foxhunt.files import json_safe
+
+    return json_safe(value)
 
 
 def _equity_figure(oos: OutOfSample, cost_bps: float) -> Any:

@@ -227,6 +227,15 @@ def test_backtest_cli_on_unseen_data(tiny_run, tmp_path: Path, capsys) -> None:
         for key in ("total_log_return", "sharpe", "sortino", "max_drawdown", "turnover", "hit_rate", "n_trades"):
             assert key in results[who]
     assert (tmp_path / "backtest.json").exists() and (tmp_path / "equity.png").stat().st_size > 1000
+
+    def no_constants(name: str) -> float:
+        raise AssertionError(f"backtest.json holds {name}, which strict JSON parsers refuse")
+
+    written = json.loads((tmp_path / "backtest.json").read_text(), parse_constant=no_constants)
+    assert set(written) == set(results)
+    nan_keys = [(who, k) for who, m in results.items() for k, v in m.items() if isinstance(v, float) and v != v]
+    assert nan_keys  # a figure without a value (e.g. a held-flat member's hit rate) is there, written as null
+    assert all(written[who][k] is None for who, k in nan_keys)
     results = backtest_main(["--checkpoint", str(src / "export"), "--split", "test", "--out", str(tmp_path)])
     assert "oracle" in results  # the synthetic training data knows its oracle
 
