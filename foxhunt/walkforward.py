@@ -401,8 +401,7 @@ def _own_account(positions: dict[str, torch.Tensor], split: MarketSplit,
     n = len(split)
     if n == 0:
         return positions, split
-    last = torch.ones(n, dtype=torch.bool)
-    last[:-1] = split.symbol_index[1:] != split.symbol_index[:-1]
+    last = split.last_bar
     if close_after is not None:
         last |= close_after
     rows = torch.cat([torch.arange(n), last.nonzero().squeeze(1)])

@@ -65,6 +65,13 @@ class MarketSplit:
         first[1:] = self.symbol_index[1:] != self.symbol_index[:-1]
         return first
 
+    @property
+    def last_bar(self) -> torch.Tensor:
+        """[T] True at the last bar of each symbol: a position held there is closed after it."""
+        last = torch.ones_like(self.symbol_index, dtype=torch.bool)
+        last[:-1] = self.symbol_index[1:] != self.symbol_index[:-1]
+        return last
+
     def segment_bounds(self) -> torch.Tensor:
         """[S, 2] start/end (exclusive) row of each symbol's contiguous block."""
         counts = torch.bincount(self.symbol_index, minlength=len(self.symbols))

@@ -167,7 +167,7 @@ def expected_max_sharpe(trial_srs_per_bar: Tensor | Sequence[float], n_trials: i
     if n == 1 or k == 1:
         return 0.0
     std = float(srs.std())
-    if std <= 1e-12 * float(srs.abs().max()):  # equal Sharpes, up to rounding
+    if std <= SHARPE_RTOL * float(srs.abs().max()):  # equal Sharpes, up to rounding
         return 0.0
     inv = NormalDist().inv_cdf
     g = EULER_MASCHERONI

@@ -205,9 +205,13 @@ def multiply(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     return torch.mul(a, b, out=out)
 
 
-def log_ratio(num: Tensor, den: Tensor, out: Tensor | None = None) -> Tensor:
-    """ln(num / den), into ``out`` when given."""
-    q = torch.div(num, den, out=empty(tuple(num.shape), num))
+def log_ratio(num: Tensor, den: Tensor, out: Tensor | None = None, floor: float | None = None) -> Tensor:
+    """ln(num / den), into ``out`` when given. With ``floor``: ln(max(num / den, floor)), 0 where den is 0, for ratios
+    of quantities that can be 0 (a volatility over a flat stretch), finite instead of -inf (num 0) or NaN (both 0)."""
+    if floor is None:
+        q = torch.div(num, den, out=empty(tuple(num.shape), num))
+    else:  # NaN (warm-up) stays NaN
+        q = safe_div(num, den, 1.0, out=empty(tuple(num.shape), num)).clamp_(min=floor)
     if out is not None and fast_path(q):
         np.log(_np(q), out=_np(out))
         return out

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -23,7 +22,7 @@ if TYPE_CHECKING:
 
 _LN2 = math.log(2.0)
 _NAN = float("nan")
-_RATIO_FLOOR = 1e-3  # the floor of the volatility ratios (as range_rel_20's)
+_RATIO_FLOOR = 1e-3  # the floor of the volatility ratios (as range_rel_20's): a flat stretch stays finite
 
 
 def std_logret(p: Panel, n: int) -> Tensor:
@@ -62,17 +61,6 @@ def bb_width(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """Bollinger bandwidth: (upper - lower) / middle = 2 half-width / middle."""
     mid, half = _mid_halfwidth(p, n, 2.0)
     return O.safe_div(half, mid, scale=2.0, out=out)  # the middle band (a mean of closes) is never 0
-
-
-def ratio_log(num: Tensor, den: Tensor, out: Tensor | None = None) -> Tensor:
-    """ln(max(num / den, 0.001)) of two volatilities, 0 where den is 0 (into ``out`` when given): a flat stretch (a
-    volatility of exactly 0, e.g. five unchanged closes) gives a finite value, not -inf (num 0) or NaN (both 0)."""
-    q = O.safe_div(num, den, 1.0).clamp_(min=_RATIO_FLOOR)  # NaN (warm-up) stays NaN
-    if out is not None and O.fast_path(q):
-        np.log(q.numpy(), out=out.numpy())
-        return out
-    q.log_()
-    return q if out is None else out.copy_(q)
 
 
 def _log_hl_sq(p: Panel) -> Tensor:
@@ -127,13 +115,13 @@ def features() -> FeatureList:
     for n in (5, 10, 20, 50, 100):
         fl.add(f"std_logret_{n}", f"TA-Lib STDDEV({n}) of 1-bar log returns", n, lambda p, n=n: std_logret(p, n), talib="STDDEV")
     fl.add("vol_ratio_5_50", "ln(max(std_logret_5 / std_logret_50, 0.001)), 0 where std_logret_50 is 0", 50,
-           lambda p, out=None: ratio_log(std_logret(p, 5), std_logret(p, 50), out))
+           lambda p, out=None: O.log_ratio(std_logret(p, 5), std_logret(p, 50), out, _RATIO_FLOOR))
     fl.add("vol_ratio_10_100", "ln(max(std_logret_10 / std_logret_100, 0.001)), 0 where std_logret_100 is 0", 100,
-           lambda p, out=None: ratio_log(std_logret(p, 10), std_logret(p, 100), out))
+           lambda p, out=None: O.log_ratio(std_logret(p, 10), std_logret(p, 100), out, _RATIO_FLOOR))
     for n in (7, 14, 28):
         fl.add(f"natr_{n}", f"TA-Lib NATR({n}): 100 ATR({n}) / C (ATR by Wilder smoothing)", n, lambda p, out=None, n=n: natr(p, n, out), talib="NATR")
     fl.add("atr_ratio_7_28", "ln(max(ATR(7) / ATR(28), 0.001)), 0 where ATR(28) is 0", 28,
-           lambda p, out=None: ratio_log(p.atr(7), p.atr(28), out), talib="ATR")
+           lambda p, out=None: O.log_ratio(p.atr(7), p.atr(28), out, _RATIO_FLOOR), talib="ATR")
     for n in (10, 20, 50):
         fl.add(f"parkinson_{n}", f"Parkinson volatility over {n} bars", n - 1, lambda p, n=n: parkinson(p, n))
     for n in (10, 20, 50):

@@ -546,15 +546,15 @@ class EnsembleModule(pl.LightningModule):
         validation of the fit): each member's policy here is one more candidate (``Member.record_validation_sharpe``;
         an agent choosing its own weights has already counted it)."""
         threshold = self.hparams.min_edge_confidence
-        decision = split.valid.to(self.weights.device)
         returns = split.returns.to(self.weights.device)
+        counted = split.valid.to(returns.device) & torch.isfinite(returns)
+        reset = split.first_bar.to(returns.device)
         for i, name in enumerate(self.member_names):
             if name not in pos:
                 continue
-            counted = decision & torch.isfinite(returns)
-            pnl = counted_log_returns(pos[name], returns, self.hparams.cost_bps, counted, split.first_bar.to(decision.device))
-            m = sharpe_moments(pnl[counted])
-            self._own_val_reward[name] = float(pnl[counted].mean()) if bool(counted.any()) else math.nan
+            pnl = counted_log_returns(pos[name], returns, self.hparams.cost_bps, counted, reset)[counted]
+            m = sharpe_moments(pnl)
+            self._own_val_reward[name] = float(pnl.mean()) if pnl.numel() else math.nan
             if new_candidate:
                 self.member(name).record_validation_sharpe(m.sr_per_bar)
             if threshold is None:

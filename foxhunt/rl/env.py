@@ -155,16 +155,15 @@ class MarketTensors:
         """[B, A] one-hot of the held position's action index (the agent's own state)."""
         return self.position_eye[positions]
 
-    def _gain(self, positions: Tensor, bars: Tensor) -> Tensor:
-        """Training reward (signal units, before costs) of holding ``positions`` through ``bars``: the exact gross log
-        return with "returns", the linear surrogate position * target with "targets"."""
-        if self.exact:
-            return position_log_returns(positions, self.simple_returns[bars])
-        return positions * self.signal[bars]
-
-    def rewards(self, bars: Tensor, positions: Tensor, actions: Tensor) -> Tensor:
-        """Reward (reward units) of moving from position index ``positions`` to ``actions`` at ``bars``."""
-        return self.reward_scale * (self._gain(self.actions[actions], bars) - self.switch_cost[positions, actions])
+    def step_rewards(self, bars: Tensor, positions: Tensor, actions: Tensor) -> tuple[Tensor, Tensor]:
+        """(training reward in reward units, raw per-bar strategy log return after raw costs) of moving from position
+        index ``positions`` to ``actions`` at ``bars``, the gross log return computed once. The training reward is the
+        raw one (scaled) with "returns", the linear surrogate on the targets with "targets"."""
+        new = self.actions[actions]
+        gross = position_log_returns(new, self.simple_returns[bars])
+        raw = gross - self.raw_switch_cost[positions, actions]
+        gain = gross if self.exact else new * self.signal[bars]
+        return self.reward_scale * (gain - self.switch_cost[positions, actions]), raw
 
     def rewards_all(self, bars: Tensor, positions: Tensor) -> Tensor:
         """[B, A] reward of every action: the market is exogenous, so all of them are known."""
@@ -174,38 +173,30 @@ class MarketTensors:
             gain = torch.outer(self.signal[bars], self.actions)
         return self.reward_scale * (gain - self.switch_cost[positions])
 
+    def rewards(self, bars: Tensor, positions: Tensor, actions: Tensor) -> Tensor:
+        """Reward (reward units) of moving from position index ``positions`` to ``actions`` at ``bars``."""
+        return self.step_rewards(bars, positions, actions)[0]
+
     def raw_rewards(self, bars: Tensor, positions: Tensor, actions: Tensor) -> Tensor:
         """Per-bar strategy log return after raw costs (what the back-test metrics count), exactly."""
-        gross = position_log_returns(self.actions[actions], self.simple_returns[bars])
-        return gross - self.raw_switch_cost[positions, actions]
-
-    def step_rewards(self, bars: Tensor, positions: Tensor, actions: Tensor) -> tuple[Tensor, Tensor]:
-        """(:meth:`rewards`, :meth:`raw_rewards`) of one step, the gross log return computed once."""
-        gross = position_log_returns(self.actions[actions], self.simple_returns[bars])
-        raw = gross - self.raw_switch_cost[positions, actions]
-        gain = gross if self.exact else self.actions[actions] * self.signal[bars]
-        return self.reward_scale * (gain - self.switch_cost[positions, actions]), raw
+        return self.step_rewards(bars, positions, actions)[1]
 
     def step_position_rewards(self, bars: Tensor, held: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """(:meth:`position_rewards`, :meth:`raw_position_rewards`) of one step, each log return computed once."""
-        gross = position_log_returns(positions, self.simple_returns[bars])
+        """(training reward, raw per-bar log return) of moving from position value ``held`` to ``positions`` (values,
+        e.g. in [-1, 1]), each log return computed once."""
         moves = (positions - held).abs()
-        raw = gross + cost_log_returns(moves, self.cost_bps)
+        raw = position_log_returns(positions, self.simple_returns[bars]) + cost_log_returns(moves, self.cost_bps)
         if self.exact:
             return self.reward_scale * raw, raw
         return self.reward_scale * (positions * self.signal[bars] - self.signal_cost * moves), raw
 
     def position_rewards(self, bars: Tensor, held: Tensor, positions: Tensor) -> Tensor:
-        """Reward (reward units) of moving from position value ``held`` to ``positions`` (values, e.g. in [-1, 1])."""
-        moves = (positions - held).abs()
-        if self.exact:
-            return self.reward_scale * (self._gain(positions, bars) + cost_log_returns(moves, self.cost_bps))
-        return self.reward_scale * (self._gain(positions, bars) - self.signal_cost * moves)
+        """Reward (reward units) of moving from position value ``held`` to ``positions``."""
+        return self.step_position_rewards(bars, held, positions)[0]
 
     def raw_position_rewards(self, bars: Tensor, held: Tensor, positions: Tensor) -> Tensor:
         """Per-bar strategy log return after raw costs of moving from position value ``held`` to ``positions``."""
-        gross = position_log_returns(positions, self.simple_returns[bars])
-        return gross + cost_log_returns((positions - held).abs(), self.cost_bps)
+        return self.step_position_rewards(bars, held, positions)[1]
 
 
 def reward_scale_for(market: MarketTensors, configured: float | None = None) -> float:
