@@ -44,6 +44,7 @@ from safetensors.torch import save_file
 from foxhunt.cli_errors import UserError
 from foxhunt.data.datamodule import BarDataModule
 from foxhunt.data.market import MarketSpec, MarketSplit
+from foxhunt.files import json_safe
 from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.lit.member import Agent, Member
 from foxhunt.version import __version__
@@ -67,6 +68,33 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return str(value)
+
+
+def _strict_json(meta: dict[str, Any]) -> str:
+    """metadata.json's text as strict JSON (jq and JSON.parse refuse a bare NaN): a measured figure without a value
+    (a NaN Sharpe) is null; any other non-finite value (a constructor argument, a run value that loading would refuse)
+    has no JSON form and stops the export, naming its field."""
+    meta = {**meta, "metrics": json_safe(meta["metrics"])}
+    try:
+        return json.dumps(meta, allow_nan=False)
+    except ValueError:
+        bad = _non_finite_path(meta)
+        raise ExportError(f"metadata.json: {bad}: is not a finite number, which JSON cannot hold") from None
+
+
+def _non_finite_path(value: Any, where: str = "") -> str:
+    """The dotted field of the first NaN or infinity in ``value`` ('' if none)."""
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = ((str(i), v) for i, v in enumerate(value))
+    else:
+        return where if isinstance(value, float) and not math.isfinite(value) else ""
+    for key, v in items:
+        found = _non_finite_path(v, f"{where}.{key}" if where else str(key))
+        if found:
+            return found
+    return ""
 
 
 def _hparams(module: Any) -> dict[str, Any]:
@@ -168,10 +196,10 @@ def export_ensemble(model: EnsembleModule, dm: BarDataModule, out_dir: str | Pat
     }
     from foxhunt.files import atomic_file
 
-    meta = json.loads(json.dumps(meta))  # what a reader parses (tuples are lists, floats round-trip), then hashed
+    meta = json.loads(_strict_json(meta))  # what a reader parses (tuples are lists, floats round-trip), then hashed
     meta["metadata_sha256"] = metadata_digest(meta)
     with atomic_file(out / "metadata.json") as tmp:  # last: it vouches for the files above
-        tmp.write_text(json.dumps(meta, indent=2))
+        tmp.write_text(json.dumps(meta, indent=2, allow_nan=False))
     return meta
 
 

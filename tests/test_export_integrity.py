@@ -276,3 +276,40 @@ def test_a_narrower_float_widened_exactly_loads(export_copy: Path) -> None:
     loaded = foxhunt.load(export_copy)
     assert loaded.model.weights.dtype == torch.float32
     assert torch.equal(loaded.model.weights, state["model.weights"].float())
+
+
+# --- strict JSON -----------------------------------------------------------------------------------------------------
+
+
+def _strict(text: str) -> dict:
+    """Parse as jq or JSON.parse would: a bare NaN or Infinity is an error."""
+    def refuse(token: str) -> None:
+        raise ValueError(f"not JSON: {token}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_metadata_is_strict_json_a_figure_without_a_value_is_null(data: BarDataModule, tmp_path: Path) -> None:
+    """A NaN figure among the metrics (a flat member's Sharpe) is written as null, and the export still loads."""
+    from types import SimpleNamespace
+
+    model = _model(data, "policy_net")
+    model.last_evaluation = SimpleNamespace(metrics={"ensemble": {"sharpe": math.nan, "log_return": 0.5,
+                                                                  "max_drawdown": -math.inf}})
+    root = tmp_path / "export"
+    export_ensemble(model, data, root)
+    meta = _strict((root / "metadata.json").read_text())
+    assert meta["metrics"] == {"ensemble": {"sharpe": None, "log_return": 0.5, "max_drawdown": None}}
+    loaded = foxhunt.load(root)
+    split = data.splits["test"]
+    assert torch.equal(loaded.model.positions(split)["ensemble"], model.positions(split)["ensemble"])
+
+
+def test_a_non_finite_run_value_stops_the_export_naming_it(data: BarDataModule, tmp_path: Path) -> None:
+    """A run value that loading would refuse is not written as null (which would load as 'not recorded')."""
+    from foxhunt.export import ExportError
+
+    model = _model(data, "policy_net")
+    model.member("dqn").reward_scale_used = math.nan
+    with pytest.raises(ExportError, match=r"metadata.json: members.dqn.run.reward_scale: is not a finite number"):
+        export_ensemble(model, data, tmp_path / "export")
+    assert not (tmp_path / "export" / "metadata.json").exists()
