@@ -649,3 +649,57 @@ def test_ensemble_dqn_steps_its_agents_every_env_step_every_updates(tmp_path: Pa
     updates = model.updates["dqn"]
     assert updates >= 7
     assert dqn.env_steps == 64 + math.ceil(updates / 3) * 16  # warm-up, then one step of all agents per 3 updates
+
+
+def test_16_mixed_each_member_unscales_at_its_own_scale_and_skipped_steps_leave_schedules_alone(tmp_path: Path) -> None:
+    """Lightning updates a GradScaler's scale after every optimizer step, and the coordinator steps one optimizer per
+    member: each member's gradients must be made at the scale its own step unscales by (one backward of the sum would
+    leave the second member's gradients off by the first step's change), and a step the scaler skips on overflow
+    (inf gradients at a huge initial scale) must leave the member's LR schedule, update count and target sync alone."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from foxhunt.data.datamodule import BarDataModule
+    from foxhunt.lit.dqn import DQNModule
+    from foxhunt.lit.ensemble import EnsembleModule
+    from foxhunt.lit.ppo import PPOModule
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=4)
+
+    class Plugin(MixedPrecision):
+        """Records the scale each backward runs at and the scale each step unscales by."""
+
+        log: list[tuple[str, float]] = []
+
+        def pre_backward(self, tensor, module):
+            self.log.append(("backward", scaler.get_scale()))
+            return super().pre_backward(tensor, module)
+
+        def optimizer_step(self, optimizer, model, closure, **kwargs):
+            self.log.append(("step", scaler.get_scale()))
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
+
+    feats = ["logret_1", "logret_2", "rsi_14", "tod_sin", "tod_cos"]
+    dm = BarDataModule(synthetic_bars=3000, features=feats, known_future=["tod_sin", "tod_cos"], lookback=8, horizon=2,
+                       batch_size=16, cache_dir=None)
+    dqn = DQNModule(window=4, n_envs=16, episode_length=32, hidden=(16,), batch_size=32, replay_capacity=2048,
+                    learning_starts=64, updates_per_step=1, scheduler="cosine", total_steps=100, warmup_steps=2)
+    ppo = PPOModule(window=4, n_envs=8, n_steps=16, n_minibatches=2, n_epochs=1, hidden=(16,), updates_per_step=2)
+    model = EnsembleModule(members={"dqn": dqn, "ppo": ppo}, gradient_clip_val=1.0)
+    plugin = Plugin("16-mixed", "cpu", scaler=scaler)
+    trainer = pl.Trainer(accelerator="cpu", plugins=[plugin], max_steps=60, limit_val_batches=0, num_sanity_val_steps=0,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.fit(model, datamodule=dm)
+
+    steps = [i for i, (what, _) in enumerate(plugin.log) if what == "step"]
+    assert len(steps) > 10
+    for i in steps:  # the last backward before each step ran at the scale that step unscales by
+        backward = max(j for j in range(i) if plugin.log[j][0] == "backward")
+        assert plugin.log[backward][1] == plugin.log[i][1], plugin.log[backward - 1:i + 1]
+    skipped = {n: model.member(n).guard.scaler_skipped for n in ("dqn", "ppo")}
+    assert all(s > 0 for s in skipped.values()), skipped  # 2**24 overflows fp16 gradients at first
+    assert sum(skipped.values()) + sum(model.updates.values()) == len(steps)
+    for name in ("dqn", "ppo"):
+        sched = model._schedulers[name]
+        assert sched.last_epoch == model.updates[name] > 0, (name, sched.last_epoch, model.updates[name])
+        assert model.member(name).guard.skipped == 0, model.member(name).guard.state_dict()  # overflow is the scaler's, not the non-finite guard's

@@ -89,9 +89,13 @@ class _LoopPlan:
     optimizers: dict[str, Any]  # LightningOptimizers: stepping them advances global_step
     params: dict[str, list[nn.Parameter]]
     clip: dict[str, float | None]
-    scaled: bool  # a GradScaler (16-mixed): gradients are unscaled only inside the optimizer step
+    scaler: Any  # the GradScaler of 16-mixed (None otherwise): gradients are unscaled only inside the optimizer step
     direct_backward: bool
     active: str | None = None  # the member whose optimizer is stepping (read by on_before_optimizer_step)
+
+    @property
+    def scaled(self) -> bool:
+        return self.scaler is not None
 
 
 class EnsembleModule(pl.LightningModule):
@@ -310,7 +314,9 @@ class EnsembleModule(pl.LightningModule):
 
         Without a GradScaler the gradients are final after backward: the guard and the clip share one norm here.
         With one (16-mixed) they are scaled until the optimizer step unscales them, so the norms are logged and the
-        clip applied in ``on_before_optimizer_step``, and the scaler itself skips overflowing steps.
+        clip applied in ``on_before_optimizer_step``. Lightning updates the scale after every optimizer step, so there
+        each member's backward runs just before its own step, at the scale that step unscales by; a step the scaler
+        skips (overflow) is counted and leaves the member's schedule, update count and ``after_update`` alone.
         """
         plan = self._loop_plan()
         live = {n: loss for n, loss in losses.items() if plan.members[n].guard.check_loss(loss, self.updates[n])}
@@ -319,18 +325,14 @@ class EnsembleModule(pl.LightningModule):
         for name in live:
             for p in plan.params[name]:
                 p.grad = None
-        total = functools.reduce(operator.add, live.values())
-        # backward outside Lightning's autocast (on around training_step, where the members are stepped): under it the
-        # hand-written backwards (Mamba-2's scan, the TFT's selection, PPO's loss) would see their products recast
-        device = total.device.type
-        with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext():
-            if plan.direct_backward:
-                total.backward()
-            else:
-                self.manual_backward(total)
+        if not plan.scaled:
+            self._backward(functools.reduce(operator.add, live.values()), plan)
         for name in live:
             member, update = plan.members[name], self.updates[name]
-            if not plan.scaled:
+            if plan.scaled:
+                self._backward(live[name], plan)
+                scale = plan.scaler.get_scale()
+            else:
                 if member.log_grad_norm_every and update % member.log_grad_norm_every == 0:
                     self._log_grad_norms(name)
                 if not member.guard.clip_gradients(member.network, plan.clip[name], update, params=plan.params[name]):
@@ -338,11 +340,24 @@ class EnsembleModule(pl.LightningModule):
             plan.active = name
             plan.optimizers[name].step()
             plan.active = None
+            if plan.scaled and plan.scaler.get_scale() < scale:  # the scaler found inf/NaN and skipped the step
+                member.guard.scaler_skipped += 1
+                continue
             sched = self._schedulers.get(name)
             if sched is not None and not isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
                 sched.step()
             member.after_update(update)
             self.updates[name] = update + 1
+
+    def _backward(self, loss: Tensor, plan: _LoopPlan) -> None:
+        """Backward outside Lightning's autocast (on around training_step, where the members are stepped): under it
+        the hand-written backwards (Mamba-2's scan, the TFT's selection, PPO's loss) would see their products recast."""
+        device = loss.device.type
+        with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext():
+            if plan.direct_backward:
+                loss.backward()
+            else:
+                self.manual_backward(loss)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Under a GradScaler the gradients are unscaled only here: log the active member's norms, then clip them."""
@@ -383,7 +398,7 @@ class EnsembleModule(pl.LightningModule):
                 optimizers=dict(zip(self.member_names, opts, strict=True)),
                 params={n: list(m.network.parameters()) for n, m in members.items()},
                 clip=clip,
-                scaled=getattr(self.trainer.precision_plugin, "scaler", None) is not None,
+                scaler=getattr(self.trainer.precision_plugin, "scaler", None),
                 direct_backward=self._direct_backward,
             )
         return plan
@@ -394,6 +409,8 @@ class EnsembleModule(pl.LightningModule):
             member = self.member(name)
             metrics.update({f"train/{name}/{k}": v for k, v in member.training_metrics().items()})
             metrics[f"train/{name}/nonfinite_skipped"] = float(member.guard.skipped)
+            if self._loop_plan().scaled:
+                metrics[f"train/{name}/scaler_skipped"] = float(member.guard.scaler_skipped)
             metrics[f"train/{name}/updates"] = float(self.updates[name])
             metrics[f"lr/{name}"] = float(self._optimizer(name).param_groups[0]["lr"])
         for name in self.member_names:  # held-out scores a member took since the last log (e.g. its weight choice)

@@ -72,6 +72,7 @@ class NonFiniteGuard:
         self.policy: GuardPolicy = policy
         self.skipped_loss = 0
         self.skipped_gradients = 0
+        self.scaler_skipped = 0  # steps a GradScaler (16-mixed) skipped on overflow: expected, counted apart
 
     @property
     def skipped(self) -> int:
@@ -134,11 +135,13 @@ class NonFiniteGuard:
 
     def state_dict(self) -> dict[str, int | str]:
         """Counts survive checkpoints so a resumed run keeps its tally."""
-        return {"policy": self.policy, "skipped_loss": self.skipped_loss, "skipped_gradients": self.skipped_gradients}
+        return {"policy": self.policy, "skipped_loss": self.skipped_loss, "skipped_gradients": self.skipped_gradients,
+                "scaler_skipped": self.scaler_skipped}
 
     def load_state_dict(self, state: dict[str, int | str]) -> None:
         self.skipped_loss = int(state.get("skipped_loss", 0))
         self.skipped_gradients = int(state.get("skipped_gradients", 0))
+        self.scaler_skipped = int(state.get("scaler_skipped", 0))
 
 
 def nonfinite_blocks(module: nn.Module) -> list[str]:
