@@ -379,9 +379,9 @@ class TargetTransform(_FittedModule):
     * Rolling warm-up: row t is NaN until ``zscore_window`` finite returns precede it within its segment (plus
       ``clip_window`` finite scaled values with rolling clipping); NaN returns (a segment's last bar) stay NaN.
 
-    Multi-horizon note: with ``scale="rolling"`` the statistics of row t+h use returns up to t+h-1. Mapping back an
-    h-step forecast made at bar t with ``loc[t+h]``/``scale[t+h]`` is exact for training targets and for h=0; for
-    h >= 1 at decision time use ``loc[t]``/``scale[t]`` or ``scale="fitted"``.
+    Multi-horizon note: with ``scale="rolling"`` the statistics of row t+h use returns up to t+h-1, so a forecast made
+    at bar t uses row t's at every step: ``WindowBatches`` scales step h's target (the return of row t+h) by row t's
+    ``loc``/``scale`` and clips it to :attr:`bounds`, and the forecasters map every step back with row t's.
     """
 
     _fitted_buffers = ()
@@ -433,6 +433,15 @@ class TargetTransform(_FittedModule):
         if self.clip is not None and self.clip.mode == "fitted":
             self.clip.fit(self._scale(train_returns, segment)[0])
         return self
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        """The fitted clip applied after scaling ((-inf, inf) without one); a rolling clip has no fixed bounds."""
+        if self.clip is None:
+            return (-math.inf, math.inf)
+        if self.clip.mode != "fitted":
+            raise ValueError("TargetTransform.bounds: a rolling clip has per-row bounds, not one pair")
+        return (float(self.clip.lower), float(self.clip.upper))
 
     def _scale(self, r: Tensor, segment: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         if isinstance(self.scaler, FeatureNormalizer):

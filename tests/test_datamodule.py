@@ -143,6 +143,25 @@ def test_window_batches_from_the_datamodule(bars_file: Path) -> None:
     torch.testing.assert_close(batch["y"][:, 0], expected.clamp(lo.item(), hi.item()), rtol=1e-5, atol=1e-6)
 
 
+def test_rolling_target_scale_scales_every_step_of_a_window_by_what_is_known_at_its_decision_bar(bars_file: Path) -> None:
+    """With a rolling target scale, row t+h's statistics read returns up to t+h-1. A window decided at t is trained on
+    (and its forecast mapped back with) row t's statistics at every step, clipped like the stored targets."""
+    dm = _dm(bars_file, target_scale="rolling", target_zscore_window=50)
+    dm.setup()
+    split = dm.train_split
+    assert not bool((split.target_scale == split.target_scale[0]).all())  # the statistics vary by row
+    batch = next(iter(dm.train_dataloader()))
+    t = batch["t"]
+    loc, scale = split.target_loc[t][:, None], split.target_scale[t][:, None]
+    assert torch.equal(batch["y_loc"], loc.expand(-1, 4)) and torch.equal(batch["y_scale"], scale.expand(-1, 4))
+    lo, hi = split.target_bounds
+    assert (lo, hi) == (dm.target_transform.clip.lower.item(), dm.target_transform.clip.upper.item())
+    torch.testing.assert_close(batch["y"], ((batch["y_raw"] - loc) / scale).clamp(lo, hi))
+    torch.testing.assert_close(batch["y"][:, 0], split.targets[t], rtol=1e-5, atol=1e-6)  # step 0: the stored target
+    later = split.targets[t + 3]  # the stored target of row t+3 is scaled by row t+3's statistics: not what step 3 is
+    assert not torch.allclose(batch["y"][:, 3], later, rtol=1e-3, atol=0)
+
+
 def test_feature_cache_hit_and_miss(bars_file: Path, tmp_path: Path, caplog) -> None:
     cache = tmp_path / "cache"
     with caplog.at_level(logging.INFO, logger="foxhunt.data"):

@@ -111,10 +111,13 @@ def test_batch_shapes_dtypes_and_exact_content() -> None:
         t = int(batch["t"][i])
         assert torch.equal(batch["x_past"][i], split.features[t - lookback + 1 : t + 1])
         assert torch.equal(batch["x_future"][i], split.features[t + 1 : t + horizon + 1][:, cols])
-        assert torch.equal(batch["y"][i], split.targets[t : t + horizon])
+        # the split's statistics vary by row (as a rolling scale's do): every step is scaled by the decision row's
+        loc, scale = split.target_loc[t], split.target_scale[t]
+        assert torch.equal(batch["y"][i], (split.returns[t : t + horizon] - loc) / scale)
+        torch.testing.assert_close(batch["y"][i, 0], split.targets[t])  # step 0: the stored target
         assert torch.equal(batch["y_raw"][i], split.returns[t : t + horizon])
-        assert torch.equal(batch["y_loc"][i], split.target_loc[t : t + horizon])
-        assert torch.equal(batch["y_scale"][i], split.target_scale[t : t + horizon])
+        assert torch.equal(batch["y_loc"][i], loc.expand(horizon))
+        assert torch.equal(batch["y_scale"][i], scale.expand(horizon))
         assert int(batch["symbol"][i]) == int(split.symbol_index[t])
     # the feature encoding makes the row of every value explicit: past ends at t, future starts at t+1
     assert torch.equal(batch["x_past"][:, -1, 0].long(), batch["t"])
@@ -122,6 +125,28 @@ def test_batch_shapes_dtypes_and_exact_content() -> None:
     assert torch.isfinite(batch["y"]).all() and torch.isfinite(batch["y_raw"]).all()
     # y_loc / y_scale map y back to the raw return of the same row
     torch.testing.assert_close(batch["y"] * batch["y_scale"] + batch["y_loc"], batch["y_raw"])
+
+
+def test_constant_statistics_keep_the_stored_targets_and_row_varying_ones_are_clipped_to_the_split_bounds() -> None:
+    """Fitted (constant) statistics: the stored targets, bit for bit, per step. Row-varying ones: each step scaled by
+    the decision row's statistics, then clipped like the stored targets (the split's ``target_bounds``)."""
+    from dataclasses import replace
+
+    split = make_split()
+    n = len(split)
+    fitted = replace(split, target_loc=torch.full((n,), 0.001), target_scale=torch.full((n,), 0.02),
+                     targets=torch.nan_to_num((split.returns - 0.001) / 0.02).clamp(-0.5, 0.5), target_bounds=(-0.5, 0.5))
+    batch = next(iter(WindowBatches(fitted, 8, 4, batch_size=32)))
+    rows = batch["t"][:, None] + torch.arange(4)
+    assert torch.equal(batch["y"], fitted.targets[rows])
+    assert torch.equal(batch["y_scale"], fitted.target_scale[rows])
+
+    clipped = replace(split, target_bounds=(-0.004, 0.004))
+    batch = next(iter(WindowBatches(clipped, 8, 4, batch_size=32)))
+    loc, scale = split.target_loc[batch["t"]][:, None], split.target_scale[batch["t"]][:, None]
+    unclipped = (batch["y_raw"] - loc) / scale
+    assert bool((unclipped.abs() > 0.004).any()) and bool((unclipped.abs() < 0.004).any())
+    assert torch.equal(batch["y"], unclipped.clamp(-0.004, 0.004))
 
 
 def test_no_known_future_columns_gives_empty_x_future() -> None:

@@ -79,6 +79,7 @@ def assemble_split(
         target_loc=scaled.loc.float(),
         target_scale=scaled.scale.float(),
         oracle_mean=oracle_mean,
+        target_bounds=target_transform.bounds,
     )
 
 

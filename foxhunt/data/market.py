@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -28,6 +29,7 @@ class MarketSplit:
     target_loc: torch.Tensor | None = None  # float32 [T]: targets = (returns - target_loc) / target_scale (pre-clip)
     target_scale: torch.Tensor | None = None  # float32 [T]; with target_loc, maps predicted targets back to returns
     oracle_mean: torch.Tensor | None = None  # float64 [T]: the known conditional mean of returns[t] (synthetic data only)
+    target_bounds: tuple[float, float] = (-math.inf, math.inf)  # the clip applied to targets after scaling
 
     def __post_init__(self) -> None:
         n = self.timestamps.shape[0]

@@ -82,9 +82,10 @@ class WindowBatches(IterableDataset):
     columns of rows t+1..t+H), ``y`` [B, H] (``targets`` rows t..t+H-1), ``y_raw`` [B, H] (raw log ``returns`` of the
     same rows, for metrics), ``symbol`` [B] and ``t`` [B] (decision row in the split), for t in
     :func:`valid_window_starts`. When the split carries ``target_loc``/``target_scale``, ``y_loc``/``y_scale``
-    [B, H] (same rows) map a prediction of ``y`` back to a log return: ``y * y_scale + y_loc`` (clipping aside).
-    With a rolling target scale, the statistics of step h use returns up to t+h-1: exact for the loss and for
-    metrics computed after the fact, but only step 0's are known at decision time t.
+    [B, H] map a prediction of ``y`` back to a log return: ``y * y_scale + y_loc`` (clipping aside). They are the
+    decision row t's statistics at every step: where they vary by row (a rolling target scale, whose row t+h reads
+    returns up to t+h-1), step h's target is the raw return of row t+h scaled by row t's statistics and clipped to the
+    split's ``target_bounds``, so a forecast made at t is trained on, and mapped back with, what is known at t.
 
     Use it as a Lightning dataloader directly (return it from ``train_dataloader``); Lightning calls ``set_epoch``
     each epoch through ``sampler``. Without ``set_epoch``, each new pass advances the epoch by one, so a plain loop
@@ -145,6 +146,11 @@ class WindowBatches(IterableDataset):
         loc, scale = getattr(split, "target_loc", None), getattr(split, "target_scale", None)
         self.target_loc = None if loc is None else loc.float().contiguous()
         self.target_scale = None if scale is None else scale.float().contiguous()
+        # row-varying statistics: every step of a window is scaled by its decision row's (constant ones: as stored)
+        self.decision_row_targets = any(
+            stat is not None and stat.numel() > 0 and not bool((stat == stat[0]).all()) for stat in (self.target_loc, self.target_scale)
+        )
+        self.target_bounds = tuple(getattr(split, "target_bounds", (-math.inf, math.inf)))
         self.starts = valid_window_starts(split, self.lookback, self.horizon)
         dev = self.starts.device
         self._past_offsets = torch.arange(-self.lookback + 1, 1, device=dev)
@@ -195,6 +201,13 @@ class WindowBatches(IterableDataset):
             "symbol": self.symbol_index.index_select(0, t),
             "t": t,
         }
+        if self.decision_row_targets:
+            assert self.target_loc is not None and self.target_scale is not None
+            loc = self.target_loc.index_select(0, t)[:, None].expand(b, self.horizon)
+            scale = self.target_scale.index_select(0, t)[:, None].expand(b, self.horizon)
+            batch["y"] = ((batch["y_raw"] - loc) / scale).clamp(*self.target_bounds)
+            batch["y_loc"], batch["y_scale"] = loc, scale
+            return batch
         if self.target_loc is not None:
             batch["y_loc"] = self.target_loc.index_select(0, ahead).view(b, self.horizon)
         if self.target_scale is not None:
