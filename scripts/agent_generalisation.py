@@ -1,6 +1,6 @@
 """Out-of-sample skill of foxhunt's DQN on markets it was never tuned on, next to Stable-Baselines3's DQN (issue 16).
 
-Tasks (foxhunt.lit.agent_tasks): AR(1)-in-returns with GARCH(1,1) volatility at strengths ``--phis`` and seeds
+Tasks (foxhunt.quality.agent_tasks): AR(1)-in-returns with GARCH(1,1) volatility at strengths ``--phis`` and seeds
 ``--seeds`` (300,000 one-minute bars, 60% train | 20% val | 20% test, chronological with purge gaps), and the real
 series given by ``--real`` (a CSV with timestamp and close columns; 70% | 15% | 15%). Observation: 32 bars x 3 features
 (last return, its absolute value, 16-bar volatility; z-scored on train) plus the held position; actions short / flat /
@@ -39,8 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from foxhunt.lit.agent_quality import task_scores, train_on_task
-from foxhunt.lit.agent_tasks import (
+from foxhunt.quality.agent_tasks import (
     SyntheticMarket,
     add_task_family_arguments,
     read_rows,
@@ -48,6 +47,7 @@ from foxhunt.lit.agent_tasks import (
     score_cell,
     task_family,
 )
+from foxhunt.quality.agents import task_scores, train_on_task
 from foxhunt.rl.env import MarketTensors, greedy_positions, reward_scale_for
 
 WINDOW = 32

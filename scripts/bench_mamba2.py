@@ -239,8 +239,8 @@ def member_modules(variants: list[str], data: object, args: argparse.Namespace,
     """The member modules foxhunt.fit trains (``Mamba2Module``, ``TFTModule``), at the bench's sizes, bound to the
     data; the reference variant is the Mamba2Module with the reference scan in every block."""
     from foxhunt.data.market import MarketSpec
-    from foxhunt.lit.forecaster_quality import make_module
     from foxhunt.lit.mamba2 import Mamba2Module
+    from foxhunt.quality.forecasters import make_module
 
     split = data.splits["train"]
     spec = MarketSpec(list(split.feature_names), list(data.known_future), list(split.symbols), data.lookback,
@@ -268,7 +268,7 @@ def bench_trainer(length: int, variants: list[str], args: argparse.Namespace,
     """Training steps of the member modules inside ``lightning.pytorch.Trainer.fit`` on window batches of a synthetic
     market (8 features of which 3 known in advance, horizon 6): ``--repeats`` rounds, each a short fit of every
     module in turn (``--trainer-steps`` steps; a fit's first step is dropped as its warm-up), medians over the rest."""
-    from foxhunt.lit.forecaster_quality import build_quality_data, windows
+    from foxhunt.quality.forecasters import build_quality_data, windows
 
     n_bars = max(20_000, int((length + HORIZON + args.batch * (args.trainer_steps + 1)) / 0.65))
     data = build_quality_data(n_bars, lookback=length, horizon=HORIZON, quantiles=QUANTILES)

@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_dqn import make_gym_env
 
-from foxhunt.lit.agent_quality import ar1_market
+from foxhunt.quality.agents import ar1_market
 from foxhunt.rl.env import MarketTensors
 
 ACTIONS = (-1.0, 0.0, 1.0)

@@ -23,7 +23,7 @@ import json
 
 import torch
 
-from foxhunt.lit.agent_quality import (  # noqa: F401 - re-exported for the benchmarks
+from foxhunt.quality.agents import (  # noqa: F401 - re-exported for the benchmarks
     BARS_PER_YEAR,
     MINUTE_NS,
     SyntheticMarket,

@@ -1,6 +1,6 @@
 """Mamba-2 forecaster quality against exact oracles (issue 17, section 3).
 
-1. **Weak planted signal** (the TFT's yardstick, :mod:`foxhunt.lit.forecaster_quality`): the synthetic market with
+1. **Weak planted signal** (the TFT's yardstick, :mod:`foxhunt.quality.forecasters`): the synthetic market with
    signal strength 0.1 and a handful of causal features; Mamba2Module is trained on it and compared on the test
    split, at the first horizon step, with the market's exact conditional quantiles: quantile-loss ratio to the
    oracle, share of the no-skill-to-oracle gap closed, [q0.1, q0.9] coverage. ``--tft`` trains the TFT on the same
@@ -38,10 +38,10 @@ import torch
 from scipy.stats import norm
 
 from foxhunt.data.market import MarketSpec, MarketSplit
-from foxhunt.lit.forecaster_quality import QualityData, build_quality_data, evaluate, windows
-from foxhunt.lit.forecaster_quality import train as train_tft
 from foxhunt.lit.mamba2 import Mamba2Module
 from foxhunt.preprocessing import FeatureNormalizer
+from foxhunt.quality.forecasters import QualityData, build_quality_data, evaluate, windows
+from foxhunt.quality.forecasters import train as train_tft
 from foxhunt.training.memory import retain_freed_memory
 
 

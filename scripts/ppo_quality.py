@@ -1,4 +1,4 @@
-"""PPO's out-of-sample quality on the agents' task family (foxhunt.lit.agent_tasks, issue 16's), next to
+"""PPO's out-of-sample quality on the agents' task family (foxhunt.quality.agent_tasks, issue 16's), next to
 Stable-Baselines3's PPO at its defaults given the same number of environment steps.
 
 Tasks: AR(1)-in-returns with GARCH(1,1) volatility at strengths ``--phis`` and seeds ``--seeds`` (300,000 one-minute
@@ -12,7 +12,7 @@ best causal oracle's reward per bar after costs (synthetic tasks), the test log 
 Learners (``--learners``), each trained on the training split for ``--env-steps`` single-agent environment steps:
 
 - ``ppo``: PPOModule at its defaults (discrete short/flat/long) with a 32-bar window, trained as the one member of the
-  coordinator (foxhunt.lit.ppo_quality.train_ppo); ``ppo_continuous`` the same with ``action_space="continuous"``.
+  coordinator (foxhunt.quality.ppo_runs.train_ppo); ``ppo_continuous`` the same with ``action_space="continuous"``.
   Scored twice: the member's own deterministic policy (``ppo``), and after the coordinator's do-no-harm rule on the
   validation split (``ppo+rule``: held flat unless P(validation edge after costs > 0) >= ``--min-edge-confidence``),
   the rule the DQN benchmark applies;
@@ -43,8 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from foxhunt.lit.agent_quality import task_scores
-from foxhunt.lit.agent_tasks import (
+from foxhunt.quality.agent_tasks import (
     SyntheticMarket,
     add_task_family_arguments,
     read_rows,
@@ -52,7 +51,8 @@ from foxhunt.lit.agent_tasks import (
     score_cell,
     task_family,
 )
-from foxhunt.lit.ppo_quality import train_ppo, updates_for_env_steps
+from foxhunt.quality.agents import task_scores
+from foxhunt.quality.ppo_runs import train_ppo, updates_for_env_steps
 from foxhunt.rl.env import MarketTensors, greedy_positions, reward_scale_for
 
 WINDOW = 32

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from foxhunt.lit.forecaster_quality import (  # noqa: F401 - the script prints what the package computes
+from foxhunt.quality.forecasters import (  # noqa: F401 - the script prints what the package computes
     BASE_FEATURES,
     KNOWN_FUTURE,
     QualityData,

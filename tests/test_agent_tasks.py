@@ -7,7 +7,7 @@ import argparse
 import numpy as np
 import torch
 
-from foxhunt.lit.agent_tasks import add_task_family_arguments, task_family
+from foxhunt.quality.agent_tasks import add_task_family_arguments, task_family
 
 
 def test_real_series_runs_at_every_seed(tmp_path) -> None:
@@ -43,7 +43,7 @@ def test_fetched_eurusd_format_reads_as_a_real_series(tmp_path) -> None:
     import importlib.util
     from pathlib import Path
 
-    from foxhunt.lit.agent_tasks import real_market
+    from foxhunt.quality.agent_tasks import real_market
 
     spec = importlib.util.spec_from_file_location("fetch_eurusd", Path(__file__).parents[1] / "scripts" / "fetch_eurusd.py")
     fetch_eurusd = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
@@ -68,7 +68,7 @@ def test_fetched_eurusd_format_reads_as_a_real_series(tmp_path) -> None:
 def test_a_missing_real_series_says_where_to_get_one(tmp_path) -> None:
     import pytest
 
-    from foxhunt.lit.agent_tasks import real_market
+    from foxhunt.quality.agent_tasks import real_market
 
     with pytest.raises(FileNotFoundError, match=r"eurusd\.csv: no such file .*agent_generalisation\.py.*fetch_eurusd\.py"):
         real_market(tmp_path / "eurusd.csv")

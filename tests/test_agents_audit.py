@@ -49,7 +49,7 @@ def test_the_benchmark_markets_features_never_read_a_later_bar(monkeypatch: pyte
     precede them are warm-up."""
     import numpy as np
 
-    from foxhunt.lit import agent_quality
+    from foxhunt.quality import agents as agent_quality
 
     captured: list[np.ndarray] = []
 

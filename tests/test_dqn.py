@@ -18,9 +18,9 @@ import torch
 
 from foxhunt.data.datamodule import MarketDataModule
 from foxhunt.data.market import MarketSpec
-from foxhunt.lit import agent_quality as quality  # noqa: E402
 from foxhunt.lit.dqn import DQNModule, double_dqn_target
 from foxhunt.lit.ensemble import EnsembleModule
+from foxhunt.quality import agents as quality  # noqa: E402
 from foxhunt.training.guard import NonFiniteError
 
 

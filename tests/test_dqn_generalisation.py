@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from foxhunt.evaluation.trading import strategy_log_returns
-from foxhunt.lit import agent_quality as quality
-from foxhunt.lit.agent_tasks import garch_ar1_returns, real_market, simple_features, task_market
 from foxhunt.models.qnet import QNetwork
+from foxhunt.quality import agents as quality
+from foxhunt.quality.agent_tasks import garch_ar1_returns, real_market, simple_features, task_market
 from foxhunt.rl.env import MarketTensors
 
 SMALL = {

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from foxhunt.evaluation.trading import strategy_log_returns
-from foxhunt.lit import agent_quality as quality  # noqa: E402
+from foxhunt.quality import agents as quality  # noqa: E402
 from foxhunt.rl.env import MarketTensors
 
 

@@ -575,8 +575,8 @@ def test_fit_config_runs_with_overrides(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------------------- quality
 def _train_on_quality_data(n_bars: int, steps: int, lookback: int, horizon: int) -> dict[str, float]:
-    """The TFT's yardstick (foxhunt.lit.forecaster_quality): the weak planted signal and its exact oracle."""
-    from foxhunt.lit.forecaster_quality import build_quality_data, evaluate, windows
+    """The TFT's yardstick (foxhunt.quality.forecasters): the weak planted signal and its exact oracle."""
+    from foxhunt.quality.forecasters import build_quality_data, evaluate, windows
 
     torch.set_num_threads(1)
     data = build_quality_data(n_bars, seed=0, lookback=lookback, horizon=horizon)

@@ -23,16 +23,16 @@ from safetensors.torch import load_file, save_file
 from foxhunt.data.datamodule import MarketDataModule
 from foxhunt.data.market import MarketSplit
 from foxhunt.evaluation.trading import strategy_log_returns
-from foxhunt.lit import agent_quality as quality
 from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.lit.ppo import LinearDecay, PPOModule, clipped_surrogate_loss, value_loss
-from foxhunt.lit.ppo_quality import train_ppo
 from foxhunt.models.actor_critic import (
     ActorCritic,
     squashed_normal_entropy,
     squashed_normal_log_prob,
     tanh_log_det,
 )
+from foxhunt.quality import agents as quality
+from foxhunt.quality.ppo_runs import train_ppo
 from foxhunt.rl.env import ContinuousMarketEnv, MarketEnv, MarketTensors, apply_no_trade_band, sequential_positions
 from foxhunt.rl.rollout import RolloutBuffer, generalized_advantages
 

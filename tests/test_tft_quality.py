@@ -7,7 +7,7 @@ import torch
 
 
 def _quality_module():  # type: ignore[no-untyped-def]
-    from foxhunt.lit import forecaster_quality
+    from foxhunt.quality import forecasters as forecaster_quality
 
     return forecaster_quality
 

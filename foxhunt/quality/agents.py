@@ -19,9 +19,9 @@ import torch
 
 from foxhunt.data.datamodule import MarketDataModule
 from foxhunt.evaluation.trading import trading_metrics
-from foxhunt.lit.agent_tasks import MINUTE_NS, SyntheticMarket, split_market
 from foxhunt.lit.dqn import DQNModule
 from foxhunt.lit.ensemble import EnsembleModule
+from foxhunt.quality.agent_tasks import MINUTE_NS, SyntheticMarket, split_market
 from foxhunt.rl.env import MarketTensors
 from foxhunt.rl.oracle import oracle_positions
 
@@ -180,7 +180,7 @@ def run_quality(phi: float, steps: int, n_bars: int, seed: int = 0, market: str 
 
 # ----------------------------------------------------------------------------------------------- generalisation tasks
 def task_dqn_kwargs(updates: int) -> dict:
-    """The DQN of the generalisation benchmark (foxhunt.lit.agent_tasks): the member's defaults (the measured ones),
+    """The DQN of the generalisation benchmark (foxhunt.quality.agent_tasks): the member's defaults (the measured ones),
     a 32-bar window, batches of 64 and the environment stepped every 4 updates (64 transitions per update);
     ``updates`` sets the exploration and the cosine schedule's length."""
     return {

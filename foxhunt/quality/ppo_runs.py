@@ -1,5 +1,5 @@
 """PPO's train-then-score runs: one ``train_ppo`` for the learning tests, ``scripts/ppo_quality.py`` and the quality
-table on the agents' task family (:mod:`foxhunt.lit.agent_tasks`), always through the coordinator as ``python -m
+table on the agents' task family (:mod:`foxhunt.quality.agent_tasks`), always through the coordinator as ``python -m
 foxhunt.fit`` trains it (``EnsembleModule`` with PPO as its only member, a ``MarketDataModule``, a Lightning Trainer).
 
     ensemble, member, seconds = train_ppo(data, updates_for_env_steps(500_000), window=32)
@@ -17,10 +17,10 @@ from typing import Any
 import lightning as L
 
 from foxhunt.data.datamodule import MarketDataModule
-from foxhunt.lit.agent_quality import updates_per_step_for
-from foxhunt.lit.agent_tasks import SyntheticMarket
 from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.lit.ppo import PPOModule
+from foxhunt.quality.agent_tasks import SyntheticMarket
+from foxhunt.quality.agents import updates_per_step_for
 
 
 def updates_for_env_steps(env_steps: int, **overrides: Any) -> int:
