@@ -60,7 +60,7 @@ def train_mamba2(data: QualityData, *, steps: int, batch_size: int = 128, seed: 
 
 
 def report_of(module: object, data: QualityData) -> dict[str, float]:
-    """forecaster_quality.evaluate's figures, with the model's keys named ``model_*`` (windows in batches of about
+    """foxhunt.quality.forecasters.evaluate's figures, with the model's keys named ``model_*`` (windows in batches of about
     64k bars: 1024 windows at lookback 64, 16 at 4096, so a long lookback's forward fits in memory)."""
     batch = max(8, 65536 // data.lookback)
     return {k.replace("tft_", "model_"): v  # type: ignore[arg-type]

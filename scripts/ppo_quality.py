@@ -7,7 +7,7 @@ timestamp and close columns, 70% | 15% | 15%; trained at every seed of ``--seeds
 sampling and init). Observation: 32 bars x 3 simple causal features (z-scored on train)
 plus the held position; 1 bp cost per unit traded. Per learner, task and seed, on the test split: the fraction of the
 best causal oracle's reward per bar after costs (synthetic tasks), the test log return and the turnover
-(``agent_quality.task_scores``, the DQN benchmark's scoring).
+(``foxhunt.quality.agents.task_scores``, the DQN benchmark's scoring).
 
 Learners (``--learners``), each trained on the training split for ``--env-steps`` single-agent environment steps:
 

@@ -43,7 +43,7 @@ def test_an_action_set_without_flat_is_refused() -> None:
 
 
 def test_the_benchmark_markets_features_never_read_a_later_bar(monkeypatch: pytest.MonkeyPatch) -> None:
-    """agent_quality's features (ar1_market, generator_market, the DQN's quality script, the agents' learning tests): a
+    """foxhunt.quality.agents' features (ar1_market, generator_market, the DQN's quality script, the agents' learning tests): a
     row's raw features are the same whatever follows it. The volatility EWMA was seeded with the mean square of the
     first 10% of the returns, so every early row read later bars; now the seed is the first bars' and the rows that
     precede them are warm-up."""
