@@ -51,6 +51,28 @@ SOURCE = r"""
 /* The block's shape is compiled in (-D...): the short loops over channels and state unroll into vector registers.
    Every function checks the shape it is called with and returns 1 if it differs, 2 if memory runs out, else 0. */
 typedef ptrdiff_t I;
+
+/* Subnormal floats flushed to zero (and read as zero) while a loop runs, the caller's mode restored on return: an
+   adjoint or gradient that decays through thousands of steps (the last layer's, whose output gradient is only its
+   tail's) otherwise crosses into subnormals, which x86 cores handle in microcode at ~100x the cost of a normal
+   operation. Values below 1.2e-38 next to the O(1) ones the sums hold change nothing at float32's precision. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+typedef unsigned int fpmode;
+static inline fpmode flush_subnormals(void) { fpmode m = _mm_getcsr(); _mm_setcsr(m | 0x8040u); return m; } /* FTZ|DAZ */
+static inline void restore_fpmode(fpmode m) { _mm_setcsr(m); }
+#elif defined(__aarch64__)
+typedef unsigned long fpmode;
+static inline fpmode flush_subnormals(void) {
+    fpmode m; __asm__ volatile("mrs %0, fpcr" : "=r"(m)); __asm__ volatile("msr fpcr, %0" : : "r"(m | (1ul << 24)));
+    return m; /* FZ */
+}
+static inline void restore_fpmode(fpmode m) { __asm__ volatile("msr fpcr, %0" : : "r"(m)); }
+#else
+typedef int fpmode;
+static inline fpmode flush_subnormals(void) { return 0; }
+static inline void restore_fpmode(fpmode m) { (void)m; }
+#endif
 #define SHAPE_OK(H, P, G, N, C, W) ((H) == SSD_H && (P) == SSD_P && (G) == SSD_G && (N) == SSD_N \
                                     && (C) == CONV_C && (W) == CONV_W)
 
@@ -93,7 +115,7 @@ static inline void conv_head(const float *restrict past, const float *restrict i
 
 /* out [nb, L, C] = silu(causal depthwise convolution) of in [nb, L, C] after past [nb, W - 1, C] (NULL: zeros);
    kernel wt [W, C], bias [C] or NULL */
-int conv_silu_fwd(const float *restrict past, const float *restrict in, const float *restrict wt,
+static int conv_silu_fwd_body(const float *restrict past, const float *restrict in, const float *restrict wt,
                   const float *restrict bias, float *restrict out, I nb, I L, I C, I W) {
     if (!SHAPE_OK(SSD_H, SSD_P, SSD_G, SSD_N, C, W)) return 1;
     float head[HEAD_ROWS * CONV_C];
@@ -111,7 +133,7 @@ int conv_silu_fwd(const float *restrict past, const float *restrict in, const fl
 
 /* its backward from the output gradient g [nb, L, C]: gin [nb, L, C] and gpast [nb, W - 1, C] (if not NULL), gwt
    [W, C] and gb [C] (this call's sums), all written; the convolution is recomputed row by row, not stored */
-int conv_silu_bwd(const float *restrict past, const float *restrict in, const float *restrict wt,
+static int conv_silu_bwd_body(const float *restrict past, const float *restrict in, const float *restrict wt,
                   const float *restrict bias, const float *restrict g, float *restrict gpast, float *restrict gin,
                   float *restrict gwt, float *restrict gb, I nb, I L, I C, I W) {
     if (!SHAPE_OK(SSD_H, SSD_P, SSD_G, SSD_N, C, W)) return 1;
@@ -222,7 +244,7 @@ static inline int norm_bwd_rows(const float *restrict y, const float *restrict z
     return 0;
 }
 
-int norm_fwd(const float *restrict y, const float *restrict z, const float *restrict w, float *restrict out,
+static int norm_fwd_body(const float *restrict y, const float *restrict z, const float *restrict w, float *restrict out,
              float *restrict rinv, I rows, I C, float eps) {
     if (C == NORM_D && !z) norm_fwd_rows(y, z, w, out, rinv, rows, NORM_D, eps, 0);
     else if (C == HP && z) norm_fwd_rows(y, z, w, out, rinv, rows, HP, eps, 1);
@@ -230,7 +252,7 @@ int norm_fwd(const float *restrict y, const float *restrict z, const float *rest
     return 0;
 }
 
-int norm_bwd(const float *restrict y, const float *restrict z, const float *restrict w, const float *restrict rinv,
+static int norm_bwd_body(const float *restrict y, const float *restrict z, const float *restrict w, const float *restrict rinv,
              const float *restrict gout, float *restrict gy, float *restrict gz, float *restrict gw, I rows, I C) {
     if (C == NORM_D && !z) return norm_bwd_rows(y, z, w, rinv, gout, gy, gz, gw, rows, NORM_D, 0);
     if (C == HP && z) return norm_bwd_rows(y, z, w, rinv, gout, gy, gz, gw, rows, HP, 1);
@@ -287,7 +309,7 @@ static void state_out(const float *restrict S, float *restrict st) {
    [nb, L, H], D [H] or NULL, init [nb, H, P, N] or NULL -> y [nb, L - y0, H P] (the outputs of steps y0.. only: a
    forecaster's last layer reads its last rows), final [nb, H, P, N], and ckpt [nb, ceil(L / Q), G N R P]: the state
    entering steps 0, Q, 2Q, .. (where the backward restarts). */
-int ssd_fwd(const float *restrict xbc, const float *restrict dt, const float *restrict decay,
+static int ssd_fwd_body(const float *restrict xbc, const float *restrict dt, const float *restrict decay,
             const float *restrict D, const float *restrict init, float *restrict y, float *restrict final,
             float *restrict ckpt, I nb, I L, I H, I P, I G, I N, I Q, I y0) {
     if (!SHAPE_OK(H, P, G, N, CONV_C, CONV_W) || Q < 1 || y0 < 0 || y0 >= L) return 1;
@@ -365,7 +387,7 @@ static inline void ssd_bwd_row(float *restrict dS, const float *restrict hcur, c
    after step t,
        dS += C gy^T;  gC = S_t^T gy;  gB = dS u;  gu = dS^T B;  gdecay = <dS, S_{t-1}>;  dS <- a dS
    (before step y0 there is no gy: gC = 0 and dS only decays and feeds gB, gu, gdecay). */
-int ssd_bwd(const float *restrict xbc, const float *restrict dt, const float *restrict decay,
+static int ssd_bwd_body(const float *restrict xbc, const float *restrict dt, const float *restrict decay,
             const float *restrict D, const float *restrict ckpt, const float *restrict gy,
             const float *restrict gfinal, float *restrict gxbc, float *restrict gdt, float *restrict gdecay,
             float *restrict gD, float *restrict ginit, I nb, I L, I H, I P, I G, I N, I Q, I y0) {
@@ -404,6 +426,44 @@ int ssd_bwd(const float *restrict xbc, const float *restrict dt, const float *re
     for (I h = 0; h < SSD_H; h++) gD[h] = (float)gDacc[h];
     free(buf); free(gDacc);
     return 0;
+}
+
+/* The exported entry points: each loop under flush_subnormals. */
+int conv_silu_fwd(const float *restrict past, const float *restrict in, const float *restrict wt, const float *restrict bias, float *restrict out, I nb, I L, I C, I W) {
+    fpmode m = flush_subnormals();
+    int status = conv_silu_fwd_body(past, in, wt, bias, out, nb, L, C, W);
+    restore_fpmode(m);
+    return status;
+}
+int conv_silu_bwd(const float *restrict past, const float *restrict in, const float *restrict wt, const float *restrict bias, const float *restrict g, float *restrict gpast, float *restrict gin, float *restrict gwt, float *restrict gb, I nb, I L, I C, I W) {
+    fpmode m = flush_subnormals();
+    int status = conv_silu_bwd_body(past, in, wt, bias, g, gpast, gin, gwt, gb, nb, L, C, W);
+    restore_fpmode(m);
+    return status;
+}
+int norm_fwd(const float *restrict y, const float *restrict z, const float *restrict w, float *restrict out, float *restrict rinv, I rows, I C, float eps) {
+    fpmode m = flush_subnormals();
+    int status = norm_fwd_body(y, z, w, out, rinv, rows, C, eps);
+    restore_fpmode(m);
+    return status;
+}
+int norm_bwd(const float *restrict y, const float *restrict z, const float *restrict w, const float *restrict rinv, const float *restrict gout, float *restrict gy, float *restrict gz, float *restrict gw, I rows, I C) {
+    fpmode m = flush_subnormals();
+    int status = norm_bwd_body(y, z, w, rinv, gout, gy, gz, gw, rows, C);
+    restore_fpmode(m);
+    return status;
+}
+int ssd_fwd(const float *restrict xbc, const float *restrict dt, const float *restrict decay, const float *restrict D, const float *restrict init, float *restrict y, float *restrict final, float *restrict ckpt, I nb, I L, I H, I P, I G, I N, I Q, I y0) {
+    fpmode m = flush_subnormals();
+    int status = ssd_fwd_body(xbc, dt, decay, D, init, y, final, ckpt, nb, L, H, P, G, N, Q, y0);
+    restore_fpmode(m);
+    return status;
+}
+int ssd_bwd(const float *restrict xbc, const float *restrict dt, const float *restrict decay, const float *restrict D, const float *restrict ckpt, const float *restrict gy, const float *restrict gfinal, float *restrict gxbc, float *restrict gdt, float *restrict gdecay, float *restrict gD, float *restrict ginit, I nb, I L, I H, I P, I G, I N, I Q, I y0) {
+    fpmode m = flush_subnormals();
+    int status = ssd_bwd_body(xbc, dt, decay, D, ckpt, gy, gfinal, gxbc, gdt, gdecay, gD, ginit, nb, L, H, P, G, N, Q, y0);
+    restore_fpmode(m);
+    return status;
 }
 """
 
