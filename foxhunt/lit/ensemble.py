@@ -310,7 +310,8 @@ class EnsembleModule(pl.LightningModule):
             self._log_training(active)
 
     def _update(self, losses: dict[str, Tensor]) -> None:
-        """Guard each loss, one backward of their sum, then per member: grad norms, guard and clip, step, after_update.
+        """Guard each loss, one backward of their sum (one per member under a GradScaler), then per member: grad norms,
+        guard and clip, step, after_update.
 
         Without a GradScaler the gradients are final after backward: the guard and the clip share one norm here.
         With one (16-mixed) they are scaled until the optimizer step unscales them, so the norms are logged and the
