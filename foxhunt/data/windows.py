@@ -147,9 +147,8 @@ class WindowBatches(IterableDataset):
         self.target_loc = None if loc is None else loc.float().contiguous()
         self.target_scale = None if scale is None else scale.float().contiguous()
         # row-varying statistics: every step of a window is scaled by its decision row's (constant ones: as stored)
-        self.decision_row_targets = any(
-            stat is not None and stat.numel() > 0 and not bool((stat == stat[0]).all()) for stat in (self.target_loc, self.target_scale)
-        )
+        self.decision_row_targets = any(stat is not None and stat.numel() > 0 and not bool((stat == stat[0]).all())
+                                        for stat in (self.target_loc, self.target_scale))
         self.target_bounds = tuple(getattr(split, "target_bounds", (-math.inf, math.inf)))
         self.starts = valid_window_starts(split, self.lookback, self.horizon)
         dev = self.starts.device
@@ -193,21 +192,21 @@ class WindowBatches(IterableDataset):
         b = t.shape[0]
         past = (t[:, None] + self._past_offsets).reshape(-1)
         ahead = (t[:, None] + self._target_offsets).reshape(-1)
+        y_raw = self.returns.index_select(0, ahead).view(b, self.horizon)
         batch = {
             "x_past": self._take_features(past).view(b, self.lookback, -1),
             "x_future": self.future_features.index_select(0, ahead + 1).view(b, self.horizon, -1),
-            "y": self.targets.index_select(0, ahead).view(b, self.horizon),
-            "y_raw": self.returns.index_select(0, ahead).view(b, self.horizon),
+            "y_raw": y_raw,
             "symbol": self.symbol_index.index_select(0, t),
             "t": t,
         }
-        if self.decision_row_targets:
+        if self.decision_row_targets:  # every step scaled by the decision row's statistics
             assert self.target_loc is not None and self.target_scale is not None
             loc = self.target_loc.index_select(0, t)[:, None].expand(b, self.horizon)
             scale = self.target_scale.index_select(0, t)[:, None].expand(b, self.horizon)
-            batch["y"] = ((batch["y_raw"] - loc) / scale).clamp(*self.target_bounds)
-            batch["y_loc"], batch["y_scale"] = loc, scale
+            batch.update(y=((y_raw - loc) / scale).clamp(*self.target_bounds), y_loc=loc, y_scale=scale)
             return batch
+        batch["y"] = self.targets.index_select(0, ahead).view(b, self.horizon)
         if self.target_loc is not None:
             batch["y_loc"] = self.target_loc.index_select(0, ahead).view(b, self.horizon)
         if self.target_scale is not None:

@@ -225,8 +225,8 @@ class Forecaster(Member):
     def to_return_scale(self, prediction: Tensor, batch: dict[str, Tensor]) -> Tensor:
         """Quantile forecasts [B, H, Q] on the original log-return scale, as known at the decision bar t: every step
         is mapped back with row t's loc/scale (the statistics ``WindowBatches`` scaled every step's target by: a
-        rolling scale's row t+h reads returns up to t+h-1, r[t] among them), then the transform; the quantiles are sorted (monotone rearrangement: the heads are free to cross, and a
-        crossed interval would read as a signal)."""
+        rolling scale's row t+h reads returns up to t+h-1, r[t] among them), then the transform; the quantiles are
+        sorted (monotone rearrangement: the heads are free to cross, and a crossed interval would read as a signal)."""
         pred = prediction.float()
         loc, scale = batch.get("y_loc"), batch.get("y_scale")
         if loc is not None:
