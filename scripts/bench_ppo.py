@@ -13,6 +13,7 @@ Rows (``--rows``):
   the vectorised learner as shipped, compared on environment steps per second (target >= 20x SB3's);
 - ``ppo-mb64``: SB3's own schedule (2048 steps per rollout, here 16 agents x 128 steps, 10 epochs of minibatches of 64:
   320 updates per rollout), compared on minibatch updates per second at the same minibatch size (target >= 2x SB3's);
+- ``ppo-mb64-torch-head``: the same with ``native_loss=False`` (the fused loss's head in torch ops, not compiled C);
 - ``ppo-mb64-plain``: the same with ``fused_loss=False`` (the plain autograd loss), to show what the fused path buys.
 
 Every learner runs on one thread (``torch.set_num_threads(1)``), interleaved: every repeat runs every learner once, in
@@ -52,6 +53,7 @@ COST_BPS = 1.0
 ROWS = {
     "ppo-defaults": {},
     "ppo-mb64": {"n_envs": 16, "n_steps": 128, "n_minibatches": 32, "n_epochs": 10},
+    "ppo-mb64-torch-head": {"n_envs": 16, "n_steps": 128, "n_minibatches": 32, "n_epochs": 10, "native_loss": False},
     "ppo-mb64-plain": {"n_envs": 16, "n_steps": 128, "n_minibatches": 32, "n_epochs": 10, "fused_loss": False},
 }
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from foxhunt import compiled
 from foxhunt.data.datamodule import MarketDataModule
 from foxhunt.data.market import MarketSplit
 from foxhunt.evaluation.trading import strategy_log_returns
@@ -160,14 +161,15 @@ def test_squashed_gaussian_log_prob_and_entropy() -> None:
 @pytest.mark.parametrize("space", ["discrete", "continuous"])
 @pytest.mark.parametrize("clip_vloss", [True, False])
 def test_fused_loss_equals_the_plain_autograd_path(market, space, clip_vloss) -> None:
-    """The hand-written backward (models/actor_critic_fused.py) gives the plain path's loss, logged parts and
-    gradients, on a minibatch whose ratios are partly clipped (weights moved away from the rollout's policy) and with
-    an upstream gradient other than 1."""
+    """The hand-written backward (models/actor_critic_fused.py), with its loss head in torch ops and compiled, gives
+    the plain path's loss, logged parts and gradients, on a minibatch whose ratios are partly clipped (weights moved
+    away from the rollout's policy) and with an upstream gradient other than 1."""
     results = {}
-    for fused in (False, True):
-        member = PPOModule(**{**SMALL, "action_space": space, "fused_loss": fused, "clip_vloss": clip_vloss,
+    paths = {"plain": {"fused_loss": False}, "torch head": {"native_loss": False}, "native head": {}}
+    for path, switch in paths.items():
+        member = PPOModule(**{**SMALL, "action_space": space, "clip_vloss": clip_vloss,
                               "ent_coef": 0.05, "clip_coef": 0.1, "n_envs": 64, "n_minibatches": 2,
-                              "mean_reg_coef": 0.3 if space == "continuous" else 0.0})
+                              "mean_reg_coef": 0.3 if space == "continuous" else 0.0, **switch})
         member.attach_market(market.train)
         member.start()
         member.collect_rollout()
@@ -177,16 +179,59 @@ def test_fused_loss_equals_the_plain_autograd_path(market, space, clip_vloss) ->
                 p.add_(0.1 * torch.randn(p.shape, generator=g))
         loss = member.training_loss(None, 0)
         (2.5 * loss).backward()
-        results[fused] = (loss.detach(), [p.grad for p in member.net.parameters()], dict(member.counters.last),
-                          member.ratio_statistics(member.counters.last["logratio"]))
-    (loss_a, grads_a, parts_a, stats), (loss_b, grads_b, parts_b, _) = results[False], results[True]
+        results[path] = (loss.detach(), [p.grad for p in member.net.parameters()], dict(member.counters.last),
+                         member.ratio_statistics(member.counters.last["logratio"]))
+    loss_a, grads_a, parts_a, stats = results["plain"]
     assert 0.1 < stats["clipfrac"] < 0.9, stats  # both branches of the clipped surrogate are exercised
-    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
-    for k in parts_a:
-        assert not parts_b[k].requires_grad
-        torch.testing.assert_close(parts_b[k], parts_a[k], rtol=1e-5, atol=1e-5)
-    for a, b in zip(grads_a, grads_b, strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6 * float(a.abs().max()))
+    for path in ("torch head", "native head"):
+        loss_b, grads_b, parts_b, _ = results[path]
+        torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
+        for k in parts_a:
+            assert not parts_b[k].requires_grad
+            torch.testing.assert_close(parts_b[k], parts_a[k], rtol=1e-5, atol=1e-5)
+        for a, b in zip(grads_a, grads_b, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6 * float(a.abs().max()))
+
+
+@pytest.mark.skipif(compiled.compiler() is None or not compiled.enabled(), reason="no C compiler, or FOXHUNT_NATIVE=0")
+@pytest.mark.parametrize("n_actions", [0, 3, 7])
+@pytest.mark.parametrize("vclip", [None, 0.2])
+def test_compiled_loss_head_equals_the_torch_head_at_the_edges(n_actions, vclip) -> None:
+    """The C head (models/ppo_loss_native.py) against loss_head_torch on strided rows like the rollout's, with ratios
+    far outside the clip on both sides, advantages of both signs, values moved past the value clip both ways, logits
+    and samples large enough to need the stable forms (log-sum-exp, softplus)."""
+    from foxhunt.models import ppo_loss_native
+    from foxhunt.models.actor_critic_fused import _native_library, loss_head_torch
+
+    lib = _native_library(True)
+    assert lib is not None  # a compiler is here, so the library must build and pass its self-check
+    g = torch.Generator().manual_seed(n_actions)
+    b = 257
+    table = torch.randn(b, 6, generator=g) * torch.tensor([3.0, 1.0, 2.0, 1.0, 1.0, 1.0])
+    actions_u, noise, old_values, advantages, returns, _ = table.unbind(1)
+    out = torch.randn(b, max(n_actions, 1), generator=g) * 4.0
+    value = returns + torch.randn(b, generator=g)
+    if n_actions:
+        actions = torch.randint(0, n_actions, (b,), generator=g)
+        log_std = None
+        old_log_probs = torch.log_softmax(out, 1).gather(1, actions.view(-1, 1)).view(-1)
+    else:
+        actions, log_std = actions_u * 4.0, torch.tensor([0.3])  # |u| up to ~40: tanh saturates
+        old_log_probs = -0.5 * ((actions - out.view(-1)) / log_std.exp()).square() - 2.0
+    old_log_probs = old_log_probs + torch.randn(b, generator=g)  # ratios from e^-3 to e^3
+    coefs = (0.2, vclip, 0.5, 0.03, 0.1 if n_actions == 0 else 0.0)
+    want = loss_head_torch(out, value, actions, noise, old_log_probs, old_values, advantages, returns, log_std, *coefs)
+    got = ppo_loss_native.head(lib, out, value, actions, noise, old_log_probs, old_values, advantages, returns,
+                               0.0 if log_std is None else float(log_std), *coefs)
+    ratio = want[2].exp()
+    assert bool((ratio < 0.8).any()) and bool((ratio > 1.2).any())
+    n_parts = want[1].numel()
+    names = ("loss", "parts", "logratio", "d_out", "d_value", "d_log_std")
+    for name, w, x in zip(names, want, (got[0], got[1][:n_parts], *got[2:]), strict=True):
+        if w is None:
+            continue
+        torch.testing.assert_close(x, w.view(x.shape), rtol=2e-5, atol=1e-6 * (1.0 + float(w.abs().max())),
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_linear_decay_and_constructor_checks() -> None:

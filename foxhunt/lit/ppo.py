@@ -146,6 +146,7 @@ class PPOModule(Agent):
         weight_decay: float = 0.0,
         fused_adamw: bool = True,
         fused_loss: bool = True,
+        native_loss: bool = True,
         scheduler: PPOScheduler = "linear",
         total_steps: int | None = None,
         warmup_steps: int = 0,
@@ -209,6 +210,9 @@ class PPOModule(Agent):
                 :mod:`foxhunt.models.actor_critic_fused` (the same loss as the plain autograd path, tested equal; a
                 CPU update at small minibatches is mostly autograd bookkeeping); False: the plain path. Mixed
                 precision always takes the plain path.
+            native_loss: with ``fused_loss``, compute the loss head (the terms after the networks' outputs and their
+                gradients) in one compiled C call (:mod:`foxhunt.models.ppo_loss_native`) where a C compiler is
+                available; False (or ``FOXHUNT_NATIVE=0``, or no compiler): the same head in torch ops.
             scheduler: learning-rate schedule: "linear" (to 0 at ``total_steps``, CleanRL's annealing), "none",
                 "step", "cosine", or "plateau" (on the validation reward).
             total_steps: updates the linear or cosine schedule spans (defaults to the Trainer's estimate).
@@ -450,7 +454,7 @@ class PPOModule(Agent):
             # the same loss, one autograd node with the chain rule written out (models/actor_critic_fused.py)
             loss, parts = fused_ppo_loss(net, x, mb.actions, mb.log_probs, mb.values, advantages, mb.returns, mb.noise,
                                          hp.clip_coef, hp.clip_coef if hp.clip_vloss else None, hp.vf_coef, hp.ent_coef,
-                                         hp.mean_reg_coef)
+                                         hp.mean_reg_coef, native=hp.native_loss)
             logratio = parts["logratio"]
         else:
             new_log_prob, entropy, mean = self._log_prob_and_entropy(x, mb)

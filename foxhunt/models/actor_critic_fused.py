@@ -18,16 +18,24 @@ activations, and one backward node computes every parameter's gradient by the ch
 - the (clipped) value loss ``½·mean(max((v − R)², (v_old + clip(v − v_old, ±ε) − R)²))`` passes ``(v − R)/B`` where
   the unclipped error is the larger, else ``(v_c − R)/B`` where v is inside the clip range.
 
+The loss head (everything after the two networks' outputs: the terms above, their sums, and the gradients at the
+outputs, taken in the forward for an upstream gradient of 1, which the backward then scales) runs as one compiled C
+call (:mod:`foxhunt.models.ppo_loss_native`, ``PPOModule(native_loss=True)``) where a C compiler is available, and
+as :func:`loss_head_torch`, its reference, elsewhere; the two are checked equal when the library loads and in
+``tests/test_ppo.py``. At a minibatch of 64 the head in torch ops is some forty kernel calls, about 40% of an update.
+
 Float32 only: under autocast (mixed precision) :class:`PPOModule` uses the plain path.
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from foxhunt.models import ppo_loss_native
 from foxhunt.models.actor_critic import LOG_SQRT_2PI, ActorCritic, tanh_log_det
 
 
@@ -68,118 +76,172 @@ def _backward(delta_a: Tensor, delta_c: Tensor, x: Tensor, acts: list[Tensor], t
     return grads + head_grads
 
 
+def loss_head_torch(
+    out: Tensor, value: Tensor, actions: Tensor, noise: Tensor, old_log_probs: Tensor, old_values: Tensor,
+    advantages: Tensor, returns: Tensor, log_std: Tensor | None, clip_coef: float, vclip: float | None,
+    vf_coef: float, ent_coef: float, mean_reg: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """The loss head in torch ops (the reference of :mod:`foxhunt.models.ppo_loss_native`): from the actor's output
+    ``out`` [B, A] (logits, or the Gaussian's mean [B, 1] when ``log_std`` is given) and the critic's ``value`` [B],
+    (loss, parts (policy loss, value loss, entropy[, mean(μ²)]), logratio, d loss/d out, d loss/d value [B, 1],
+    d loss/d log σ) for an upstream gradient of 1. Written for few kernel calls: the per-row terms are stacked and
+    reduced once, the loss is one dot product with their coefficients, masks select by ``masked_fill``."""
+    b = out.shape[0]
+    scale = 1.0 / b
+    continuous = log_std is not None
+    if continuous:
+        std = log_std.exp()
+        mean = out.view(-1)
+        z = (actions - mean).div_(std)  # (u − μ)/σ
+        # log N(u; μ, σ) − log(1 − tanh² u): the Jacobian term is the old policy's too, so only the Gaussian part
+        # enters the ratio; it is still computed for the logged log-ratio to equal the plain path's
+        log_prob = torch.add(log_std, z * z, alpha=0.5).neg_().sub_(LOG_SQRT_2PI + 0.0).sub_(tanh_log_det(actions))
+        y = torch.addcmul(mean, std, noise)  # μ + σ·noise
+        entropy = tanh_log_det(y).add_(log_std).add_(0.5 + LOG_SQRT_2PI)
+        ent_sign = 1.0  # the entropy row is H itself
+    else:
+        logp = torch.log_softmax(out, 1)
+        log_prob = logp.gather(1, actions.view(-1, 1)).view(-1)
+        p = logp.exp()
+        entropy = (p * logp).sum(1)  # −H: the sign goes into the row's scale
+        ent_sign = -1.0
+    logratio = log_prob - old_log_probs
+    ratio = logratio.exp()
+    surrogate = advantages * ratio  # the objective is min(Â·ρ, Â·clip(ρ)); its gradient reaches ρ where Â·ρ is it
+    surrogate_clipped = advantages * ratio.clamp(1.0 - clip_coef, 1.0 + clip_coef)
+    objective = torch.minimum(surrogate, surrogate_clipped)
+    # d loss/d log π = −Â·ρ/B where the unclipped term is the minimum, else 0
+    d_logp = surrogate.masked_fill(surrogate > surrogate_clipped, 0.0).mul_(-scale)
+    err = value - returns
+    if vclip is None:
+        v_rows = err.square()
+        g_value = err
+    else:
+        moved = value - old_values
+        err_c = (old_values - returns).add_(moved.clamp(-vclip, vclip))
+        sq, sq_c = err.square(), err_c.square()
+        v_rows = torch.maximum(sq, sq_c)
+        # where the clipped error is the larger and v moved past the clip, no gradient; inside the clip the two
+        # errors are equal (to rounding) and so are their gradients
+        g_value = err.masked_fill((sq < sq_c) & (moved.abs() > vclip), 0.0)
+    rows = [objective, v_rows, entropy]
+    row_scale = [-scale, 0.5 * scale, ent_sign * scale]  # row sums to (policy loss, value loss, entropy, mean(μ²))
+    weight = [1.0, vf_coef, -ent_coef]  # the loss's coefficients of those
+    if continuous and mean_reg > 0:
+        rows.append(mean.square())  # the pre-squash mean's penalty
+        row_scale.append(scale)
+        weight.append(mean_reg)
+    coef = torch.tensor([row_scale, weight], dtype=out.dtype, device=out.device)
+    parts = torch.stack(rows).sum(1).mul_(coef[0])
+    loss = torch.dot(parts, coef[1])
+    d_value = g_value.mul(scale * vf_coef).view(-1, 1)
+    ent = scale * ent_coef  # d loss / dH_i = −ent_coef/B
+    if continuous:
+        t = torch.tanh(y)
+        # d log π/dμ = z/σ; dH/dμ = −2 tanh(y): d loss/dμ = d_logp·z/σ + 2·ent·tanh(y)
+        d_out = (d_logp * z / std).add_(t, alpha=2.0 * ent)
+        if mean_reg > 0:
+            d_out = d_out.add_(mean * (scale * 2.0 * mean_reg))  # d(β·mean(μ²))/dμ = 2βμ/B
+        # d log π/d log σ = z² − 1; dH/d log σ = 1 − 2 tanh(y)·σ·noise
+        d_log_std = ((d_logp * (z * z - 1.0)).sum() - ent * (b - 2.0 * (t * noise).sum() * std)).view(1)
+        return loss, parts, logratio, d_out.view(-1, 1), d_value, d_log_std
+    # d log π(a)/dz = onehot(a) − p; dH/dz = −p ⊙ (log p + H)
+    d_out = (logp - entropy.view(-1, 1)).mul_(ent).sub_(d_logp.view(-1, 1)).mul_(p)
+    d_out.scatter_add_(1, actions.view(-1, 1), d_logp.view(-1, 1))
+    return loss, parts, logratio, d_out, d_value, None
+
+
+def _native_self_check(lib: ctypes.CDLL) -> bool:
+    """The compiled head against :func:`loss_head_torch` on random minibatches of both policies, with and without
+    value clipping and the mean penalty, on strided row vectors like the rollout's."""
+    g = torch.Generator().manual_seed(0)
+    ok = True
+    for n_act, vclip, mean_reg in ((3, 0.2, 0.0), (5, None, 0.0), (0, 0.2, 0.3), (0, None, 0.0)):
+        b = 37
+        table = torch.randn(b, 8, generator=g)
+        rows = table.unbind(1)  # strided columns
+        out = torch.randn(b, max(n_act, 1), generator=g) * 2.0
+        value = rows[0] * 0.5 + 0.1 * torch.randn(b, generator=g)
+        if n_act:
+            actions = torch.randint(0, n_act, (b, 2), generator=g)[:, 0]
+            old = torch.log_softmax(out + 0.3 * torch.randn(out.shape, generator=g), 1).gather(1, actions.view(-1, 1))
+            log_std = None
+        else:
+            actions = rows[6] * 1.5
+            old = -(rows[6] * 0.5).square() - 1.0 + 0.2 * torch.randn(b, generator=g)
+            log_std = torch.tensor([-0.4])
+        old_log_probs = table[:, 7].copy_(old.view(-1))
+        args = (out, value, actions, rows[1], old_log_probs, rows[2], rows[3], rows[4])
+        coefs = (0.2, vclip, 0.5, 0.05, mean_reg)
+        want = loss_head_torch(*args, log_std, *coefs)
+        got = ppo_loss_native.head(lib, *args, 0.0 if log_std is None else float(log_std), *coefs)
+        n_parts = want[1].numel()
+        got = (got[0], got[1][:n_parts], *got[2:5], got[5] if n_act == 0 else None)
+        for w, x in zip(want, got, strict=True):
+            if w is not None:
+                ok &= bool(torch.allclose(x, w.view(x.shape), rtol=1e-4, atol=1e-6))
+    return ok
+
+
+def _native_library(enabled: bool) -> ctypes.CDLL | None:
+    return ppo_loss_native.library(_native_self_check) if enabled else None
+
+
 class _FusedPPOLoss(torch.autograd.Function):
-    """PPO's total loss of one minibatch as one autograd node (see the module docstring). Written for few kernel
-    calls: the per-row terms are stacked and reduced once, the loss is one dot product with their coefficients,
-    Python scalars are folded into ``alpha`` arguments and masks select by ``masked_fill``."""
+    """PPO's total loss of one minibatch as one autograd node (see the module docstring): the forward runs the towers
+    and the loss head (compiled, or :func:`loss_head_torch`), which also gives the gradients at the heads' outputs;
+    the backward scales them by the upstream gradient and runs them back through the towers."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, actions: Tensor, old_log_probs: Tensor, old_values: Tensor, advantages: Tensor,
                 returns: Tensor, noise: Tensor, coefs: tuple[float, float | None, float, float, float], continuous: bool,
-                params: tuple[Tensor, ...], weights: Tensor, biases: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``params``: :meth:`ActorCritic.detached_tensors` (views of ``weights`` and ``biases``, the parameters)."""
-        clip_coef, vclip, vf_coef, ent_coef, mean_reg = coefs
+                params: tuple[Tensor, ...], lib: ctypes.CDLL | None, weights: Tensor, biases: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        """``params``: :meth:`ActorCritic.detached_tensors` (views of ``weights`` and ``biases``, the parameters);
+        ``lib``: the compiled head, or None for the torch one."""
         ctx.set_materialize_grads(False)
         n_tower = len(params) - 4 - continuous
         tower, heads = params[:n_tower], params[n_tower : n_tower + 4]
         acts = _forward(x, tower, heads)
         out, value = acts[-2], acts[-1].view(-1)
-        b = x.shape[0]
-        if continuous:
-            log_std = params[-1]
-            std = log_std.exp()
-            z = (actions - out.view(-1)).div_(std)  # (u − μ)/σ
-            # log N(u; μ, σ) − log(1 − tanh² u): the Jacobian term is the old policy's too, so only the Gaussian part
-            # enters the ratio; it is still computed for the logged log-ratio to equal the plain path's
-            log_prob = torch.add(log_std, z * z, alpha=0.5).neg_().sub_(LOG_SQRT_2PI + 0.0).sub_(tanh_log_det(actions))
-            y = torch.addcmul(out.view(-1), std, noise)  # μ + σ·noise
-            entropy = tanh_log_det(y).add_(log_std).add_(0.5 + LOG_SQRT_2PI)
-            saved: tuple[Tensor, ...] = (z, y, out)
-            ent_sign = 1.0  # the entropy row is H itself
+        log_std = params[-1] if continuous else None
+        rows = (actions, noise, old_log_probs, old_values, advantages, returns)
+        if lib is not None and ppo_loss_native.usable(out, value, *rows):
+            loss, parts, logratio, d_out, d_value, d_log_std = ppo_loss_native.head(
+                lib, out, value, *rows, float(log_std) if continuous else 0.0, *coefs)
+            parts = parts[: 3 + (continuous and coefs[4] > 0)]
         else:
-            logp = torch.log_softmax(out, 1)
-            log_prob = logp.gather(1, actions.view(-1, 1)).view(-1)
-            p = logp.exp()
-            entropy = (p * logp).sum(1)  # −H: the sign goes into the row's scale
-            saved = (logp, p, entropy)
-            ent_sign = -1.0
-        logratio = log_prob - old_log_probs
-        ratio = logratio.exp()
-        surrogate = advantages * ratio  # the objective is min(Â·ρ, Â·clip(ρ)); its gradient reaches ρ where Â·ρ is it
-        surrogate_clipped = advantages * ratio.clamp(1.0 - clip_coef, 1.0 + clip_coef)
-        objective = torch.minimum(surrogate, surrogate_clipped)
-        g_logp = surrogate.masked_fill(surrogate > surrogate_clipped, 0.0)  # −d pg/d log π, times B
-        err = value - returns
-        if vclip is None:
-            v_rows = err.square()
-            g_value = err
-        else:
-            moved = value - old_values
-            err_c = (old_values - returns).add_(moved.clamp(-vclip, vclip))
-            sq, sq_c = err.square(), err_c.square()
-            v_rows = torch.maximum(sq, sq_c)
-            # where the clipped error is the larger and v moved past the clip, no gradient; inside the clip the two
-            # errors are equal (to rounding) and so are their gradients
-            g_value = err.masked_fill((sq < sq_c) & (moved.abs() > vclip), 0.0)
-        rows = [objective, v_rows, entropy]
-        scale = [-1.0 / b, 0.5 / b, ent_sign / b]  # row sums to (policy loss, value loss, entropy, mean(μ²))
-        weight = [1.0, vf_coef, -ent_coef]  # the loss's coefficients of those
-        if continuous and mean_reg > 0:
-            rows.append(out.view(-1).square())  # the pre-squash mean's penalty
-            scale.append(1.0 / b)
-            weight.append(mean_reg)
-        coef = torch.tensor([scale, weight], dtype=x.dtype, device=x.device)
-        parts = torch.stack(rows).sum(1).mul_(coef[0])
-        loss = torch.dot(parts, coef[1])
-        ctx.save_for_backward(x, actions, noise, g_logp, g_value, *saved, *acts[:-2])
+            loss, parts, logratio, d_out, d_value, d_log_std = loss_head_torch(out, value, *rows, log_std, *coefs)
+        ctx.save_for_backward(x, d_out, d_value, *acts[:-2])
+        ctx.d_log_std = d_log_std if continuous else None
         ctx.params = params  # views of the parameters, which only the optimizer changes, after backward
-        ctx.meta = (b, n_tower, continuous, vf_coef, ent_coef, mean_reg, len(acts) - 2, len(saved))
+        ctx.n_tower = n_tower
         ctx.mark_non_differentiable(parts, logratio)
         return loss, parts, logratio
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor | None, *_: Any) -> tuple[Tensor | None, ...]:
-        b, n_tower, continuous, vf_coef, ent_coef, mean_reg, n_layers, n_saved = ctx.meta
-        saved = ctx.saved_tensors
-        x, actions, noise, g_logp, g_value = saved[:5]
-        extra = saved[5 : 5 + n_saved]
-        acts = list(saved[5 + n_saved : 5 + n_saved + n_layers])
-        params = ctx.params
         if grad is None:
-            return (None,) * 12
-        tower, heads = params[:n_tower], params[n_tower : n_tower + 4]
-        scale = grad / b
-        d_logp = g_logp * scale.neg()  # d loss / d log π, per row
-        ent = scale * ent_coef  # d loss / dH_i = −ent_coef/B
-        delta_c = (g_value * (scale * vf_coef)).view(-1, 1)
-        if continuous:
-            z, y, mean = extra
-            log_std = params[-1]
-            t = torch.tanh(y)
-            # d log π/dμ = z/σ; dH/dμ = −2 tanh(y): d loss/dμ = d_logp·z/σ + 2·ent·tanh(y)
-            delta = torch.addcmul(d_logp * z / log_std.exp(), t, ent, value=2.0).view(-1, 1)
-            if mean_reg > 0:
-                delta = delta.add_(mean * (scale * (2.0 * mean_reg)))  # d(β·mean(μ²))/dμ = 2βμ/B
-            # d log π/d log σ = z² − 1; dH/d log σ = 1 − 2 tanh(y)·σ·noise
-            d_log_std = (d_logp * (z * z - 1.0)).sum() - ent * (b - 2.0 * (t * noise).sum() * log_std.exp())
-            grads = _backward(delta, delta_c, x, acts, tower, heads)
-            grads.append(d_log_std.view(1))
-        else:
-            logp, p, neg_entropy = extra
-            # d log π(a)/dz = onehot(a) − p; dH/dz = −p ⊙ (log p + H)
-            delta = (logp - neg_entropy.view(-1, 1)).mul_(ent).sub_(d_logp.view(-1, 1)).mul_(p)
-            delta.scatter_add_(1, actions.view(-1, 1), d_logp.view(-1, 1))
-            grads = _backward(delta, delta_c, x, acts, tower, heads)
+            return (None,) * 13
+        x, d_out, d_value, *acts = ctx.saved_tensors
+        params, n_tower, d_log_std = ctx.params, ctx.n_tower, ctx.d_log_std
+        g = float(grad)
+        if g != 1.0:  # the loss is linear in the upstream gradient
+            d_out, d_value = d_out * g, d_value * g
+            d_log_std = None if d_log_std is None else d_log_std * g
+        grads = _backward(d_out, d_value, x, acts, params[:n_tower], params[n_tower : n_tower + 4])
+        if d_log_std is not None:
+            grads.append(d_log_std)
         # the flat parameters' gradients, in ActorCritic.tensor_names order: matrices, then biases (and log σ)
         d_weights = torch.cat([g.reshape(-1) for g in (*grads[:n_tower:2], grads[n_tower], grads[n_tower + 2])])
         d_biases = torch.cat([g.reshape(-1) for g in (*grads[1:n_tower:2], grads[n_tower + 1], *grads[n_tower + 3 :])])
-        return (None,) * 10 + (d_weights, d_biases)
+        return (None,) * 11 + (d_weights, d_biases)
 
 
 def fused_ppo_loss(
     net: ActorCritic, x: Tensor, actions: Tensor, old_log_probs: Tensor, old_values: Tensor, advantages: Tensor,
     returns: Tensor, noise: Tensor, clip_coef: float, value_clip: float | None, vf_coef: float, ent_coef: float,
-    mean_reg_coef: float = 0.0,
+    mean_reg_coef: float = 0.0, native: bool = True,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's loss of a minibatch (the plain path's ``pg − ent_coef·H + vf_coef·V`` [+ mean_reg_coef·mean(μ²)
     for the continuous policy]) and its detached parts
@@ -189,7 +251,7 @@ def fused_ppo_loss(
     loss, parts, logratio = _FusedPPOLoss.apply(
         x, actions, old_log_probs, old_values, advantages, returns, noise,
         (float(clip_coef), value_clip, float(vf_coef), float(ent_coef), float(mean_reg_coef)), net.continuous,
-        net.detached_tensors(), net.weights, net.biases,
+        net.detached_tensors(), _native_library(native), net.weights, net.biases,
     )
     pg, vl, ent = parts.unbind()[:3]
     return loss, {"policy_loss": pg, "value_loss": vl, "entropy": ent, "logratio": logratio}

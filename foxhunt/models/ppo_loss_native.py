@@ -1,0 +1,184 @@
+"""PPO's per-row loss terms and their gradients in one C loop: the fast path of
+:mod:`foxhunt.models.actor_critic_fused`'s loss head, with its torch ops (``loss_head_torch`` there) the reference beside it.
+
+Why: at a minibatch of 64 rows the head (log-softmax or the squashed Gaussian, ratio, clipped surrogate, clipped
+value error, entropy, the sums, and the gradients at the actor's and the critic's outputs) is some forty tiny torch
+kernels, each of which costs more in dispatch than its arithmetic; here it is one call. The formulas are the torch
+head's, row by row (see the module docstring of :mod:`foxhunt.models.actor_critic_fused`); the sums accumulate in
+double. The gradients are for an upstream gradient of 1: the loss is linear in it, so the backward scales them.
+
+Built on first use by :mod:`foxhunt.compiled` (cached, verified, and checked against the torch head when loaded);
+without a C compiler, or with ``FOXHUNT_NATIVE=0``, the torch head runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from foxhunt import compiled
+
+SOURCE = r"""
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef ptrdiff_t I;
+static const double LOG_SQRT_2PI = 0.91893853320467274178;
+static const double LOG2 = 0.69314718055994530942;
+
+/* log(1 - tanh^2 u) = 2 (log 2 - u - softplus(-2u)), torch's softplus (linear above 20) */
+static inline double tanh_log_det(double u) {
+    double v = -2.0 * u;
+    double sp = v > 20.0 ? v : log1p(exp(v));
+    return 2.0 * (LOG2 - u - sp);
+}
+
+/* Rows i < b of a minibatch. n_act > 0: categorical over n_act logits out[i, :], actions idx[i];
+   n_act == 0: squashed Gaussian with mean out[i], pre-squash samples u[i], noise[i], log std log_std.
+   Row vectors are read with their strides (columns of the rollout's tables). vclip < 0: no value clipping.
+   Writes parts[0..3] (policy loss, value loss, entropy, mean(mu^2)), loss[0], logratio[b], and for an upstream
+   gradient of 1: d_out[b, max(n_act, 1)], d_value[b], d_log_std[0]. Returns 0. */
+int ppo_head(I b, I n_act, const float *out, I s_out, const float *value, I s_value,
+             const int64_t *idx, I s_idx, const float *u, I s_u, const float *noise, I s_noise,
+             const float *old_logp, I s_olp, const float *old_value, I s_ov, const float *adv, I s_adv,
+             const float *ret, I s_ret, float log_std, float clip, float vclip, float vf_coef, float ent_coef,
+             float mean_reg, float *parts, float *loss, float *logratio, float *d_out, float *d_value,
+             float *d_log_std) {
+    const double inv_b = 1.0 / (double)b, ent = ent_coef * inv_b;
+    double sum_obj = 0.0, sum_v = 0.0, sum_ent = 0.0, sum_mu2 = 0.0, sum_dls = 0.0, sum_tn = 0.0;
+    const double sigma = exp((double)log_std);
+    for (I i = 0; i < b; i++) {
+        const double v = value[i * s_value], R = ret[i * s_ret], A = adv[i * s_adv];
+        double log_prob, entropy;
+        const float *o = out + i * s_out;
+        double z = 0.0, y = 0.0, e = 0.0, lse = 0.0;
+        if (n_act > 0) {
+            double mx = o[0];
+            for (I j = 1; j < n_act; j++) mx = o[j] > mx ? o[j] : mx;
+            double se = 0.0;
+            for (I j = 0; j < n_act; j++) se += exp(o[j] - mx);
+            lse = mx + log(se);
+            double neg_h = 0.0;
+            for (I j = 0; j < n_act; j++) { double lp = o[j] - lse; neg_h += exp(lp) * lp; }
+            log_prob = o[idx[i * s_idx]] - lse;
+            entropy = -neg_h;
+        } else {
+            const double mu = o[0];
+            z = (u[i * s_u] - mu) / sigma;
+            log_prob = -(log_std + 0.5 * z * z) - LOG_SQRT_2PI - tanh_log_det(u[i * s_u]);
+            e = noise[i * s_noise];
+            y = mu + sigma * e;
+            entropy = tanh_log_det(y) + log_std + 0.5 + LOG_SQRT_2PI;
+            sum_mu2 += mu * mu;
+        }
+        const double lr = log_prob - old_logp[i * s_olp], ratio = exp(lr);
+        const double rc = ratio < 1.0 - clip ? 1.0 - clip : (ratio > 1.0 + clip ? 1.0 + clip : ratio);
+        const double s = A * ratio, sc = A * rc;
+        sum_obj += s < sc ? s : sc;
+        const double d_logp = (s > sc ? 0.0 : -s) * inv_b;  /* d loss / d log pi */
+        const double err = v - R;
+        double g_value = err;
+        if (vclip < 0.0f) {
+            sum_v += err * err;
+        } else {
+            const double ov = old_value[i * s_ov], moved = v - ov;
+            const double mc = moved < -vclip ? -vclip : (moved > vclip ? vclip : moved);
+            const double err_c = (ov - R) + mc, sq = err * err, sq_c = err_c * err_c;
+            sum_v += sq > sq_c ? sq : sq_c;
+            if (sq < sq_c && fabs(moved) > vclip) g_value = 0.0;
+        }
+        sum_ent += entropy;
+        logratio[i] = (float)lr;
+        d_value[i] = (float)(g_value * inv_b * vf_coef);
+        if (n_act > 0) {
+            /* d log pi(a)/dz = onehot(a) - p; dH/dz = -p (log p + H) */
+            const I a = idx[i * s_idx];
+            float *d = d_out + i * n_act;
+            const double neg_h = -entropy;
+            for (I j = 0; j < n_act; j++) {
+                const double lp = o[j] - lse, p = exp(lp);
+                d[j] = (float)(((lp - neg_h) * ent - d_logp) * p + (j == a ? d_logp : 0.0));
+            }
+        } else {
+            const double t = tanh(y), mu = o[0];
+            double d = d_logp * z / sigma + 2.0 * ent * t;
+            if (mean_reg > 0.0f) d += mu * inv_b * 2.0 * mean_reg;
+            d_out[i] = (float)d;
+            sum_dls += d_logp * (z * z - 1.0);
+            sum_tn += t * e;
+        }
+    }
+    parts[0] = (float)(-sum_obj * inv_b);
+    parts[1] = (float)(0.5 * sum_v * inv_b);
+    parts[2] = (float)(sum_ent * inv_b);
+    parts[3] = (float)(sum_mu2 * inv_b);
+    double total = -sum_obj * inv_b + vf_coef * 0.5 * sum_v * inv_b - ent_coef * sum_ent * inv_b;
+    if (n_act == 0 && mean_reg > 0.0f) total += mean_reg * sum_mu2 * inv_b;
+    loss[0] = (float)total;
+    d_log_std[0] = n_act > 0 ? 0.0f : (float)(sum_dls - ent * ((double)b - 2.0 * sum_tn * sigma));
+    return 0;
+}
+"""
+
+# exact libm functions, no reassociation: the head is a few hundred operations, its cost is the call
+FLAGS = ("-O2", "-march=native")
+
+_P, _N, _F = ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_float
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.ppo_head.argtypes = [_N, _N] + [_P, _N] * 9 + [_F] * 6 + [_P] * 6
+    lib.ppo_head.restype = ctypes.c_int
+
+
+@functools.cache
+def library(self_check: Callable[[ctypes.CDLL], bool]) -> ctypes.CDLL | None:
+    """The compiled head, built or verified once per process and checked by ``self_check`` (the caller's comparison
+    with its torch head); None (one warning) where it cannot be had."""
+    return compiled.load("ppo_head", SOURCE, FLAGS, _declare, self_check,
+                         "PPO's fused loss computes its head with torch ops (the same loss, slower)")
+
+
+def usable(out: Tensor, *rows: Tensor) -> bool:
+    """Whether the C head can read these tensors: float32 (int64 action indices) on the CPU, actor output rows
+    contiguous, every row vector one-dimensional."""
+    if out.device.type != "cpu" or out.dtype != torch.float32 or out.dim() != 2 or out.stride(1) != 1:
+        return False
+    return all(r.dim() == 1 and r.device.type == "cpu" and r.dtype in (torch.float32, torch.int64) for r in rows)
+
+
+def head(lib: ctypes.CDLL, out: Tensor, value: Tensor, actions: Tensor, noise: Tensor, old_log_probs: Tensor,
+         old_values: Tensor, advantages: Tensor, returns: Tensor, log_std: float, clip: float, vclip: float | None,
+         vf_coef: float, ent_coef: float, mean_reg: float
+         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, parts [4], logratio [b], d_out [b, A], d_value [b, 1], d_log_std [1]) of a minibatch, the gradients
+    for an upstream gradient of 1; ``out`` [b, A] logits (``actions`` int64 indices) or [b, 1] Gaussian means
+    (``actions`` the float pre-squash samples); see the C source for the rest."""
+    b, n_out = out.shape
+    discrete = actions.dtype == torch.int64
+    buf = torch.empty(b * (n_out + 2) + 6, dtype=torch.float32)
+    base, f = buf.data_ptr(), 4
+    at_value, at_ratio, at_tail = b * n_out, b * (n_out + 1), b * (n_out + 2)
+    status = lib.ppo_head(
+        b, n_out if discrete else 0, out.data_ptr(), out.stride(0), value.data_ptr(), value.stride(0),
+        actions.data_ptr() if discrete else None, actions.stride(0),
+        None if discrete else actions.data_ptr(), actions.stride(0), noise.data_ptr(), noise.stride(0),
+        old_log_probs.data_ptr(), old_log_probs.stride(0), old_values.data_ptr(), old_values.stride(0),
+        advantages.data_ptr(), advantages.stride(0), returns.data_ptr(), returns.stride(0),
+        log_std, clip, -1.0 if vclip is None else vclip, vf_coef, ent_coef, mean_reg,
+        base + f * at_tail, base + f * (at_tail + 4), base + f * at_ratio, base, base + f * at_value,
+        base + f * (at_tail + 5),
+    )
+    if status:
+        raise RuntimeError(f"foxhunt's compiled PPO head failed (status {status})")
+    tail = buf[at_tail:]
+    return (tail[4], tail[:4], buf[at_ratio:at_tail], buf[:at_value].view(b, n_out),
+            buf[at_value:at_ratio].view(b, 1), tail[5:])
+
+
+__all__ = ["head", "library", "usable"]
