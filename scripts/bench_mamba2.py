@@ -267,7 +267,8 @@ def bench_trainer(length: int, variants: list[str], args: argparse.Namespace,
                   reference: Callable | None) -> dict[str, object]:
     """Training steps of the member modules inside ``lightning.pytorch.Trainer.fit`` on window batches of a synthetic
     market (8 features of which 3 known in advance, horizon 6): ``--repeats`` rounds, each a short fit of every
-    module in turn (``--trainer-steps`` steps; a fit's first step is dropped as its warm-up), medians over the rest."""
+    module in turn (``--trainer-steps`` steps; a fit's first step is dropped as its warm-up), medians over the rest.
+    Memory: the peak resident set's rise during each module's first fit, freed memory given back before it."""
     from foxhunt.quality.forecasters import build_quality_data, windows
 
     n_bars = max(20_000, int((length + HORIZON + args.batch * (args.trainer_steps + 1)) / 0.65))
@@ -275,19 +276,25 @@ def bench_trainer(length: int, variants: list[str], args: argparse.Namespace,
     modules = member_modules(variants, data, args, reference)
     clocks = {name: StepClock() for name in modules}
     row: dict[str, object] = {"L": length, "batch": args.batch, "load_before": os.getloadavg()}
-    for _ in range(args.repeats):
+    rise = dict.fromkeys(modules, 0.0)
+    for rep in range(args.repeats):
         for name, module in modules.items():
+            if rep == 0:  # memory in the first round (freed memory given back first; later rounds run on what is held)
+                reset_peak()
+                before = _status_kib("VmRSS")
             trainer = pl.Trainer(max_steps=args.trainer_steps, accelerator="cpu", gradient_clip_val=1.0, logger=False,
                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                  limit_val_batches=0, num_sanity_val_steps=0, callbacks=[clocks[name]])
             n_before = len(clocks[name].cpu)
             trainer.fit(module, train_dataloaders=windows(data, "train", args.batch, shuffle=True))
             del clocks[name].wall[n_before], clocks[name].cpu[n_before]  # the fit's first step
+            if rep == 0:
+                rise[name] = (_status_kib("VmHWM") - before) / 1024
     row["load"] = os.getloadavg()
     for name, clock in clocks.items():
         wall, cpu = statistics.median(clock.wall), statistics.median(clock.cpu)
         row[name] = {"step_s": wall, "step_cpu_s": cpu, "samples_per_s": args.batch / wall,
-                     "cpu_samples_per_s": args.batch / cpu, "steps_timed": len(clock.cpu)}
+                     "cpu_samples_per_s": args.batch / cpu, "steps_timed": len(clock.cpu), "rss_rise_mib": rise[name]}
     best = fastest(clocks)
     if best is not None:
         row["speedup_of"] = best
