@@ -428,43 +428,21 @@ static int ssd_bwd_body(const float *restrict xbc, const float *restrict dt, con
     return 0;
 }
 
-/* The exported entry points: each loop under flush_subnormals. */
-int conv_silu_fwd(const float *restrict past, const float *restrict in, const float *restrict wt, const float *restrict bias, float *restrict out, I nb, I L, I C, I W) {
-    fpmode m = flush_subnormals();
-    int status = conv_silu_fwd_body(past, in, wt, bias, out, nb, L, C, W);
-    restore_fpmode(m);
-    return status;
-}
-int conv_silu_bwd(const float *restrict past, const float *restrict in, const float *restrict wt, const float *restrict bias, const float *restrict g, float *restrict gpast, float *restrict gin, float *restrict gwt, float *restrict gb, I nb, I L, I C, I W) {
-    fpmode m = flush_subnormals();
-    int status = conv_silu_bwd_body(past, in, wt, bias, g, gpast, gin, gwt, gb, nb, L, C, W);
-    restore_fpmode(m);
-    return status;
-}
-int norm_fwd(const float *restrict y, const float *restrict z, const float *restrict w, float *restrict out, float *restrict rinv, I rows, I C, float eps) {
-    fpmode m = flush_subnormals();
-    int status = norm_fwd_body(y, z, w, out, rinv, rows, C, eps);
-    restore_fpmode(m);
-    return status;
-}
-int norm_bwd(const float *restrict y, const float *restrict z, const float *restrict w, const float *restrict rinv, const float *restrict gout, float *restrict gy, float *restrict gz, float *restrict gw, I rows, I C) {
-    fpmode m = flush_subnormals();
-    int status = norm_bwd_body(y, z, w, rinv, gout, gy, gz, gw, rows, C);
-    restore_fpmode(m);
-    return status;
-}
-int ssd_fwd(const float *restrict xbc, const float *restrict dt, const float *restrict decay, const float *restrict D, const float *restrict init, float *restrict y, float *restrict final, float *restrict ckpt, I nb, I L, I H, I P, I G, I N, I Q, I y0) {
-    fpmode m = flush_subnormals();
-    int status = ssd_fwd_body(xbc, dt, decay, D, init, y, final, ckpt, nb, L, H, P, G, N, Q, y0);
-    restore_fpmode(m);
-    return status;
-}
-int ssd_bwd(const float *restrict xbc, const float *restrict dt, const float *restrict decay, const float *restrict D, const float *restrict ckpt, const float *restrict gy, const float *restrict gfinal, float *restrict gxbc, float *restrict gdt, float *restrict gdecay, float *restrict gD, float *restrict ginit, I nb, I L, I H, I P, I G, I N, I Q, I y0) {
-    fpmode m = flush_subnormals();
-    int status = ssd_bwd_body(xbc, dt, decay, D, ckpt, gy, gfinal, gxbc, gdt, gdecay, gD, ginit, nb, L, H, P, G, N, Q, y0);
-    restore_fpmode(m);
-    return status;
-}
+/* The exported entry points: each loop under flush_subnormals, the caller's mode restored on return. */
+#define FLUSHED(name, params, ...) \
+    int name params { fpmode m = flush_subnormals(); int status = name##_body(__VA_ARGS__); restore_fpmode(m); return status; }
+FLUSHED(conv_silu_fwd, (const float *restrict past, const float *restrict in, const float *restrict wt, const float *restrict bias, float *restrict out, I nb, I L, I C, I W),
+        past, in, wt, bias, out, nb, L, C, W)
+FLUSHED(conv_silu_bwd, (const float *restrict past, const float *restrict in, const float *restrict wt, const float *restrict bias, const float *restrict g, float *restrict gpast, float *restrict gin, float *restrict gwt, float *restrict gb, I nb, I L, I C, I W),
+        past, in, wt, bias, g, gpast, gin, gwt, gb, nb, L, C, W)
+FLUSHED(norm_fwd, (const float *restrict y, const float *restrict z, const float *restrict w, float *restrict out, float *restrict rinv, I rows, I C, float eps),
+        y, z, w, out, rinv, rows, C, eps)
+FLUSHED(norm_bwd, (const float *restrict y, const float *restrict z, const float *restrict w, const float *restrict rinv, const float *restrict gout, float *restrict gy, float *restrict gz, float *restrict gw, I rows, I C),
+        y, z, w, rinv, gout, gy, gz, gw, rows, C)
+FLUSHED(ssd_fwd, (const float *restrict xbc, const float *restrict dt, const float *restrict decay, const float *restrict D, const float *restrict init, float *restrict y, float *restrict final, float *restrict ckpt, I nb, I L, I H, I P, I G, I N, I Q, I y0),
+        xbc, dt, decay, D, init, y, final, ckpt, nb, L, H, P, G, N, Q, y0)
+FLUSHED(ssd_bwd, (const float *restrict xbc, const float *restrict dt, const float *restrict decay, const float *restrict D, const float *restrict ckpt, const float *restrict gy, const float *restrict gfinal, float *restrict gxbc, float *restrict gdt, float *restrict gdecay, float *restrict gD, float *restrict ginit, I nb, I L, I H, I P, I G, I N, I Q, I y0),
+        xbc, dt, decay, D, ckpt, gy, gfinal, gxbc, gdt, gdecay, gD, ginit, nb, L, H, P, G, N, Q, y0)
 """
 
 #: optimised and vectorised for this CPU; fused multiply-adds, and sums that may be reassociated (so that the
