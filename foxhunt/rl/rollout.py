@@ -178,13 +178,13 @@ class RolloutBuffer:
             self._epoch = None
             return
         shape = (self.n_minibatches, self.size // self.n_minibatches)
-        ints = self._ints[self.permutation].view(*shape, -1)
-        floats = self._floats[self.permutation].view(*shape, -1)
+        ints = self._ints.index_select(0, self.permutation).view(*shape, -1)  # (index_select: ~2x advanced indexing)
+        floats = self._floats.index_select(0, self.permutation).view(*shape, -1)
         if self.norm_adv:
             adv = floats[..., self._ADVANTAGES]
             std, mean = torch.std_mean(adv, dim=1, keepdim=True)
             floats[..., self._ADVANTAGES] = (adv - mean) / (std + 1e-8)
-        inputs = None if self.inputs is None else self.inputs[self.permutation].view(*shape, -1)
+        inputs = None if self.inputs is None else self.inputs.index_select(0, self.permutation).view(*shape, -1)
         self._epoch = (ints, floats, inputs)
 
     _ADVANTAGES = 3  # the advantages' column in the float table
