@@ -17,7 +17,8 @@ Learners (``--learners``), each trained on the training split for ``--env-steps`
   validation split (``ppo+rule``: held flat unless P(validation edge after costs > 0) >= ``--min-edge-confidence``),
   the rule the DQN benchmark applies;
 - ``sb3_ppo``: Stable-Baselines3's PPO at its defaults (MlpPolicy 64-64 tanh, n_steps 2048, batch 64, 10 epochs,
-  lr 3e-4, γ 0.99, λ 0.95, clip 0.2, one environment) on a gymnasium copy of the same market (scripts/bench_dqn.py's
+  lr 3e-4, γ 0.99, λ 0.95, clip 0.2; one environment, or ``--sb3-envs`` in a DummyVecEnv, e.g. 8 as the issue's
+  speed peer, rows ``sb3_ppo_8envs``) on a gymnasium copy of the same market (scripts/bench_dqn.py's
   ``make_gym_env``: same observation, actions, reward scale, 16-bar episodes, time limits bootstrapped); its
   deterministic policy (argmax) is rolled out over the test split exactly like foxhunt's.
 
@@ -85,15 +86,19 @@ def run_ppo(data: SyntheticMarket, env_steps: int, seed: int, space: str, confid
     return [(name, {**own, **common}), (f"{name}+rule", {**ruled, **common})]
 
 
-def run_sb3(data: SyntheticMarket, env_steps: int, seed: int, episode_length: int = 16) -> dict:
-    """Stable-Baselines3's PPO at its defaults for ``env_steps`` steps, scored by its deterministic policy."""
+def run_sb3(data: SyntheticMarket, env_steps: int, seed: int, episode_length: int = 16, n_envs: int = 1) -> dict:
+    """Stable-Baselines3's PPO at its defaults for ``env_steps`` steps on ``n_envs`` environments (a DummyVecEnv),
+    scored by its deterministic policy."""
     from bench_dqn import make_gym_env
     from stable_baselines3 import PPO
+    from stable_baselines3.common.vec_env import DummyVecEnv
 
     train = MarketTensors(data.train, WINDOW, (-1.0, 0.0, 1.0), COST_BPS)
     train.reward_scale = reward_scale_for(train)  # the members' own rule, given to SB3
     test = MarketTensors(data.test, WINDOW, (-1.0, 0.0, 1.0), COST_BPS)
-    model = PPO("MlpPolicy", make_gym_env(train, episode_length, seed), seed=seed, device="cpu")
+    envs = (make_gym_env(train, episode_length, seed) if n_envs == 1  # (as SB3 wraps one env itself)
+            else DummyVecEnv([lambda i=i: make_gym_env(train, episode_length, seed + i) for i in range(n_envs)]))
+    model = PPO("MlpPolicy", envs, seed=seed, device="cpu")
     t0 = time.perf_counter()
     model.learn(total_timesteps=env_steps)
     seconds = time.perf_counter() - t0
@@ -109,7 +114,7 @@ def run_sb3(data: SyntheticMarket, env_steps: int, seed: int, episode_length: in
 
 def print_table(rows: list[dict]) -> None:
     """One line per task and seed, the learners side by side (fraction of oracle, test log return, turnover)."""
-    order = ["ppo", "ppo+rule", "ppo_continuous", "ppo_continuous+rule", "sb3_ppo"]
+    order = ["ppo", "ppo+rule", "ppo_continuous", "ppo_continuous+rule", "sb3_ppo", "sb3_ppo_8envs"]
     learners = sorted({r["learner"] for r in rows}, key=lambda n: order.index(n) if n in order else len(order))
     by_task: dict[tuple[str, int, int], dict[str, dict]] = defaultdict(dict)
     for r in rows:
@@ -129,6 +134,9 @@ def main() -> None:
     p.add_argument("--env-steps", type=int, default=131_072, help="environment steps of every learner")
     p.add_argument("--learners", nargs="+", choices=LEARNERS, default=list(LEARNERS))
     p.add_argument("--ppo", type=json.loads, default={}, help="JSON of PPOModule overrides")
+    p.add_argument("--sb3-envs", type=int, default=1, help="SB3's environments (1: the most updates per environment "
+                   "step, the stronger learner at equal steps; 8: the issue's speed peer); its rows are named "
+                   "sb3_ppo, or sb3_ppo_<n>envs")
     p.add_argument("--score-split", choices=("test", "val"), default="test",
                    help="the split PPO is scored on: val to choose settings, test to report the chosen ones")
     args = p.parse_args()
@@ -142,7 +150,8 @@ def main() -> None:
         for learner in args.learners:
             torch.manual_seed(seed)
             if learner == "sb3_ppo":
-                results = [("sb3_ppo", run_sb3(data, args.env_steps, seed))]
+                name = "sb3_ppo" if args.sb3_envs == 1 else f"sb3_ppo_{args.sb3_envs}envs"
+                results = [(name, run_sb3(data, args.env_steps, seed, n_envs=args.sb3_envs))]
             else:
                 space = "continuous" if learner == "ppo_continuous" else "discrete"
                 results = run_ppo(data, args.env_steps, seed, space, confidence, dict(args.ppo), args.score_split)
