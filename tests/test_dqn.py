@@ -250,6 +250,9 @@ def test_nonfinite_loss_raises_or_skips(tmp_path, market, monkeypatch) -> None:
     assert model.updates["dqn"] == 0 and t.global_step == 0
     assert t.callback_metrics["train/dqn/nonfinite_skipped"] == 6
     assert all(torch.equal(a, b) for a, b in zip(before, skipping.q_net.parameters()))
+    # six attempts at update 0 stepped the agents once: the warm-up's steps, then one act's (as one attempt would)
+    warm_up = -(-SMALL["learning_starts"] // SMALL["n_envs"]) * SMALL["n_envs"]
+    assert skipping.env_steps == warm_up + SMALL["n_envs"], skipping.env_steps
 
 
 def test_nonfinite_gradients_raise_or_skip(tmp_path, market, monkeypatch) -> None:

@@ -89,6 +89,7 @@ class _Counters:
     last_loss: Tensor | None = None
     last_q: Tensor | None = None
     last_epsilon: float = 1.0
+    acted_for: int = -1  # the update the agents last stepped for: an update the guard skipped does not step them again
 
 
 class DQNModule(Agent):
@@ -397,10 +398,11 @@ class DQNModule(Agent):
         """
         hp = self.hparams
         eps = self.epsilon(update)
-        if update % hp.env_step_every == 0:
+        if update % hp.env_step_every == 0 and self.counters.acted_for != update:
             for _ in range(hp.env_steps_per_update):
                 self.act(eps)
             self.batches.clear()
+            self.counters.acted_for = update
         assert self.env is not None and self.replay is not None and self.q_net is not None
         b = self.batches.next(self.replay, self.env.market, self.q_net, hp.env_step_every)
         loss, q = self._td_loss(b)
@@ -550,6 +552,7 @@ class DQNModule(Agent):
             "replay": self.replay.state_dict(),
             "explore_rng": self.explore_rng.get_state(),
             "env_steps": self.counters.env_steps,
+            "acted_for": self.counters.acted_for,
             "reward_scale": self.reward_scale_used,
             "presampled": self.batches.state_dict(),
             "noise_rng": self.noise_rng.get_state() if self.noise_rng is not None else None,
@@ -570,6 +573,7 @@ class DQNModule(Agent):
         self.replay.load_state_dict(state["replay"])
         self.explore_rng.set_state(state["explore_rng"].cpu())
         self.counters.env_steps = int(state["env_steps"])
+        self.counters.acted_for = int(state.get("acted_for", -1))  # (absent from checkpoints before it was kept)
         if state.get("noise_rng") is not None and self.noise_rng is not None:
             self.noise_rng.set_state(state["noise_rng"].cpu())
         self.load_selection_state(state.get("selection"))
