@@ -232,6 +232,12 @@ def test_compiled_loss_head_equals_the_torch_head_at_the_edges(n_actions, vclip)
             continue
         torch.testing.assert_close(x, w.view(x.shape), rtol=2e-5, atol=1e-6 * (1.0 + float(w.abs().max())),
                                    msg=lambda m, name=name: f"{name}: {m}")
+    if n_actions:  # an index outside the logits is refused in one line, as torch's gather refuses it
+        bad = actions.clone()
+        bad[5] = n_actions
+        with pytest.raises(ValueError, match=r"action index is outside \[0, "):
+            ppo_loss_native.head(lib, out, value, bad, noise, old_log_probs, old_values, advantages, returns, 0.0,
+                                 *coefs)
 
 
 def test_linear_decay_and_constructor_checks() -> None:

@@ -42,7 +42,8 @@ static inline double tanh_log_det(double u) {
    n_act == 0: squashed Gaussian with mean out[i], pre-squash samples u[i], noise[i], log std log_std.
    Row vectors are read with their strides (columns of the rollout's tables). vclip < 0: no value clipping.
    Writes parts[0..3] (policy loss, value loss, entropy, mean(mu^2)), loss[0], logratio[b], and for an upstream
-   gradient of 1: d_out[b, max(n_act, 1)], d_value[b], d_log_std[0]. Returns 0. */
+   gradient of 1: d_out[b, max(n_act, 1)], d_value[b], d_log_std[0]. Returns 0, or 3 (nothing written) where an
+   action index is outside [0, n_act). */
 int ppo_head(I b, I n_act, const float *out, I s_out, const float *value, I s_value,
              const int64_t *idx, I s_idx, const float *u, I s_u, const float *noise, I s_noise,
              const float *old_logp, I s_olp, const float *old_value, I s_ov, const float *adv, I s_adv,
@@ -52,6 +53,9 @@ int ppo_head(I b, I n_act, const float *out, I s_out, const float *value, I s_va
     const double inv_b = 1.0 / (double)b, ent = ent_coef * inv_b;
     double sum_obj = 0.0, sum_v = 0.0, sum_ent = 0.0, sum_mu2 = 0.0, sum_dls = 0.0, sum_tn = 0.0;
     const double sigma = exp((double)log_std);
+    if (n_act > 0)
+        for (I i = 0; i < b; i++)
+            if (idx[i * s_idx] < 0 || idx[i * s_idx] >= n_act) return 3;
     for (I i = 0; i < b; i++) {
         const double v = value[i * s_value], R = ret[i * s_ret], A = adv[i * s_adv];
         double log_prob, entropy;
@@ -174,6 +178,8 @@ def head(lib: ctypes.CDLL, out: Tensor, value: Tensor, actions: Tensor, noise: T
         base + f * at_tail, base + f * (at_tail + 4), base + f * at_ratio, base, base + f * at_value,
         base + f * (at_tail + 5),
     )
+    if status == 3:
+        raise ValueError(f"PPO loss: an action index is outside [0, {n_out}) (a corrupted rollout or checkpoint?)")
     if status:
         raise RuntimeError(f"foxhunt's compiled PPO head failed (status {status})")
     tail = buf[at_tail:]
