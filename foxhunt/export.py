@@ -86,7 +86,7 @@ def _non_finite_path(value: Any, where: str = "") -> str:
     """The dotted field of the first NaN or infinity in ``value`` ('' if none)."""
     if isinstance(value, dict):
         items = value.items()
-    elif isinstance(value, list):
+    elif isinstance(value, (list, tuple)):
         items = ((str(i), v) for i, v in enumerate(value))
     else:
         return where if isinstance(value, float) and not math.isfinite(value) else ""

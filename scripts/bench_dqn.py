@@ -164,6 +164,16 @@ def make_gym_env(market: MarketTensors, episode_length: int, seed: int):
     return MarketGymEnv()
 
 
+def make_sb3_env(market: MarketTensors, episode_length: int, seed: int, n_envs: int = 1):
+    """What SB3's learners train on: one :func:`make_gym_env` (SB3 wraps it itself), or ``n_envs`` of them (seeds
+    ``seed``, ``seed + 1``, ..) in a ``DummyVecEnv``, faster than ``SubprocVecEnv`` on 2 cores."""
+    if n_envs == 1:
+        return make_gym_env(market, episode_length, seed)
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    return DummyVecEnv([lambda i=i: make_gym_env(market, episode_length, seed + i) for i in range(n_envs)])
+
+
 def score(positions: torch.Tensor, market: MarketTensors, oracle: float) -> tuple[float, float, float]:
     m = trading_metrics(positions, market.returns, market.cost_bps, BARS_PER_YEAR, mask=market.decision, reset=market.reset_mask)
     return float(m.reward_per_bar) / oracle, float(m.reward_per_bar), float(m.turnover)

@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dqn import make_gym_env
+from bench_dqn import make_sb3_env
 
 from foxhunt.quality.agents import ar1_market
 from foxhunt.rl.env import MarketTensors
@@ -139,10 +139,8 @@ def run_foxhunt(data, env_steps: int, window: int, episode_length: int, override
 def run_sb3(train: MarketTensors, env_steps: int, episode_length: int, seed: int, n_envs: int = 8) -> Run:
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
-    from stable_baselines3.common.vec_env import DummyVecEnv
 
-    envs = DummyVecEnv([lambda i=i: make_gym_env(train, episode_length, seed + i) for i in range(n_envs)])
-    model = PPO("MlpPolicy", envs, seed=seed, device="cpu")
+    model = PPO("MlpPolicy", make_sb3_env(train, episode_length, seed, n_envs), seed=seed, device="cpu")
     clock = {"rollout": 0.0, "cpu_rollout": 0.0}
 
     class Mark(BaseCallback):

@@ -89,16 +89,13 @@ def run_ppo(data: SyntheticMarket, env_steps: int, seed: int, space: str, confid
 def run_sb3(data: SyntheticMarket, env_steps: int, seed: int, episode_length: int = 16, n_envs: int = 1) -> dict:
     """Stable-Baselines3's PPO at its defaults for ``env_steps`` steps on ``n_envs`` environments (a DummyVecEnv),
     scored by its deterministic policy."""
-    from bench_dqn import make_gym_env
+    from bench_dqn import make_sb3_env
     from stable_baselines3 import PPO
-    from stable_baselines3.common.vec_env import DummyVecEnv
 
     train = MarketTensors(data.train, WINDOW, (-1.0, 0.0, 1.0), COST_BPS)
     train.reward_scale = reward_scale_for(train)  # the members' own rule, given to SB3
     test = MarketTensors(data.test, WINDOW, (-1.0, 0.0, 1.0), COST_BPS)
-    envs = (make_gym_env(train, episode_length, seed) if n_envs == 1  # (as SB3 wraps one env itself)
-            else DummyVecEnv([lambda i=i: make_gym_env(train, episode_length, seed + i) for i in range(n_envs)]))
-    model = PPO("MlpPolicy", envs, seed=seed, device="cpu")
+    model = PPO("MlpPolicy", make_sb3_env(train, episode_length, seed, n_envs), seed=seed, device="cpu")
     t0 = time.perf_counter()
     model.learn(total_timesteps=env_steps)
     seconds = time.perf_counter() - t0

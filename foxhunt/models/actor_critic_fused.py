@@ -211,7 +211,6 @@ class _FusedPPOLoss(torch.autograd.Function):
         if lib is not None and ppo_loss_native.usable(out, value, *rows):
             loss, parts, logratio, d_out, d_value, d_log_std = ppo_loss_native.head(
                 lib, out, value, *rows, float(log_std) if continuous else 0.0, *coefs)
-            parts = parts[: 3 + (continuous and coefs[4] > 0)]
         else:
             loss, parts, logratio, d_out, d_value, d_log_std = loss_head_torch(out, value, *rows, log_std, *coefs)
         ctx.save_for_backward(x, d_out, d_value, *acts[:-2])
