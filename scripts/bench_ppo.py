@@ -15,7 +15,7 @@ Rows (``--rows``):
 
 - ``ppo-defaults``: PPOModule's defaults (``n_envs`` agents x ``n_steps`` per rollout, 10 epochs of 8 minibatches):
   the vectorised learner as shipped, compared on environment steps per second (target >= 20x SB3's);
-- ``ppo-4x32``: the defaults with 4 epochs of 32 minibatches (of 256), the runner-up of the validation comparison of
+- ``ppo-4x32`` (or any ``ppo-<E>x<M>``: E epochs of M minibatches): the defaults with 4 epochs of 32 minibatches (of 256), the runner-up of the validation comparison of
   schedules in docs/PPO.md (0.82 of the oracle against the defaults' 0.84): 2.5x less update arithmetic per step;
 - ``ppo-mb64``: SB3's own schedule (2048 steps per rollout, here 16 agents x 128 steps, 10 epochs of minibatches of 64:
   320 updates per rollout), compared on minibatch updates per second at the same minibatch size (target >= 2x SB3's);
@@ -37,6 +37,7 @@ machine counts only the time the learner actually ran (the wall clock then also 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import time
@@ -63,6 +64,18 @@ ROWS = {
     "ppo-mb64-torch-head": {"n_envs": 16, "n_steps": 128, "n_minibatches": 32, "n_epochs": 10, "native_loss": False},
     "ppo-mb64-plain": {"n_envs": 16, "n_steps": 128, "n_minibatches": 32, "n_epochs": 10, "fused_loss": False},
 }
+
+
+def row_overrides(name: str) -> dict | None:
+    """A row's PPOModule overrides: a named row, or ``ppo-<E>x<M>[-<N>x<T>]`` (the defaults with E epochs of M
+    minibatches[, rollouts of N agents x T steps])."""
+    if name in ROWS:
+        return ROWS[name]
+    m = re.fullmatch(r"ppo-(\d+)x(\d+)(?:-(\d+)x(\d+))?", name)
+    if m is None:
+        return None
+    shape = {"n_envs": int(m[3]), "n_steps": int(m[4])} if m[3] else {}
+    return {"n_epochs": int(m[1]), "n_minibatches": int(m[2]), **shape}
 
 
 @dataclass
@@ -179,7 +192,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     rows = [r for r in args.rows.split(",") if r]
-    unknown = [r for r in rows if r not in ROWS]
+    unknown = [r for r in rows if row_overrides(r) is None]
     if unknown:
         p.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
     torch.set_num_threads(args.threads)
@@ -197,7 +210,7 @@ def main() -> None:
             if name == "sb3":
                 r = run_sb3(train, args.env_steps, episode, args.seed, args.sb3_envs)
             else:
-                r = run_foxhunt(data, args.env_steps, args.window, episode, ROWS[name.split("/", 1)[1]], args.seed)
+                r = run_foxhunt(data, args.env_steps, args.window, episode, row_overrides(name.split("/", 1)[1]), args.seed)
             runs[name].append(r)
             c = r.on_cpu()
             print(f"repeat {rep + 1}/{args.repeats} {name:22s} {r.env_steps_per_s:10.0f} env steps/s "
@@ -224,7 +237,7 @@ def report(runs: dict[str, list[Run]], names: list[str], args: argparse.Namespac
         if name == "sb3":
             shape, mb = f"{args.sb3_envs} x 2048", 64
         else:
-            kw = {**PPOModule().hparams, **ROWS[name.split("/", 1)[1]]}
+            kw = {**PPOModule().hparams, **row_overrides(name.split("/", 1)[1])}
             shape, mb = f"{kw['n_envs']} x {kw['n_steps']}", kw["n_envs"] * kw["n_steps"] // kw["n_minibatches"]
         r0 = runs[name][0]
         print(f"{name:24s}{shape:>14s}{mb:10d}{r0.env_steps:10d}{r0.updates:9d}{med(name, lambda r: r.wall):9.2f}"

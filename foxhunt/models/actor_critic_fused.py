@@ -23,6 +23,8 @@ outputs, taken in the forward for an upstream gradient of 1, which the backward 
 call (:mod:`foxhunt.models.ppo_loss_native`, ``PPOModule(native_loss=True)``) where a C compiler is available, and
 as :func:`loss_head_torch`, its reference, elsewhere; the two are checked equal when the library loads and in
 ``tests/test_ppo.py``. At a minibatch of 64 the head in torch ops is some forty kernel calls, about 40% of an update.
+The same library also runs the towers' tanh and its backward (a vectorised rational fit, within 3e-7 of tanh); the
+torch form, 2σ(2a) − 1, stays beside it as the reference.
 
 Float32 only: under autocast (mixed precision) :class:`PPOModule` uses the plain path.
 """
@@ -39,18 +41,23 @@ from foxhunt.models import ppo_loss_native
 from foxhunt.models.actor_critic import LOG_SQRT_2PI, ActorCritic, tanh_log_det
 
 
-def _forward(x: Tensor, tower: tuple[Tensor, ...], heads: tuple[Tensor, Tensor, Tensor, Tensor]) -> list[Tensor]:
+def _forward(x: Tensor, tower: tuple[Tensor, ...], heads: tuple[Tensor, Tensor, Tensor, Tensor],
+             lib: ctypes.CDLL | None = None) -> list[Tensor]:
     """[h_1, ..., h_L, actor output, value]: the towers' activations [2, B, H_l] (both networks in one batched
-    product per layer, (W_1, b_1, ..., W_L, b_L) of [2, out, in] and [2, out]) and the heads' outputs."""
+    product per layer, (W_1, b_1, ..., W_L, b_L) of [2, out, in] and [2, out]) and the heads' outputs; the tanh by
+    the compiled loop of ``lib`` (:func:`~foxhunt.models.ppo_loss_native.tanh_`), else in torch ops."""
     n = len(tower) // 2
     acts: list[Tensor] = []
     h = x.expand(2, *x.shape)
     for i in range(n):
-        # tanh(a) = 2·σ(2a) − 1, the 2a from the product's own scalars: torch's CPU tanh cost about four sigmoids on
-        # the machine this was written on; on a later AVX-512 core tanh_ was faster per op (37 against ~95 µs at
-        # [2, 1024, 64]) but end to end within noise (docs/PPO.md), so this form stays
-        h = torch.baddbmm(tower[2 * i + 1].unsqueeze(1), h, tower[2 * i].transpose(1, 2), beta=2.0, alpha=2.0)
-        h = h.sigmoid_().mul_(2.0).sub_(1.0)
+        if lib is not None:
+            h = ppo_loss_native.tanh_(lib, torch.baddbmm(tower[2 * i + 1].unsqueeze(1), h, tower[2 * i].transpose(1, 2)))
+        else:
+            # tanh(a) = 2·σ(2a) − 1, the 2a from the product's own scalars: torch's CPU tanh cost about four sigmoids
+            # on the machine this was written on (on an AVX-512 core tanh_ was faster per op but end to end within
+            # noise; on an AVX2 Zen core the sigmoid form is the faster one; docs/PPO.md)
+            h = torch.baddbmm(tower[2 * i + 1].unsqueeze(1), h, tower[2 * i].transpose(1, 2), beta=2.0, alpha=2.0)
+            h = h.sigmoid_().mul_(2.0).sub_(1.0)
         acts.append(h)
     w_a, b_a, w_c, b_c = heads
     acts.append(torch.addmm(b_a, h[0], w_a.t()))
@@ -59,7 +66,7 @@ def _forward(x: Tensor, tower: tuple[Tensor, ...], heads: tuple[Tensor, Tensor, 
 
 
 def _backward(delta_a: Tensor, delta_c: Tensor, x: Tensor, acts: list[Tensor], tower: tuple[Tensor, ...],
-              heads: tuple[Tensor, Tensor, Tensor, Tensor]) -> list[Tensor]:
+              heads: tuple[Tensor, Tensor, Tensor, Tensor], lib: ctypes.CDLL | None = None) -> list[Tensor]:
     """Gradients (dW_1, db_1, ..., dW_L, db_L, dW_actor, db_actor, dW_critic, db_critic) from δ at the actor's and the
     critic's outputs: heads, then both towers at once, ``δ_{l-1} = (δ_l W_l) ⊙ (1 − h_{l-1}²)``."""
     n = len(tower) // 2
@@ -69,7 +76,9 @@ def _backward(delta_a: Tensor, delta_c: Tensor, x: Tensor, acts: list[Tensor], t
     delta = torch.stack([delta_a.mm(w_a), delta_c.mm(w_c)])  # [2, B, H_L]
     grads: list[Tensor] = [delta] * (2 * n)
     for i in range(n - 1, -1, -1):
-        delta = torch.ops.aten.tanh_backward(delta, acts[i])  # through h_i = tanh(a_i)
+        # through h_i = tanh(a_i) (delta is this function's own tensor: the compiled loop scales it in place)
+        delta = (ppo_loss_native.tanh_backward_(lib, delta, acts[i]) if lib is not None
+                 else torch.ops.aten.tanh_backward(delta, acts[i]))
         h_in = acts[i - 1] if i > 0 else x.expand(2, *x.shape)
         grads[2 * i] = torch.bmm(delta.transpose(1, 2), h_in)
         grads[2 * i + 1] = delta.sum(1)
@@ -182,6 +191,14 @@ def _native_self_check(lib: ctypes.CDLL) -> bool:
         for w, x in zip(want, got, strict=True):
             if w is not None:
                 ok &= bool(torch.allclose(x, w.view(x.shape), rtol=1e-4, atol=1e-6))
+    # the towers' activation and its backward: within 3e-7 of tanh on a grid past the clamp, NaN kept
+    a = torch.cat([torch.linspace(-12.0, 12.0, 4801), torch.tensor([0.0, 1e-30, -1e-7, float("inf"), -float("inf")])])
+    h = ppo_loss_native.tanh_(lib, a.clone())
+    ok &= bool((h.double() - torch.tanh(a.double())).abs().max() <= 3e-7)
+    ok &= bool(ppo_loss_native.tanh_(lib, torch.tensor([float("nan")])).isnan().all())
+    delta = torch.randn(a.shape, generator=g)
+    want_delta = torch.ops.aten.tanh_backward(delta, h)
+    ok &= bool(torch.allclose(ppo_loss_native.tanh_backward_(lib, delta, h), want_delta, rtol=1e-6, atol=1e-7))
     return ok
 
 
@@ -204,7 +221,7 @@ class _FusedPPOLoss(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         n_tower = len(params) - 4 - continuous
         tower, heads = params[:n_tower], params[n_tower : n_tower + 4]
-        acts = _forward(x, tower, heads)
+        acts = _forward(x, tower, heads, lib)
         out, value = acts[-2], acts[-1].view(-1)
         log_std = params[-1] if continuous else None
         rows = (actions, noise, old_log_probs, old_values, advantages, returns)
@@ -217,6 +234,7 @@ class _FusedPPOLoss(torch.autograd.Function):
         ctx.d_log_std = d_log_std if continuous else None
         ctx.params = params  # views of the parameters, which only the optimizer changes, after backward
         ctx.n_tower = n_tower
+        ctx.lib = lib
         ctx.mark_non_differentiable(parts, logratio)
         return loss, parts, logratio
 
@@ -230,7 +248,7 @@ class _FusedPPOLoss(torch.autograd.Function):
         if g != 1.0:  # the loss is linear in the upstream gradient
             d_out, d_value = d_out * g, d_value * g
             d_log_std = None if d_log_std is None else d_log_std * g
-        grads = _backward(d_out, d_value, x, acts, params[:n_tower], params[n_tower : n_tower + 4])
+        grads = _backward(d_out, d_value, x, acts, params[:n_tower], params[n_tower : n_tower + 4], ctx.lib)
         if d_log_std is not None:
             grads.append(d_log_std)
         # the flat parameters' gradients, in ActorCritic.tensor_names order: matrices, then biases (and log σ)
