@@ -13,10 +13,11 @@ which flattered foxhunt's ratios.
 
 Rows (``--rows``):
 
-- ``ppo-defaults``: PPOModule's defaults (``n_envs`` agents x ``n_steps`` per rollout, 10 epochs of 8 minibatches):
+- ``ppo-defaults``: PPOModule's defaults (``n_envs`` agents x ``n_steps`` per rollout, 4 epochs of 32 minibatches):
   the vectorised learner as shipped, compared on environment steps per second (target >= 20x SB3's);
-- ``ppo-4x32`` (or any ``ppo-<E>x<M>``: E epochs of M minibatches): the defaults with 4 epochs of 32 minibatches (of 256), the runner-up of the validation comparison of
-  schedules in docs/PPO.md (0.82 of the oracle against the defaults' 0.84): 2.5x less update arithmetic per step;
+- ``ppo-torch-adamw``: the defaults with torch's fused AdamW step instead of the compiled one (``native_adamw=False``);
+- ``ppo-<E>x<M>[-<N>x<T>]``: the defaults with E epochs of M minibatches [and rollouts of N agents x T steps], e.g.
+  ``ppo-10x8-128x64``, the former defaults (10 epochs of 8 minibatches of 1,024 over 128 x 64 rollouts);
 - ``ppo-mb64``: SB3's own schedule (2048 steps per rollout, here 16 agents x 128 steps, 10 epochs of minibatches of 64:
   320 updates per rollout), compared on minibatch updates per second at the same minibatch size (target >= 2x SB3's);
 - ``ppo-mb64-torch-head``: the same with ``native_loss=False`` (the fused loss's head in torch ops, not compiled C);
@@ -59,7 +60,7 @@ COST_BPS = 1.0
 # name -> PPOModule overrides
 ROWS = {
     "ppo-defaults": {},
-    "ppo-4x32": {"n_epochs": 4, "n_minibatches": 32},
+    "ppo-torch-adamw": {"native_adamw": False},
     "ppo-mb64": {"n_envs": 16, "n_steps": 128, "n_minibatches": 32, "n_epochs": 10},
     "ppo-mb64-torch-head": {"n_envs": 16, "n_steps": 128, "n_minibatches": 32, "n_epochs": 10, "native_loss": False},
     "ppo-mb64-plain": {"n_envs": 16, "n_steps": 128, "n_minibatches": 32, "n_epochs": 10, "fused_loss": False},

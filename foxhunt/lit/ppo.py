@@ -119,16 +119,16 @@ class PPOModule(Agent):
         window: int = 16,
         actions: tuple[float, ...] = (-1.0, 0.0, 1.0),
         action_space: ActionSpace = "discrete",
-        n_envs: int = 128,
-        n_steps: int = 64,
+        n_envs: int = 512,
+        n_steps: int = 16,
         episode_length: int = 16,
         cost_bps: float | None = None,
         reward_source: RewardSource = "returns",
         reward_scale: float | None = None,
         gamma: float = 0.7,
         gae_lambda: float = 0.95,
-        n_epochs: int = 10,
-        n_minibatches: int = 8,
+        n_epochs: int = 4,
+        n_minibatches: int = 32,
         clip_coef: float = 0.2,
         clip_vloss: bool = True,
         vf_coef: float = 0.5,
@@ -145,6 +145,7 @@ class PPOModule(Agent):
         adam_eps: float = 1e-5,
         weight_decay: float = 0.0,
         fused_adamw: bool = True,
+        native_adamw: bool = True,
         fused_loss: bool = True,
         native_loss: bool = True,
         scheduler: PPOScheduler = "linear",
@@ -165,7 +166,9 @@ class PPOModule(Agent):
             action_space: "discrete" (categorical over ``actions``) or "continuous" (a position in [-1, 1] from a
                 squashed Gaussian).
             n_envs: parallel agents stepped in one call (CleanRL's num_envs).
-            n_steps: steps of every agent per rollout (CleanRL's num_steps): a rollout holds n_envs x n_steps steps.
+            n_steps: steps of every agent per rollout (CleanRL's num_steps): a rollout holds n_envs x n_steps steps
+                (8,192 at the defaults, 512 x 16: one 16-bar episode per agent; fewer, longer calls cost more per
+                step and learned no better on validation, docs/PPO.md).
             episode_length: decisions per episode. Episodes start flat at random bars and end by time limit, which is
                 bootstrapped from the final state's value, so the length only sets how often the agents learn from a
                 flat start: short episodes teach the policy to stay flat when nothing pays (see docs/PPO.md).
@@ -177,8 +180,10 @@ class PPOModule(Agent):
             gae_lambda: GAE's λ.
             n_epochs: passes over each rollout (CleanRL's update_epochs).
             n_minibatches: shuffled minibatches per epoch; a gradient update takes n_envs x n_steps / n_minibatches
-                steps (must divide evenly). The defaults, 10 x 8 (80 updates per 8,192-step rollout), were chosen among
-                six schedules on the validation splits of the agents' task family (docs/PPO.md).
+                steps (must divide evenly). The defaults, 4 x 32 (128 updates of 256 steps per 8,192-step rollout),
+                were level with the best of the schedules compared on the validation splits of the agents' task family
+                (10 x 8) at 2.5x less update arithmetic per step, and were chosen for that by a rule fixed before the
+                comparison (docs/PPO.md, "Schedule and rollout shape").
             clip_coef: the surrogate's clipping ε (and the value clipping's, with ``clip_vloss``).
             clip_vloss: clip the value loss around the rollout's values.
             vf_coef: weight of the value loss.
@@ -199,13 +204,17 @@ class PPOModule(Agent):
                 where nothing pays is the coordinator's do-no-harm rule's job, as for every agent (docs/PPO.md).
             select_every: updates between scores of the deterministic policy on the validation split (reward per bar
                 after costs, as the DQN's); the best-scoring weights become the policy it trades (``policy_net``).
-                80 is one rollout at the defaults (10 x 8). 0: the last weights trade.
+                80 (0.625 of a rollout at the defaults; the setting the schedules were compared with). 0: the last
+                weights trade.
             patience: scores without a better validation reward after which the member stops learning (0: never; the
                 default, so the learning rate anneals over the whole run).
             lr: AdamW learning rate (its start, with a schedule).
             adam_eps: AdamW's epsilon (1e-5, as in CleanRL and the "37 implementation details").
             weight_decay: AdamW decoupled weight decay (weight matrices only: the network's flat ``weights``).
             fused_adamw: use PyTorch's fused AdamW kernel where the parameters' device supports it.
+            native_adamw: on CPU, step AdamW in one compiled C loop per flat parameter
+                (:class:`~foxhunt.training.adamw_native.CompiledAdamW`: the same optimizer and state, tested equal to
+                torch's) where a C compiler is available; torch's step (fused where ``fused_adamw``) elsewhere.
             fused_loss: compute the minibatch loss and its gradient by the hand-written backward of
                 :mod:`foxhunt.models.actor_critic_fused` (the same loss as the plain autograd path, tested equal; a
                 CPU update at small minibatches is mostly autograd bookkeeping); False: the plain path. Mixed
@@ -536,7 +545,7 @@ class PPOModule(Agent):
             params, lr=hp.lr, weight_decay=hp.weight_decay, eps=hp.adam_eps,
             scheduler="none" if hp.scheduler == "linear" else hp.scheduler, total_steps=total,
             warmup_steps=hp.warmup_steps, monitor="val/reward_per_bar_neg",
-            interval="epoch" if hp.scheduler == "plateau" else "step",
+            interval="epoch" if hp.scheduler == "plateau" else "step", native=hp.native_adamw,
         )
         if hp.scheduler == "linear":
             sched = torch.optim.lr_scheduler.LambdaLR(config, LinearDecay(total, hp.warmup_steps))  # type: ignore[arg-type]

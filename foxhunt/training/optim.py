@@ -9,6 +9,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from foxhunt.training.adamw_native import CompiledAdamW
+
 SchedulerKind = Literal["none", "step", "cosine", "plateau"]
 SCHEDULER_KINDS: tuple[str, ...] = ("none", "step", "cosine", "plateau")
 
@@ -28,8 +30,10 @@ def make_adamw(
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
+    native: bool = False,
 ) -> torch.optim.AdamW:
-    """AdamW with validated hyperparameters (decoupled weight decay, Loshchilov & Hutter)."""
+    """AdamW with validated hyperparameters (decoupled weight decay, Loshchilov & Hutter); ``native``: a
+    :class:`~foxhunt.training.adamw_native.CompiledAdamW` (the same optimizer, its CPU step in one compiled loop)."""
     lr = validate_lr(lr)
     if not math.isfinite(weight_decay) or weight_decay < 0.0:
         raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
@@ -37,7 +41,8 @@ def make_adamw(
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
     if not eps > 0.0:
         raise ValueError(f"eps must be > 0, got {eps!r}")
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
+    cls = CompiledAdamW if native else torch.optim.AdamW
+    return cls(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
 
 
 # Modules whose every parameter is a normalisation gain or shift (nn.RMSNorm exists from torch 2.4).
@@ -206,6 +211,7 @@ def configure_adamw(
     monitor: str = "val/loss",
     interval: str = "step",
     exclude_bias_and_norm: bool = True,
+    native: bool = False,
 ) -> torch.optim.AdamW | dict[str, Any]:
     """What ``LightningModule.configure_optimizers`` returns: AdamW alone, or with its scheduler config.
 
@@ -219,7 +225,7 @@ def configure_adamw(
         )
     else:
         params = list(module_or_params)
-    optimizer = make_adamw(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    optimizer = make_adamw(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, native=native)
     sched = make_scheduler(
         optimizer,
         scheduler,
