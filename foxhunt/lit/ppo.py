@@ -167,8 +167,8 @@ class PPOModule(Agent):
                 squashed Gaussian).
             n_envs: parallel agents stepped in one call (CleanRL's num_envs).
             n_steps: steps of every agent per rollout (CleanRL's num_steps): a rollout holds n_envs x n_steps steps
-                (8,192 at the defaults, 512 x 16: one 16-bar episode per agent; fewer, longer calls cost more per
-                step and learned no better on validation, docs/PPO.md).
+                (8,192 at the defaults, 512 x 16: one 16-bar episode per agent; the fastest of three shapes of 8,192
+                steps that were all level with the former defaults on validation, docs/PPO.md).
             episode_length: decisions per episode. Episodes start flat at random bars and end by time limit, which is
                 bootstrapped from the final state's value, so the length only sets how often the agents learn from a
                 flat start: short episodes teach the policy to stay flat when nothing pays (see docs/PPO.md).
