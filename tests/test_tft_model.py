@@ -399,6 +399,25 @@ def test_tft_autocast_cpu_is_finite(dtype: torch.dtype, fused: bool) -> None:
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
+def test_lstm_under_cpu_autocast_runs_in_float32_on_every_core() -> None:
+    """oneDNN has no bfloat16 LSTM on CPUs without AVX-512: under CPU autocast the TFT's LSTMs run in float32 (the same
+    numbers as outside autocast, cast to the input's dtype) instead of failing on those machines."""
+    from foxhunt.models.tft import _run_lstm
+
+    torch.manual_seed(0)
+    lstm = nn.LSTM(8, 8, batch_first=True)
+    x = torch.randn(3, 5, 8)
+    state = (torch.randn(1, 3, 8), torch.randn(1, 3, 8))
+    want, (wh, wc) = lstm(x, state)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, (h, c) = _run_lstm(lstm, x.bfloat16(), (state[0].bfloat16(), state[1].bfloat16()))
+    assert got.dtype == h.dtype == c.dtype == torch.bfloat16
+    for g, w in ((got, want), (h, wh), (c, wc)):
+        torch.testing.assert_close(g.float(), w, atol=0.03, rtol=0.03)  # bf16 inputs and outputs, float32 inside
+    out, _ = _run_lstm(lstm, x, state)  # outside autocast: the module's own call
+    torch.testing.assert_close(out, want, atol=0.0, rtol=0.0)
+
+
 def test_tft_backward_inside_autocast_region() -> None:
     """Under manual optimisation Lightning runs backward inside the training step's autocast region: the chunked
     variable selection's hand-written backward must still compute in float32 and give float32 gradients."""

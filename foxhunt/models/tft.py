@@ -278,6 +278,17 @@ class TFTOutput(NamedTuple):
     attention: Tensor  # [B, heads, H, L + H], decoder queries over all positions
 
 
+def _run_lstm(lstm: nn.LSTM, x: Tensor, state: tuple[Tensor, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """``lstm(x, state)``; on CPU under autocast in float32 (outputs cast back to ``x``'s dtype): oneDNN builds its
+    bfloat16 LSTM only on cores with AVX-512 and fails on the others ("could not create a primitive descriptor"), so
+    a CPU ``bf16-mixed`` fit would run on some machines and not others; float32 runs the same everywhere."""
+    if x.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
+        return lstm(x, state)
+    with torch.autocast("cpu", enabled=False):
+        out, (h, c) = lstm(x.float(), (state[0].float(), state[1].float()))
+    return out.to(x.dtype), (h.to(x.dtype), c.to(x.dtype))
+
+
 class TemporalFusionTransformer(nn.Module):
     """Multi-horizon quantile forecaster: static encoders, variable selection, LSTM seq2seq, interpretable attention.
 
@@ -402,8 +413,8 @@ class TemporalFusionTransformer(nn.Module):
         dtype = past.dtype
         h0 = c_h.to(dtype).unsqueeze(0).expand(self.lstm_layers, -1, -1).contiguous()
         c0 = c_c.to(dtype).unsqueeze(0).expand(self.lstm_layers, -1, -1).contiguous()
-        enc_out, state = self.lstm_encoder(past, (h0, c0))
-        dec_out, _ = self.lstm_decoder(future.to(enc_out.dtype), state)
+        enc_out, state = _run_lstm(self.lstm_encoder, past, (h0, c0))
+        dec_out, _ = _run_lstm(self.lstm_decoder, future.to(enc_out.dtype), state)
         lstm_out = torch.cat([enc_out, dec_out], dim=1)
         selected = torch.cat([past, future.to(past.dtype)], dim=1)
         temporal = self.post_lstm_gate(lstm_out, selected)  # [B, L+H, d]
