@@ -130,8 +130,9 @@ int ppo_head(I b, I n_act, const float *out, I s_out, const float *value, I s_va
 
 /* The towers' activation, in place: x = tanh(x) as x P(x^2) / Q(x^2), a rational fit on |x| <= 7.9053 (beyond it
    tanh rounds to +-1 in float32), within 4e-7 of tanh everywhere (2.8e-7 with fused multiply-adds; checked on
-   load); a NaN stays NaN, so a broken weight still reaches the guard. A straight loop of multiply-adds and one division that the compiler vectorises,
-   where torch's CPU tanh (or its sigmoid) costs several times more per element on some cores. */
+   load); a NaN stays NaN, so a broken weight still reaches the guard. A straight loop of multiply-adds and one
+   division that the compiler vectorises, where torch's CPU tanh (or its sigmoid) costs several times more per
+   element on some cores. */
 void tanh_inplace(float *restrict x, I n) {
     const float lim = 7.90531110763549805f;
     for (I i = 0; i < n; i++) {

@@ -12,7 +12,7 @@ torch's (Loshchilov & Hutter): with t the step count,
     p ← p·(1 − lr·wd);  m ← m + (1 − β1)(g − m);  v ← β2·v + (1 − β2)·g²;
     p ← p − lr / (1 − β1^t) · m / (√v / √(1 − β2^t) + ε)
 
-checked against ``torch.optim.AdamW`` when the library loads and in ``tests/test_optim.py`` (within float32
+checked against ``torch.optim.AdamW`` when the library loads and in ``tests/test_training_shared.py`` (within float32
 rounding: the same operations, evaluated in another order by the compiler's vector loop).
 """
 
@@ -109,7 +109,7 @@ class CompiledAdamW(torch.optim.AdamW):
             for p in live:
                 grad = p.grad
                 if (p.device.type != "cpu" or p.dtype != torch.float32 or grad.is_sparse or grad.dtype != torch.float32
-                        or not p.is_contiguous() or not grad.is_contiguous() or torch.is_complex(p)):
+                        or not p.is_contiguous() or not grad.is_contiguous()):
                     return None
             out.append((group, live))
         return out
