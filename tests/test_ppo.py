@@ -201,9 +201,9 @@ def test_compiled_loss_head_equals_the_torch_head_at_the_edges(n_actions, vclip)
     far outside the clip on both sides, advantages of both signs, values moved past the value clip both ways, logits
     and samples large enough to need the stable forms (log-sum-exp, softplus)."""
     from foxhunt.models import ppo_loss_native
-    from foxhunt.models.actor_critic_fused import _native_library, loss_head_torch
+    from foxhunt.models.actor_critic_fused import loss_head_torch, native_library
 
-    lib = _native_library(True)
+    lib = native_library(True)
     assert lib is not None  # a compiler is here, so the library must build and pass its self-check
     g = torch.Generator().manual_seed(n_actions)
     b = 257

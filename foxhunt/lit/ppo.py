@@ -26,6 +26,7 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -35,13 +36,15 @@ from torch import Tensor, nn
 
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.lit.member import Agent
+from foxhunt.models import ppo_loss_native
 from foxhunt.models.actor_critic import (
     ActionSpace,
     ActorCritic,
+    InplaceTanh,
     squashed_normal_entropy,
     squashed_normal_log_prob,
 )
-from foxhunt.models.actor_critic_fused import fused_ppo_loss
+from foxhunt.models.actor_critic_fused import fused_ppo_loss, native_library
 from foxhunt.rl.env import (
     ContinuousMarketEnv,
     MarketEnv,
@@ -385,11 +388,13 @@ class PPOModule(Agent):
         assert env is not None and buf is not None and net is not None and self.sample_rng is not None
         t0 = time.perf_counter()
         market, n = env.market, env.n_envs
+        tanh_ = self._inference_tanh()
         reward_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         taken = torch.zeros((hp.n_steps, n), device=self.device) if self.continuous else None  # after the band
         for t in range(hp.n_steps):
             held = env.positions
-            out = net.actor_out(net.inputs(market.windows(env.bars, flat=True), self.position_features(market, held)))
+            out = net.actor_out(net.inputs(market.windows(env.bars, flat=True), self.position_features(market, held)),
+                                tanh_)
             if self.continuous:
                 noise = torch.randn(n, generator=self.sample_rng, device=self.device)
                 u = out + net.actor_logstd.exp() * noise
@@ -406,7 +411,7 @@ class PPOModule(Agent):
             reward_sum += tr.raw_rewards.sum(dtype=torch.float64)
         inputs = self._rollout_inputs()
         if inputs is not None:
-            values = torch.cat([net.value(x).float() for x in inputs.split(16_384)]).view_as(buf.rewards)
+            values = torch.cat([net.value(x, tanh_).float() for x in inputs.split(16_384)]).view_as(buf.rewards)
         else:
             values = self._values(market, buf.bars.view(-1), buf.held.view(-1)).view_as(buf.rewards)
         ends = buf.last.clone()
@@ -423,6 +428,12 @@ class PPOModule(Agent):
         c.explained_variance = buf.explained_variance()
         c.rollout_seconds += time.perf_counter() - t0
 
+    def _inference_tanh(self) -> InplaceTanh | None:
+        """The towers' tanh for rollouts (no autograd): the compiled loop of the fused loss's library with
+        ``native_loss`` (where it loads), else None (``torch.tanh``)."""
+        lib = native_library(self.hparams.fused_loss and self.hparams.native_loss)
+        return None if lib is None else functools.partial(ppo_loss_native.tanh_, lib)
+
     def _rollout_inputs(self) -> Tensor | None:
         """[T·N, W·F + P] the network inputs of every stored step, gathered once per rollout (its minibatches then
         select rows instead of gathering windows), or None where they would pass ``INPUTS_BYTES``."""
@@ -437,8 +448,10 @@ class PPOModule(Agent):
     def _values(self, market: MarketTensors, bars: Tensor, held: Tensor, chunk: int = 16_384) -> Tensor:
         """[B] the critic's values of states (bars, held positions), in chunks (a window gather is W·F per row)."""
         assert self.net is not None
+        tanh_ = self._inference_tanh()
         parts = [
-            self.net.value(self.net.inputs(market.windows(b, flat=True), self.position_features(market, h))).float()
+            self.net.value(self.net.inputs(market.windows(b, flat=True), self.position_features(market, h)),
+                           tanh_).float()
             for b, h in zip(bars.split(chunk), held.split(chunk), strict=True)
         ]
         return torch.cat(parts) if parts else torch.zeros(0, device=bars.device)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 ActionSpace = Literal["discrete", "continuous"]
+InplaceTanh = Callable[[Tensor], Tensor]  # x -> tanh(x), written into x
 LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
@@ -195,25 +197,33 @@ class ActorCritic(nn.Module):
         """[B, W·F + P]: the window (as [B, W, F] or already flat) and the position features."""
         return torch.cat([window.flatten(1) if window.dim() == 3 else window, position], 1)
 
-    def actor_out(self, x: Tensor) -> Tensor:
-        """Logits [B, A] (discrete) or the Gaussian's mean [B] (continuous) of inputs ``x``."""
-        out = self._head(self._hidden(x, ACTOR), "actor")
+    def actor_out(self, x: Tensor, tanh_: InplaceTanh | None = None) -> Tensor:
+        """Logits [B, A] (discrete) or the Gaussian's mean [B] (continuous) of inputs ``x`` (``tanh_``: see
+        :meth:`_hidden`)."""
+        out = self._head(self._hidden(x, ACTOR, tanh_=tanh_), "actor")
         return out.squeeze(1) if self.continuous else out
 
-    def value(self, x: Tensor) -> Tensor:
-        """[B] the critic's state values of inputs ``x``."""
-        return self._head(self._hidden(x, CRITIC), "critic").squeeze(1)
+    def value(self, x: Tensor, tanh_: InplaceTanh | None = None) -> Tensor:
+        """[B] the critic's state values of inputs ``x`` (``tanh_``: see :meth:`_hidden`)."""
+        return self._head(self._hidden(x, CRITIC, tanh_=tanh_), "critic").squeeze(1)
 
     def forward(self, window: Tensor, position: Tensor) -> tuple[Tensor, Tensor]:
         """(actor output, value) of a batch of states."""
         x = self.inputs(window, position)
         return self.actor_out(x), self.value(x)
 
-    def _hidden(self, x: Tensor, tower: int, start: int = 0) -> Tensor:
+    def _hidden(self, x: Tensor, tower: int, start: int = 0, tanh_: InplaceTanh | None = None) -> Tensor:
         """The last hidden activation of one network (``tower``: ACTOR or CRITIC) from hidden layer ``start`` on, on
-        its own slices of the grouped weights (a plain MLP through autograd)."""
+        its own slices of the grouped weights (a plain MLP through autograd).
+
+        ``tanh_``: an in-place tanh for inference (e.g. the compiled loop of
+        :func:`foxhunt.models.ppo_loss_native.tanh_`, for rollouts), used only where autograd is off; None, or with
+        autograd on: ``torch.tanh``, the reference.
+        """
+        fast = tanh_ is not None and not torch.is_grad_enabled()
         for i in range(start, self.n_hidden):
-            x = torch.tanh(F.linear(x, self.tensor(f"tower.{i}.weight")[tower], self.tensor(f"tower.{i}.bias")[tower]))
+            a = F.linear(x, self.tensor(f"tower.{i}.weight")[tower], self.tensor(f"tower.{i}.bias")[tower])
+            x = tanh_(a) if fast else torch.tanh(a)  # type: ignore[misc]
         return x
 
     def _head(self, x: Tensor, which: str) -> Tensor:

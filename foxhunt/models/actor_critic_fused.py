@@ -41,6 +41,10 @@ from foxhunt.models import ppo_loss_native
 from foxhunt.models.actor_critic import LOG_SQRT_2PI, ActorCritic, tanh_log_det
 
 
+def _float32_cpu(*tensors: Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
 def _forward(x: Tensor, tower: tuple[Tensor, ...], heads: tuple[Tensor, Tensor, Tensor, Tensor],
              lib: ctypes.CDLL | None = None) -> list[Tensor]:
     """[h_1, ..., h_L, actor output, value]: the towers' activations [2, B, H_l] (both networks in one batched
@@ -49,9 +53,11 @@ def _forward(x: Tensor, tower: tuple[Tensor, ...], heads: tuple[Tensor, Tensor, 
     n = len(tower) // 2
     acts: list[Tensor] = []
     h = x.expand(2, *x.shape)
+    lib = lib if _float32_cpu(x, *tower) else None  # then every product below is a fresh float32 CPU tensor
     for i in range(n):
         if lib is not None:
-            h = ppo_loss_native.tanh_(lib, torch.baddbmm(tower[2 * i + 1].unsqueeze(1), h, tower[2 * i].transpose(1, 2)))
+            h = ppo_loss_native.tanh_(lib, torch.baddbmm(tower[2 * i + 1].unsqueeze(1), h, tower[2 * i].transpose(1, 2)),
+                                      checked=True)
         else:
             # tanh(a) = 2·σ(2a) − 1, the 2a from the product's own scalars: torch's CPU tanh cost about four sigmoids
             # on the machine this was written on (on an AVX-512 core tanh_ was faster per op but end to end within
@@ -72,12 +78,13 @@ def _backward(delta_a: Tensor, delta_c: Tensor, x: Tensor, acts: list[Tensor], t
     n = len(tower) // 2
     w_a, _, w_c, _ = heads
     h = acts[n - 1]
+    lib = lib if _float32_cpu(delta_a, delta_c, *tower) else None  # then every δ below is a fresh float32 CPU tensor
     head_grads = [delta_a.t().mm(h[0]), delta_a.sum(0), delta_c.t().mm(h[1]), delta_c.sum(0)]
     delta = torch.stack([delta_a.mm(w_a), delta_c.mm(w_c)])  # [2, B, H_L]
     grads: list[Tensor] = [delta] * (2 * n)
     for i in range(n - 1, -1, -1):
         # through h_i = tanh(a_i) (delta is this function's own tensor: the compiled loop scales it in place)
-        delta = (ppo_loss_native.tanh_backward_(lib, delta, acts[i]) if lib is not None
+        delta = (ppo_loss_native.tanh_backward_(lib, delta, acts[i], checked=True) if lib is not None
                  else torch.ops.aten.tanh_backward(delta, acts[i]))
         h_in = acts[i - 1] if i > 0 else x.expand(2, *x.shape)
         grads[2 * i] = torch.bmm(delta.transpose(1, 2), h_in)
@@ -203,7 +210,9 @@ def _native_self_check(lib: ctypes.CDLL) -> bool:
     return ok
 
 
-def _native_library(enabled: bool) -> ctypes.CDLL | None:
+def native_library(enabled: bool = True) -> ctypes.CDLL | None:
+    """The compiled loss head and tanh loops (checked against the torch head when they load), or None where
+    ``enabled`` is False or they cannot be had."""
     return ppo_loss_native.library(_native_self_check) if enabled else None
 
 
@@ -271,7 +280,7 @@ def fused_ppo_loss(
     loss, parts, logratio = _FusedPPOLoss.apply(
         x, actions, old_log_probs, old_values, advantages, returns, noise,
         (float(clip_coef), value_clip, float(vf_coef), float(ent_coef), float(mean_reg_coef)), net.continuous,
-        net.detached_tensors(), _native_library(native), net.weights, net.biases,
+        net.detached_tensors(), native_library(native), net.weights, net.biases,
     )
     pg, vl, ent = parts.unbind()[:3]
     return loss, {"policy_loss": pg, "value_loss": vl, "entropy": ent, "logratio": logratio}

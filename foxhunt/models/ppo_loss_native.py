@@ -53,6 +53,7 @@ int ppo_head(I b, I n_act, const float *out, I s_out, const float *value, I s_va
     const double inv_b = 1.0 / (double)b, ent = ent_coef * inv_b;
     double sum_obj = 0.0, sum_v = 0.0, sum_ent = 0.0, sum_mu2 = 0.0, sum_dls = 0.0, sum_tn = 0.0;
     const double sigma = exp((double)log_std);
+    double p[n_act > 0 ? n_act : 1];  /* one row's probabilities */
     if (n_act > 0)
         for (I i = 0; i < b; i++)
             if (idx[i * s_idx] < 0 || idx[i * s_idx] >= n_act) return 3;
@@ -65,10 +66,11 @@ int ppo_head(I b, I n_act, const float *out, I s_out, const float *value, I s_va
             double mx = o[0];
             for (I j = 1; j < n_act; j++) mx = o[j] > mx ? o[j] : mx;
             double se = 0.0;
-            for (I j = 0; j < n_act; j++) se += exp(o[j] - mx);
+            for (I j = 0; j < n_act; j++) se += (p[j] = exp(o[j] - mx));
             lse = mx + log(se);
+            const double inv_se = 1.0 / se;
             double neg_h = 0.0;
-            for (I j = 0; j < n_act; j++) { double lp = o[j] - lse; neg_h += exp(lp) * lp; }
+            for (I j = 0; j < n_act; j++) { p[j] *= inv_se; neg_h += p[j] * (o[j] - lse); }  /* p = softmax */
             log_prob = o[idx[i * s_idx]] - lse;
             entropy = -neg_h;
         } else {
@@ -104,10 +106,8 @@ int ppo_head(I b, I n_act, const float *out, I s_out, const float *value, I s_va
             const I a = idx[i * s_idx];
             float *d = d_out + i * n_act;
             const double neg_h = -entropy;
-            for (I j = 0; j < n_act; j++) {
-                const double lp = o[j] - lse, p = exp(lp);
-                d[j] = (float)(((lp - neg_h) * ent - d_logp) * p + (j == a ? d_logp : 0.0));
-            }
+            for (I j = 0; j < n_act; j++)
+                d[j] = (float)(((o[j] - lse - neg_h) * ent - d_logp) * p[j] + (j == a ? d_logp : 0.0));
         } else {
             const double t = tanh(y), mu = o[0];
             double d = d_logp * z / sigma + 2.0 * ent * t;
@@ -177,23 +177,25 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tanh_backward_inplace.restype = None
 
 
-def _flat_cpu(*tensors: Tensor) -> bool:
+def flat_cpu(*tensors: Tensor) -> bool:
+    """Whether every tensor is a contiguous float32 CPU tensor (what the loops read and write)."""
     return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
 
-def tanh_(lib: ctypes.CDLL, x: Tensor) -> Tensor:
+def tanh_(lib: ctypes.CDLL, x: Tensor, checked: bool = False) -> Tensor:
     """``x`` = tanh(``x``) in place by the compiled loop (torch's ``tanh_`` where ``x`` is not a contiguous float32
-    CPU tensor)."""
-    if not _flat_cpu(x):
+    CPU tensor; ``checked``: the caller knows it is, e.g. a product's fresh output from float32 CPU operands)."""
+    if not checked and not flat_cpu(x):
         return x.tanh_()
     lib.tanh_inplace(x.data_ptr(), x.numel())
     return x
 
 
-def tanh_backward_(lib: ctypes.CDLL, delta: Tensor, h: Tensor) -> Tensor:
+def tanh_backward_(lib: ctypes.CDLL, delta: Tensor, h: Tensor, checked: bool = False) -> Tensor:
     """``delta`` *= 1 − ``h``² in place (the gradient through h = tanh(a)) by the compiled loop (torch's
-    ``tanh_backward`` where the tensors are not contiguous float32 CPU tensors of one shape)."""
-    if not _flat_cpu(delta, h) or delta.shape != h.shape:
+    ``tanh_backward`` where the tensors are not contiguous float32 CPU tensors of one shape; ``checked``: the caller
+    knows they are)."""
+    if not checked and (not flat_cpu(delta, h) or delta.shape != h.shape):
         return torch.ops.aten.tanh_backward(delta, h)
     lib.tanh_backward_inplace(delta.data_ptr(), h.data_ptr(), delta.numel())
     return delta
@@ -241,9 +243,8 @@ def head(lib: ctypes.CDLL, out: Tensor, value: Tensor, actions: Tensor, noise: T
         raise ValueError(f"PPO loss: an action index is outside [0, {n_out}) (a corrupted rollout or checkpoint?)")
     if status:
         raise RuntimeError(f"foxhunt's compiled PPO head failed (status {status})")
-    tail = buf[at_tail:]
-    return (tail[4], tail[:4], buf[at_ratio:at_tail], buf[:at_value].view(b, n_out),
-            buf[at_value:at_ratio].view(b, 1), tail[5:])
+    d_out, d_value, logratio, parts, loss, d_log_std = buf.split_with_sizes([at_value, b, b, 4, 1, 1])
+    return loss.view(()), parts, logratio, d_out.view(b, n_out), d_value.view(b, 1), d_log_std
 
 
-__all__ = ["head", "library", "tanh_", "tanh_backward_", "usable"]
+__all__ = ["flat_cpu", "head", "library", "tanh_", "tanh_backward_", "usable"]

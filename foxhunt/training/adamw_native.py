@@ -98,6 +98,7 @@ class CompiledAdamW(torch.optim.AdamW):
     def __init__(self, params: Any, *args: Any, lib: ctypes.CDLL | None = None, **kwargs: Any) -> None:
         super().__init__(params, *args, **kwargs)
         self._lib = lib
+        self._checked: dict[Tensor, tuple[Tensor, Tensor, Tensor]] = {}  # p -> its state tensors, once they fit
 
     def _compiled_groups(self) -> list[tuple[dict[str, Any], list[Tensor]]] | None:
         """Every group with its parameters that have gradients, or None where the compiled loop does not apply."""
@@ -114,9 +115,9 @@ class CompiledAdamW(torch.optim.AdamW):
             out.append((group, live))
         return out
 
-    @torch.no_grad()
     def compiled_step(self) -> bool:
-        """One step by the compiled loop; False (nothing changed) where it does not apply."""
+        """One step by the compiled loop; False (nothing changed) where it does not apply. (No ``no_grad`` needed:
+        the loop writes through data pointers, which autograd never sees.)"""
         lib = self._lib if self._lib is not None else library()
         groups = self._compiled_groups() if lib is not None else None
         if groups is None or not all(self._state_fits(p) for _, live in groups for p in live):
@@ -141,17 +142,25 @@ class CompiledAdamW(torch.optim.AdamW):
         if not state:
             return True
         step, m, v = state.get("step"), state.get("exp_avg"), state.get("exp_avg_sq")
-        return (isinstance(step, Tensor) and step.dtype == torch.float32 and step.device.type == "cpu"
+        seen = self._checked.get(p)
+        if seen is not None and seen[0] is step and seen[1] is m and seen[2] is v:
+            return True  # the same tensors as checked before (a loaded state brings new ones)
+        fits = (isinstance(step, Tensor) and step.dtype == torch.float32 and step.device.type == "cpu"
                 and step.numel() == 1 and all(isinstance(t, Tensor) and t.dtype == torch.float32 and t.is_contiguous()
                                               and t.shape == p.shape and t.device.type == "cpu" for t in (m, v)))
+        if fits:
+            self._checked[p] = (step, m, v)  # type: ignore[assignment]
+        return fits
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """AdamW's step: the compiled loop where it applies, else torch's."""
-        if closure is not None:
+        if closure is None:
+            loss = None
+        elif torch.is_grad_enabled():  # torch's AdamW enters enable_grad; no need when it is on already
+            loss = closure()
+        else:
             with torch.enable_grad():
                 loss = closure()
-        else:
-            loss = None
         if not self.compiled_step():
             super().step()
         return loss
