@@ -19,6 +19,7 @@ import lightning as L
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import Tensor
 
 from foxhunt import compiled
 from foxhunt.data.datamodule import MarketDataModule
@@ -896,3 +897,34 @@ def test_two_members_fitted_with_max_steps_anneal_over_their_own_share(tmp_path,
         schedule = model._schedulers[name]
         assert schedule.last_epoch == model.updates[name] and schedule.lr_lambdas[0].total_steps == model.updates[name]
         assert model._optimizer(name).param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12), name
+
+
+def test_rollouts_use_the_compiled_tanh_only_without_autograd() -> None:
+    """The in-place tanh given to the networks (the rollouts' compiled loop) runs only where autograd is off, and
+    gives the reference outputs within the loop's 5e-7; with autograd on, torch.tanh runs and gradients flow."""
+    from foxhunt.models import ppo_loss_native
+    from foxhunt.models.actor_critic_fused import native_library
+
+    lib = native_library(True)
+    if lib is None:
+        pytest.skip("no C compiler (or FOXHUNT_NATIVE=0): rollouts use torch.tanh")
+    torch.manual_seed(0)
+    net = ActorCritic(n_features=3, window=4, n_position_features=3, n_actions=3, hidden=(16, 8))
+    x = torch.randn(50, 15) * 3.0
+    calls = []
+
+    def fast(a: Tensor) -> Tensor:
+        calls.append(a.shape)
+        return ppo_loss_native.tanh_(lib, a)
+
+    with torch.no_grad():
+        want_out, want_value = net.actor_out(x), net.value(x)
+        got_out, got_value = net.actor_out(x, fast), net.value(x, fast)
+    assert len(calls) == 4  # two hidden layers of each network
+    torch.testing.assert_close(got_out, want_out, rtol=0, atol=5e-6)
+    torch.testing.assert_close(got_value, want_value, rtol=0, atol=5e-6)
+    calls.clear()
+    net.value(x, fast).sum().backward()  # autograd on: the reference tanh, a gradient
+    assert calls == [] and net.weights.grad is not None and bool(net.weights.grad.abs().sum() > 0)
+    assert PPOModule(window=4)._inference_tanh() is not None
+    assert PPOModule(window=4, native_loss=False)._inference_tanh() is None

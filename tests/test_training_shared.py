@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 
@@ -481,3 +482,28 @@ def test_compiled_adamw_falls_back_to_torch_where_the_loop_does_not_apply() -> N
         ref_opt.step()
         got_opt.step()
         torch.testing.assert_close(got, ref)
+
+
+def test_compiled_adamw_rechecks_a_state_loaded_after_its_first_steps() -> None:
+    """The state check is cached per parameter until its tensors change: a state loaded later with a float64 step
+    count (which the loop cannot update) sends the step to torch's, with torch's result."""
+    from foxhunt.training.adamw_native import CompiledAdamW
+
+    _compiled_adamw_lib()
+    got = nn.Parameter(torch.linspace(-1, 1, 10))
+    opt = CompiledAdamW([got], lr=0.1)
+    got.grad = torch.full((10,), 0.5)
+    assert opt.compiled_step()  # fresh state, checked and cached
+    assert opt.compiled_step()
+    state = opt.state_dict()
+    state["state"][0]["step"] = state["state"][0]["step"].double()  # load_state_dict keeps a step's dtype
+    opt.load_state_dict(state)
+    ref = nn.Parameter(got.detach().clone())
+    ref.grad = got.grad.clone()
+    ref_opt = torch.optim.AdamW([ref], lr=0.1)
+    ref_opt.load_state_dict(copy.deepcopy(state))  # (load_state_dict keeps tensors it need not cast: not shared)
+    assert opt.compiled_step() is False  # the new tensors do not fit: not the cached verdict
+    opt.step()
+    ref_opt.step()
+    torch.testing.assert_close(got, ref)
+    assert float(opt.state[got]["step"]) == float(ref_opt.state[ref]["step"]) == 3.0

@@ -223,8 +223,10 @@ class PPOModule(Agent):
                 CPU update at small minibatches is mostly autograd bookkeeping); False: the plain path. Mixed
                 precision always takes the plain path.
             native_loss: with ``fused_loss``, compute the loss head (the terms after the networks' outputs and their
-                gradients) in one compiled C call (:mod:`foxhunt.models.ppo_loss_native`) where a C compiler is
-                available; False (or ``FOXHUNT_NATIVE=0``, or no compiler): the same head in torch ops.
+                gradients) in one compiled C call (:mod:`foxhunt.models.ppo_loss_native`), and the towers' tanh in
+                updates and rollouts by its compiled loop (within 5e-7 of tanh), where a C compiler is available;
+                False (or ``FOXHUNT_NATIVE=0``, or no compiler): the same head in torch ops, ``torch.tanh`` in
+                rollouts.
             scheduler: learning-rate schedule: "linear" (to 0 at ``total_steps``, CleanRL's annealing), "none",
                 "step", "cosine", or "plateau" (on the validation reward).
             total_steps: updates the linear or cosine schedule spans (defaults to the Trainer's estimate).
