@@ -241,6 +241,39 @@ def test_compiled_loss_head_equals_the_torch_head_at_the_edges(n_actions, vclip)
                                  *coefs)
 
 
+@pytest.mark.skipif(compiled.compiler() is None or not compiled.enabled(), reason="no C compiler, or FOXHUNT_NATIVE=0")
+@pytest.mark.parametrize("n_h", [5, 64, 70])
+@pytest.mark.parametrize("n_out", [1, 3])
+def test_compiled_heads_and_tanh_backward_equal_torch_ops(n_h, n_out) -> None:
+    """The compiled heads (forward, and backward through the top layer's tanh) and the stacked layers' tanh backward
+    with its row sums against the torch ops of the reference path, at widths below, at and past the dot's 32 lanes."""
+    from foxhunt.models import ppo_loss_native
+    from foxhunt.models.actor_critic_fused import native_library
+
+    lib = native_library(True)
+    assert lib is not None
+    g = torch.Generator().manual_seed(n_h * 10 + n_out)
+    b = 131
+    h = torch.tanh(torch.randn(2, b, n_h, generator=g) * 2.0)
+    w_a, b_a = torch.randn(n_out, n_h, generator=g), torch.randn(n_out, generator=g)
+    w_c, b_c = torch.randn(1, n_h, generator=g), torch.randn(1, generator=g)
+    out, value = ppo_loss_native.heads_forward(lib, h, w_a, b_a, w_c, b_c)
+    torch.testing.assert_close(out, torch.addmm(b_a, h[0], w_a.t()), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(value, torch.addmm(b_c, h[1], w_c.t()), rtol=1e-5, atol=1e-5)
+    d_out, d_value = torch.randn(b, n_out, generator=g), torch.randn(b, 1, generator=g)
+    grads, delta, d_b = ppo_loss_native.heads_backward(lib, h, d_out, d_value, w_a, w_c)
+    want_delta = torch.ops.aten.tanh_backward(torch.stack([d_out.mm(w_a), d_value.mm(w_c)]), h)
+    want = [d_out.t().mm(h[0]), d_out.sum(0), d_value.t().mm(h[1]), d_value.sum(0), want_delta, want_delta.sum(1)]
+    for w, x in zip(want, [*grads, delta, d_b], strict=True):
+        assert x.shape == w.shape
+        torch.testing.assert_close(x, w, rtol=1e-5, atol=1e-5)
+    delta = torch.randn(2, b, n_h, generator=g)
+    want_delta = torch.ops.aten.tanh_backward(delta, h)
+    d_b = ppo_loss_native.tanh_backward_sum_(lib, delta, h)  # scales delta in place
+    torch.testing.assert_close(delta, want_delta, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(d_b, want_delta.sum(1), rtol=1e-5, atol=1e-5)
+
+
 def test_linear_decay_and_constructor_checks() -> None:
     f = LinearDecay(100, warmup_steps=10)
     assert f(0) == pytest.approx(0.1) and f(10) == 1.0 and f(55) == pytest.approx(0.5) and f(100) == 0.0 and f(200) == 0.0

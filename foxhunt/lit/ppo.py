@@ -393,10 +393,12 @@ class PPOModule(Agent):
         tanh_ = self._inference_tanh()
         reward_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         taken = torch.zeros((hp.n_steps, n), device=self.device) if self.continuous else None  # after the band
+        inputs = self._inputs_table()  # every step's network inputs, kept for the critic and the minibatches
         for t in range(hp.n_steps):
             held = env.positions
-            out = net.actor_out(net.inputs(market.windows(env.bars, flat=True), self.position_features(market, held)),
-                                tanh_)
+            x = net.inputs(market.windows(env.bars, flat=True), self.position_features(market, held),
+                           out=None if inputs is None else inputs[t * n : (t + 1) * n])
+            out = net.actor_out(x, tanh_)
             if self.continuous:
                 noise = torch.randn(n, generator=self.sample_rng, device=self.device)
                 u = out + net.actor_logstd.exp() * noise
@@ -411,7 +413,6 @@ class PPOModule(Agent):
                 tr = env.step(action)
                 buf.add(t, tr.bars, held, action, logp.gather(1, action.unsqueeze(1)).squeeze(1), tr.rewards, tr.last)
             reward_sum += tr.raw_rewards.sum(dtype=torch.float64)
-        inputs = self._rollout_inputs()
         if inputs is not None:
             values = torch.cat([net.value(x, tanh_).float() for x in inputs.split(16_384)]).view_as(buf.rewards)
         else:
@@ -436,16 +437,26 @@ class PPOModule(Agent):
         lib = native_library(self.hparams.fused_loss and self.hparams.native_loss)
         return None if lib is None else functools.partial(ppo_loss_native.tanh_, lib)
 
-    def _rollout_inputs(self) -> Tensor | None:
-        """[T·N, W·F + P] the network inputs of every stored step, gathered once per rollout (its minibatches then
-        select rows instead of gathering windows), or None where they would pass ``INPUTS_BYTES``."""
-        assert self.env is not None and self.rollout is not None and self.net is not None
+    def _inputs_table(self) -> Tensor | None:
+        """An empty [T·N, W·F + P] table for the network inputs of every step of a rollout (its critic pass and
+        minibatches then select rows instead of gathering windows), or None where it would pass ``INPUTS_BYTES``."""
+        assert self.env is not None and self.rollout is not None
         market, buf = self.env.market, self.rollout
         width = market.window * market.n_features + (1 if self.continuous else market.n_actions)
         if buf.size * width * 4 > INPUTS_BYTES:
             return None
+        return torch.empty(buf.size, width, dtype=market.features.dtype, device=self.device)
+
+    def _rollout_inputs(self) -> Tensor | None:
+        """The stored rollout's inputs table (:meth:`_inputs_table`) gathered again from its steps (a resumed
+        rollout), or None."""
+        assert self.env is not None and self.rollout is not None and self.net is not None
+        market, buf = self.env.market, self.rollout
+        table = self._inputs_table()
+        if table is None:
+            return None
         return self.net.inputs(market.windows(buf.bars.view(-1), flat=True),
-                               self.position_features(market, buf.held.view(-1)))
+                               self.position_features(market, buf.held.view(-1)), out=table)
 
     def _values(self, market: MarketTensors, bars: Tensor, held: Tensor, chunk: int = 16_384) -> Tensor:
         """[B] the critic's values of states (bars, held positions), in chunks (a window gather is W·F per row)."""

@@ -193,9 +193,10 @@ class ActorCritic(nn.Module):
     def continuous(self) -> bool:
         return self.action_space == "continuous"
 
-    def inputs(self, window: Tensor, position: Tensor) -> Tensor:
-        """[B, W·F + P]: the window (as [B, W, F] or already flat) and the position features."""
-        return torch.cat([window.flatten(1) if window.dim() == 3 else window, position], 1)
+    def inputs(self, window: Tensor, position: Tensor, out: Tensor | None = None) -> Tensor:
+        """[B, W·F + P]: the window (as [B, W, F] or already flat) and the position features (written into ``out``
+        where given, e.g. rows of a rollout's table)."""
+        return torch.cat([window.flatten(1) if window.dim() == 3 else window, position], 1, out=out)
 
     def actor_out(self, x: Tensor, tanh_: InplaceTanh | None = None) -> Tensor:
         """Logits [B, A] (discrete) or the Gaussian's mean [B] (continuous) of inputs ``x`` (``tanh_``: see

@@ -42,7 +42,7 @@ from foxhunt.models.actor_critic import LOG_SQRT_2PI, ActorCritic, tanh_log_det
 
 
 def _float32_cpu(*tensors: Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    return all(t.is_cpu and t.dtype == torch.float32 for t in tensors)
 
 
 def _forward(x: Tensor, tower: tuple[Tensor, ...], heads: tuple[Tensor, Tensor, Tensor, Tensor],
@@ -66,8 +66,11 @@ def _forward(x: Tensor, tower: tuple[Tensor, ...], heads: tuple[Tensor, Tensor, 
             h = h.sigmoid_().mul_(2.0).sub_(1.0)
         acts.append(h)
     w_a, b_a, w_c, b_c = heads
-    acts.append(torch.addmm(b_a, h[0], w_a.t()))
-    acts.append(torch.addmm(b_c, h[1], w_c.t()))
+    if lib is not None:  # the two narrow head products in one compiled call
+        acts.extend(ppo_loss_native.heads_forward(lib, h, w_a, b_a, w_c, b_c))
+    else:
+        acts.append(torch.addmm(b_a, h[0], w_a.t()))
+        acts.append(torch.addmm(b_c, h[1], w_c.t()))
     return acts
 
 
@@ -79,18 +82,26 @@ def _backward(delta_a: Tensor, delta_c: Tensor, x: Tensor, acts: list[Tensor], t
     w_a, _, w_c, _ = heads
     h = acts[n - 1]
     lib = lib if _float32_cpu(delta_a, delta_c, *tower) else None  # then every δ below is a fresh float32 CPU tensor
-    head_grads = [delta_a.t().mm(h[0]), delta_a.sum(0), delta_c.t().mm(h[1]), delta_c.sum(0)]
-    delta = torch.stack([delta_a.mm(w_a), delta_c.mm(w_c)])  # [2, B, H_L]
+    # delta: the gradient at the top layer's pre-activations a_L [2, B, H_L], through h_L = tanh(a_L); d_b: its sum
+    if lib is not None:  # heads, their backward and the tanh's in one compiled call
+        head_grads, delta, d_b = ppo_loss_native.heads_backward(lib, h, delta_a.contiguous(), delta_c.contiguous(),
+                                                                w_a, w_c)
+    else:
+        head_grads = [delta_a.t().mm(h[0]), delta_a.sum(0), delta_c.t().mm(h[1]), delta_c.sum(0)]
+        delta = torch.ops.aten.tanh_backward(torch.stack([delta_a.mm(w_a), delta_c.mm(w_c)]), h)
+        d_b = delta.sum(1)
     grads: list[Tensor] = [delta] * (2 * n)
     for i in range(n - 1, -1, -1):
-        # through h_i = tanh(a_i) (delta is this function's own tensor: the compiled loop scales it in place)
-        delta = (ppo_loss_native.tanh_backward_(lib, delta, acts[i], checked=True) if lib is not None
-                 else torch.ops.aten.tanh_backward(delta, acts[i]))
         h_in = acts[i - 1] if i > 0 else x.expand(2, *x.shape)
         grads[2 * i] = torch.bmm(delta.transpose(1, 2), h_in)
-        grads[2 * i + 1] = delta.sum(1)
-        if i > 0:
+        grads[2 * i + 1] = d_b
+        if i > 0:  # through h_{i-1} = tanh(a_{i-1}) (the compiled loop scales the fresh product in place and sums it)
             delta = torch.bmm(delta, tower[2 * i])
+            if lib is not None:
+                d_b = ppo_loss_native.tanh_backward_sum_(lib, delta, acts[i - 1])
+            else:
+                delta = torch.ops.aten.tanh_backward(delta, acts[i - 1])
+                d_b = delta.sum(1)
     return grads + head_grads
 
 
@@ -207,6 +218,26 @@ def _native_self_check(lib: ctypes.CDLL) -> bool:
     delta = torch.randn(a.shape, generator=g)
     want_delta = torch.ops.aten.tanh_backward(delta, h)
     ok &= bool(torch.allclose(ppo_loss_native.tanh_backward_(lib, delta, h), want_delta, rtol=1e-6, atol=1e-7))
+    # the heads and their backward, and the stacked layers' tanh backward with its row sums, against torch's ops
+    # (a width that is not a multiple of the 8 partial sums)
+    for n_out in (3, 1):
+        h = torch.rand(2, 37, 21, generator=g) * 2.0 - 1.0
+        w_a, b_a = torch.randn(n_out, 21, generator=g), torch.randn(n_out, generator=g)
+        w_c, b_c = torch.randn(1, 21, generator=g), torch.randn(1, generator=g)
+        out, value = ppo_loss_native.heads_forward(lib, h, w_a, b_a, w_c, b_c)
+        ok &= bool(torch.allclose(out, torch.addmm(b_a, h[0], w_a.t()), rtol=1e-5, atol=1e-5))
+        ok &= bool(torch.allclose(value, torch.addmm(b_c, h[1], w_c.t()), rtol=1e-5, atol=1e-5))
+        d_out, d_value = torch.randn(37, n_out, generator=g), torch.randn(37, 1, generator=g)
+        grads, delta, d_b = ppo_loss_native.heads_backward(lib, h, d_out, d_value, w_a, w_c)
+        want_delta = torch.ops.aten.tanh_backward(torch.stack([d_out.mm(w_a), d_value.mm(w_c)]), h)
+        want = [d_out.t().mm(h[0]), d_out.sum(0), d_value.t().mm(h[1]), d_value.sum(0), want_delta, want_delta.sum(1)]
+        for w, x in zip(want, [*grads, delta, d_b], strict=True):
+            ok &= w.shape == x.shape and bool(torch.allclose(x, w, rtol=1e-5, atol=1e-5))
+    delta = torch.randn(2, 37, 21, generator=g)
+    want_delta = torch.ops.aten.tanh_backward(delta, h)
+    d_b = ppo_loss_native.tanh_backward_sum_(lib, delta, h)
+    ok &= bool(torch.allclose(delta, want_delta, rtol=1e-6, atol=1e-7))
+    ok &= bool(torch.allclose(d_b, want_delta.sum(1), rtol=1e-5, atol=1e-5))
     return ok
 
 

@@ -159,6 +159,94 @@ void tanh_inplace(float *restrict x, I n) {
 void tanh_backward_inplace(float *restrict delta, const float *restrict h, I n) {
     for (I i = 0; i < n; i++) delta[i] *= 1.0f - h[i] * h[i];
 }
+
+/* The same for the towers' layers stacked [t, b, n_h] (actor rows, then critic rows), also writing d_b [t, n_h],
+   the scaled delta summed over rows (the layer's bias gradients): one pass instead of two. */
+void tanh_backward_sum(float *restrict delta, const float *restrict h, I t, I b, I n_h, float *restrict d_b) {
+    for (I k = 0; k < t; k++) {
+        float *restrict s = d_b + k * n_h;
+        for (I j = 0; j < n_h; j++) s[j] = 0.0f;
+        for (I i = 0; i < b; i++) {
+            float *restrict d = delta + (k * b + i) * n_h;
+            const float *restrict hi = h + (k * b + i) * n_h;
+            for (I j = 0; j < n_h; j++) {
+                d[j] *= 1.0f - hi[j] * hi[j];
+                s[j] += d[j];
+            }
+        }
+    }
+}
+
+/* x . w over n floats in 32 independent partial sums added in a fixed order: vectorised without reassociating,
+   and enough independent chains that the multiply-adds' latency does not bound a 64-wide dot */
+static inline float dot32(const float *restrict x, const float *restrict w, I n) {
+    float acc[32] = {0.0f};
+    I j = 0;
+    for (; j + 32 <= n; j += 32)
+        for (int k = 0; k < 32; k++) acc[k] += x[j + k] * w[j + k];
+    for (int k = 0; k < 16; k++) acc[k] += acc[k + 16];
+    for (int k = 0; k < 8; k++) acc[k] += acc[k + 8];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; j < n; j++) s += x[j] * w[j];
+    return s;
+}
+
+/* The two heads on the towers' last activations h [2, b, n_h] (actor rows, then critic rows): out [b, n_out] =
+   h_actor w_a^T + b_a, value [b] = h_critic w_c^T + b_c. Two products too narrow (n_out = 3 and 1 columns) for a
+   BLAS call to pay for its setup. */
+void ppo_heads_forward(I b, I n_h, I n_out, const float *restrict h, const float *restrict w_a,
+                       const float *restrict b_a, const float *restrict w_c, const float *restrict b_c,
+                       float *restrict out, float *restrict value) {
+    const float *h_c = h + b * n_h;
+    for (I i = 0; i < b; i++) {
+        for (I a = 0; a < n_out; a++) out[i * n_out + a] = b_a[a] + dot32(h + i * n_h, w_a + a * n_h, n_h);
+        value[i] = b_c[0] + dot32(h_c + i * n_h, w_c, n_h);
+    }
+}
+
+/* Their backward from d_out [b, n_out] and d_value [b]: the heads' gradients d_w_a [n_out, n_h], d_b_a [n_out],
+   d_w_c [n_h], d_b_c [1]; delta [2, b, n_h], the gradient at the last tower layer's pre-activations (back through
+   the heads and its tanh: times 1 - h^2); and d_b [2, n_h], delta summed over rows (that layer's bias gradients). */
+void ppo_heads_backward(I b, I n_h, I n_out, const float *restrict h, const float *restrict d_out,
+                        const float *restrict d_value, const float *restrict w_a, const float *restrict w_c,
+                        float *restrict d_w_a, float *restrict d_b_a, float *restrict d_w_c, float *restrict d_b_c,
+                        float *restrict delta, float *restrict d_b) {
+    const float *h_c = h + b * n_h;
+    float *delta_c = delta + b * n_h;
+    double sum_c = 0.0, sum_a[n_out];
+    for (I a = 0; a < n_out; a++) sum_a[a] = 0.0;
+    for (I j = 0; j < n_out * n_h; j++) d_w_a[j] = 0.0f;
+    for (I j = 0; j < n_h; j++) d_w_c[j] = 0.0f;
+    for (I j = 0; j < 2 * n_h; j++) d_b[j] = 0.0f;
+    for (I i = 0; i < b; i++) {
+        const float *restrict ha = h + i * n_h, *restrict hc = h_c + i * n_h;
+        float *restrict da = delta + i * n_h, *restrict dc = delta_c + i * n_h;
+        const float dv = d_value[i];
+        sum_c += dv;
+        for (I j = 0; j < n_h; j++) {
+            d_w_c[j] += dv * hc[j];
+            dc[j] = dv * w_c[j] * (1.0f - hc[j] * hc[j]);
+            d_b[n_h + j] += dc[j];
+            da[j] = 0.0f;
+        }
+        for (I a = 0; a < n_out; a++) {
+            const float g = d_out[i * n_out + a];
+            const float *restrict wa = w_a + a * n_h;
+            float *restrict dwa = d_w_a + a * n_h;
+            sum_a[a] += g;
+            for (I j = 0; j < n_h; j++) {
+                dwa[j] += g * ha[j];
+                da[j] += g * wa[j];
+            }
+        }
+        for (I j = 0; j < n_h; j++) {
+            da[j] *= 1.0f - ha[j] * ha[j];
+            d_b[j] += da[j];
+        }
+    }
+    for (I a = 0; a < n_out; a++) d_b_a[a] = (float)sum_a[a];
+    d_b_c[0] = (float)sum_c;
+}
 """
 
 # exact libm functions, no reassociation (the head is a few hundred operations, its cost is the call); no FP traps,
@@ -175,11 +263,17 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tanh_inplace.restype = None
     lib.tanh_backward_inplace.argtypes = [_P, _P, _N]
     lib.tanh_backward_inplace.restype = None
+    lib.tanh_backward_sum.argtypes = [_P, _P, _N, _N, _N, _P]
+    lib.tanh_backward_sum.restype = None
+    lib.ppo_heads_forward.argtypes = [_N, _N, _N] + [_P] * 7
+    lib.ppo_heads_forward.restype = None
+    lib.ppo_heads_backward.argtypes = [_N, _N, _N] + [_P] * 11
+    lib.ppo_heads_backward.restype = None
 
 
 def flat_cpu(*tensors: Tensor) -> bool:
     """Whether every tensor is a contiguous float32 CPU tensor (what the loops read and write)."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    return all(t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
 
 def tanh_(lib: ctypes.CDLL, x: Tensor, checked: bool = False) -> Tensor:
@@ -201,6 +295,44 @@ def tanh_backward_(lib: ctypes.CDLL, delta: Tensor, h: Tensor, checked: bool = F
     return delta
 
 
+def tanh_backward_sum_(lib: ctypes.CDLL, delta: Tensor, h: Tensor) -> Tensor:
+    """``delta`` *= 1 − ``h``² in place for stacked layers [t, b, n_h] (contiguous float32 CPU tensors of one shape,
+    as the caller guarantees), and [t, n_h] their sums over rows (the layers' bias gradients)."""
+    t, b, n_h = delta.shape
+    d_b = torch.empty(t, n_h, dtype=torch.float32)
+    lib.tanh_backward_sum(delta.data_ptr(), h.data_ptr(), t, b, n_h, d_b.data_ptr())
+    return d_b
+
+
+def heads_forward(lib: ctypes.CDLL, h: Tensor, w_a: Tensor, b_a: Tensor, w_c: Tensor, b_c: Tensor
+                  ) -> tuple[Tensor, Tensor]:
+    """(out [b, A], value [b, 1]): the actor's and the critic's heads on the towers' last activations ``h``
+    [2, b, n_h], with weights ``w_a`` [A, n_h], ``w_c`` [1, n_h] and biases (contiguous float32 CPU tensors, as the
+    caller guarantees)."""
+    _, b, n_h = h.shape
+    n_out = w_a.shape[0]
+    buf = torch.empty(b * (n_out + 1), dtype=torch.float32)
+    out, value = buf.split_with_sizes([b * n_out, b])
+    lib.ppo_heads_forward(b, n_h, n_out, h.data_ptr(), w_a.data_ptr(), b_a.data_ptr(), w_c.data_ptr(), b_c.data_ptr(),
+                          out.data_ptr(), value.data_ptr())
+    return out.view(b, n_out), value.view(b, 1)
+
+
+def heads_backward(lib: ctypes.CDLL, h: Tensor, d_out: Tensor, d_value: Tensor, w_a: Tensor, w_c: Tensor
+                   ) -> tuple[list[Tensor], Tensor, Tensor]:
+    """([d w_a, d b_a, d w_c, d b_c], delta [2, b, n_h], d_b [2, n_h]): the heads' gradients from ``d_out`` [b, A]
+    and ``d_value`` [b, 1], the gradient at the last tower layer's pre-activations (through its tanh), and that
+    layer's bias gradients (contiguous float32 CPU tensors, as the caller guarantees)."""
+    _, b, n_h = h.shape
+    n_out = w_a.shape[0]
+    sizes = [n_out * n_h, n_out, n_h, 1, 2 * b * n_h, 2 * n_h]
+    d_w_a, d_b_a, d_w_c, d_b_c, delta, d_b = torch.empty(sum(sizes), dtype=torch.float32).split_with_sizes(sizes)
+    lib.ppo_heads_backward(b, n_h, n_out, h.data_ptr(), d_out.data_ptr(), d_value.data_ptr(), w_a.data_ptr(),
+                           w_c.data_ptr(), d_w_a.data_ptr(), d_b_a.data_ptr(), d_w_c.data_ptr(), d_b_c.data_ptr(),
+                           delta.data_ptr(), d_b.data_ptr())
+    return [d_w_a.view(n_out, n_h), d_b_a, d_w_c.view(1, n_h), d_b_c], delta.view(2, b, n_h), d_b.view(2, n_h)
+
+
 @functools.cache
 def library(self_check: Callable[[ctypes.CDLL], bool]) -> ctypes.CDLL | None:
     """The compiled head, built or verified once per process and checked by ``self_check`` (the caller's comparison
@@ -209,12 +341,15 @@ def library(self_check: Callable[[ctypes.CDLL], bool]) -> ctypes.CDLL | None:
                          "PPO's fused loss computes its head with torch ops (the same loss, slower)")
 
 
+_ROW_DTYPES = (torch.float32, torch.int64)
+
+
 def usable(out: Tensor, *rows: Tensor) -> bool:
     """Whether the C head can read these tensors: float32 (int64 action indices) on the CPU, actor output rows
     contiguous, every row vector one-dimensional."""
-    if out.device.type != "cpu" or out.dtype != torch.float32 or out.dim() != 2 or out.stride(1) != 1:
+    if not out.is_cpu or out.dtype != torch.float32 or out.dim() != 2 or out.stride(1) != 1:
         return False
-    return all(r.dim() == 1 and r.device.type == "cpu" and r.dtype in (torch.float32, torch.int64) for r in rows)
+    return all(r.is_cpu and r.dim() == 1 and r.dtype in _ROW_DTYPES for r in rows)
 
 
 def head(lib: ctypes.CDLL, out: Tensor, value: Tensor, actions: Tensor, noise: Tensor, old_log_probs: Tensor,
@@ -247,4 +382,5 @@ def head(lib: ctypes.CDLL, out: Tensor, value: Tensor, actions: Tensor, noise: T
     return loss.view(()), parts, logratio, d_out.view(b, n_out), d_value.view(b, 1), d_log_std
 
 
-__all__ = ["flat_cpu", "head", "library", "tanh_", "tanh_backward_", "usable"]
+__all__ = ["flat_cpu", "head", "heads_backward", "heads_forward", "library", "tanh_", "tanh_backward_",
+           "tanh_backward_sum_", "usable"]

@@ -100,40 +100,36 @@ class CompiledAdamW(torch.optim.AdamW):
         self._lib = lib
         self._checked: dict[Tensor, tuple[Tensor, Tensor, Tensor]] = {}  # p -> its state tensors, once they fit
 
-    def _compiled_groups(self) -> list[tuple[dict[str, Any], list[Tensor]]] | None:
-        """Every group with its parameters that have gradients, or None where the compiled loop does not apply."""
-        out = []
+    def compiled_step(self) -> bool:
+        """One step by the compiled loop; False (nothing changed) where it does not apply: a group asks for what the
+        loop does not do (amsgrad, maximize, capturable, differentiable), or a parameter with a gradient is not a
+        contiguous float32 CPU tensor with a dense contiguous float32 gradient and a state the loop can use. (No
+        ``no_grad`` needed: the loop writes through data pointers, which autograd never sees.)"""
+        lib = self._lib if self._lib is not None else library()
+        if lib is None:
+            return False
+        live = []  # every check first: a step runs for all parameters or for none
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]:
-                return None
-            live = [p for p in group["params"] if p.grad is not None]
-            for p in live:
+                return False
+            for p in group["params"]:
                 grad = p.grad
-                if (p.device.type != "cpu" or p.dtype != torch.float32 or grad.is_sparse or grad.dtype != torch.float32
-                        or not p.is_contiguous() or not grad.is_contiguous()):
-                    return None
-            out.append((group, live))
-        return out
-
-    def compiled_step(self) -> bool:
-        """One step by the compiled loop; False (nothing changed) where it does not apply. (No ``no_grad`` needed:
-        the loop writes through data pointers, which autograd never sees.)"""
-        lib = self._lib if self._lib is not None else library()
-        groups = self._compiled_groups() if lib is not None else None
-        if groups is None or not all(self._state_fits(p) for _, live in groups for p in live):
-            return False
-        for group, live in groups:
+                if grad is None:
+                    continue
+                if not (p.is_cpu and p.dtype == torch.float32 and grad.dtype == torch.float32 and not grad.is_sparse
+                        and p.is_contiguous() and grad.is_contiguous() and self._state_fits(p)):
+                    return False
+                live.append((group, p, grad))
+        for group, p, grad in live:
             beta1, beta2 = group["betas"]
-            lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
-            for p in live:
-                state = self.state[p]
-                if not state:  # AdamW's own initial state
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                lib.adamw_step(p.data_ptr(), p.grad.data_ptr(), state["exp_avg"].data_ptr(),
-                               state["exp_avg_sq"].data_ptr(), state["step"].data_ptr(), p.numel(), lr, beta1, beta2,
-                               eps, wd)
+            state = self.state[p]
+            if not state:  # AdamW's own initial state
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            lib.adamw_step(p.data_ptr(), grad.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(),
+                           state["step"].data_ptr(), p.numel(), float(group["lr"]), beta1, beta2, float(group["eps"]),
+                           float(group["weight_decay"]))
         return True
 
     def _state_fits(self, p: Tensor) -> bool:
