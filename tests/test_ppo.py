@@ -161,23 +161,24 @@ def test_squashed_gaussian_log_prob_and_entropy() -> None:
 
 @pytest.mark.parametrize("space", ["discrete", "continuous"])
 @pytest.mark.parametrize("clip_vloss", [True, False])
-def test_fused_loss_equals_the_plain_autograd_path(market, space, clip_vloss) -> None:
+@pytest.mark.parametrize("hidden", [(16,), (16, 16), (12, 10, 8)])
+def test_fused_loss_equals_the_plain_autograd_path(market, space, clip_vloss, hidden) -> None:
     """The hand-written backward (models/actor_critic_fused.py), with its loss head in torch ops and compiled, gives
     the plain path's loss, logged parts and gradients, on a minibatch whose ratios are partly clipped (weights moved
-    away from the rollout's policy) and with an upstream gradient other than 1."""
+    away from the rollout's policy) and with an upstream gradient other than 1, for one, two and three hidden layers."""
     results = {}
     paths = {"plain": {"fused_loss": False}, "torch head": {"native_loss": False}, "native head": {}}
     for path, switch in paths.items():
         member = PPOModule(**{**SMALL, "action_space": space, "clip_vloss": clip_vloss,
                               "ent_coef": 0.05, "clip_coef": 0.1, "n_envs": 64, "n_minibatches": 2,
-                              "mean_reg_coef": 0.3 if space == "continuous" else 0.0, **switch})
+                              "mean_reg_coef": 0.3 if space == "continuous" else 0.0, "hidden": hidden, **switch})
         member.attach_market(market.train)
         member.start()
         member.collect_rollout()
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for p in member.net.parameters():
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
+                p.add_(0.25 * torch.randn(p.shape, generator=g))
         loss = member.training_loss(None, 0)
         (2.5 * loss).backward()
         results[path] = (loss.detach(), [p.grad for p in member.net.parameters()], dict(member.counters.last),
