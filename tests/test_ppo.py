@@ -275,6 +275,27 @@ def test_compiled_heads_and_tanh_backward_equal_torch_ops(n_h, n_out) -> None:
     torch.testing.assert_close(d_b, want_delta.sum(1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(compiled.compiler() is None or not compiled.enabled(), reason="no C compiler, or FOXHUNT_NATIVE=0")
+def test_the_compiled_loops_self_check_passes_under_mixed_precision_and_a_float64_default() -> None:
+    """The library is first needed inside a training step, which may run under CPU autocast (bf16-mixed) or after a
+    caller changed the default dtype: its check against torch's ops must not fail there (it would be refused for
+    the whole process), and must leave the caller's settings as they were."""
+    from foxhunt.models.actor_critic_fused import _native_self_check, native_library
+
+    lib = native_library(True)
+    assert lib is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _native_self_check(lib)
+        assert torch.is_autocast_enabled("cpu")
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert _native_self_check(lib)
+        assert torch.get_default_dtype() == torch.float64
+    finally:
+        torch.set_default_dtype(before)
+
+
 def test_linear_decay_and_constructor_checks() -> None:
     f = LinearDecay(100, warmup_steps=10)
     assert f(0) == pytest.approx(0.1) and f(10) == 1.0 and f(55) == pytest.approx(0.5) and f(100) == 0.0 and f(200) == 0.0

@@ -181,8 +181,22 @@ def loss_head_torch(
 
 
 def _native_self_check(lib: ctypes.CDLL) -> bool:
+    """:func:`_native_checks` in float32 and outside any autocast region, whatever the caller's settings: the library
+    is first needed inside a training step, which may run under mixed precision (its reference products in bfloat16
+    would fail the comparison, and the library would be refused for the whole process)."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.autocast("cpu", enabled=False), torch.no_grad():
+            return _native_checks(lib)
+    finally:
+        torch.set_default_dtype(dtype)
+
+
+def _native_checks(lib: ctypes.CDLL) -> bool:
     """The compiled head against :func:`loss_head_torch` on random minibatches of both policies, with and without
-    value clipping and the mean penalty, on strided row vectors like the rollout's."""
+    value clipping and the mean penalty, on strided row vectors like the rollout's; the heads and the tanh loops
+    against torch's ops."""
     g = torch.Generator().manual_seed(0)
     ok = True
     for n_act, vclip, mean_reg in ((3, 0.2, 0.0), (5, None, 0.0), (0, 0.2, 0.3), (0, None, 0.0)):
