@@ -229,11 +229,13 @@ def _native_checks(lib: ctypes.CDLL) -> bool:
     h = ppo_loss_native.tanh_(lib, a.clone())
     ok &= bool((h.double() - torch.tanh(a.double())).abs().max() <= 5e-7)
     ok &= bool(ppo_loss_native.tanh_(lib, torch.tensor([float("nan")])).isnan().all())
-    delta = torch.randn(a.shape, generator=g)
+    # its backward with the row sums, on the same grid as stacked layers [2, 3, 801]
+    delta, h = torch.randn(2, 3, 801, generator=g), h.view(2, 3, 801)
     want_delta = torch.ops.aten.tanh_backward(delta, h)
-    ok &= bool(torch.allclose(ppo_loss_native.tanh_backward_(lib, delta, h), want_delta, rtol=1e-6, atol=1e-7))
-    # the heads and their backward, and the stacked layers' tanh backward with its row sums, against torch's ops
-    # (a width that is not a multiple of the 8 partial sums)
+    d_b = ppo_loss_native.tanh_backward_sum_(lib, delta, h)
+    ok &= bool(torch.allclose(delta, want_delta, rtol=1e-6, atol=1e-7))
+    ok &= bool(torch.allclose(d_b, want_delta.sum(1), rtol=1e-5, atol=1e-5))
+    # the heads and their backward against torch's ops (a width that is not a multiple of the dot's 32 partial sums)
     for n_out in (3, 1):
         h = torch.rand(2, 37, 21, generator=g) * 2.0 - 1.0
         w_a, b_a = torch.randn(n_out, 21, generator=g), torch.randn(n_out, generator=g)
@@ -247,11 +249,6 @@ def _native_checks(lib: ctypes.CDLL) -> bool:
         want = [d_out.t().mm(h[0]), d_out.sum(0), d_value.t().mm(h[1]), d_value.sum(0), want_delta, want_delta.sum(1)]
         for w, x in zip(want, [*grads, delta, d_b], strict=True):
             ok &= w.shape == x.shape and bool(torch.allclose(x, w, rtol=1e-5, atol=1e-5))
-    delta = torch.randn(2, 37, 21, generator=g)
-    want_delta = torch.ops.aten.tanh_backward(delta, h)
-    d_b = ppo_loss_native.tanh_backward_sum_(lib, delta, h)
-    ok &= bool(torch.allclose(delta, want_delta, rtol=1e-6, atol=1e-7))
-    ok &= bool(torch.allclose(d_b, want_delta.sum(1), rtol=1e-5, atol=1e-5))
     return ok
 
 

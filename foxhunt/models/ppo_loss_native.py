@@ -155,13 +155,9 @@ void tanh_inplace(float *restrict x, I n) {
     }
 }
 
-/* its backward, in place: delta *= 1 - h^2, with h = tanh(a) the layer's output */
-void tanh_backward_inplace(float *restrict delta, const float *restrict h, I n) {
-    for (I i = 0; i < n; i++) delta[i] *= 1.0f - h[i] * h[i];
-}
-
-/* The same for the towers' layers stacked [t, b, n_h] (actor rows, then critic rows), also writing d_b [t, n_h],
-   the scaled delta summed over rows (the layer's bias gradients): one pass instead of two. */
+/* its backward, in place, for the towers' layers stacked [t, b, n_h] (actor rows, then critic rows): delta *= 1 - h^2,
+   with h = tanh(a) the layer's output, also writing d_b [t, n_h], the scaled delta summed over rows (the layer's bias
+   gradients): one pass instead of two. */
 void tanh_backward_sum(float *restrict delta, const float *restrict h, I t, I b, I n_h, float *restrict d_b) {
     for (I k = 0; k < t; k++) {
         float *restrict s = d_b + k * n_h;
@@ -261,8 +257,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ppo_head.restype = ctypes.c_int
     lib.tanh_inplace.argtypes = [_P, _N]
     lib.tanh_inplace.restype = None
-    lib.tanh_backward_inplace.argtypes = [_P, _P, _N]
-    lib.tanh_backward_inplace.restype = None
     lib.tanh_backward_sum.argtypes = [_P, _P, _N, _N, _N, _P]
     lib.tanh_backward_sum.restype = None
     lib.ppo_heads_forward.argtypes = [_N, _N, _N] + [_P] * 7
@@ -283,16 +277,6 @@ def tanh_(lib: ctypes.CDLL, x: Tensor, checked: bool = False) -> Tensor:
         return x.tanh_()
     lib.tanh_inplace(x.data_ptr(), x.numel())
     return x
-
-
-def tanh_backward_(lib: ctypes.CDLL, delta: Tensor, h: Tensor, checked: bool = False) -> Tensor:
-    """``delta`` *= 1 − ``h``² in place (the gradient through h = tanh(a)) by the compiled loop (torch's
-    ``tanh_backward`` where the tensors are not contiguous float32 CPU tensors of one shape; ``checked``: the caller
-    knows they are)."""
-    if not checked and (not flat_cpu(delta, h) or delta.shape != h.shape):
-        return torch.ops.aten.tanh_backward(delta, h)
-    lib.tanh_backward_inplace(delta.data_ptr(), h.data_ptr(), delta.numel())
-    return delta
 
 
 def tanh_backward_sum_(lib: ctypes.CDLL, delta: Tensor, h: Tensor) -> Tensor:
@@ -382,5 +366,5 @@ def head(lib: ctypes.CDLL, out: Tensor, value: Tensor, actions: Tensor, noise: T
     return loss.view(()), parts, logratio, d_out.view(b, n_out), d_value.view(b, 1), d_log_std
 
 
-__all__ = ["flat_cpu", "head", "heads_backward", "heads_forward", "library", "tanh_", "tanh_backward_",
-           "tanh_backward_sum_", "usable"]
+__all__ = ["flat_cpu", "head", "heads_backward", "heads_forward", "library", "tanh_", "tanh_backward_sum_",
+           "usable"]
