@@ -16,8 +16,8 @@ from conftest import make_bars
 from foxhunt.data import BarLoadError, load_bars, read_dbn, write_bars
 from foxhunt.data.dbn import OHLCV_DTYPE, read_metadata
 
-DBN_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "dbn"
-SAMPLES = sorted(p for p in DBN_DIR.glob("*.dbn*")) if DBN_DIR.exists() else []
+DBN_DIR = Path(__file__).resolve().parent / "data" / "dbn"  # the official Databento samples, shipped with the tests
+SAMPLES = sorted(DBN_DIR.glob("*.dbn*"))
 
 
 def reference_frame(path: Path) -> pd.DataFrame:

@@ -1,0 +1,26 @@
+"""The README's test command runs on a fresh clone: no test reads a path outside the repository."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+#: What reaching outside the checkout looks like in a test: a parent above the repository root, or a sibling folder.
+OUTSIDE = re.compile(r"parents\[(?:[2-9]|\d\d)\]|\.parent\.parent\.parent|\.\./shared|/\s*[\"']shared[\"']\s*/")
+
+
+def test_no_test_reads_outside_the_repository() -> None:
+    offenders = [f"{p.name}:{i}: {line.strip()}" for p in sorted(TESTS.rglob("*.py")) if p.name != Path(__file__).name
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if OUTSIDE.search(line)]
+    assert not offenders, "tests reaching outside the repository:\n" + "\n".join(offenders)
+
+
+def test_the_pattern_catches_the_old_dbn_path() -> None:
+    assert OUTSIDE.search('DBN_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "dbn"')
+    assert not OUTSIDE.search('DBN_DIR = Path(__file__).resolve().parent / "data" / "dbn"')
+
+
+def test_the_dbn_samples_ship_with_the_tests() -> None:
+    assert len(sorted((TESTS / "data" / "dbn").glob("*.dbn*"))) == 16
