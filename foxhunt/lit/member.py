@@ -2,10 +2,10 @@
 
 There are two kinds of member:
 
-- **forecasters** (the TFT now, Mamba-2 next) learn from window batches and give quantile forecasts ``[T, H, Q]`` of
+- **forecasters** (the TFT and Mamba-2) learn from window batches and give quantile forecasts ``[T, H, Q]`` of
   the next H log returns of a split; the shared :func:`foxhunt.evaluation.policies.forecast_policy` turns them into
   positions, with the member's ``policy_interval`` and the coordinator's cost;
-- **agents** (the DQN now, PPO next) learn by acting in the vectorised market of the training split and give
+- **agents** (the Double DQN and PPO) learn by acting in the vectorised market of the training split and give
   positions ``[T]`` of a split themselves.
 
 A member owns its networks, loss, optimizer and schedule (``configure_optimizers``) and its own validation metrics;
