@@ -133,7 +133,7 @@ def export_ensemble(model: EnsembleModule, dm: BarDataModule, out_dir: str | Pat
     """Write the export of a fitted EnsembleModule and its BarDataModule; returns the metadata."""
     import lightning
 
-    from foxhunt.data.datamodule import fingerprint
+    from foxhunt.data.tensors import fingerprint
 
     if model.spec is None:
         raise ExportError("the ensemble is not bound to data yet: fit it (or call model.bind(spec)) before exporting")
@@ -260,7 +260,8 @@ class LoadedEnsemble:
     def split(self, bars: pd.DataFrame, name: str = "data", oracle_mean: torch.Tensor | None = None) -> MarketSplit:
         """A MarketSplit of new bars: features recomputed, scaled with the exported statistics (``oracle_mean``: the
         known conditional means of simulated bars, row-aligned, for an oracle row in back-tests)."""
-        from foxhunt.data.datamodule import assemble_split, bars_tensors
+        from foxhunt.data.datamodule import assemble_split
+        from foxhunt.data.tensors import bars_tensors
         from foxhunt.preprocessing import next_log_returns
 
         symbols, ts, sym, ohlcv = bars_tensors(bars)

@@ -200,7 +200,8 @@ def _one_device(devices: Any) -> bool:
 def make_layout(fit: _FitConfig, folds: int, mode: str, initial_fraction: float | None,
                 val_fraction: float | None) -> dict[str, Any]:
     """The walk-forward's layout (folds, Sharpe annualisation, the fit config's fingerprint) from the data itself."""
-    from foxhunt.data.datamodule import BarDataModule, bars_tensors
+    from foxhunt.data.datamodule import BarDataModule
+    from foxhunt.data.tensors import bars_tensors
     from foxhunt.evaluation.trading import bars_per_year
 
     data = dict(fit.data)

@@ -183,7 +183,7 @@ def run_foxhunt(data: SyntheticMarket, test: MarketTensors, oracle: float, s: Se
     """foxhunt's learner as users run it: DQNModule in an EnsembleModule, a MarketDataModule and a Lightning Trainer."""
     import lightning as L
 
-    from foxhunt.data.datamodule import MarketDataModule
+    from foxhunt.data.market_datamodule import MarketDataModule
     from foxhunt.lit.dqn import DQNModule
     from foxhunt.lit.ensemble import EnsembleModule
 

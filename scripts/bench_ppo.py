@@ -112,7 +112,7 @@ class Run:
 def run_foxhunt(data, env_steps: int, window: int, episode_length: int, overrides: dict, seed: int) -> Run:
     import lightning as L
 
-    from foxhunt.data.datamodule import MarketDataModule
+    from foxhunt.data.market_datamodule import MarketDataModule
     from foxhunt.lit.ensemble import EnsembleModule
     from foxhunt.lit.ppo import PPOModule
 

@@ -16,8 +16,8 @@ import lightning as L
 import pytest
 import torch
 
-from foxhunt.data.datamodule import MarketDataModule
 from foxhunt.data.market import MarketSpec
+from foxhunt.data.market_datamodule import MarketDataModule
 from foxhunt.lit.dqn import DQNModule, double_dqn_target
 from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.quality import agents as quality  # noqa: E402

@@ -241,7 +241,7 @@ def test_metadata_that_is_not_an_object_or_not_json_is_refused(export_copy: Path
 
 
 def _raw_features(dm: BarDataModule) -> tuple[torch.Tensor, torch.Tensor]:
-    from foxhunt.data.datamodule import bars_tensors
+    from foxhunt.data.tensors import bars_tensors
 
     bars = dm.load()
     _, ts, sym, ohlcv = bars_tensors(bars)
@@ -350,7 +350,7 @@ def test_feature_cache_key_covers_version_and_feature_definitions(monkeypatch) -
 
 def test_a_failed_feature_cache_write_leaves_the_old_file_and_the_fit_goes_on(tmp_path: Path, fresh_features,
                                                                              monkeypatch, caplog) -> None:
-    import foxhunt.data.datamodule as datamodule
+    import foxhunt.data.feature_cache as datamodule
 
     cache = tmp_path / "cache"
     _raw_features(_dm(cache_dir=str(cache)))

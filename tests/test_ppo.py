@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from foxhunt import compiled
-from foxhunt.data.datamodule import MarketDataModule
 from foxhunt.data.market import MarketSplit
+from foxhunt.data.market_datamodule import MarketDataModule
 from foxhunt.evaluation.trading import strategy_log_returns
 from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.lit.ppo import LinearDecay, PPOModule, clipped_surrogate_loss, value_loss

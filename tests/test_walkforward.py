@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import foxhunt
-from foxhunt.data.datamodule import BarDataModule, bars_tensors
+from foxhunt.data.datamodule import BarDataModule
+from foxhunt.data.tensors import bars_tensors
 from foxhunt.walkforward import WalkForwardError, fold_layout, load_out_of_sample, main
 
 TINY = str(Path(__file__).parent / "configs" / "tiny.yaml")
@@ -226,7 +227,7 @@ def test_martingale_walkforward_sharpe_intervals_cover_zero(tmp_path: Path) -> N
 def test_martingale_walkforward_no_policy_loses_more_than_its_costs(tmp_path: Path) -> None:
     """No signal, 1 bp costs: out of sample, every policy's gross P&L (before costs) is consistent with zero, so what it
     lost is what it paid; a z-bound of 3 on the gross sum under the martingale null, whose variance is sum p_t^2 r_t^2."""
-    from foxhunt.evaluation.trading import position_changes
+    from foxhunt.trading.pnl import position_changes
 
     out = tmp_path / "wf"
     main(["--config", TINY, "--folds", "3", "--out", str(out), "--no_figure", "--",

@@ -35,7 +35,8 @@ def _split(returns: list[float], name: str = "s", t0: int = T0) -> MarketSplit:
 def test_walkforward_trades_nothing_after_the_configs_data_end(tmp_path: Path) -> None:
     """A config's ``data.end`` bounds the walk-forward (docs/WALKFORWARD.md): the last fold trades no bar at or after
     it and no return that runs into it; every fold's own figures close the position held at its stretch's end."""
-    from foxhunt.data.datamodule import BarDataModule, bars_tensors
+    from foxhunt.data.datamodule import BarDataModule
+    from foxhunt.data.tensors import bars_tensors
     from foxhunt.walkforward import load_out_of_sample, main
 
     ts = bars_tensors(BarDataModule(synthetic_bars=4000, cache_dir=None, features=["logret_1"], known_future=[]).load())[1]
@@ -141,7 +142,7 @@ class _Loaded:
         self.metadata = {"config": {"data": data or {}}, "data": {"symbols": list(seen or {}), "seen_span": seen or {}}}
 
     def split(self, bars: pd.DataFrame, name: str = "data", oracle_mean: torch.Tensor | None = None) -> MarketSplit:
-        from foxhunt.data.datamodule import bars_tensors
+        from foxhunt.data.tensors import bars_tensors
         from foxhunt.preprocessing import next_log_returns
 
         symbols, ts, sym, ohlcv = bars_tensors(bars)
@@ -156,7 +157,8 @@ def test_backtest_training_split_ends_with_no_decision_bar(name: str) -> None:
     has no next return inside the split (it would run into a purged bar, another split's or one after data.end), so
     it is no decision bar and every position is closed there, as in the fit's own tables."""
     from foxhunt.backtest import training_split
-    from foxhunt.data.datamodule import BarDataModule, bars_tensors
+    from foxhunt.data.datamodule import BarDataModule
+    from foxhunt.data.tensors import bars_tensors
 
     data = {"synthetic_bars": 3000, "synthetic_symbols": 2, "lookback": 8, "horizon": 2, "cache_dir": None,
             "features": ["logret_1"], "known_future": []}

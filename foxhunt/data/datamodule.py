@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from dataclasses import replace
@@ -13,8 +12,6 @@ import lightning.pytorch as pl
 import numpy as np
 import pandas as pd
 import torch
-from safetensors.torch import save_file
-from torch.utils.data import DataLoader, Dataset
 
 from foxhunt.data.bars import (
     DEFAULT_JUMP_SIGMAS,
@@ -25,8 +22,10 @@ from foxhunt.data.bars import (
     symbol_codes,
     timestamps_ns,
 )
+from foxhunt.data.feature_cache import FeatureCache
 from foxhunt.data.io import load_bars
 from foxhunt.data.market import MarketSpec, MarketSplit
+from foxhunt.data.tensors import bars_tensors
 from foxhunt.data.windows import WindowBatches, check_known_future
 from foxhunt.features import KNOWN_FUTURE, FeatureSet
 from foxhunt.preprocessing import FeatureNormalizer, TargetTransform, next_log_returns
@@ -83,26 +82,7 @@ def assemble_split(
     )
 
 
-def bars_tensors(bars: pd.DataFrame) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Symbols, timestamps [T] int64 ns, symbol codes [T] and OHLCV [T, 5] float64 of a bar frame."""
-    codes, names = symbol_codes(bars)
-    ts = torch.from_numpy(timestamps_ns(bars).copy())
-    sym = torch.from_numpy(codes)
-    ohlcv = torch.from_numpy(bars[["open", "high", "low", "close", "volume"]].to_numpy(np.float64, copy=True))
-    return list(names), ts, sym, ohlcv
-
-
-def fingerprint(bars: pd.DataFrame) -> str:
-    """A content hash of bars (timestamps, OHLCV, symbols): what a cache key or an export records."""
-    names, ts, sym, ohlcv = bars_tensors(bars)
-    h = hashlib.blake2b(digest_size=16)
-    for t in (ohlcv, ts, sym):
-        h.update(t.numpy().tobytes())
-    h.update("\n".join(names).encode())
-    return h.hexdigest()
-
-
-class BarDataModule(pl.LightningDataModule):
+class BarDataModule(FeatureCache, pl.LightningDataModule):
     """Loads bars (a file, directory or glob; the embedded synthetic market when ``path`` is None) into MarketSplits.
 
     Splits are chronological with cut times shared by all symbols; ``purge`` bars at the start of the validation and
@@ -373,123 +353,6 @@ class BarDataModule(pl.LightningDataModule):
         """Features scaled by the train-fitted normaliser and clipped to ±feature_clip (NaN stays NaN)."""
         return self.feature_normalizer(raw_features).clamp(-self.feature_clip, self.feature_clip)
 
-    def _features(self, bars: pd.DataFrame, ohlcv: torch.Tensor, ts: torch.Tensor, sym: torch.Tensor):
-        """Raw features, from the on-disk cache when the same bars and feature set were seen before by this foxhunt
-        version with these feature definitions. A cached file is used only when its stored key and content hash check
-        out; an unreadable, truncated or mismatching one is recomputed and rewritten, with a warning naming it."""
-        path = key = None
-        if self.cache_dir is not None:
-            key = self._feature_cache_key(bars)
-            path = self.cache_dir / f"features-{key[:32]}.safetensors"
-            if path.exists():
-                cached = self._read_feature_cache(path, key, (len(bars), len(self.feature_set.names)))
-                if cached is not None:
-                    log.info("feature cache hit: %s", path)
-                    return cached
-        out = self._compute_features(ohlcv, ts, sym)
-        if path is not None and key is not None:
-            self._write_feature_cache(path, key, out.values.contiguous(), out.ready.to(torch.uint8))
-            log.info("feature cache miss: computed %d features, saved %s", len(out.names), path)
-        return out.values, out.ready
-
-    _FEATURE_CACHE_FORMAT = "foxhunt-feature-cache/1"
-    _feature_code_hash: str | None = None  # of this process's feature package, computed once
-
-    @staticmethod
-    def _feature_code() -> str:
-        """SHA-256 of the feature definitions: every registry entry (name, family, definition, warm-up, TA-Lib name,
-        known-future flag, parameters bound into its function) and the source of every module of foxhunt.features."""
-        if BarDataModule._feature_code_hash is None:
-            import foxhunt.features as package
-            from foxhunt.features import REGISTRY
-
-            h = hashlib.sha256()
-            for f in REGISTRY.values():
-                params = getattr(f.fn, "__defaults__", None)
-                h.update(repr((f.name, f.family, f.definition, f.warmup, f.talib, f.known_future, params)).encode())
-            root = Path(package.__file__).parent
-            for source in sorted(root.rglob("*.py")):
-                h.update(source.relative_to(root).as_posix().encode())
-                h.update(source.read_bytes())
-            BarDataModule._feature_code_hash = h.hexdigest()
-        return BarDataModule._feature_code_hash
-
-    def _feature_cache_key(self, bars: pd.DataFrame) -> str:
-        """SHA-256 of what the cached values depend on: the bars, the feature list, foxhunt's version and the feature
-        definitions (so a new release or an edited indicator misses instead of serving stale values)."""
-        from foxhunt.version import __version__
-
-        h = hashlib.sha256()
-        for part in (self._FEATURE_CACHE_FORMAT, __version__, self._feature_code(), fingerprint(bars),
-                     *self.feature_set.names):
-            h.update(part.encode())
-            h.update(b"\0")
-        return h.hexdigest()
-
-    @staticmethod
-    def _feature_content_hash(values: torch.Tensor, ready: torch.Tensor) -> str:
-        """SHA-256 of the cached tensors' dtypes, shapes and bytes (stored in the file, checked on every read)."""
-        h = hashlib.sha256()
-        for t in (values, ready):
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.contiguous().numpy().data)
-        return h.hexdigest()
-
-    def _read_feature_cache(
-        self, path: Path, key: str, shape: tuple[int, int]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The cached (values [T, F] float32, ready [T] bool), or None with a warning naming the file and what is
-        wrong with it (unreadable or truncated, another key, another shape, content not matching its stored hash)."""
-        from safetensors import safe_open
-
-        from foxhunt.files import first_line
-
-        problem = None
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                values, ready = f.get_tensor("values"), f.get_tensor("ready")
-        except Exception as e:  # whatever is wrong with the file, it is recomputed, never used
-            problem = f"unreadable or truncated ({first_line(e)})"
-        else:
-            if meta.get("format") != self._FEATURE_CACHE_FORMAT or meta.get("key") != key:
-                problem = "written for other bars, features, feature code or foxhunt version (its stored key differs)"
-            elif (values.dtype, tuple(values.shape), ready.dtype, tuple(ready.shape)) != (
-                torch.float32, shape, torch.uint8, shape[:1]
-            ):
-                problem = (f"of the wrong shape: values {tuple(values.shape)} {values.dtype}, ready "
-                           f"{tuple(ready.shape)} {ready.dtype}, expected {shape} float32 and {shape[:1]} uint8")
-            elif meta.get("sha256") != self._feature_content_hash(values, ready):
-                problem = "corrupt: its content does not match the SHA-256 stored in it"
-        if problem is not None:
-            log.warning("feature cache %s is %s: recomputing the features", path, problem)
-            return None
-        return values, ready.bool()
-
-    def _write_feature_cache(self, path: Path, key: str, values: torch.Tensor, ready: torch.Tensor) -> None:
-        """Write atomically (a temporary file in the cache directory, fsync, rename) with the key and a content hash in
-        the metadata; a cache that cannot be written is warned about and skipped (the fit goes on)."""
-        from foxhunt.files import atomic_file
-
-        meta = {"format": self._FEATURE_CACHE_FORMAT, "key": key, "sha256": self._feature_content_hash(values, ready),
-                "features": ",".join(self.feature_set.names)}
-        try:
-            with atomic_file(path) as tmp:
-                save_file({"values": values, "ready": ready}, str(tmp), metadata=meta)
-        except OSError as e:
-            log.warning("feature cache %s could not be written (%s): continuing without it", path, e)
-
-    def _compute_features(self, ohlcv: torch.Tensor, ts: torch.Tensor, sym: torch.Tensor):
-        """On the CPU or, with ``feature_device`` cuda (or auto with a GPU), on the GPU (the same feature code, no host
-        round trip until the finished float32 features come back)."""
-        device = self.feature_device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cpu":
-            return self.feature_set.compute(ohlcv, ts, sym)
-        out = self.feature_set.compute(ohlcv.to(device), ts.to(device), sym.to(device))
-        return type(out)(out.values.cpu(), out.names, out.ready.cpu())
-
     def _assign_splits(self, ts: np.ndarray, codes: np.ndarray) -> np.ndarray:
         """0/1/2 for train/val/test and -1 for purged bars and bars outside [start, end), by shared cut times."""
         inside = np.ones(len(ts), dtype=bool)
@@ -633,46 +496,3 @@ def _utc_ns(when: str) -> int:
     """A date or timestamp string as UTC nanoseconds (naive strings are UTC)."""
     t = pd.Timestamp(when)
     return (t.tz_localize("UTC") if t.tz is None else t).value
-
-
-class StepDataset(Dataset[int]):
-    """``n`` dummy items: one per training step, for members that make their own data by acting."""
-
-    def __init__(self, n: int) -> None:
-        if n < 1:
-            raise ValueError(f"need at least one step per epoch, got {n}")
-        self.n = int(n)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        return index
-
-
-class MarketDataModule(pl.LightningDataModule):
-    """Ready MarketSplits (e.g. a simulated market) for agent-only ensembles: training steps drive the loop only."""
-
-    def __init__(
-        self,
-        train: MarketSplit,
-        val: MarketSplit | None = None,
-        test: MarketSplit | None = None,
-        steps_per_epoch: int = 100,
-        known_future: list[str] | None = None,
-        lookback: int = 1,
-        horizon: int = 1,
-    ) -> None:
-        super().__init__()
-        self.splits = {k: v for k, v in (("train", train), ("val", val), ("test", test)) if v is not None}
-        self.steps_per_epoch = int(steps_per_epoch)
-        self.spec = MarketSpec.of(train, known_future, lookback, horizon)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(StepDataset(self.steps_per_epoch), batch_size=None, shuffle=False)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(StepDataset(1), batch_size=None, shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return DataLoader(StepDataset(1), batch_size=None, shuffle=False)

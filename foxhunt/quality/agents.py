@@ -17,7 +17,7 @@ import lightning as L
 import numpy as np
 import torch
 
-from foxhunt.data.datamodule import MarketDataModule
+from foxhunt.data.market_datamodule import MarketDataModule
 from foxhunt.evaluation.trading import trading_metrics
 from foxhunt.lit.dqn import DQNModule
 from foxhunt.lit.ensemble import EnsembleModule

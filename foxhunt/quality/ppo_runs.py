@@ -16,7 +16,7 @@ from typing import Any
 
 import lightning as L
 
-from foxhunt.data.datamodule import MarketDataModule
+from foxhunt.data.market_datamodule import MarketDataModule
 from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.lit.ppo import PPOModule
 from foxhunt.quality.agent_tasks import SyntheticMarket
