@@ -1,7 +1,7 @@
 """DQN quality on a synthetic market with a planted signal: fraction of the oracle's reward per bar, out of sample.
 
 The market is AR(1) log returns r_t = φ·r_{t−1} + σ·√(1−φ²)·ε_t (one symbol, 1-minute bars), so the conditional
-mean known at bar t is m_t = φ·r_{t−1}. The yardstick is the better of the two causal oracles of foxhunt.rl.oracle
+mean known at bar t is m_t = φ·r_{t−1}. The yardstick is the better of the two causal oracles of foxhunt.trading.oracle
 ("markov": cost-aware value iteration on the binned Markov chain of m; "myopic": one-bar cost hurdle) on the test bars;
 the non-causal hindsight DP is printed as an upper bound only.
 Features are causal: the last return, the mean of the last 8 returns and the last return over an EWMA volatility,

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from foxhunt.data.market import MarketSplit
-from foxhunt.evaluation.trading import strategy_log_returns
 from foxhunt.rl.env import MarketEnv, MarketTensors
+from foxhunt.trading.pnl import strategy_log_returns
 
 
 def make_split(n: int = 200, n_features: int = 3, seed: int = 0) -> MarketSplit:

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from foxhunt.evaluation.trading import strategy_log_returns
 from foxhunt.models.qnet import QNetwork
 from foxhunt.quality import agents as quality
 from foxhunt.quality.agent_tasks import garch_ar1_returns, real_market, simple_features, task_market
 from foxhunt.rl.env import MarketTensors
+from foxhunt.trading.pnl import strategy_log_returns
 
 SMALL = {
     "window": 8, "n_envs": 64, "episode_length": 64, "hidden": (64, 64), "batch_size": 64, "replay_capacity": 32_768,

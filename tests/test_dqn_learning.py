@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from foxhunt.evaluation.trading import strategy_log_returns
 from foxhunt.quality import agents as quality  # noqa: E402
 from foxhunt.rl.env import MarketTensors
+from foxhunt.trading.pnl import strategy_log_returns
 
 
 def t_stat(positions: torch.Tensor, market: MarketTensors) -> float:

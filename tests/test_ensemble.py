@@ -15,13 +15,13 @@ import foxhunt
 from foxhunt.data.datamodule import BarDataModule
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.evaluation.significance import psr_from_moments, sharpe_moments
-from foxhunt.evaluation.trading import strategy_log_returns
 from foxhunt.export import export_ensemble
 from foxhunt.lit.dqn import DQNModule
 from foxhunt.lit.ensemble import EnsembleModule, null_max_sharpe
 from foxhunt.lit.member import Agent, Forecaster
 from foxhunt.lit.tft import TFTModule
 from foxhunt.quality import agents as quality
+from foxhunt.trading.pnl import strategy_log_returns
 
 FEATURES = ["logret_1", "logret_2", "logret_5", "rsi_14", "std_logret_20", "tod_sin", "tod_cos"]
 

@@ -1,4 +1,5 @@
-"""The package's import graph has no cycles: data flows one way (bars -> features -> ... -> evaluation -> export)."""
+"""The package's imports follow the data flow: no module or package imports one that imports it back, and every module
+imports only its own stage of the flow or earlier ones (:data:`STAGES`)."""
 
 from __future__ import annotations
 
@@ -79,6 +80,64 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def _package(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Package -> the other packages its modules import (``foxhunt.data.io`` is in ``foxhunt.data``; the top-level
+    modules ``foxhunt.fit``, ``foxhunt.export``, .. are packages of their own)."""
+    out: dict[str, set[str]] = {}
+    for name, deps in graph.items():
+        package = _package(name)
+        out.setdefault(package, set()).update(_package(d) for d in deps if _package(d) != package)
+    return out
+
+
+# The stages of the data flow, earliest first: bars -> features -> windows -> members -> coordinator -> export -> the
+# entry points, and the quality yardsticks after everything they measure. A module belongs to the stage of the
+# longest prefix listed. The arithmetic of positions (``foxhunt.trading``: the exact P&L, the policy-table rollout,
+# the oracle) and the scoring built on it (``foxhunt.evaluation``) sit before the members, which are trained on the
+# one and score themselves with the other; neither reads a member.
+STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("plumbing", ("foxhunt.version", "foxhunt.files", "foxhunt.cli_errors", "foxhunt.compiled")),
+    ("bars", ("foxhunt.data.bars", "foxhunt.data.dbn", "foxhunt.data.io", "foxhunt.data.synthetic")),
+    ("features", ("foxhunt.features", "foxhunt.preprocessing")),
+    ("windows", ("foxhunt.data",)),
+    ("positions", ("foxhunt.trading",)),
+    ("scoring", ("foxhunt.evaluation",)),
+    ("networks", ("foxhunt.models", "foxhunt.training")),
+    ("environment", ("foxhunt.rl",)),
+    ("members", ("foxhunt.lit",)),
+    ("coordinator", ("foxhunt.lit.ensemble",)),
+    ("export", ("foxhunt.export",)),
+    ("entry points", ("foxhunt", "foxhunt.fit", "foxhunt.backtest")),
+    ("runs of fits", ("foxhunt.walkforward", "foxhunt.tune")),
+    ("quality", ("foxhunt.quality",)),
+)
+
+
+def stage_of(module: str) -> int:
+    """Index in :data:`STAGES` of the longest prefix of ``module`` listed there (the root package, ``foxhunt.load``,
+    stands for itself alone); -1 when none is."""
+    best, length = -1, -1
+    for i, (_, prefixes) in enumerate(STAGES):
+        for prefix in prefixes:
+            inside = module.startswith(prefix + ".") and prefix != "foxhunt"
+            if (module == prefix or inside) and len(prefix) > length:
+                best, length = i, len(prefix)
+    return best
+
+
+def backward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a later stage of the flow (``importer -> imported``), and every module that belongs to none."""
+    bad = [f"{name} belongs to no stage" for name in sorted(graph) if stage_of(name) < 0]
+    for name in sorted(graph):
+        later = [d for d in sorted(graph[name]) if stage_of(d) > stage_of(name)]
+        bad += [f"{name} ({STAGES[stage_of(name)][0]}) -> {d} ({STAGES[stage_of(d)][0]})" for d in later]
+    return bad
+
+
 def test_find_cycle_finds_one() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
@@ -91,15 +150,26 @@ def test_the_package_has_no_import_cycle() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-def test_members_and_evaluation_do_not_reach_back() -> None:
-    """Evaluation never imports the LightningModules, entry points or export; members never import the entry points;
-    nothing but the quality yardsticks themselves imports foxhunt.quality."""
-    graph = import_graph()
-    late = ("foxhunt.lit", "foxhunt.fit", "foxhunt.export", "foxhunt.backtest", "foxhunt.tune", "foxhunt.quality")
-    for name, deps in graph.items():
-        if name.startswith(("foxhunt.evaluation", "foxhunt.data", "foxhunt.features", "foxhunt.rl", "foxhunt.models")):
-            assert not [d for d in deps if d.startswith(late)], f"{name} imports {sorted(deps)}"
-        if name.startswith("foxhunt.lit"):
-            assert not [d for d in deps if d.startswith(late[1:])], f"{name} imports {sorted(deps)}"
-        if not name.startswith("foxhunt.quality"):  # the yardsticks sit last: only tests and scripts import them
-            assert not [d for d in deps if d.startswith("foxhunt.quality")], f"{name} imports {sorted(deps)}"
+def test_the_package_has_no_package_level_cycle() -> None:
+    """Packages import one way too: ``rl`` and ``evaluation`` share ``trading`` instead of importing each other."""
+    assert package_graph({"foxhunt.a.x": {"foxhunt.b.y"}, "foxhunt.b.y": set(), "foxhunt.b.z": {"foxhunt.a"},
+                          "foxhunt.a": set()}) == {"foxhunt.a": {"foxhunt.b"}, "foxhunt.b": {"foxhunt.a"}}
+    packages = package_graph(import_graph())
+    assert {"foxhunt.rl", "foxhunt.evaluation"} <= packages["foxhunt.quality"]
+    cycle = find_cycle(packages)
+    assert cycle is None, "package import cycle: " + " -> ".join(cycle or [])
+
+
+def test_stage_of_takes_the_longest_prefix() -> None:
+    assert stage_of("foxhunt.lit.ensemble") > stage_of("foxhunt.lit.dqn") > stage_of("foxhunt.rl.env")
+    assert stage_of("foxhunt.data.io") < stage_of("foxhunt.features.ops") < stage_of("foxhunt.data.windows")
+    assert stage_of("foxhunt.dataset") == -1 and stage_of("foxhunt") == stage_of("foxhunt.fit")
+    assert backward_imports({"foxhunt.rl.env": {"foxhunt.lit.dqn"}, "foxhunt.lit.dqn": {"foxhunt.rl.env"}}) == [
+        "foxhunt.rl.env (environment) -> foxhunt.lit.dqn (members)"]
+
+
+def test_every_import_follows_the_data_flow() -> None:
+    """Nothing imports a later stage: scoring and the environment never import the members, the members never the
+    coordinator, export or the entry points, and nothing but the quality yardsticks imports foxhunt.quality."""
+    bad = backward_imports(import_graph())
+    assert not bad, "imports against the data flow:\n" + "\n".join(bad)

@@ -24,7 +24,6 @@ from torch import Tensor
 from foxhunt import compiled
 from foxhunt.data.market import MarketSplit
 from foxhunt.data.market_datamodule import MarketDataModule
-from foxhunt.evaluation.trading import strategy_log_returns
 from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.lit.ppo import LinearDecay, PPOModule, clipped_surrogate_loss, value_loss
 from foxhunt.models.actor_critic import (
@@ -37,6 +36,7 @@ from foxhunt.quality import agents as quality
 from foxhunt.quality.ppo_runs import train_ppo
 from foxhunt.rl.env import ContinuousMarketEnv, MarketEnv, MarketTensors, apply_no_trade_band, sequential_positions
 from foxhunt.rl.rollout import RolloutBuffer, generalized_advantages
+from foxhunt.trading.pnl import strategy_log_returns
 
 
 @pytest.fixture(scope="module")

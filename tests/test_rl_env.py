@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from foxhunt.data.market import MarketSplit
-from foxhunt.evaluation.trading import strategy_log_returns, trading_metrics
+from foxhunt.evaluation.trading import trading_metrics
 from foxhunt.rl.env import (
     ContinuousMarketEnv,
     MarketEnv,
     MarketTensors,
     greedy_positions,
     greedy_table,
-    rollout_policy_table,
 )
+from foxhunt.trading.pnl import strategy_log_returns
 
 
 def make_split(lengths: tuple[int, ...] = (300, 200), n_features: int = 3, seed: int = 0) -> MarketSplit:
@@ -161,17 +161,6 @@ def test_env_state_dict_restores_exactly() -> None:
     for i in range(20, 50):
         ta, tb = a.step(acts[i]), b.step(acts[i])
         assert torch.equal(ta.bars, tb.bars) and torch.equal(ta.rewards, tb.rewards) and torch.equal(ta.last, tb.last)
-
-
-def test_rollout_policy_table_matches_a_loop() -> None:
-    g = torch.Generator().manual_seed(0)
-    for n in (1, 2, 7, 64, 1000):
-        table = torch.randint(0, 4, (n, 4), generator=g)
-        p, ref = 2, []
-        for t in range(n):
-            p = int(table[t, p])
-            ref.append(p)
-        assert rollout_policy_table(table, 2).tolist() == ref
 
 
 def test_greedy_positions_equal_a_sequential_rollout() -> None:

@@ -8,16 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from foxhunt.evaluation.trading import (
-    LOG_RUIN_FLOOR,
-    RUIN_FLOOR,
-    bars_per_year,
-    counted_log_returns,
-    counted_position_changes,
-    position_changes,
-    strategy_log_returns,
-    trading_metrics,
-)
+from foxhunt.evaluation.trading import bars_per_year, counted_log_returns, counted_position_changes, trading_metrics
+from foxhunt.trading.pnl import LOG_RUIN_FLOOR, RUIN_FLOOR, position_changes, strategy_log_returns
 
 
 def exact_pnl(pos: np.ndarray, ret: np.ndarray, c: float) -> np.ndarray:

@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from foxhunt.rl.env import rollout_policy_table
+from foxhunt.trading.policy_table import rollout_policy_table
 
 Combine = Literal["stack", "vote", "sharpe_weighted"]
 

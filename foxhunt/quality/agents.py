@@ -23,7 +23,7 @@ from foxhunt.lit.dqn import DQNModule
 from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.quality.agent_tasks import MINUTE_NS, SyntheticMarket, split_market
 from foxhunt.rl.env import MarketTensors
-from foxhunt.rl.oracle import oracle_positions
+from foxhunt.trading.oracle import oracle_positions
 
 BARS_PER_YEAR = 365.25 * 24 * 60
 

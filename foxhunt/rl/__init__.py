@@ -1,4 +1,4 @@
-"""The trading environment of the RL member: vectorised market, replay buffer and oracle policies."""
+"""The trading environment of the agent members: vectorised market, replay buffer, TD batches and rollouts."""
 
 from foxhunt.rl.env import (
     MarketEnv,
@@ -6,9 +6,7 @@ from foxhunt.rl.env import (
     Transition,
     greedy_positions,
     greedy_table,
-    rollout_policy_table,
 )
-from foxhunt.rl.oracle import oracle_positions
 from foxhunt.rl.replay import ReplayBuffer, ReplaySample
 
 __all__ = [
@@ -19,6 +17,4 @@ __all__ = [
     "Transition",
     "greedy_positions",
     "greedy_table",
-    "oracle_positions",
-    "rollout_policy_table",
 ]

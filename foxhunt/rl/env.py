@@ -2,7 +2,7 @@
 
 The agent's state at bar t is (the last ``window`` rows of features up to and including t, the position held
 coming into t). Its action is a target position w_t from ``actions`` (a fraction of equity), held from bar t to t+1,
-and the raw reward is the back-test's per-bar strategy log return (:mod:`foxhunt.evaluation.trading`), exactly:
+and the raw reward is the back-test's per-bar strategy log return (:mod:`foxhunt.trading.pnl`), exactly:
 
     log1p(w_t * expm1(r_t)) + log1p(-cost * |w_t - w_{t-1}|),    r_t = ln C[t+1] - ln C[t] (``returns[t]``),
 
@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from foxhunt.data.market import MarketSplit
-from foxhunt.evaluation.trading import cost_log_returns, log_growth, position_log_returns
+from foxhunt.trading.pnl import cost_log_returns, log_growth, position_log_returns
+from foxhunt.trading.policy_table import rollout_policy_table
 
 RewardSource = Literal["returns", "targets"]
 
@@ -207,23 +208,6 @@ def reward_scale_for(market: MarketTensors, configured: float | None = None) -> 
     if not math.isfinite(std) or std <= 0:
         raise ValueError(f"train split {market.name!r}: returns have no spread to scale rewards by")
     return 1.0 / std
-
-
-def rollout_policy_table(table: Tensor, initial: int) -> Tensor:
-    """Positions of a deterministic policy given as a table: p_t = table[t, p_{t-1}], p_{-1} = ``initial``.
-
-    The sequential chain is evaluated as a parallel prefix composition of the per-bar maps (Hillis-Steele, log2 T
-    gathers over [T, A]), so a policy over a whole split runs without a Python loop over bars. Resets (a flat
-    position coming into a bar) are expressed in the table itself: make that bar's row constant.
-    """
-    comp = table.clone()
-    n = comp.shape[0]
-    d = 1
-    while d < n:
-        # comp[t] maps p_{t-d'-1} -> p_t for a span d'; compose with comp[t-d] to double the span.
-        comp = torch.cat([comp[:d], torch.gather(comp[d:], 1, comp[:-d])], 0)
-        d *= 2
-    return comp[:, initial]
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from foxhunt.evaluation.trading import trading_metrics
-from foxhunt.rl.oracle import oracle_positions
+from foxhunt.trading.oracle import oracle_positions
 
 ACTIONS = torch.tensor([-1.0, 0.0, 1.0])
 

@@ -3,7 +3,7 @@
 Given m_t = E[r_t | bars <= t] (the synthetic generator knows it exactly), the oracles score moving from position p
 to a at bar t by a·m_t − c·|a − p|: the linear (first-order) approximation of the expected per-bar log return. The
 exact per-bar log return the back-test counts is log1p(a·(e^r − 1)) + log1p(−c·|a − p|)
-(:mod:`foxhunt.evaluation.trading`), whose expectation also depends on the conditional variance of r (about
+(:mod:`foxhunt.trading.pnl`), whose expectation also depends on the conditional variance of r (about
 a·m + (a − a²)·σ²/2 − c·|a − p|), which the oracle is not given; so the oracles maximise the linear approximation,
 and their positions are scored exactly, like every policy's, by :func:`~foxhunt.evaluation.trading.trading_metrics`.
 For a ±1/0 action set and small per-bar returns the two differ by about σ² a bar for a short (and not at all for a
@@ -33,8 +33,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from foxhunt.evaluation.trading import cost_log_returns, log_growth
-from foxhunt.rl.env import rollout_policy_table
+from foxhunt.trading.pnl import cost_log_returns, log_growth
+from foxhunt.trading.policy_table import rollout_policy_table
 
 OracleKind = Literal["markov", "myopic", "hindsight"]
 
