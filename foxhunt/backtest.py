@@ -21,7 +21,8 @@ from foxhunt.data.bars import DEFAULT_JUMP_SIGMAS, DataError
 from foxhunt.data.market import MarketSplit
 from foxhunt.evaluation.backtest import format_table
 from foxhunt.evaluation.figures import equity_figure
-from foxhunt.export import LoadedEnsemble, load, overlap_with_training
+from foxhunt.export.load import LoadedEnsemble, load
+from foxhunt.export.metadata import overlap_with_training
 from foxhunt.files import write_json
 
 log = logging.getLogger("foxhunt.backtest")

@@ -209,7 +209,7 @@ class FoxhuntCLI(LightningCLI):
 
     def export_and_backtest(self) -> dict[str, Any]:
         from foxhunt.evaluation.backtest import format_table
-        from foxhunt.export import export_ensemble
+        from foxhunt.export.write import export_ensemble
         from foxhunt.training.checkpoint_io import load_verified_checkpoint  # the recorded SHA-256 verified
 
         cfg = self.config

@@ -286,7 +286,8 @@ def run_fold(fit: _FitConfig, layout: dict[str, Any], k: int, out: Path) -> dict
 
     from foxhunt.data.bars import timestamps_ns
     from foxhunt.evaluation.backtest import format_table
-    from foxhunt.export import load, overlap_with_training
+    from foxhunt.export.load import load
+    from foxhunt.export.metadata import overlap_with_training
     from foxhunt.files import atomic_file
     from foxhunt.fit import build_cli
 

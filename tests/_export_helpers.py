@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import foxhunt
-from foxhunt.export import ExportError
+from foxhunt.export.metadata import ExportError
 
 
 def refusal(root: Path) -> str:

@@ -56,7 +56,7 @@ def test_every_split_and_the_reloaded_export_annualise_with_the_training_density
     import foxhunt
     from foxhunt.evaluation.backtest import policy_pnl
     from foxhunt.evaluation.trading import bars_per_year
-    from foxhunt.export import export_ensemble
+    from foxhunt.export.write import export_ensemble
     from foxhunt.lit.ensemble import EnsembleModule
     from foxhunt.lit.tft import TFTModule
     from tests.test_ensemble import datamodule, fit

@@ -15,7 +15,7 @@ import foxhunt
 from foxhunt.data.datamodule import BarDataModule
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.evaluation.significance import psr_from_moments, sharpe_moments
-from foxhunt.export import export_ensemble
+from foxhunt.export.write import export_ensemble
 from foxhunt.lit.dqn import DQNModule
 from foxhunt.lit.ensemble import EnsembleModule, null_max_sharpe
 from foxhunt.lit.member import Agent, Forecaster

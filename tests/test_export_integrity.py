@@ -24,7 +24,8 @@ from safetensors.torch import load_file, save_file
 
 import foxhunt
 from foxhunt.data.datamodule import BarDataModule
-from foxhunt.export import FORMAT, export_ensemble, metadata_digest
+from foxhunt.export.metadata import FORMAT, metadata_digest
+from foxhunt.export.write import export_ensemble
 from foxhunt.lit.dqn import DQNModule
 from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.lit.member import FLAT
@@ -306,7 +307,7 @@ def test_metadata_is_strict_json_a_figure_without_a_value_is_null(data: BarDataM
 
 def test_a_non_finite_run_value_stops_the_export_naming_it(data: BarDataModule, tmp_path: Path) -> None:
     """A run value that loading would refuse is not written as null (which would load as 'not recorded')."""
-    from foxhunt.export import ExportError
+    from foxhunt.export.metadata import ExportError
 
     model = _model(data, "policy_net")
     model.member("dqn").reward_scale_used = math.nan

@@ -121,7 +121,7 @@ def test_member_files_hold_the_weights_each_member_trades(tiny_run) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from foxhunt.export import traded_network
+    from foxhunt.export.traded import traded_network
 
     tmp, cli = tiny_run
     export = tmp / "export"
@@ -178,7 +178,7 @@ def test_load_refuses_mismatches(tiny_run, tmp_path: Path) -> None:
     is still refused by name."""
     import shutil
 
-    from foxhunt.export import ExportError, metadata_digest
+    from foxhunt.export.metadata import ExportError, metadata_digest
 
     src, _ = tiny_run
     bad = tmp_path / "bad"

@@ -25,7 +25,8 @@ from safetensors.torch import load_file, save_file
 
 import foxhunt
 from foxhunt.data.datamodule import BarDataModule
-from foxhunt.export import export_ensemble, metadata_digest
+from foxhunt.export.metadata import metadata_digest
+from foxhunt.export.write import export_ensemble
 from foxhunt.fit import FoxhuntCLI
 from foxhunt.lit.dqn import DQNModule
 from foxhunt.lit.ensemble import EnsembleModule

@@ -516,7 +516,7 @@ def test_in_an_ensemble_with_a_tft_export_reload_and_backtest(tmp_path: Path) ->
     import warnings
 
     from foxhunt.data.datamodule import BarDataModule
-    from foxhunt.export import export_ensemble
+    from foxhunt.export.write import export_ensemble
     from foxhunt.lit.ensemble import EnsembleModule
     from foxhunt.lit.tft import TFTModule
 
