@@ -31,6 +31,23 @@ import torch
 
 from foxhunt.data.market import MarketSplit
 
+__all__ = [
+    "MINUTE_NS",
+    "SyntheticMarket",
+    "TASK_FEATURES",
+    "TASK_PHIS",
+    "add_task_family_arguments",
+    "garch_ar1_returns",
+    "read_rows",
+    "real_market",
+    "record_row",
+    "score_cell",
+    "simple_features",
+    "split_market",
+    "task_family",
+    "task_market",
+]
+
 MINUTE_NS = 60 * 1_000_000_000
 TASK_PHIS = (0.0, 0.05, 0.1, 0.3)
 TASK_FEATURES = ["ret_1_z", "abs_ret_1_z", "vol_16_z"]

@@ -25,6 +25,22 @@ from foxhunt.quality.agent_tasks import MINUTE_NS, SyntheticMarket, split_market
 from foxhunt.rl.env import MarketTensors
 from foxhunt.trading.oracle import oracle_positions
 
+__all__ = [
+    "BARS_PER_YEAR",
+    "ar1_market",
+    "baseline_metrics",
+    "best_causal_oracle",
+    "default_dqn_kwargs",
+    "generator_market",
+    "run_quality",
+    "splits_from_returns",
+    "task_dqn_kwargs",
+    "task_scores",
+    "train_dqn",
+    "train_on_task",
+    "updates_per_step_for",
+]
+
 BARS_PER_YEAR = 365.25 * 24 * 60
 
 

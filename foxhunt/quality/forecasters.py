@@ -20,8 +20,20 @@ from foxhunt.data.market import MarketSplit
 from foxhunt.data.synthetic import SyntheticMarket, generate_market
 from foxhunt.data.windows import WindowBatches
 from foxhunt.evaluation.forecast_metrics import pinball_loss
+from foxhunt.lit.member import Forecaster
 from foxhunt.lit.tft import TFTModule
 from foxhunt.preprocessing import FeatureNormalizer
+
+__all__ = [
+    "BASE_FEATURES",
+    "KNOWN_FUTURE",
+    "QualityData",
+    "build_quality_data",
+    "evaluate",
+    "make_module",
+    "train",
+    "windows",
+]
 
 KNOWN_FUTURE = ["phase_sin", "phase_cos", "gap_log"]
 BASE_FEATURES = ["ret", "ret_z", "abs_ret_z", "log_vol_fast", "log_vol_slow"] + KNOWN_FUTURE
@@ -169,6 +181,7 @@ def windows(data: QualityData, split: str, batch_size: int, shuffle: bool = Fals
 
 
 def make_module(data: QualityData, **overrides) -> TFTModule:  # type: ignore[no-untyped-def]
+    """A TFTModule sized for ``data`` (its features, known-future inputs, symbols, lookback, horizon, quantiles)."""
     split = data.splits["train"]
     kwargs = {
         "n_features": split.n_features,
@@ -221,8 +234,9 @@ def train(
 
 
 @torch.no_grad()
-def evaluate(module: TFTModule, data: QualityData, split: str = "test", batch_size: int = 1024) -> dict[str, float]:
-    """TFT vs oracle on the first horizon step of every test window: quantile loss, coverage, ratio."""
+def evaluate(module: Forecaster, data: QualityData, split: str = "test", batch_size: int = 1024) -> dict[str, float]:
+    """A forecaster against the oracle on the first horizon step of every window of ``split``: quantile loss, interval
+    coverage and their ratios (the ``tft_*`` keys hold the module's figures, whichever forecaster it is)."""
     module.eval()
     qs = torch.tensor(data.quantiles)
     tft_loss, oracle_loss, tft_in, oracle_in, n = 0.0, 0.0, 0.0, 0.0, 0
