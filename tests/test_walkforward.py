@@ -17,7 +17,9 @@ import torch
 import foxhunt
 from foxhunt.data.datamodule import BarDataModule
 from foxhunt.data.tensors import bars_tensors
-from foxhunt.walkforward import WalkForwardError, fold_layout, load_out_of_sample, main
+from foxhunt.walkforward import main
+from foxhunt.walkforward.gather import load_out_of_sample
+from foxhunt.walkforward.plan import WalkForwardError, fold_layout
 
 TINY = str(Path(__file__).parent / "configs" / "tiny.yaml")
 FOLDS = 3
@@ -248,7 +250,7 @@ def test_martingale_walkforward_no_policy_loses_more_than_its_costs(tmp_path: Pa
 
 def test_a_layout_without_finished_folds_is_replaced(tmp_path) -> None:
     """A first run refused before any fold finished (a config error, say) does not block the corrected rerun."""
-    from foxhunt.walkforward import WalkForwardError, fold_dir, settle_layout
+    from foxhunt.walkforward.plan import WalkForwardError, fold_dir, settle_layout
 
     first = {"folds": [{"k": 0}, {"k": 1}], "fingerprint": "a"}
     settle_layout(tmp_path, first)

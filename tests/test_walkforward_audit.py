@@ -37,7 +37,8 @@ def test_walkforward_trades_nothing_after_the_configs_data_end(tmp_path: Path) -
     it and no return that runs into it; every fold's own figures close the position held at its stretch's end."""
     from foxhunt.data.datamodule import BarDataModule
     from foxhunt.data.tensors import bars_tensors
-    from foxhunt.walkforward import load_out_of_sample, main
+    from foxhunt.walkforward import main
+    from foxhunt.walkforward.gather import load_out_of_sample
 
     ts = bars_tensors(BarDataModule(synthetic_bars=4000, cache_dir=None, features=["logret_1"], known_future=[]).load())[1]
     end = pd.Timestamp(int(ts[3500]), tz="UTC").isoformat()
@@ -71,7 +72,8 @@ def test_gathered_fold_rows_pay_the_exit_at_the_stretch_end(tmp_path: Path) -> N
     """Two folds of one symbol, buy-and-hold at 10 bp: each fold's row is its stretch traded as an account of its own,
     bought at its first bar and sold after its last, so fold 0 (whose last return runs into fold 1) pays both costs,
     as fold 1 (the data's last bar has no return) does; the concatenated account pays one entry and one exit."""
-    from foxhunt.walkforward import Fold, gather
+    from foxhunt.walkforward.gather import gather
+    from foxhunt.walkforward.plan import Fold
 
     r0, r1 = [0.01, -0.02, 0.03, 0.005, -0.01, 0.02], [0.01, 0.01, -0.005, 0.02, -0.01, float("nan")]
     part0, part1 = _split(r0), _split(r1, t0=T0 + 6 * HOUR)
@@ -100,7 +102,8 @@ def test_gathered_fold_rows_pay_the_exit_at_the_stretch_end(tmp_path: Path) -> N
 def test_a_fold_not_gathered_is_a_gap_where_the_account_is_flat(tmp_path: Path) -> None:
     """Folds 0 and 2 gathered, fold 1 not: the concatenated account does not hold fold 0's last position through
     fold 1's stretch into fold 2 (paying only the difference); it sells before the gap and buys again after it."""
-    from foxhunt.walkforward import Fold, gather
+    from foxhunt.walkforward.gather import gather
+    from foxhunt.walkforward.plan import Fold
 
     iso = lambda ns: pd.Timestamp(ns, tz="UTC").isoformat()  # noqa: E731
     starts = [T0, T0 + 6 * HOUR, T0 + 12 * HOUR]
