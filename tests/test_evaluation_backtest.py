@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -83,7 +84,27 @@ def test_equity_curves_and_table() -> None:
     assert torch.equal(curves["flat"], torch.zeros(8, dtype=torch.float64))
     torch.testing.assert_close(curves["long"], torch.cumsum(s.returns.double(), 0))
     table = format_table({"long": {"sharpe": 1.5, "total_log_return": 0.04}})
-    assert "long" in table and "+1.50" in table and "n/a" in table  # missing metrics print as n/a
+    row = table_rows(table)["long"]
+    assert row["Sharpe"] == "+1.50" and row["log return"] == "+0.0400"
+    assert row["Sortino"] == "n/a" and row["95% CI"] == "n/a"  # missing metrics print as n/a
+
+
+def table_rows(table: str) -> dict[str, dict[str, str]]:
+    """The rows of a printed back-test table, policy -> {header (its lines joined): figure as printed}."""
+    lines = table.splitlines()
+    rule = next(i for i, line in enumerate(lines) if line and set(line) == {"-"})
+    def cells(line: str) -> list[tuple[int, str]]:  # (right edge, text) of the cells, apart by two spaces or more
+        return [(m.end(), m.group()) for m in re.finditer(r"\S+(?: \S+)*", line)]
+    bottom = cells(lines[rule - 1])
+    top = dict(cells(lines[rule - 2]))
+    headers = ["policy"] + [f"{top[end]} {text}" if end in top else text for end, text in bottom[1:]]
+    rows = {}
+    for line in lines[rule + 1:]:
+        values = [text for _, text in cells(line)]
+        if len(values) != len(headers):  # the legend and the notes under the table
+            break
+        rows[values[0]] = dict(zip(headers, values))
+    return rows
 
 
 def test_reported_tables_carry_significance() -> None:
@@ -104,7 +125,12 @@ def test_reported_tables_carry_significance() -> None:
     assert math.isclose(row["psr_vs_benchmark"], 0.5, abs_tol=1e-9)
     direct = sharpe_summary(strategy_pnl(s), _bpy(s))
     assert math.isclose(direct["sharpe_se"], row["sharpe_se"], rel_tol=1e-9)
-    assert "95% CI" in format_table(m) and "PSR vs B&H" in format_table(m)
+    table = format_table(m)
+    printed = table_rows(table)["long"]
+    assert printed["95% CI"] == f"[{row['sharpe_ci_low']:+.2f}, {row['sharpe_ci_high']:+.2f}]"
+    assert printed["SE"] == f"{row['sharpe_se']:.2f}" and printed["PSR B&H"] == "0.500"
+    assert printed["PSR flat"] == f"{row['psr_vs_flat']:.3f}" and table_rows(table)["flat"]["PSR flat"] == "n/a"
+    assert "PSR flat, PSR B&H: probabilistic Sharpe ratio vs flat and vs buy-and-hold" in " ".join(table.split())
 
 
 def strategy_pnl(s: MarketSplit) -> torch.Tensor:
@@ -136,9 +162,71 @@ def test_equity_figure_shows_every_policy_when_curves_coincide() -> None:
     assert coinciding_policies(pos) == [["tft", "buy_and_hold"], ["dqn"], ["ensemble"]]
 
 
+def test_the_position_panel_of_30000_bars_shows_rolling_mean_positions() -> None:
+    """Over 30,000 bars the position panel draws, per line of the equity panel, the mean position over the last 300
+    bars (1%) of the same symbol, not the positions themselves (which would fill it as a solid band)."""
+    import io
+
+    from foxhunt.evaluation.figures import equity_figure, rolling_mean
+
+    n = 30_000
+    sym = (torch.arange(n) >= 20_000).long()  # two symbols, drawn one after the other
+    ts = torch.arange(n) * 3_600_000_000_000 + 1_700_000_000_000_000_000
+    returns = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 1e-3
+    s = MarketSplit("test", ["A", "B"], ts, sym, torch.zeros(n, 1, dtype=torch.float64), returns, returns,
+                    torch.ones(n, dtype=torch.bool))
+    flip = torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0)  # changes every bar
+    pos = {"tft": flip, "dqn": torch.where(torch.arange(n) < 15_000, 1.0, -0.5), "ensemble": flip.clone(),
+           "buy_and_hold": torch.ones(n)}
+    fig = equity_figure(pos, s, cost_bps=1.0)
+    ax_pos = fig.axes[2]
+    assert ax_pos.get_ylabel() == "position, mean\nof 300 bars" and not ax_pos.collections  # no filled band
+    lines = ax_pos.get_lines()
+    assert [line.get_label() for line in lines] == ["tft = ensemble", "dqn", "buy_and_hold"]
+    tft, dqn, hold = (torch.from_numpy(line.get_ydata()) for line in lines)
+    settled = torch.ones(n, dtype=torch.bool)
+    settled[:299], settled[20_000:20_299] = False, False  # each symbol's first 299 bars average fewer bars
+    assert len(tft) == n and float(tft[settled].abs().max()) < 0.01 and float(hold.min()) == 1.0  # flips average out
+    assert dqn[14_999] == 1.0 and dqn[15_299] == -0.5 and math.isclose(float(dqn[15_149]), 0.25, abs_tol=1e-12)
+    assert dqn[20_000] == -0.5  # a new symbol's window starts afresh: no other symbol's positions blur into it
+    torch.testing.assert_close(rolling_mean(pos["dqn"], 300, s.first_bar), dqn, rtol=0, atol=0)
+    fig.savefig(io.BytesIO(), format="png", dpi=50)  # it renders
+
+
 def test_table_says_what_the_oracle_is_and_which_members_are_held_flat() -> None:
     row = {"sharpe": 1.0}
     assert "oracle: the best causal" in format_table({"oracle": row, "tft": row})
     assert "oracle:" not in format_table({"tft": row})
     held = format_table({"tft": {**row, "held_flat": 1.0, "edge_confidence": 0.17}, "dqn": {**row, "held_flat": 0.0}})
-    assert "tft (held flat)" in held and "dqn (held flat)" not in held and "(validation edge confidence: tft 0.17)" in held
+    assert set(table_rows(held)) == {"tft (held flat)", "dqn"}
+    assert "held flat (validation edge confidence: tft 0.17): by the do-no-harm rule" in held
+
+
+def test_the_table_of_every_policy_fits_a_120_column_terminal() -> None:
+    """A realistic test-split table (members with weights, one untrained and one held flat, the ensemble, buy-and-hold
+    and the oracle, with significance) is at most 120 columns wide, one line per policy, no figure cut short."""
+    from foxhunt.data.datamodule import BarDataModule
+
+    dm = BarDataModule(synthetic_bars=8_000, synthetic_bar_seconds=3600, signal_strength=0.1,  # the quickstart's market
+                       features=["logret_1", "tod_sin"], known_future=["tod_sin"], lookback=8, horizon=2, cache_dir=None)
+    dm.setup()
+    s = dm.test_split
+    gen = torch.Generator().manual_seed(0)
+    oracle = oracle_split_positions(s, cost_bps=1.0)
+    assert oracle is not None
+    flips = torch.rand(len(s), generator=gen) < 0.3
+    pos = {"tft": torch.where(flips, -oracle, oracle), "dqn": torch.zeros(len(s)), "ppo": torch.zeros(len(s)),
+           "ensemble": torch.where(flips, 0.0, oracle), "buy_and_hold": s.valid.float(), "oracle": oracle}
+    metrics = policy_metrics(pos, s, cost_bps=1.0, significance=True)
+    for who, weight in (("tft", 0.6), ("dqn", 0.0), ("ppo", 0.4)):
+        metrics[who].update(weight=weight, updates=1500.0, held_flat=0.0, edge_confidence=0.97)
+    metrics["dqn"].update(updates=0.0)
+    metrics["ppo"].update(held_flat=1.0, edge_confidence=0.41)
+    table = format_table(metrics, split="test")
+    width = max(len(line) for line in table.splitlines())
+    assert width <= 120, f"{width} columns:\n{table}"
+    rows = table_rows(table)
+    assert list(rows) == ["tft", "dqn (untrained)", "ppo (held flat)", "ensemble", "buy_and_hold", "oracle"], table
+    assert "\u2026" not in table and rows["oracle"]["log return"] == f"{metrics['oracle']['total_log_return']:+.4f}"
+    assert rows["tft"]["ens. weight"] == "0.600" and rows["oracle"]["trades"] == f"{metrics['oracle']['n_trades']:.0f}"
+    assert [header for header, figure in rows["oracle"].items() if figure == "n/a"] == ["ens. weight"]  # all shown

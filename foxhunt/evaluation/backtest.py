@@ -22,19 +22,26 @@ from foxhunt.trading.pnl import strategy_log_returns
 
 BACKTEST_KEYS = ("sharpe", "total_log_return", "reward_per_bar", "max_drawdown", "turnover", "hit_rate", "n_trades")
 
-COLUMNS = (
-    ("total_log_return", "total log ret", "{:+.4f}"),
-    ("sharpe", "Sharpe", "{:+.2f}"),
-    ("sortino", "Sortino", "{:+.2f}"),
-    ("max_drawdown", "max DD", "{:.2%}"),
-    ("turnover", "turnover", "{:.4f}"),
-    ("hit_rate", "hit rate", "{:.3f}"),
-    ("n_trades", "trades", "{:.0f}"),
-    ("weight", "ens. weight", "{:.3f}"),
-    ("sharpe_se", "Sharpe SE", "{:.2f}"),
-    ("sharpe_ci", "95% CI", "[{:+.2f}, {:+.2f}]"),
-    ("psr_vs_flat", "PSR vs flat", "{:.3f}"),
-    ("psr_vs_benchmark", "PSR vs B&H", "{:.3f}"),
+COLUMNS = (  # (metric, header: short, on two lines, so that the table fits a 120-column terminal, format)
+    ("total_log_return", "log\nreturn", "{:+.4f}"),
+    ("sharpe", "\nSharpe", "{:+.2f}"),
+    ("sortino", "\nSortino", "{:+.2f}"),
+    ("max_drawdown", "max\nDD", "{:.2%}"),
+    ("turnover", "\nturnover", "{:.4f}"),
+    ("hit_rate", "hit\nrate", "{:.3f}"),
+    ("n_trades", "\ntrades", "{:.0f}"),
+    ("weight", "ens.\nweight", "{:.3f}"),
+    ("sharpe_se", "\nSE", "{:.2f}"),
+    ("sharpe_ci", "\n95% CI", "[{:+.2f}, {:+.2f}]"),
+    ("psr_vs_flat", "PSR\nflat", "{:.3f}"),
+    ("psr_vs_benchmark", "PSR\nB&H", "{:.3f}"),
+)
+TABLE_WIDTH = 120  # columns of the terminal the table is laid out for
+LEGEND = (
+    "log return: total after costs; Sharpe, Sortino: annualised; max DD: maximum drawdown; turnover: mean |position "
+    "change| per bar; hit rate: share of the bars in the market that gained; ens. weight: weight in the ensemble; "
+    "SE, 95% CI: the Sharpe's standard error and bootstrap interval; PSR flat, PSR B&H: probabilistic Sharpe ratio vs "
+    "flat and vs buy-and-hold"
 )
 
 
@@ -141,27 +148,52 @@ ORACLE_NOTE = (
 )
 
 
-def format_table(results: dict[str, dict[str, float]], split: str | None = None) -> str:
-    """A plain-text table, one row per policy (a member that never updated is marked "untrained", one the do-no-harm
-    rule holds flat "held flat", with its validation edge confidence below), headed by the split it was computed on."""
-    head = f"{'policy':<22}" + "".join(f"{label:>{18 if key == 'sharpe_ci' else 15}}" for key, label, _ in COLUMNS)
-    rows = [f"split: {split}"] if split else []
-    rows += [head, "-" * len(head)]
+def format_table(results: dict[str, dict[str, float]], split: str | None = None, width: int = TABLE_WIDTH) -> str:
+    """A plain-text table no wider than ``width`` (rich; a terminal's 120 columns by default), one row per policy (a
+    member that never updated is marked "untrained", one the do-no-harm rule holds flat "held flat", with its
+    validation edge confidence below), headed by the split it was computed on, its short headers explained below."""
+    import io
+
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    rule = box.Box("    \n    \n -- \n    \n    \n    \n    \n    \n", ascii=True)  # a dashed line under the headers
+    table = Table(box=rule, show_edge=False, pad_edge=False, collapse_padding=True, header_style="none")
+    table.add_column(Text("\npolicy"), overflow="fold")  # a long member name wraps; the figures never do
+    for _, label, _ in COLUMNS:
+        table.add_column(Text(label), justify="right", no_wrap=True)
     for who, m in results.items():
         label = f"{who} (untrained)" if m.get("updates") == 0 else f"{who} (held flat)" if m.get("held_flat") == 1 else who
-        cells = []
-        for key, _, fmt in COLUMNS:
-            if key == "sharpe_ci":
-                lo, hi = m.get("sharpe_ci_low", float("nan")), m.get("sharpe_ci_high", float("nan"))
-                cells.append(f"{'n/a' if math.isnan(lo) or math.isnan(hi) else fmt.format(lo, hi):>18}")
-                continue
-            v = m.get(key, float("nan"))
-            cells.append(f"{'n/a' if math.isnan(v) else fmt.format(v):>15}")
-        rows.append(f"{label:<22}" + "".join(cells))
+        table.add_row(Text(label), *(Text(_cell(m, key, fmt)) for key, _, fmt in COLUMNS))
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None, markup=False, emoji=False, highlight=False,
+            force_jupyter=False).print(table)  # in a notebook too: the text, not a displayed widget
+    rows = [f"split: {split}"] if split else []
+    rows += [line.rstrip() for line in out.getvalue().splitlines()]
+    rows += _wrapped(LEGEND, width)
     flat = {who: m.get("edge_confidence", float("nan")) for who, m in results.items() if m.get("held_flat") == 1}
     if flat:
-        rows.append("held flat (do no harm): no significant edge after costs on validation, so the member does not trade "
-                    "(validation edge confidence: " + ", ".join(f"{w} {c:.2f}" for w, c in flat.items()) + ")")
+        confidence = ", ".join(f"{w} {c:.2f}" for w, c in flat.items())
+        rows += _wrapped(f"held flat (validation edge confidence: {confidence}): by the do-no-harm rule, a member "
+                         "without a significant edge after costs on validation does not trade", width)
     if "oracle" in results:
-        rows.append(ORACLE_NOTE)
+        rows += _wrapped(ORACLE_NOTE, width)
     return "\n".join(rows)
+
+
+def _cell(m: dict[str, float], key: str, fmt: str) -> str:
+    """One figure of a table row as printed ("n/a" where it has no value)."""
+    if key == "sharpe_ci":
+        lo, hi = m.get("sharpe_ci_low", float("nan")), m.get("sharpe_ci_high", float("nan"))
+        return "n/a" if math.isnan(lo) or math.isnan(hi) else fmt.format(lo, hi)
+    v = m.get(key, float("nan"))
+    return "n/a" if math.isnan(v) else fmt.format(v)
+
+
+def _wrapped(text: str, width: int) -> list[str]:
+    """A note under the table, wrapped at word boundaries to the table's width."""
+    import textwrap
+
+    return textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False)

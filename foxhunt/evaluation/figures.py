@@ -38,17 +38,21 @@ _STYLES = ("-", "--", "-.", ":")
 
 
 def equity_figure(positions: dict[str, Tensor], split: MarketSplit, cost_bps: float) -> Figure:
-    """Equity (cumulative log return after costs), drawdown and position of every policy on a split, against dates.
+    """Equity (cumulative log return after costs), drawdown and rolling mean position of every policy on a split,
+    against dates.
 
     Bars of several symbols are drawn one symbol after another (the x-axis shows each bar's own date). Policies with
     identical positions share one line whose legend names all of them ("tft = ensemble"), so no member hides behind
-    another; the other lines differ in style, so curves that only nearly coincide stay distinguishable.
+    another; the other lines differ in style, so curves that only nearly coincide stay distinguishable. The position
+    panel shows each policy's mean position over the last ~1% of the bars (``position_window``): over tens of
+    thousands of bars the positions themselves, flipping every few bars, would fill the panel as a solid band.
     """
     groups = coinciding_policies(positions)
     curves = equity_curves({names[0]: positions[names[0]] for names in groups}, split, cost_bps)
     fig = Figure(figsize=(11, 7.5), layout="constrained")
     ax_eq, ax_dd, ax_pos = fig.subplots(3, 1, sharex=True, height_ratios=[3, 1.3, 1.3])
     x = torch.arange(len(split)).numpy()
+    window = position_window(len(split))
     for i, names in enumerate(groups):
         curve = curves[names[0]]
         label = " = ".join(names)
@@ -56,11 +60,11 @@ def equity_figure(positions: dict[str, Tensor], split: MarketSplit, cost_bps: fl
         ax_eq.plot(x, curve.numpy(), **style)
         peak = torch.cummax(torch.cat([torch.zeros(1, dtype=curve.dtype), curve]), 0).values[1:]
         ax_dd.plot(x, (1 - torch.exp(curve - peak)).neg().numpy(), **style)
-        ax_pos.step(x, positions[names[0]].float().cpu().numpy(), where="post", **style)
+        ax_pos.step(x, rolling_mean(positions[names[0]].cpu(), window, split.first_bar).numpy(), where="post", **style)
     ax_eq.set_ylabel("cumulative log return\nafter costs")
     ax_eq.legend(ncol=3, fontsize=8)
     ax_dd.set_ylabel("drawdown")
-    ax_pos.set_ylabel("position")
+    ax_pos.set_ylabel("position" if window == 1 else f"position, mean\nof {window:,} bars")
     ax_pos.set_ylim(-1.1, 1.1)
     for ax in (ax_eq, ax_dd, ax_pos):
         ax.grid(alpha=0.3)
@@ -70,6 +74,22 @@ def equity_figure(positions: dict[str, Tensor], split: MarketSplit, cost_bps: fl
     names = f"symbols {', '.join(split.symbols)} in turn" if len(split.symbols) > 1 else split.symbols[0] if split.symbols else ""
     ax_pos.set_xlabel(f"bar date (UTC), split {split.name!r}, {names}")
     return fig
+
+
+def position_window(n_bars: int) -> int:
+    """Bars the position panel averages over: about 1% of the split, so it reads the same at any length."""
+    return max(1, round(n_bars / 100))
+
+
+def rolling_mean(values: Tensor, window: int, reset: Tensor) -> Tensor:
+    """[T] mean of ``values`` over the last ``window`` bars of the same symbol (fewer at its start; a symbol starts at
+    each ``reset`` bar), so one symbol's positions never blur into the next one's."""
+    v = values.detach().double().nan_to_num()
+    total = torch.cat([torch.zeros(1, dtype=v.dtype), torch.cumsum(v, 0)])
+    t = torch.arange(len(v))
+    start = torch.cummax(torch.where(reset.cpu(), t, torch.zeros_like(t)), 0).values if len(v) else t
+    low = torch.maximum(t - window + 1, start)
+    return (total[t + 1] - total[low]) / (t + 1 - low)
 
 
 def coinciding_policies(positions: dict[str, Tensor]) -> list[list[str]]:
