@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 import re
 
+import pytest
 import torch
 
 from foxhunt.data.market import MarketSplit
 from foxhunt.evaluation.backtest import equity_curves, format_table, oracle_split_positions, policy_metrics, sortino
+from tests._splits import hourly_split
 
 
 def split(n: int = 8, symbols: int = 2, oracle: bool = False) -> MarketSplit:
@@ -90,20 +92,20 @@ def test_equity_curves_and_table() -> None:
 
 
 def table_rows(table: str) -> dict[str, dict[str, str]]:
-    """The rows of a printed back-test table, policy -> {header (its lines joined): figure as printed}."""
+    """The rows of a printed back-test table (of both, when it is two), policy -> {header (its lines joined): figure
+    as printed}."""
     lines = table.splitlines()
-    rule = next(i for i, line in enumerate(lines) if line and set(line) == {"-"})
     def cells(line: str) -> list[tuple[int, str]]:  # (right edge, text) of the cells, apart by two spaces or more
         return [(m.end(), m.group()) for m in re.finditer(r"\S+(?: \S+)*", line)]
-    bottom = cells(lines[rule - 1])
-    top = dict(cells(lines[rule - 2]))
-    headers = ["policy"] + [f"{top[end]} {text}" if end in top else text for end, text in bottom[1:]]
-    rows = {}
-    for line in lines[rule + 1:]:
-        values = [text for _, text in cells(line)]
-        if len(values) != len(headers):  # the legend and the notes under the table
-            break
-        rows[values[0]] = dict(zip(headers, values))
+    rows: dict[str, dict[str, str]] = {}
+    for rule in (i for i, line in enumerate(lines) if line and set(line) == {"-"}):
+        top = dict(cells(lines[rule - 2]))
+        headers = ["policy"] + [f"{top[end]} {text}" if end in top else text for end, text in cells(lines[rule - 1])[1:]]
+        for line in lines[rule + 1:]:
+            values = [text for _, text in cells(line)]
+            if len(values) != len(headers):  # the end of this table
+                break
+            rows.setdefault(values[0], {}).update(zip(headers, values))
     return rows
 
 
@@ -230,3 +232,33 @@ def test_the_table_of_every_policy_fits_a_120_column_terminal() -> None:
     assert "\u2026" not in table and rows["oracle"]["log return"] == f"{metrics['oracle']['total_log_return']:+.4f}"
     assert rows["tft"]["ens. weight"] == "0.600" and rows["oracle"]["trades"] == f"{metrics['oracle']['n_trades']:.0f}"
     assert [header for header, figure in rows["oracle"].items() if figure == "n/a"] == ["ens. weight"]  # all shown
+    assert sum(set(line) == {"-"} for line in table.splitlines()) == 1  # in one table
+
+
+def test_figures_too_wide_for_one_table_fill_two() -> None:
+    """Sharpes in the hundreds (a few days of minute bars) and a long member name: the Sharpe's significance moves to
+    a second table, each within 120 columns, every figure and name whole."""
+    row = {"total_log_return": 0.0508, "sharpe": 121.4, "sortino": 188.78, "max_drawdown": 0.0047, "turnover": 0.4005,
+           "hit_rate": 0.617, "n_trades": 148.0, "sharpe_se": 30.48, "sharpe_ci_low": 60.34, "sharpe_ci_high": 186.05,
+           "psr_vs_flat": 1.0, "psr_vs_benchmark": 0.998}
+    table = format_table({"a_rather_long_member_name": {**row, "weight": 0.5, "updates": 0.0}, "oracle": row})
+    assert max(len(line) for line in table.splitlines()) <= 120 and "\u2026" not in table
+    assert sum(set(line) == {"-"} for line in table.splitlines()) == 2
+    rows = table_rows(table)
+    assert list(rows) == ["a_rather_long_member_name (untrained)", "oracle"]
+    assert rows["oracle"]["95% CI"] == "[+60.34, +186.05]" and rows["oracle"]["Sharpe"] == "+121.40"
+    assert rows["a_rather_long_member_name (untrained)"]["ens. weight"] == "0.500"
+    assert set(rows["oracle"]) == {"policy", "log return", "Sharpe", "Sortino", "max DD", "turnover", "hit rate",
+                                   "trades", "ens. weight", "SE", "95% CI", "PSR flat", "PSR B&H"}
+
+
+def test_policy_metrics_refuse_non_finite_positions_at_decision_bars() -> None:
+    """A NaN position at a decision bar made the P&L NaN and the Sharpe a silent 0.00; it is refused by name."""
+    s = hourly_split([0.01, -0.02, 0.03, 0.0, 0.01, float("nan")])
+    bad = torch.tensor([1.0, float("nan"), 1.0, 0.0, 1.0, 0.0])
+    with pytest.raises(ValueError, match=r"ppo: 1 non-finite position"):
+        policy_metrics({"long": torch.ones(6), "ppo": bad}, s, cost_bps=1.0, bars_per_year=100.0)
+    # outside the decision bars a position is never held (forced flat), so a NaN there is harmless
+    ok = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, float("nan")])
+    m = policy_metrics({"ppo": ok}, s, cost_bps=1.0, bars_per_year=100.0)["ppo"]
+    assert math.isfinite(m["sharpe"]) and math.isfinite(m["total_log_return"])

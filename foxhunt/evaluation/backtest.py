@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -19,6 +20,11 @@ from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
 from foxhunt.evaluation.trading import counted_log_returns, trading_metrics
 from foxhunt.trading.oracle import oracle_positions
 from foxhunt.trading.pnl import strategy_log_returns
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from rich.table import Table
 
 BACKTEST_KEYS = ("sharpe", "total_log_return", "reward_per_bar", "max_drawdown", "turnover", "hit_rate", "n_trades")
 
@@ -36,6 +42,7 @@ COLUMNS = (  # (metric, header: short, on two lines, so that the table fits a 12
     ("psr_vs_flat", "PSR\nflat", "{:.3f}"),
     ("psr_vs_benchmark", "PSR\nB&H", "{:.3f}"),
 )
+SIGNIFICANCE_KEYS = ("sharpe_se", "sharpe_ci", "psr_vs_flat", "psr_vs_benchmark")  # a second table's, when too wide
 TABLE_WIDTH = 120  # columns of the terminal the table is laid out for
 LEGEND = (
     "log return: total after costs; Sharpe, Sortino: annualised; max DD: maximum drawdown; turnover: mean |position "
@@ -151,25 +158,23 @@ ORACLE_NOTE = (
 def format_table(results: dict[str, dict[str, float]], split: str | None = None, width: int = TABLE_WIDTH) -> str:
     """A plain-text table no wider than ``width`` (rich; a terminal's 120 columns by default), one row per policy (a
     member that never updated is marked "untrained", one the do-no-harm rule holds flat "held flat", with its
-    validation edge confidence below), headed by the split it was computed on, its short headers explained below."""
+    validation edge confidence below), headed by the split it was computed on, its short headers explained below.
+    Figures too wide for one table (Sharpes in the hundreds on a few days of minute bars) put the Sharpe's
+    significance in a second one, so that no figure is ever cut short."""
     import io
 
-    from rich import box
     from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
 
-    rule = box.Box("    \n    \n -- \n    \n    \n    \n    \n    \n", ascii=True)  # a dashed line under the headers
-    table = Table(box=rule, show_edge=False, pad_edge=False, collapse_padding=True, header_style="none")
-    table.add_column(Text("\npolicy"), overflow="fold")  # a long member name wraps; the figures never do
-    for _, label, _ in COLUMNS:
-        table.add_column(Text(label), justify="right", no_wrap=True)
-    for who, m in results.items():
-        label = f"{who} (untrained)" if m.get("updates") == 0 else f"{who} (held flat)" if m.get("held_flat") == 1 else who
-        table.add_row(Text(label), *(Text(_cell(m, key, fmt)) for key, _, fmt in COLUMNS))
     out = io.StringIO()
-    Console(file=out, width=width, color_system=None, markup=False, emoji=False, highlight=False,
-            force_jupyter=False).print(table)  # in a notebook too: the text, not a displayed widget
+    console = Console(file=out, width=width, color_system=None, markup=False, emoji=False, highlight=False,
+                      force_jupyter=False)  # in a notebook too: the text, not a displayed widget
+    tables = [_rich_table(results, COLUMNS)]
+    if console.measure(tables[0], options=console.options.update_width(10 * width)).maximum > width:  # natural width
+        significance = {"sharpe", *SIGNIFICANCE_KEYS}
+        tables = [_rich_table(results, [c for c in COLUMNS if c[0] not in SIGNIFICANCE_KEYS]),
+                  _rich_table(results, [c for c in COLUMNS if c[0] in significance])]
+    for k, table in enumerate(tables):
+        console.print(*([""] if k else []), table)
     rows = [f"split: {split}"] if split else []
     rows += [line.rstrip() for line in out.getvalue().splitlines()]
     rows += _wrapped(LEGEND, width)
@@ -181,6 +186,23 @@ def format_table(results: dict[str, dict[str, float]], split: str | None = None,
     if "oracle" in results:
         rows += _wrapped(ORACLE_NOTE, width)
     return "\n".join(rows)
+
+
+def _rich_table(results: dict[str, dict[str, float]], columns: Sequence[tuple[str, str, str]]) -> Table:
+    """The rich table of ``columns`` (of ``COLUMNS``), one row per policy, a dashed line under the headers."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    rule = box.Box("    \n    \n -- \n    \n    \n    \n    \n    \n", ascii=True)
+    table = Table(box=rule, show_edge=False, pad_edge=False, collapse_padding=True, header_style="none")
+    table.add_column(Text("\npolicy"), overflow="fold")  # a long member name wraps; the figures never do
+    for _, label, _ in columns:
+        table.add_column(Text(label), justify="right", no_wrap=True)
+    for who, m in results.items():
+        label = f"{who} (untrained)" if m.get("updates") == 0 else f"{who} (held flat)" if m.get("held_flat") == 1 else who
+        table.add_row(Text(label), *(Text(_cell(m, key, fmt)) for key, _, fmt in columns))
+    return table
 
 
 def _cell(m: dict[str, float], key: str, fmt: str) -> str:
