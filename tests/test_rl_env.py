@@ -234,3 +234,36 @@ def test_env_raw_rewards_are_the_back_tests_per_bar_log_returns(continuous: bool
 
 def position_changes_sum(pos: torch.Tensor) -> float:
     return float((pos - torch.cat([pos.new_zeros(1), pos[:-1]])).abs().sum())
+
+
+def single_symbol_split(n: int = 200, n_features: int = 3, seed: int = 0) -> MarketSplit:
+    """One symbol of random features and returns; its last bar has no return."""
+    g = torch.Generator().manual_seed(seed)
+    rets = torch.randn(n, generator=g) * 1e-2
+    rets[-1] = float("nan")
+    return MarketSplit(
+        name="unit", symbols=["S0"], timestamps=torch.arange(n, dtype=torch.int64) * 60_000_000_000,
+        symbol_index=torch.zeros(n, dtype=torch.int64), ohlcv=torch.ones(n, 5, dtype=torch.float64), returns=rets,
+        targets=rets.clone(), valid=torch.isfinite(rets), features=torch.randn(n, n_features, generator=g),
+        feature_names=[f"f{i}" for i in range(n_features)],
+    )
+
+
+def test_an_action_set_without_flat_is_refused() -> None:
+    """Episodes start flat and the back-test holds no position before the first bar. Without a 0 action the env took
+    the action nearest 0 as "flat": with actions (-1, 1) every episode began short for free, so the first step's
+    reward (cost measured from -1) was not the back-test's P&L of the same positions (cost measured from 0)."""
+    split = single_symbol_split()
+    with pytest.raises(ValueError, match="flat"):
+        MarketTensors(split, window=4, actions=(-1.0, 1.0), cost_bps=10.0)
+    with pytest.raises(ValueError, match="flat"):
+        MarketTensors(split, window=4, actions=(-0.5, 0.5, 1.0))
+    # with a flat action (anywhere in the tuple) the first step's raw reward is the back-test's, entry cost included
+    m = MarketTensors(split, window=4, actions=(1.0, 0.0), cost_bps=10.0)
+    assert m.flat_index == 1
+    env = MarketEnv(m, n_envs=8, episode_length=10, seed=0)
+    env.steps.zero_()  # every agent at the start of an episode
+    bars = env.bars.clone()
+    tr = env.step(torch.zeros(8, dtype=torch.int64))  # go long
+    want = strategy_log_returns(torch.ones(8, 1), split.returns[bars].unsqueeze(1), 10.0).squeeze(1)
+    torch.testing.assert_close(tr.raw_rewards, want.float(), rtol=1e-5, atol=1e-8)

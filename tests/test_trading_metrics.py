@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from foxhunt.evaluation.significance import sharpe_summary
 from foxhunt.evaluation.trading import bars_per_year, counted_log_returns, counted_position_changes, trading_metrics
 from foxhunt.trading.pnl import LOG_RUIN_FLOOR, RUIN_FLOOR, position_changes, strategy_log_returns
 
@@ -240,3 +241,39 @@ def test_counted_log_returns_match_a_loop_with_holes_symbols_and_a_batch() -> No
         assert m.n_trades[i].item() == int(trades.sum())
         moved += int((uncounted.numpy()[~mask] != 0).sum())
     assert moved > 0  # the case exercised exits at excluded bars
+
+
+@pytest.mark.parametrize(
+    ("positions", "returns"),
+    [
+        ([1.0] * 50, [0.001] * 50),  # a constant P&L: its spread is rounding, so it has no Sharpe
+        ([0.0] * 50, [0.003, -0.002] * 25),  # a flat book: Sharpe 0, and nothing to test
+        ([1.0, 1.0], [0.01, -0.02]),  # two bars: too few for a Sharpe
+        ([1.0, -1.0, 1.0, 0.0] * 10, [0.002, -0.001, 0.004, 0.0] * 10),  # an ordinary series
+    ],
+    ids=["constant", "flat", "two-bars", "ordinary"],
+)
+def test_trading_metrics_sharpe_is_the_significance_tables_sharpe(positions, returns) -> None:
+    """The back-test table's Sharpe (trading_metrics) and its SE / PSR columns (sharpe_summary) come from one rule:
+    a constant P&L gave a Sharpe of ~1e14 (a ratio of rounding errors) and 2 bars a Sharpe, where significance has
+    none."""
+    pos = torch.tensor(positions, dtype=torch.float64)
+    ret = torch.tensor(returns, dtype=torch.float64)
+    m = trading_metrics(pos, ret, 0.0, 252.0)
+    pnl = counted_log_returns(pos, ret, 0.0)
+    s = sharpe_summary(pnl, 252.0, n_boot=20)
+    got, want = float(m.sharpe), s["sharpe"]
+    assert (math.isnan(got) and math.isnan(want)) or got == pytest.approx(want, rel=1e-9), (got, want)
+    if not math.isfinite(want):
+        assert math.isnan(s["sharpe_se"]) and math.isnan(s["psr_vs_flat"])
+
+
+def test_a_flat_book_has_sharpe_zero_and_no_statistics_and_a_constant_pnl_none() -> None:
+    flat = sharpe_summary(torch.zeros(100, dtype=torch.float64), 252.0, n_boot=20)
+    assert flat["sharpe"] == 0.0
+    assert all(math.isnan(flat[k]) for k in ("sharpe_se", "sharpe_ci_low", "sharpe_ci_high", "psr_vs_flat"))
+    const = trading_metrics(torch.ones(100), torch.full((100,), 0.001, dtype=torch.float64), 0.0, 252.0)
+    assert math.isnan(float(const.sharpe))  # not mean / (rounding noise)
+    assert float(const.reward_per_bar) == pytest.approx(0.001, rel=1e-12)  # the other figures stay
+    batch = trading_metrics(torch.stack([torch.zeros(100), torch.ones(100)]), torch.full((100,), 0.001), 0.0, 252.0)
+    assert float(batch.sharpe[0]) == 0.0 and math.isnan(float(batch.sharpe[1]))

@@ -1,5 +1,5 @@
-"""Audit of the two forecaster members (TFT, Mamba-2): the member protocol's test metrics, standalone checkpoints of a
-member bound to the data, and the policy interval an honest edge after costs needs."""
+"""The forecaster members (TFT, Mamba-2) under the member protocol: test metrics on the return scale, a standalone
+checkpoint of a member bound to the data, the policy interval's check, and forecasts causal bit for bit."""
 
 from __future__ import annotations
 
