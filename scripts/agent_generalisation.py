@@ -30,14 +30,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from foxhunt.quality.agent_tasks import (
     SyntheticMarket,
@@ -67,8 +63,9 @@ def run_foxhunt(data: SyntheticMarket, updates: int, seed: int, confidence: floa
 
 def run_sb3(data: SyntheticMarket, updates: int, seed: int) -> dict:
     """Stable-Baselines3's DQN at its defaults, batch 64, for ``updates`` gradient updates."""
-    from bench_dqn import make_gym_env
     from stable_baselines3 import DQN
+
+    from foxhunt.quality.gym_env import make_gym_env
 
     train = MarketTensors(data.train, WINDOW, (-1.0, 0.0, 1.0), COST_BPS)
     train.reward_scale = reward_scale_for(train)

@@ -4,7 +4,7 @@ foxhunt's learner is the path ``python -m foxhunt.fit`` builds: ``DQNModule`` as
 ``EnsembleModule`` coordinator, fitted by a Lightning ``Trainer`` on a ``MarketDataModule`` (logger, checkpoints,
 progress bar, model summary, sanity check and validation off; ``max_steps`` = gradient updates, since
 ``global_step`` counts optimizer updates). Stable-Baselines3 2.x runs its own ``DQN`` on a gymnasium env with the
-semantics of foxhunt's ``MarketEnv``.
+semantics of foxhunt's ``MarketEnv`` (foxhunt.quality.gym_env).
 
 Same task for both (scripts/dqn_quality.py's AR(1) market): observation = the last W rows of the features flattened,
 plus the one-hot held position; actions short/flat/long; reward = scale·(log1p(position·expm1(r)) + log1p(−cost·|Δposition|)),
@@ -44,20 +44,17 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dqn_quality import BARS_PER_YEAR, SyntheticMarket, ar1_market, baseline_metrics, best_causal_oracle
-
 from foxhunt.evaluation.trading import trading_metrics
-from foxhunt.rl.env import MarketEnv, MarketTensors, greedy_positions
+from foxhunt.quality.agent_tasks import SyntheticMarket
+from foxhunt.quality.agents import BARS_PER_YEAR, ar1_market, baseline_metrics, best_causal_oracle
+from foxhunt.quality.gym_env import make_gym_env
+from foxhunt.rl.env import MarketTensors, greedy_positions
 
 ACTIONS = (-1.0, 0.0, 1.0)
 COST_BPS = 1.0
@@ -123,55 +120,6 @@ class Settings:
     def exploration_fraction(self) -> float:
         """SB3's fraction of ``learning_starts + updates`` steps after which ε stays at its end."""
         return (self.learning_starts + self.epsilon_updates) / (self.learning_starts + self.updates)
-
-
-def make_gym_env(market: MarketTensors, episode_length: int, seed: int):
-    """A gymnasium env with the semantics of foxhunt's MarketEnv (one agent, numpy, SB3's usual interface)."""
-    import gymnasium as gym
-
-    starts = MarketEnv(market, n_envs=1, episode_length=episode_length).starts.numpy()
-    feats = market.features.numpy()
-    w, n_act, flat = market.window, market.n_actions, market.flat_index
-    # [held, bar, action] training reward, from foxhunt's own reward function: the same reward for both learners
-    bars = torch.arange(market.n_bars)
-    rewards = torch.stack([market.rewards_all(bars, torch.full_like(bars, p)) for p in range(n_act)]).double().numpy()
-
-    class MarketGymEnv(gym.Env):
-        observation_space = gym.spaces.Box(-np.inf, np.inf, (w * feats.shape[1] + n_act,), np.float32)
-        action_space = gym.spaces.Discrete(n_act)
-
-        def __init__(self) -> None:
-            self.rng = np.random.default_rng(seed)
-            self.t = self.pos = self.k = 0
-
-        def _obs(self) -> np.ndarray:
-            onehot = np.zeros(n_act, np.float32)
-            onehot[self.pos] = 1.0
-            return np.concatenate([feats[self.t - w + 1 : self.t + 1].ravel(), onehot])
-
-        def reset(self, *, seed=None, options=None):
-            if seed is not None:
-                self.rng = np.random.default_rng(seed)
-            self.t, self.pos, self.k = int(starts[self.rng.integers(len(starts))]), flat, 0
-            return self._obs(), {}
-
-        def step(self, action):
-            a = int(action)
-            reward = rewards[self.pos, self.t, a]
-            self.t, self.pos, self.k = self.t + 1, a, self.k + 1
-            return self._obs(), float(reward), False, self.k >= episode_length, {}
-
-    return MarketGymEnv()
-
-
-def make_sb3_env(market: MarketTensors, episode_length: int, seed: int, n_envs: int = 1):
-    """What SB3's learners train on: one :func:`make_gym_env` (SB3 wraps it itself), or ``n_envs`` of them (seeds
-    ``seed``, ``seed + 1``, ..) in a ``DummyVecEnv``, faster than ``SubprocVecEnv`` on 2 cores."""
-    if n_envs == 1:
-        return make_gym_env(market, episode_length, seed)
-    from stable_baselines3.common.vec_env import DummyVecEnv
-
-    return DummyVecEnv([lambda i=i: make_gym_env(market, episode_length, seed + i) for i in range(n_envs)])
 
 
 def score(positions: torch.Tensor, market: MarketTensors, oracle: float) -> tuple[float, float, float]:

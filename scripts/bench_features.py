@@ -35,7 +35,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from talib_reference import WINDOWS, make_bars, talib_calls
 
 import foxhunt
 from foxhunt.features import FAMILIES, REGISTRY, FeatureSet
@@ -44,6 +43,7 @@ from foxhunt.features import trend as TR
 from foxhunt.features import volatility as V
 from foxhunt.features import volume as VO
 from foxhunt.features.panel import Panel
+from foxhunt.quality.talib_reference import WINDOWS, make_bars, talib_calls
 from foxhunt.training.memory import retain_freed_memory
 
 TARGET_S, TARGET_RATIO, TARGET_MEMORY = 1.5, 1.5, 1.5

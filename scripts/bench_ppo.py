@@ -40,18 +40,14 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
-import sys
 import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dqn import make_sb3_env
-
 from foxhunt.quality.agents import ar1_market
+from foxhunt.quality.gym_env import make_sb3_env
 from foxhunt.rl.env import MarketTensors
 
 ACTIONS = (-1.0, 0.0, 1.0)

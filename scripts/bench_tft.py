@@ -66,7 +66,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -74,13 +73,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tft_quality import QualityData, build_quality_data, windows
-
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.evaluation.forecast_metrics import pinball_loss
 from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.lit.tft import TFTModule
+from foxhunt.quality.forecasters import QualityData, build_quality_data, windows
 
 QUANTILES = (0.1, 0.5, 0.9)
 SMALL = ["ret_z", "log_vol_slow", "phase_sin", "phase_cos", "gap_log"]

@@ -34,13 +34,12 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 class StepClock(L.Callback):
@@ -71,6 +70,18 @@ class StepClock(L.Callback):
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def best_of(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
+    """Best wall seconds of ``repeat`` runs (the least disturbed one on a shared machine) and the last result."""
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        _sync()
+        t = time.perf_counter()
+        out = fn()
+        _sync()
+        best = min(best, time.perf_counter() - t)
+    return best, out
 
 
 def non_finite(metrics: dict[str, Any]) -> list[str]:
@@ -114,9 +125,8 @@ def fit_check(config: str, accelerator: str, precision: str, steps: int, extra: 
 
 def feature_check(device: str, bars: int) -> dict[str, Any]:
     """The whole feature set from tensors on ``device``; TA-Lib's equivalent calls on CPU when installed."""
-    from bench_features import make_bars, talib_calls, timed
-
     from foxhunt.features import FeatureSet
+    from foxhunt.quality.talib_reference import make_bars, talib_calls
 
     ohlcv, ts, sym = make_bars(bars, 0)
     fs = FeatureSet()
@@ -129,7 +139,7 @@ def feature_check(device: str, bars: int) -> dict[str, Any]:
         _sync()
         return host
 
-    best, _, out = timed(run, 3)
+    best, out = best_of(run, 3)
     n_feat = len(fs.names)
     result = {"device": device, "bars": bars, "features": n_feat, "seconds": round(best, 3),
               "ns_per_bar_feature": round(best / bars / n_feat * 1e9, 2), "computed_on": str(args[0].device),
@@ -147,7 +157,7 @@ def feature_check(device: str, bars: int) -> dict[str, Any]:
         return result
     o, h, low, c, v = (ohlcv[:, i].double().numpy() for i in range(5))
     calls = talib_calls(o, h, low, c, v)
-    t_best, _, _ = timed(lambda: [fn() for _, fn in calls], 3)
+    t_best, _ = best_of(lambda: [fn() for _, fn in calls], 3)
     result.update({"talib_cpu_seconds": round(t_best, 3), "talib_calls": len(calls),
                    "talib_ns_per_bar_call": round(t_best / bars / len(calls) * 1e9, 2)})
     return result

@@ -23,20 +23,7 @@ import json
 
 import torch
 
-from foxhunt.quality.agents import (  # noqa: F401 - re-exported for the benchmarks
-    BARS_PER_YEAR,
-    MINUTE_NS,
-    SyntheticMarket,
-    ar1_market,
-    baseline_metrics,
-    best_causal_oracle,
-    default_dqn_kwargs,
-    generator_market,
-    run_quality,
-    splits_from_returns,
-    train_dqn,
-    updates_per_step_for,
-)
+from foxhunt.quality.agents import run_quality
 
 
 def main() -> None:

@@ -34,15 +34,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections import defaultdict
 from dataclasses import replace
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from foxhunt.quality.agent_tasks import (
     SyntheticMarket,
@@ -89,8 +85,9 @@ def run_ppo(data: SyntheticMarket, env_steps: int, seed: int, space: str, confid
 def run_sb3(data: SyntheticMarket, env_steps: int, seed: int, episode_length: int = 16, n_envs: int = 1) -> dict:
     """Stable-Baselines3's PPO at its defaults for ``env_steps`` steps on ``n_envs`` environments (a DummyVecEnv),
     scored by its deterministic policy."""
-    from bench_dqn import make_sb3_env
     from stable_baselines3 import PPO
+
+    from foxhunt.quality.gym_env import make_sb3_env
 
     train = MarketTensors(data.train, WINDOW, (-1.0, 0.0, 1.0), COST_BPS)
     train.reward_scale = reward_scale_for(train)  # the members' own rule, given to SB3

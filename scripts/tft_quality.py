@@ -11,7 +11,8 @@ Measured (seed 0, signal 0.1, 1 thread on a shared 2-core machine, 51 s of train
 selection; ~5 min before it): loss ratio to the oracle 1.0052 (no-skill forecast 1.0323, so 84% of that gap closed),
 coverage of [q0.1, q0.9] 0.797 (oracle 0.798).
 
-The data builder here (``build_quality_data``) is also used by tests/test_tft_quality.py and scripts/bench_tft.py.
+The market, the training and the scoring are foxhunt.quality.forecasters' (also run by tests/test_tft_quality.py and
+scripts/bench_tft.py).
 """
 
 from __future__ import annotations
@@ -22,18 +23,7 @@ import time
 
 import torch
 
-from foxhunt.quality.forecasters import (  # noqa: F401 - the script prints what the package computes
-    BASE_FEATURES,
-    KNOWN_FUTURE,
-    QualityData,
-    _ewma,
-    _symbol_features,
-    build_quality_data,
-    evaluate,
-    make_module,
-    train,
-    windows,
-)
+from foxhunt.quality.forecasters import build_quality_data, evaluate, train, windows
 
 
 def main() -> None:

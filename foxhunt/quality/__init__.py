@@ -1,7 +1,7 @@
 """Quality yardsticks: markets whose conditional mean or quantiles are known, the oracles that use them, and scores of
-any member's positions or forecasts against those oracles on bars it never saw. foxhunt's learning tests and
-``scripts/*_quality.py`` measure its members with them; a user can measure their own members the same way. They sit
-after everything they measure: nothing else in the package imports them.
+any member's positions or forecasts against those oracles on bars it never saw. foxhunt's learning tests and the
+scripts (``scripts/README.md``) measure its members with them; a user can measure their own members the same way.
+They sit after everything they measure: nothing else in the package imports them.
 
 - :mod:`~foxhunt.quality.agent_tasks`: the agents' task family. ``task_market(phi, seed)`` is AR(1) returns with
   GARCH(1,1) volatility at strength ``phi``; ``real_market(csv)`` a real close series without an oracle. Both come cut
@@ -19,6 +19,10 @@ after everything they measure: nothing else in the package imports them.
   (``build_quality_data`` -> ``QualityData``, ``windows`` its batches); ``evaluate(module, data)`` scores any
   forecaster member against the oracle (quantile loss and interval coverage on the same rows, and the share of the gap
   between a no-skill forecast and the oracle that it closes); ``make_module`` and ``train`` fit foxhunt's TFT on it.
+- :mod:`~foxhunt.quality.gym_env`: ``make_gym_env`` and ``make_sb3_env``, the agents' task as a gymnasium environment
+  with the same observations and rewards, so a gym learner (Stable-Baselines3's) is measured on exactly foxhunt's task.
+- :mod:`~foxhunt.quality.talib_reference`: the features' yardstick, TA-Lib's calls equivalent to the registry's
+  TA-Lib-derived features (``talib_calls``) and the synthetic bars they are compared on (``make_bars``).
 
 An agent of your own, scored on unseen bars::
 

@@ -1,25 +1,35 @@
-"""The TA-Lib side of the feature benchmarks: the bars they run on and TA-Lib's calls equivalent to the registry's
-TA-Lib-derived features. Imports no foxhunt module but the synthetic market, so that scripts/bench_features_ab.py can
-run it against an older checkout too."""
+"""The features' yardstick: TA-Lib's calls equivalent to the registry's TA-Lib-derived features, and the synthetic bars
+the feature benchmarks time and check them on (``scripts/bench_features.py``, ``scripts/device_check.py``).
+
+    ohlcv, ts, sym = make_bars(1_000_000, seed=0)
+    o, h, l, c, v = (ohlcv[:, i].numpy() for i in range(5))
+    for name, call in talib_calls(o, h, l, c, v): call()     # needs TA-Lib (the ``talib`` extra)
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-WINDOWS = (5, 10, 20, 50, 100, 200)  # the SMA and EMA windows of foxhunt.features.trend (bench_features checks)
+from foxhunt.data.synthetic import generate_market
+from foxhunt.features.trend import WINDOWS
+
+__all__ = ["WINDOWS", "make_bars", "talib_calls"]
 
 
 def make_bars(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from foxhunt.data.synthetic import generate_market
-
+    """(OHLCV [n, 5] float64, timestamps [n] ns, symbol codes [n]) of one symbol of the synthetic market."""
     b = generate_market(n_bars=n, n_symbols=1, seed=seed, signal_strength=0.1).bars
     ohlcv = torch.from_numpy(b[["open", "high", "low", "close", "volume"]].to_numpy(np.float64).copy())
     ts = torch.from_numpy(b["timestamp"].to_numpy(dtype="datetime64[ns]").astype(np.int64))
     return ohlcv, ts, torch.zeros(n, dtype=torch.int64)
 
 
-def talib_calls(o, h, l, c, v):
+def talib_calls(
+    o: np.ndarray, h: np.ndarray, l: np.ndarray, c: np.ndarray, v: np.ndarray
+) -> list[tuple[str, Callable[[], object]]]:
     """TA-Lib calls equivalent to the registry's TA-Lib-derived features (outputs kept), and the features they cover."""
     import talib
 
