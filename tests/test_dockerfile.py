@@ -196,13 +196,11 @@ class _Parsed(Exception):
 
 def _check_backtest_args(args: list[str], monkeypatch) -> None:
     import foxhunt.backtest
-    import foxhunt.export
 
     def stop(*a, **k):
         raise _Parsed
 
-    # foxhunt.backtest imports `load` by name: patch it there too (imported first, so it keeps the real one after)
-    monkeypatch.setattr(foxhunt.export, "load", stop)
+    # foxhunt.backtest imports `load` by name: patch it where the command reads it
     monkeypatch.setattr(foxhunt.backtest, "load", stop)
     with pytest.raises(_Parsed):
         foxhunt.backtest.main(args)
