@@ -1,5 +1,5 @@
-"""The primitives of foxhunt.features.ops: the reference torch path (what runs on CUDA) against the CPU kernels
-(what runs on the CPU) and against brute force; the Panel; and the whole registry on both paths (values, causality)."""
+"""The primitives of foxhunt.features.ops against explicit references (Python loops, numpy, scipy); the Panel; and the
+whole registry (short symbols, the last step into the output, the CUDA choice of running sums, causality)."""
 
 from __future__ import annotations
 
@@ -7,20 +7,15 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from scipy.signal import lfilter
 from test_features import make_bars, perturb_after
 
 from foxhunt.features import REGISTRY, ops
-from foxhunt.features import cpu_kernels as F
 from foxhunt.features.compute import _compute
 from foxhunt.features.panel import Panel
 
 TOL = 1e-9
 
-
-@pytest.fixture
-def reference(monkeypatch):
-    """Route every primitive through its reference torch path, as on CUDA, while the tensors stay on the CPU."""
-    monkeypatch.setattr(ops, "fast_path", lambda x: False)
 
 def close(got: torch.Tensor, want: np.ndarray, tol: float = TOL) -> None:
     """Same shape and NaN positions, and max |got - want| <= tol (1 + max |want|) over the finite values."""
@@ -60,7 +55,7 @@ WINDOWS = (1, 2, 3, 4, 5, 14, 33, 299, 300, 301, 500)
 # ---------------------------------------------------------------- ops
 
 
-def test_shift_diff_pct(rng, reference):
+def test_shift_diff_pct(rng):
     x = padded(rng, level=50.0)
     for k in (1, 3, 299, 300, 400):
         lagged = np.full_like(x, np.nan)
@@ -68,17 +63,14 @@ def test_shift_diff_pct(rng, reference):
         close(ops.shift(t(x), k), lagged)
         close(ops.shift(t(x), k, 0.0), np.where(np.arange(x.shape[1]) < k, 0.0, lagged))
         close(ops.diff(t(x), k), x - lagged)
-        close(ops.pct_change(t(x), k), F.pct_change(x, k))
+        close(ops.pct_change(t(x), k), (x / lagged - 1.0) * 100.0)
     with pytest.raises(ValueError):
         ops.shift(t(x), 0)
 
 
-@pytest.mark.parametrize("path", ["fast", "reference"])
-def test_last_steps_round_once(rng, path, monkeypatch):
-    """(a - b) c, its lagged form and the guarded division, on both paths: the float64 expression exactly, and
-    into a float32 output that expression rounded once."""
-    if path == "reference":
-        monkeypatch.setattr(ops, "fast_path", lambda x: False)
+def test_last_steps_round_once(rng):
+    """(a - b) c, its lagged form and the guarded division: the float64 expression exactly, and into a float32 output
+    that expression rounded once."""
     x, c = padded(rng, level=50.0), rng.uniform(0.5, 2, (3, 300))
     for k in (1, 3, 299, 300, 400):
         lagged = np.full_like(x, np.nan)
@@ -103,7 +95,7 @@ def test_last_steps_round_once(rng, path, monkeypatch):
         close(inplace, want, tol=0.0)
 
 
-def test_blocked_cumsum(rng, reference):
+def test_blocked_cumsum(rng):
     """The two-level scan CUDA uses for several long rows: running sums within rounding of the sequential ones."""
     x = padded(rng, T=1000, lengths=(1000, 999, 300), level=100.0)
     for block in (1, 7, 64, 1000, 4096):
@@ -114,7 +106,7 @@ def test_blocked_cumsum(rng, reference):
 
 
 @pytest.mark.parametrize("start", [0, 1, 7])
-def test_rolling_sums_means(rng, start, reference):
+def test_rolling_sums_means(rng, start):
     x = padded(rng)
     for n in WINDOWS:
         direct = np.full(x.shape, np.nan)  # sums of the window, NaN before start + n - 1
@@ -134,52 +126,54 @@ def test_rolling_sums_means(rng, start, reference):
 
 
 @pytest.mark.parametrize("start", [0, 3])
-def test_block_prefix_and_rolling_variance(rng, start, reference):
+def test_block_prefix_and_rolling_variance(rng, start):
     x = padded(rng, T=1500, lengths=(1500, 1400, 700), level=1e4)  # price levels: the centred sums matter
-    bp, tbp = F.BlockPrefix(x, 200, start, squares=True, block=256), ops.BlockPrefix(t(x), 200, start, squares=True, block=256)
+    tbp = ops.BlockPrefix(t(x), 200, start, squares=True, block=256)
     for n in (1, 2, 5, 20, 199, 200):
-        close(tbp.sum(n), bp.sum(n))
-        close(tbp.mean(n), bp.mean(n))
-        for got, want in zip(tbp.mean_std(n, 2.0), bp.mean_std(n, 2.0)):
-            close(got, want)
-        for got, want in zip(tbp.mean_var(n), bp.mean_var(n)):
-            close(got, want)
-        # against a direct two-pass variance: float64 error stays relative to the local spread, not the 1e4 level
-        # (a std near 0 takes the square root of a rounding error, so compare variances)
         win = np.lib.stride_tricks.sliding_window_view(x, n, axis=1)
-        direct = np.full(x.shape, np.nan)
-        direct[:, n - 1 :] = win.var(axis=2)
-        direct[:, : start + n - 1] = np.nan
-        same = F.BlockPrefix(x, n, start, squares=True)  # the same blocks: the same rounding, even for a std near 0
-        for path in (ops.block_prefix(t(x), n, start, squares=True), ops.HostBlockPrefix(t(x), n, start, squares=True)):
-            close(path.mean_var(n)[1], direct)  # uncentred sums would be off by ~1e-5
-            for got, want in zip(path.mean_std(n, 2.0), same.mean_std(n, 2.0)):
-                close(got, want)
+        sums, var = np.full(x.shape, np.nan), np.full(x.shape, np.nan)
+        sums[:, n - 1 :], var[:, n - 1 :] = win.sum(axis=2), win.var(axis=2)  # a direct two-pass variance
+        sums[:, : start + n - 1] = var[:, : start + n - 1] = np.nan
+        close(tbp.sum(n), sums)
+        close(tbp.mean(n), sums / n)
+        for path in (tbp, ops.BlockPrefix(t(x), n, start, squares=True)):
+            mean, v = path.mean_var(n)
+            close(mean, sums / n)
+            # float64 error stays relative to the local spread, not the 1e4 level (uncentred sums would be off by ~1e-5)
+            close(v, var)
+            m, half = path.mean_std(n, 2.0)
+            close(m, sums / n)
+            close(half, (v.sqrt() * 2.0).numpy(), tol=0.0)  # k standard deviations: the root of that variance
+            ok = ~(var < 1e-3)  # a std near 0 takes the square root of a rounding error: compare the rest
+            close(half[torch.from_numpy(ok)].reshape(1, -1), 2.0 * np.sqrt(var[ok]).reshape(1, -1))
     with pytest.raises(ValueError):
         tbp.mean(201)
 
 
-def test_rolling_extremes(rng, reference):
+def test_rolling_extremes(rng):
     x = padded(rng)
     x[0, 40:60] = 3.0  # ties
     for n in WINDOWS:
-        close(ops.rolling_max(t(x), n), F.rolling_max(x, n), tol=0.0)
-        close(ops.rolling_min(t(x), n), F.rolling_min(x, n), tol=0.0)
-    for n in (1, 2, 3, 7, 14, 25, 100, 127, 299, 300):
+        hi, lo = np.full(x.shape, np.nan), np.full(x.shape, np.nan)
+        if n <= x.shape[1]:
+            win = np.lib.stride_tricks.sliding_window_view(x, n, axis=1)
+            hi[:, n - 1 :], lo[:, n - 1 :] = win.max(axis=2), win.min(axis=2)
+        close(ops.rolling_max(t(x), n), hi, tol=0.0)
+        close(ops.rolling_min(t(x), n), lo, tol=0.0)
+    for n in (1, 2, 3, 7, 14, 25, 100, 127, 128, 299, 300):
         for highest in (True, False):
             got = ops.bars_since_extreme(t(x), n, highest)
-            if n < 128:
-                want = F.bars_since_extreme(x, n, highest)
-            else:  # the CPU kernel refuses windows over 128 bars; the loop leaves windows with padding undefined
-                want = _bars_since_loop(x, n, highest)
-                got[torch.from_numpy(np.isnan(want))] = np.nan
-            close(got, want, tol=0.0)
-            if n < 128:  # the Aroon line, written by the kernel's last pass: as the reference rounds it
-                close(ops.aroon_line(t(x), n, highest), F.bars_since_extreme(x, n, highest, aroon=True), tol=0.0)
+            assert torch.isnan(got[:, :n]).all()
+            want = _bars_since_loop(x, n, highest)
+            padding = torch.from_numpy(np.isnan(want))  # windows reaching into the NaN after a row's last bar
+            padding[:, :n] = False
+            close(got.masked_fill(padding, np.nan), want, tol=0.0)
+            aroon = ops.aroon_line(t(x), n, highest).masked_fill(padding, np.nan)
+            close(aroon, (n - want) * (100.0 / n), tol=0.0)  # TA-Lib's Aroon line, rounded as it rounds it
 
 
 def _bars_since_loop(x: np.ndarray, n: int, highest: bool) -> np.ndarray:
-    """Bars since the extreme of x[t-n..t], ties to the latest (a plain loop, for windows the CPU kernel refuses)."""
+    """Bars since the extreme of x[t-n..t], ties to the latest (a plain loop); NaN where the window holds a NaN."""
     S, T = x.shape
     out = np.full((S, T), np.nan)
     for s in range(S):
@@ -192,26 +186,52 @@ def _bars_since_loop(x: np.ndarray, n: int, highest: bool) -> np.ndarray:
     return out
 
 
-def test_first_order_ema_wilder(rng, monkeypatch):
-    """The scans on both paths, and the EMA against TA-Lib's definition written as a loop."""
+def _first_order_ref(x: np.ndarray, a: float, b: float, y0: np.ndarray) -> np.ndarray:
+    """y[t] = a y[t-1] + b x[t] from y[-1] = y0, row by row, as scipy's sequential IIR filter."""
+    return np.stack([lfilter([b], [1.0, -a], row, zi=[a * v])[0] for row, v in zip(x, y0)])
+
+
+def _seeded_ref(x: np.ndarray, s: int, seed: np.ndarray, a: float, b: float) -> np.ndarray:
+    """NaN before bar s, ``seed`` at s, then y[t] = a y[t-1] + b x[t] (:func:`_first_order_ref`)."""
+    out = np.full(x.shape, np.nan)
+    if s < x.shape[1]:
+        out[:, s] = seed
+        out[:, s + 1 :] = _first_order_ref(x[:, s + 1 :], a, b, seed)
+    return out
+
+
+def _ema_ref(x: np.ndarray, n: int, start: int = 0, alpha: float | None = None, seed: str = "sma") -> np.ndarray:
+    """TA-Lib's EMA: seeded with the mean of the first n values from ``start`` (or x[start]), then the recursion."""
+    alpha = 2.0 / (n + 1) if alpha is None else alpha
+    s = start + n - 1 if seed == "sma" else start
+    if s >= x.shape[1]:
+        return np.full(x.shape, np.nan)
+    y0 = x[:, start : s + 1].mean(axis=1) if seed == "sma" else x[:, s]
+    return _seeded_ref(x, s, y0, 1.0 - alpha, alpha)
+
+
+def _wilder_sum_ref(x: np.ndarray, n: int, start: int = 0) -> np.ndarray:
+    """TA-Lib's DM/DI running sum: seeded with the sum of n - 1 values, then y = y - y / n + x."""
+    s = start + n - 2
+    if n < 2 or s >= x.shape[1]:
+        return np.full(x.shape, np.nan)
+    return _seeded_ref(x, s, x[:, start : s + 1].sum(axis=1), 1.0 - 1.0 / n, 1.0)
+
+
+def test_first_order_ema_wilder(rng):
+    """The scans against a sequential filter, and the EMA against TA-Lib's definition written as a loop."""
     x = padded(rng, T=5000, lengths=(5000, 4321, 3000), level=100.0)
     y0 = rng.standard_normal(3)
-
-    def both(fn, *args, **kw):
-        fast = fn(*args, **kw)
-        with monkeypatch.context() as m:
-            m.setattr(ops, "fast_path", lambda x: False)
-            return fn(*args, **kw), fast.numpy()
-
     for a in (0.0, 0.005, 0.01, 0.3, 2.0 / 3.0, 0.9, 0.99, 0.999, 1.0):
-        close(*both(ops.first_order, t(x), a, 1.0 - a if a < 1 else 0.5, t(y0)))
+        b = 1.0 - a if a < 1 else 0.5
+        close(ops.first_order(t(x), a, b, t(y0)), _first_order_ref(x, a, b, y0))
     for n in (1, 2, 5, 14, 200, 4999, 5000, 6000):
         for start in (0, 1, 30):
-            close(*both(ops.ema, t(x), n, start))
-            close(*both(ops.ema, t(x), n, start, seed="first"))
-            close(*both(ops.wilder, t(x), n, start))
-            close(*both(ops.wilder_sum, t(x), n, start))
-    close(*both(ops.ema, t(x), 10, alpha=0.3))
+            close(ops.ema(t(x), n, start), _ema_ref(x, n, start))
+            close(ops.ema(t(x), n, start, seed="first"), _ema_ref(x, n, start, seed="first"))
+            close(ops.wilder(t(x), n, start), _ema_ref(x, n, start, alpha=1.0 / n))
+            close(ops.wilder_sum(t(x), n, start), _wilder_sum_ref(x, n, start))
+    close(ops.ema(t(x), 10, alpha=0.3), _ema_ref(x, 10, alpha=0.3))
     loop = np.full(x.shape[1], np.nan)  # TA-Lib's EMA(14) of row 0: SMA seed, then the recursion
     loop[13] = x[0, :14].mean()
     for i in range(14, x.shape[1]):
@@ -232,10 +252,7 @@ def loop_recurrence(a: np.ndarray, b: np.ndarray, y0: np.ndarray) -> np.ndarray:
     return y
 
 
-@pytest.mark.parametrize("path", ["fast", "reference"])
-def test_linear_recurrence(rng, path, monkeypatch):
-    if path == "reference":
-        monkeypatch.setattr(ops, "fast_path", lambda x: False)
+def test_linear_recurrence(rng):
     S, T = 3, 4000
     for a_min in (1e-3, 0.5, 5.0 / 9.0, 0.9, 1.0):
         a = rng.uniform(a_min, 1.0, (S, T))
@@ -244,16 +261,11 @@ def test_linear_recurrence(rng, path, monkeypatch):
         y0 = rng.standard_normal(S)
         want = loop_recurrence(a, b, y0)
         close(ops.linear_recurrence(t(a), t(b), t(y0), a_min), want)
-        bt = t(b.copy())
-        close(ops.linear_recurrence(t(a), bt, t(y0), a_min, overwrite=True), want)
     with pytest.raises(ValueError):
         ops.linear_recurrence(t(a), t(b), t(y0), 0.0)
 
 
-@pytest.mark.parametrize("path", ["fast", "reference"])
-def test_scans_short_and_empty(rng, path, monkeypatch):
-    if path == "reference":
-        monkeypatch.setattr(ops, "fast_path", lambda x: False)
+def test_scans_short_and_empty(rng):
     for T in (0, 1, 2, 17):
         x = rng.standard_normal((2, T))
         y0 = rng.standard_normal(2)
@@ -286,7 +298,7 @@ def test_panel_from_flat(rng):
     assert empty.shape == (0, 0)
 
 
-# ---------------------------------------------------------------- the whole registry on both paths
+# ---------------------------------------------------------------- the whole registry
 
 ALL = list(REGISTRY)
 
@@ -313,7 +325,7 @@ def assert_same_features(got: np.ndarray, want: np.ndarray) -> None:
     scale = 1.0 + np.nanmax(np.abs(want), axis=1, initial=0.0)
     err = np.nanmax(np.abs(got - want), axis=1, initial=0.0) / scale
     worst = ", ".join(f"{ALL[j]} {err[j]:.1e}" for j in np.argsort(-err)[:5])
-    assert (err <= TOL).all(), f"the two paths differ beyond {TOL}: {worst}"
+    assert (err <= TOL).all(), f"the values differ beyond {TOL}: {worst}"
 
 
 @pytest.fixture(scope="module")
@@ -322,30 +334,24 @@ def bars3() -> pd.DataFrame:
 
 
 @pytest.fixture(scope="module")
-def fast(bars3) -> np.ndarray:
+def values3(bars3) -> np.ndarray:
     return every_feature(bars3)
 
 
-def test_reference_path_matches_fast_path(bars3, fast, reference):
-    assert_same_features(every_feature(bars3), fast)
-
-
-def test_reference_path_one_symbol_and_short_symbols(bars3, monkeypatch):
-    """One symbol, and symbols shorter than the warm-ups: the same values and NaNs on both paths, no error."""
+def test_symbols_shorter_than_the_warmups():
+    """Symbols of 1 to 60 bars, shorter than most warm-ups: every feature computes, each symbol's values and NaNs the
+    ones it has alone (one symbol's panel is a view of its bars; several are padded rows)."""
     short = [make_bars(100, (f"S{k}",), seed=k).iloc[:m] for k, m in enumerate((1, 2, 15, 30, 4, 60))]
-    for bars in (bars3[bars3.symbol == "BBB"].reset_index(drop=True), pd.concat(short, ignore_index=True)):
-        want = every_feature(bars)
-        with monkeypatch.context() as m:
-            m.setattr(ops, "fast_path", lambda x: False)
-            assert_same_features(every_feature(bars), want)
+    bars = pd.concat(short, ignore_index=True)
+    together = every_feature(bars)
+    rows = np.cumsum([0] + [len(b) for b in short])
+    for k, b in enumerate(short):
+        assert_same_features(every_feature(b.reset_index(drop=True)), together[:, rows[k] : rows[k + 1]])
 
 
-@pytest.mark.parametrize("path", ["fast", "reference"])
-def test_last_step_into_the_output_rounds_once(bars3, path, monkeypatch):
+def test_last_step_into_the_output_rounds_once(bars3):
     """One symbol: features that write their last step into the float32 output give exactly the float64 values
     rounded once, as those that return their own float64 tensor do."""
-    if path == "reference":
-        monkeypatch.setattr(ops, "fast_path", lambda x: False)
     one = tensors(bars3[bars3.symbol == "CCC"].reset_index(drop=True))
     assert sum(f.writes_out for f in REGISTRY.values()) > len(REGISTRY) // 2
     with torch.no_grad():
@@ -358,15 +364,15 @@ def test_last_step_into_the_output_rounds_once(bars3, path, monkeypatch):
     assert same.all(), f"differ: {[ALL[j] for j in torch.nonzero(~same.all(dim=1)).flatten().tolist()]}"
 
 
-def test_reference_path_with_blocked_running_sums(bars3, fast, reference, monkeypatch):
+def test_blocked_running_sums_keep_the_values(bars3, values3, monkeypatch):
     """The CUDA choice of two-level running sums for several long rows, forced on CPU, keeps the values."""
     plain = ops.cumsum
-    monkeypatch.setattr(ops, "cumsum", lambda x, block=256, out=None: ops._put(ops.blocked_cumsum(x, block), out)
-                        if x.shape[-1] > block else plain(x, out=out))
-    assert_same_features(every_feature(bars3), fast)
+    monkeypatch.setattr(ops, "cumsum", lambda x, block=256: ops.blocked_cumsum(x, block)
+                        if x.shape[-1] > block else plain(x))
+    assert_same_features(every_feature(bars3), values3)
 
 
-def test_reference_path_is_causal(bars3, reference):
+def test_every_feature_is_causal(bars3):
     """New prices at every bar after a random t (per symbol) leave every feature at bars <= t bit-identical."""
     base = every_feature(bars3)
     rng = np.random.default_rng(5)
@@ -383,29 +389,16 @@ def test_reference_path_is_causal(bars3, reference):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_features_on_cuda(bars3, fast):
+def test_features_on_cuda(bars3, values3):
     """On the GPU (its scans and reductions round differently): the CPU values, and several long rows."""
-    assert_same_features(every_feature(bars3, "cuda"), fast)
+    assert_same_features(every_feature(bars3, "cuda"), values3)
     bars = make_bars(6000, ("AAA", "BBB", "CCC"), seed=2)  # rows over 4096 bars: the two-level running sums
     assert_same_features(every_feature(bars, "cuda"), every_feature(bars))
     x = torch.randn(3, 10000, dtype=torch.float64, device="cuda").cumsum(-1)
     close(ops.cumsum(x), np.cumsum(x.cpu().numpy(), axis=1), tol=1e-14)
 
 
-# ---------------------------------------------------------------- the CPU kernels against brute force
-
-def test_rolling_max_min_match_brute_force():
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((3, 257))
-    for n in (1, 2, 3, 5, 16, 26, 257):
-        ref_max = np.full_like(x, np.nan)
-        ref_min = np.full_like(x, np.nan)
-        for t in range(n - 1, x.shape[1]):
-            ref_max[:, t] = x[:, t - n + 1 : t + 1].max(axis=1)
-            ref_min[:, t] = x[:, t - n + 1 : t + 1].min(axis=1)
-        np.testing.assert_array_equal(F.rolling_max(x, n), ref_max)
-        np.testing.assert_array_equal(F.rolling_min(x, n), ref_min)
-
+# ---------------------------------------------------------------- brute force
 
 def test_bars_since_extreme_matches_brute_force():
     rng = np.random.default_rng(2)
@@ -413,26 +406,26 @@ def test_bars_since_extreme_matches_brute_force():
     for n in (1, 2, 4, 7, 25):
         for highest in (True, False):
             ref = np.full_like(x, np.nan)
-            for t in range(n, x.shape[1]):
-                w = x[:, t - n : t + 1][:, ::-1]
-                ref[:, t] = np.argmax(w, axis=1) if highest else np.argmin(w, axis=1)
-            np.testing.assert_array_equal(F.bars_since_extreme(x, n, highest), ref)
+            for i in range(n, x.shape[1]):
+                w = x[:, i - n : i + 1][:, ::-1]
+                ref[:, i] = np.argmax(w, axis=1) if highest else np.argmin(w, axis=1)
+            np.testing.assert_array_equal(ops.bars_since_extreme(t(x), n, highest).numpy(), ref)
 
 
 def test_block_prefix_matches_direct_sums():
     rng = np.random.default_rng(3)
     x = 1000.0 + np.cumsum(rng.standard_normal((2, 5000)), axis=1)
-    bp = F.BlockPrefix(x, 200, start=3, squares=True)
+    bp = ops.BlockPrefix(t(x), 200, start=3, squares=True)
     for n in (1, 7, 200):
-        m, v = bp.mean_var(n)
+        m, v = (a.numpy() for a in bp.mean_var(n))
         ref_m = np.full_like(x, np.nan)
         ref_v = np.full_like(x, np.nan)
-        for t in range(3 + n - 1, x.shape[1]):
-            ref_m[:, t] = x[:, t - n + 1 : t + 1].mean(axis=1)
-            ref_v[:, t] = x[:, t - n + 1 : t + 1].var(axis=1)
+        for i in range(3 + n - 1, x.shape[1]):
+            ref_m[:, i] = x[:, i - n + 1 : i + 1].mean(axis=1)
+            ref_v[:, i] = x[:, i - n + 1 : i + 1].var(axis=1)
         np.testing.assert_allclose(m, ref_m, rtol=1e-12)
         np.testing.assert_allclose(v, ref_v, rtol=1e-7, atol=1e-7)
-        np.testing.assert_allclose(bp.sum(n), n * ref_m, rtol=1e-12)
+        np.testing.assert_allclose(bp.sum(n).numpy(), n * ref_m, rtol=1e-12)
 
 
 @pytest.mark.parametrize("start", [0, 3])
@@ -465,26 +458,3 @@ def test_block_prefix_finite_moments(start):
     count, mean, m2 = ops.BlockPrefix(xg, 9, start, squares=True, block=9, finite=True).moments(9)
     (mean.sum() + m2.sum()).backward()
     assert torch.isfinite(xg.grad).all() and (xg.grad[~torch.isfinite(t(x))] == 0).all()
-
-
-def test_buffer_pool_lends_only_free_buffers():
-    """A pooled buffer is lent again only once no array or tensor built on it is alive; trim keeps a few idle."""
-    from foxhunt.features import cpu_kernels as K
-
-    with K.recycling() as pool:
-        a = K.empty((2, 300_000))
-        t = torch.from_numpy(K.empty((2, 299_000)))
-        view = t[:, 5:].numpy()  # a numpy view of a tensor view keeps the buffer lent
-        assert len(pool._bufs) == 2 and a.ctypes.data % K.BufferPool.GRANULE == 0
-        del a
-        b = K.empty((2, 300_001))  # a's buffer, same size class
-        del t
-        c = K.empty((2, 300_000))  # view still holds t's buffer: a new one
-        assert len(pool._bufs) == 3
-        c[:] = 1.0
-        assert not np.shares_memory(b, c) and not np.shares_memory(c, view)
-        del b, c, view
-        pool.trim(keep=1)
-        assert len(pool._bufs) == 1
-        assert K.empty((10,)).base is None  # small arrays are not pooled
-    assert K._POOL.get() is None

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from foxhunt.features import ops
 from foxhunt.features.registry import FeatureList
 
 if TYPE_CHECKING:
@@ -33,20 +32,18 @@ CALENDAR_DEFINITIONS = {  # name: (definition, phase, function)
 def phases(ts_ns: Tensor) -> dict[str, Tensor]:
     """Phases in [0, 1) of the day, week and year (float64) of int64 ns UTC timestamps; float64 days are exact
     to well under a second."""
-    days = ops.empty(tuple(ts_ns.shape), ts_ns).copy_(ts_ns).mul_(DAYS_PER_NS)  # float64 before the multiply
-    whole = torch.floor(days, out=ops.like(days))
-    weeks = torch.add(whole, 3.0, out=ops.like(days)).div_(7.0)  # 1970-01-01 was a Thursday; Monday = 0
-    years = torch.div(days, _YEAR_DAYS, out=ops.like(days))
-    tod = days.sub_(whole)
-    dow = weeks.sub_(torch.floor(weeks, out=whole))
-    return {"tod": tod, "dow": dow, "toy": years.sub_(torch.floor(years, out=whole))}
+    days = ts_ns.to(torch.float64) * DAYS_PER_NS  # float64 before the multiply
+    whole = torch.floor(days)
+    weeks = (whole + 3.0).div_(7.0)  # 1970-01-01 was a Thursday; Monday = 0
+    years = days / _YEAR_DAYS
+    return {"tod": days - whole, "dow": weeks - torch.floor(weeks), "toy": years - torch.floor(years)}
 
 
 def calendar_values(name: str, ph: dict[str, Tensor], out: Tensor | None = None) -> Tensor:
     """One calendar feature from the phases, trigonometry in float32 (what the output keeps), into ``out`` when it
     is a float32 tensor."""
     _, key, fn = CALENDAR_DEFINITIONS[name]
-    angle = torch.mul(ph[key], _TWO_PI, out=ops.like(ph[key]))
+    angle = ph[key] * _TWO_PI
     if out is not None and out.dtype == torch.float32:
         return fn(out.copy_(angle), out=out)
     return fn(angle.to(torch.float32))

@@ -1,8 +1,8 @@
 """Compute a selection of registered features for bars of several symbols: the DataFrame and tensor paths.
 
 One implementation for every device: each feature is a function of a :class:`Panel` of float64 tensors on the
-bars' device; the primitives in :mod:`foxhunt.features.ops` take numpy/scipy fast paths on the CPU and pure torch
-ops elsewhere (CUDA), so the same code serves both.
+bars' device, written in the plain torch primitives of :mod:`foxhunt.features.ops`, so the same code serves a CPU
+and a GPU.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from foxhunt.features import calendar, ops
+from foxhunt.features import calendar
 from foxhunt.features.catalog import KNOWN_FUTURE, REGISTRY
 from foxhunt.features.panel import Panel, one_symbol
 from foxhunt.features.registry import Feature, select
@@ -84,24 +84,9 @@ def _first_true(mask: torch.Tensor) -> torch.Tensor:
 
 def _columns(ohlcv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The bars' columns [5, N] float64 (one contiguous row per field) and each field's lowest and highest value
-    (NaN if it holds one). On the CPU the transpose and the extremes run over cache-sized runs of rows (one pass
-    over memory instead of three), with numpy's strided copy (half the time of torch's ``copy_`` of a transpose:
-    ~6 ms against ~12 at a million bars); on a GPU one copy and two reductions."""
-    n = ohlcv.shape[0]
-    cols = _output_buffer((5, n), torch.float64, ohlcv.device)
-    if not ops.fast_path(ohlcv):
-        cols.copy_(ohlcv.T)
-        return cols, cols.amin(dim=1), cols.amax(dim=1)
-    per = 65536
-    src = (ohlcv if ohlcv.dtype in (torch.float32, torch.float64) else ohlcv.to(torch.float64)).numpy()
-    dst = cols.numpy()
-    lo, hi = np.empty((-(-n // per), 5)), np.empty((-(-n // per), 5))
-    for i, a in enumerate(range(0, n, per)):
-        run = dst[:, a : a + per]
-        np.copyto(run, src[a : a + per].T)
-        np.min(run, axis=1, out=lo[i])  # NaN propagates, as the checks expect
-        np.max(run, axis=1, out=hi[i])
-    return cols, torch.from_numpy(lo.min(axis=0)), torch.from_numpy(hi.max(axis=0))
+    (NaN if it holds one, as the checks expect)."""
+    cols = _output_buffer((5, ohlcv.shape[0]), torch.float64, ohlcv.device).copy_(ohlcv.T)
+    return cols, cols.amin(dim=1), cols.amax(dim=1)
 
 
 def _check_input(cols: torch.Tensor, timestamps: torch.Tensor, symbol_index: torch.Tensor,
@@ -174,23 +159,21 @@ def _compute(
         pos = torch.arange(n, device=dev) - panel.starts[group]  # bar within its symbol
         flat = group * T + pos
     nonfinite: list[torch.Tensor | int] = []  # per feature: non-finite values past its warm-up
-    with ops.recycling() as pool:  # CPU intermediates reuse the memory of those already freed (released by the plan)
-        for j, f in enumerate(selected):
-            dest = out[j].view(1, T) if S == 1 and f.writes_out else None  # one symbol: its output row, by the last step
-            v = f.fn(panel) if dest is None else f.fn(panel, out=dest)
-            if tuple(v.shape) != (S, T):
-                raise RuntimeError(f"feature {f.name!r} returned shape {tuple(v.shape)}, expected {(S, T)}")
-            if S == 1:
-                if v is not dest:
-                    out[j].copy_(v[0])
-                out[j, : f.warmup] = float("nan")
-            else:
-                out[j].copy_(torch.take(v, flat).masked_fill_(pos < f.warmup, float("nan")))
-            del v
-            nonfinite.append(_nonfinite_after_warmup(out[j], f.warmup, pos, S == 1))
-            panel.forget(plan[j])
-            pool.trim()  # a few idle buffers stay for the next feature: peak memory stays near the live set
-        del panel
+    for j, f in enumerate(selected):
+        dest = out[j].view(1, T) if S == 1 and f.writes_out else None  # one symbol: its output row, by the last step
+        v = f.fn(panel) if dest is None else f.fn(panel, out=dest)
+        if tuple(v.shape) != (S, T):
+            raise RuntimeError(f"feature {f.name!r} returned shape {tuple(v.shape)}, expected {(S, T)}")
+        if S == 1:
+            if v is not dest:
+                out[j].copy_(v[0])
+            out[j, : f.warmup] = float("nan")
+        else:
+            out[j].copy_(torch.take(v, flat).masked_fill_(pos < f.warmup, float("nan")))
+        del v
+        nonfinite.append(_nonfinite_after_warmup(out[j], f.warmup, pos, S == 1))
+        panel.forget(plan[j])  # every intermediate goes after its last use: peak memory stays near the live set
+    del panel
     _report_nonfinite(selected, nonfinite)
     warm = max((f.warmup for f in selected), default=0)
     return out, pos >= warm

@@ -33,7 +33,7 @@ def _gains(p: Panel) -> tuple[Tensor, Tensor]:
 
     def f():
         d = p.close_change()
-        return torch.clamp_min(d, 0.0, out=ops.like(d)), torch.abs(d, out=ops.like(d))
+        return torch.clamp_min(d, 0.0), torch.abs(d)
 
     return p.memo("gains_moves", f)
 
@@ -65,8 +65,7 @@ def stoch(p: Panel, fastk: int, slowk: int = 3, slowd: int = 3) -> tuple[Tensor,
 
     def f():
         hh, ll = hh_ll(p, fastk)
-        rng = torch.sub(hh, ll, out=ops.like(hh))
-        fk = ops.safe_div(torch.sub(p.close, ll, out=ops.like(ll)), rng, scale=100.0, out=rng)
+        fk = ops.safe_div(p.close - ll, hh - ll, scale=100.0)
         k = ops.rolling_mean(fk, slowk, start=fastk - 1)
         d = ops.rolling_mean(k, slowd, start=fastk + slowk - 2)
         k[:, : fastk + slowk + slowd - 3] = ops.NAN  # TA-Lib reports %K from %D's first bar
@@ -78,7 +77,7 @@ def stoch(p: Panel, fastk: int, slowk: int = 3, slowd: int = 3) -> tuple[Tensor,
 def willr(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib WILLR: -100 * (HH - C) / (HH - LL)."""
     hh, ll = hh_ll(p, n)
-    return ops.difference_ratio(hh, p.close, hh, ll, ops.like(hh) if out is None else out, scale=-100.0)
+    return ops.difference_ratio(hh, p.close, hh, ll, scale=-100.0, out=out)
 
 
 def macd_line_signal(p: Panel, fast: int, slow: int, signal: int) -> tuple[Tensor, Tensor]:
@@ -101,46 +100,30 @@ def macd(p: Panel, fast: int, slow: int, signal: int) -> tuple[Tensor, Tensor, T
 
 
 def _mean_abs_deviation(tp: Tensor, sma: Tensor, n: int) -> Tensor:
-    """Mean over the last n bars of |TP - SMA(TP)[t]| (times 0.015, CCI's constant): n passes over each run of bars."""
-    md = ops.nans(tp, n - 1)
-    for j in ops.runs(tp, n - 1):  # a loop over runs of bars and the window's offsets, not over bars
-        m, acc = sma[:, j], md[:, j]
-        torch.sub(tp[:, j], m, out=acc).abs_()
-        term = torch.empty_like(acc)
+    """Mean over the last n bars of |TP - SMA(TP)[t]| (times 0.015, CCI's constant): a loop over the window's n
+    offsets, not over bars."""
+    T, a = tp.shape[-1], n - 1
+    md = ops.nans(tp, a)
+    if a < T:
+        m, acc = sma[:, a:], md[:, a:]
+        torch.sub(tp[:, a:], m, out=acc).abs_()
         for k in range(1, n):
-            acc += torch.sub(tp[:, j.start - k : j.stop - k], m, out=term).abs_()
+            acc += (tp[:, a - k : T - k] - m).abs_()
     return md.mul_(0.015 / n)
 
 
 def cci(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib CCI: (TP - SMA(TP)) / (0.015 * mean |TP - SMA(TP)|) over n bars."""
     tp = p.typical_price()
-    sma = p.memo("tp_block_prefix", lambda: ops.block_prefix(tp, 20)).mean(n)
-    mad = _mean_abs_deviation(tp, sma, n)
-    return ops.safe_div(torch.sub(tp, sma, out=sma), mad, out=mad if out is None else out)
+    sma = p.memo("tp_block_prefix", lambda: ops.BlockPrefix(tp, 20)).mean(n)
+    return ops.safe_div(tp - sma, _mean_abs_deviation(tp, sma, n), out=out)
 
 
 def _moves(p: Panel) -> tuple[Tensor, Tensor]:
     """+DM and -DM: the high's rise / the low's fall where it is positive and the larger (NaN at the first bar)."""
-    dp, dm = ops.diff(p.high, 1), ops.diff(p.low, 1)
-    ops.blockwise(_moves_block, dm, dp, dm)  # in place, run by run: +DM over dp, -DM over dm
-    return dp, dm
-
-
-def _moves_block(dp: Tensor, dl: Tensor, out: Tensor) -> None:
-    """+DM and -DM from the high's change dp and the low's change dl (dp in place, -DM into out, which is dl)."""
-    dm = torch.neg(dl, out=out)  # the low's fall
-    # masks by multiplication, so NaN * False stays NaN at the first bar
-    plus, minus = (dp > 0) & (dp > dm), (dm > 0) & (dp < dm)
-    dp.mul_(plus)
-    out.mul_(minus)
-
-
-def _di_dx_block(pdi: Tensor, mdi: Tensor, tr: Tensor, out: Tensor) -> None:
-    """+DI and -DI (in place over the Wilder sums of +DM and -DM) and DX (into out, which is tr's run)."""
-    ops.safe_div(pdi, tr, scale=100.0, out=pdi)
-    ops.safe_div(mdi, tr, scale=100.0, out=mdi)
-    ops.safe_div(torch.sub(mdi, pdi).abs_(), mdi + pdi, scale=100.0, out=out)
+    rise, fall = ops.diff(p.high, 1), ops.diff(p.low, 1).neg_()
+    plus, minus = (rise > 0) & (rise > fall), (fall > 0) & (rise < fall)
+    return rise.mul_(plus), fall.mul_(minus)  # masks by multiplication, so NaN * False stays NaN at the first bar
 
 
 def directional(p: Panel, n: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -149,8 +132,9 @@ def directional(p: Panel, n: int) -> tuple[Tensor, Tensor, Tensor]:
     def f():
         plus, minus = p.memo("directional_moves", lambda: _moves(p))
         tr_s = ops.wilder_sum(p.true_range(), n, start=1)
-        pdi, mdi = ops.wilder_sum(plus, n, start=1), ops.wilder_sum(minus, n, start=1)
-        dx = ops.blockwise(_di_dx_block, tr_s, pdi, mdi, tr_s)  # +DI, -DI in place; DX over tr_s
+        pdi = ops.safe_div(ops.wilder_sum(plus, n, start=1), tr_s, scale=100.0)
+        mdi = ops.safe_div(ops.wilder_sum(minus, n, start=1), tr_s, scale=100.0)
+        dx = ops.safe_div((mdi - pdi).abs_(), mdi + pdi, scale=100.0)
         pdi[:, :n] = ops.NAN  # DX before bar n is not used: ADX starts from DX[n]
         mdi[:, :n] = ops.NAN
         return pdi, mdi, ops.wilder(dx, n, start=n)
@@ -170,29 +154,19 @@ def aroon(p: Panel, n: int) -> tuple[Tensor, Tensor]:
 def ultosc(p: Panel, n1: int = 7, n2: int = 14, n3: int = 28, out: Tensor | None = None) -> Tensor:
     """TA-Lib ULTOSC: 100 * (4 A1 + 2 A2 + A3) / 7, A_k = sum(buying pressure) / sum(true range) over n_k, into
     ``out`` when given."""
-    bp = torch.minimum(p.low, p.prev_close(), out=ops.like(p.low))
-    bp = torch.sub(p.close, bp, out=bp)  # buying pressure C - min(L, C[t-1])
-    bps, trs = ops.Prefix(bp, 1), ops.Prefix(p.true_range(), 1)
-    del bp
+    bps = ops.Prefix(p.close - torch.minimum(p.low, p.prev_close()), 1)  # buying pressure C - min(L, C[t-1])
+    trs = ops.Prefix(p.true_range(), 1)
     a = max(n1, n2, n3)
-    if out is None:
-        out = ops.nans(p.close, a)
-    else:
-        out[:, :a] = ops.NAN
+    out = ops.nans(p.close, a, out)
     if a < p.shape[1]:
-        views = [v for n in (n1, n2, n3) for v in (*bps.parts(n, a), *trs.parts(n, a))]
-        ops.blockwise(_ultosc_block, out[:, a:], *views)
+        acc = None
+        for w, n in zip((4.0, 2.0, 1.0), (n1, n2, n3)):
+            (bh, bl), (th, tl) = bps.parts(n, a), trs.parts(n, a)
+            t = th - tl
+            term = ops.safe_div(bh - bl, t, scale=w, out=t)
+            acc = term if acc is None else acc.add_(term)
+        torch.mul(acc, 100.0 / 7.0, out=out[:, a:])
     return out
-
-
-def _ultosc_block(*args: Tensor, out: Tensor) -> None:
-    """100/7 (4 A1 + 2 A2 + A3) from (bp hi, bp lo, tr hi, tr lo) window views of the three windows."""
-    acc = None
-    for w, (bh, bl, th, tl) in zip((4.0, 2.0, 1.0), (args[0:4], args[4:8], args[8:12])):
-        t = th - tl
-        term = ops.safe_div(bh - bl, t, scale=w, out=t)
-        acc = term if acc is None else acc.add_(term)
-    torch.mul(acc, 100.0 / 7.0, out=out)
 
 
 def trix(p: Panel, n: int, out: Tensor | None = None) -> Tensor:

@@ -1,94 +1,30 @@
 """Causal building blocks on [S, T] float64 tensors (one row per symbol, time on the last axis), on any device.
 
-Every feature is written once, against these primitives. Each primitive has one reference path in plain torch
-ops, written for a GPU (no loop over bars, no host synchronisation on data): recursive filters are blocked scans
-(fixed block offsets from the first bar, so bar t never depends on later bars) whose block carries are solved by
-a doubling (Hillis-Steele) scan over the blocks; rolling sums are differences of prefix sums (centred inside
-blocks for price levels); rolling extrema and arg-extrema use doubling. NaN marks bars before an indicator is
-defined; TA-Lib's seeding and look-backs are kept.
-
-The switch :func:`fast_path` sends CPU tensors to :mod:`foxhunt.features.cpu_kernels` instead: the same
-definitions on zero-copy numpy views, tuned for one core (cache-sized runs of bars, uint8 ages), returned as tensors
-sharing the numpy memory. The recursive scans (EMA, Wilder, KAMA), the commonest last steps and the windowed moments
-run as compiled C loops instead (:mod:`foxhunt.features.native`; their torch path where no C compiler is found).
-Tests hold all paths equal.
+Every feature is written once, against these primitives, in plain torch ops written for a GPU (no loop over bars, no
+host synchronisation on data); the same code runs on a CPU. Recursive filters are blocked scans (fixed block offsets
+from the first bar, so bar t never depends on later bars) whose block carries are solved by a doubling
+(Hillis-Steele) scan over the blocks; rolling sums are differences of prefix sums (centred inside blocks for price
+levels); rolling extrema and arg-extrema use doubling. NaN marks bars before an indicator is defined; TA-Lib's seeding
+and look-backs are kept. A primitive given ``out`` (a feature's row of the float32 output) writes its last step there:
+the float64 result rounded once, with no full-size temporary.
 """
 
 from __future__ import annotations
 
-import functools
 import math
+from collections.abc import Callable
 
-import numpy as np
 import torch
 from torch import Tensor
-
-from foxhunt.features import cpu_kernels as K
-from foxhunt.features import native
 
 NAN = float("nan")
 
 
-def fast_path(x: Tensor) -> bool:
-    """Whether x is served by the CPU kernels (a CPU tensor) rather than the reference torch path (CUDA)."""
-    return x.device.type == "cpu"
-
-
-def runs(x: Tensor, start: int = 0, per: int = 32768) -> list[slice]:
-    """Slices covering bars start.. of x: cache-sized runs of ``per`` bars on the CPU (so a multi-pass expression's
-    temporaries stay in cache), a single run on a GPU (where one launch over everything is fastest)."""
-    T = x.shape[-1]
-    step = per if fast_path(x) else max(1, T - start)
-    return [slice(a, min(T, a + step)) for a in range(start, T, step)]
-
-
-def blockwise(fn, out: Tensor, *arrays: Tensor) -> Tensor:
-    """out = fn(*arrays) evaluated run by run (:func:`runs`) as ``fn(*runs_of_arrays, out=run_of_out)``: a chain of
-    elementwise ops then keeps its temporaries in cache on a CPU; on a GPU it is one call over everything."""
-    for j in runs(out):
-        fn(*(x[..., j] for x in arrays), out=out[..., j])
-    return out
-
-
-def _native(*xs: Tensor) -> bool:
-    """Whether :mod:`foxhunt.features.native`'s compiled loops serve these operands: CPU float64 [S, T] tensors of one
-    shape with contiguous bars, and the loops built."""
-    x = xs[0]
-    return (fast_path(x) and x.dim() == 2 and all(y.shape == x.shape and y.dtype == torch.float64
-                                                  and (y.shape[-1] < 2 or y.stride(-1) == 1) for y in xs)
-            and native.available())
-
-
-def _np(x: Tensor):
-    """The numpy view of a CPU tensor (no copy)."""
-    return x.numpy()
-
-
-def recycling():
-    """A context for one computation in which CPU intermediates from :func:`empty` are recycled through one
-    ``cpu_kernels.BufferPool`` (no page faults on memory just freed), released on exit; a GPU is unaffected."""
-    return K.recycling()
-
-
-def empty(shape: tuple[int, ...], like: Tensor) -> Tensor:
-    """An uninitialised float64 tensor on ``like``'s device. On the CPU its memory is a numpy array's (for which numpy
-    asks for transparent huge pages), lent by the buffer pool inside :func:`recycling`: a recycled 8 MB intermediate
-    costs no page fault, a fresh one a few instead of ~2,000."""
-    if fast_path(like):
-        return torch.from_numpy(K.empty(shape))
-    return torch.empty(shape, dtype=torch.float64, device=like.device)
-
-
-def like(x: Tensor) -> Tensor:
-    """An uninitialised float64 tensor shaped like x (:func:`empty`): the ``out`` of a torch op, so that its result
-    takes a recycled buffer on the CPU instead of fresh memory."""
-    return empty(tuple(x.shape), x)
-
-
-def nans(x: Tensor, defined_from: int | None = None) -> Tensor:
-    """A contiguous tensor shaped like x, NaN on every bar, or only before bar ``defined_from`` when the caller writes
-    every later bar itself (no pass over memory it will overwrite)."""
-    out = empty(tuple(x.shape), x)
+def nans(x: Tensor, defined_from: int | None = None, out: Tensor | None = None) -> Tensor:
+    """A float64 tensor shaped like x (or ``out``), NaN on every bar, or only before bar ``defined_from`` when the
+    caller writes every later bar itself (no pass over memory it will overwrite)."""
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.float64, device=x.device)
     out[..., : x.shape[-1] if defined_from is None else max(0, defined_from)] = NAN
     return out
 
@@ -108,19 +44,15 @@ def pad_right(x: Tensor, k: int, value: float = 0.0) -> Tensor:
     return out
 
 
-def cumsum(x: Tensor, block: int = 4096, out: Tensor | None = None) -> Tensor:
-    """Running sum along the last axis (into ``out`` when given, which may be x; float64 results take a buffer from
-    :func:`like`); on CUDA, several rows longer than ``block`` take :func:`blocked_cumsum`.
+def cumsum(x: Tensor, block: int = 4096) -> Tensor:
+    """Running sum along the last axis; on CUDA, several rows longer than ``block`` take :func:`blocked_cumsum`.
 
     torch scans a lone row with CUB but each row of a 2-D tensor within one thread block, chunk after chunk,
-    which leaves a GPU nearly idle for a few long symbols. On CPU the sequential sum is numpy's, bit for bit.
+    which leaves a GPU nearly idle for a few long symbols.
     """
-    T = x.shape[-1]
-    if x.is_cuda and T > block and x.numel() != T:
-        return _put(blocked_cumsum(x, block), out)
-    if out is None and x.dtype == torch.float64:
-        out = like(x)  # a pooled buffer on the CPU
-    return torch.cumsum(x, dim=-1, out=out)
+    if x.is_cuda and x.shape[-1] > block and x.numel() != x.shape[-1]:
+        return blocked_cumsum(x, block)
+    return torch.cumsum(x, dim=-1)
 
 
 def blocked_cumsum(x: Tensor, block: int = 4096) -> Tensor:
@@ -139,69 +71,44 @@ def shift(x: Tensor, k: int, fill: float = NAN) -> Tensor:
     """x[t - k] (k > 0 looks back), padded with ``fill``."""
     if k <= 0:
         raise ValueError(f"shift: k must be positive (a look-back), got {k}")
-    out = like(x)
+    out = torch.empty_like(x)
     out[..., :k] = fill
     if k < x.shape[-1]:
         out[..., k:] = x[..., :-k]
     return out
 
 
-def _put(res: Tensor, out: Tensor | None) -> Tensor:
-    """res, or res copied into ``out`` when given (the reference path's way of honouring ``out``)."""
-    return res if out is None else out.copy_(res)
-
-
 def diff(x: Tensor, k: int = 1, out: Tensor | None = None) -> Tensor:
     """x[t] - x[t - k], NaN for the first k bars, into ``out`` when given (which may be float32: one rounding)."""
-    if out is not None and fast_path(x):
-        o = _np(out)
-        o[..., :k] = NAN
-        np.subtract(_np(x)[..., k:], _np(x)[..., :-k], out=o[..., k:])
-        return out
-    res = nans(x, k)
+    out = nans(x, k, out)
     if k < x.shape[-1]:
-        torch.sub(x[..., k:], x[..., :-k], out=res[..., k:])
-    return _put(res, out)
+        torch.sub(x[..., k:], x[..., :-k], out=out[..., k:])
+    return out
 
 
 def diff_times(a: Tensor, b: Tensor, c: Tensor, out: Tensor | None = None) -> Tensor:
-    """(a - b) * c (distances in ATR units), into ``out`` when given (on the CPU one compiled pass, rounded once)."""
-    if _native(a, b, c):
-        out = like(a) if out is None else out
-        native.diff_times(_np(a), _np(b), _np(c), _np(out))
-        return out
-    return _put((a - b) * c, out)
+    """(a - b) * c (distances in ATR units), into ``out`` when given."""
+    return torch.mul(a - b, c, out=out)
 
 
 def lag_diff_times(x: Tensor, k: int, c: Tensor, out: Tensor | None = None) -> Tensor:
     """(x[t] - x[t-k]) * c[t], NaN for the first k bars, into ``out`` when given."""
-    if _native(x, c) and k < x.shape[-1]:
-        out = like(x) if out is None else out
-        out[..., :k] = NAN
-        native.diff_times(_np(x[..., k:]), _np(x[..., :-k]), _np(c[..., k:]), _np(out[..., k:]))
-        return out
-    res = nans(x, k)
+    out = nans(x, k, out)
     if k < x.shape[-1]:
-        res[..., k:] = (x[..., k:] - x[..., :-k]) * c[..., k:]
-    return _put(res, out)
+        torch.mul(x[..., k:] - x[..., :-k], c[..., k:], out=out[..., k:])
+    return out
 
 
 def pct_change(x: Tensor, k: int, out: Tensor | None = None) -> Tensor:
     """100 (x[t] / x[t-k] - 1), NaN for the first k bars (TA-Lib ROC), into ``out`` when given."""
-    if fast_path(x):
-        res = K.pct_change(_np(x), k, None if out is None else _np(out))
-        return out if out is not None else torch.from_numpy(res)
-    res = nans(x, k)
+    out = nans(x, k, out)
     if k < x.shape[-1]:
-        res[..., k:] = (x[..., k:] / x[..., :-k] - 1.0) * 100.0
-    return _put(res, out)
+        torch.mul(x[..., k:] / x[..., :-k] - 1.0, 100.0, out=out[..., k:])
+    return out
 
 
 def multiply(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
-    """a * b, into ``out`` when given (on the CPU numpy rounds once into a float32 ``out``, with no temporary)."""
-    if out is not None and fast_path(a):
-        np.multiply(_np(a), _np(b), out=_np(out))
-        return out
+    """a * b, into ``out`` when given."""
     return torch.mul(a, b, out=out)
 
 
@@ -209,35 +116,25 @@ def log_ratio(num: Tensor, den: Tensor, out: Tensor | None = None, floor: float 
     """ln(num / den), into ``out`` when given. With ``floor``: ln(max(num / den, floor)), 0 where den is 0, for ratios
     of quantities that can be 0 (a volatility over a flat stretch), finite instead of -inf (num 0) or NaN (both 0)."""
     if floor is None:
-        q = torch.div(num, den, out=empty(tuple(num.shape), num))
+        q = num / den
     else:  # NaN (warm-up) stays NaN
-        q = safe_div(num, den, 1.0, out=empty(tuple(num.shape), num)).clamp_(min=floor)
-    if out is not None and fast_path(q):
-        np.log(_np(q), out=_np(out))
-        return out
-    return _put(q.log_(), out)
+        q = safe_div(num, den, 1.0).clamp_(min=floor)
+    return torch.log(q, out=out)
 
 
 def safe_div(num: Tensor, den: Tensor, fill: float = 0.0, scale: float = 1.0, out: Tensor | None = None) -> Tensor:
     """scale * num / den with ``fill`` where den is 0 (TA-Lib's convention for flat ranges), into ``out`` when given
-    (which may be num or den); on the CPU one compiled pass, rounded once."""
-    if _native(num, den):
-        out = like(num) if out is None else out
-        native.safe_div(_np(num), _np(den), fill, scale, _np(out))
-        return out
+    (which may be num or den)."""
     zero = den == 0
     q = torch.div(num if scale == 1.0 else scale * num, den, out=out)
     return q.masked_fill_(zero, fill)
 
 
-def difference_ratio(a: Tensor, b: Tensor, c: Tensor, d: Tensor, out: Tensor, scale: float = 1.0) -> Tensor:
-    """scale (a - b) / (c - d) into out (returned), 0 where c == d: e.g. a window sum's ratio to another's, or a
-    distance over a high-low range. On the CPU one compiled pass over whole rows; otherwise torch ops (on a CPU
-    without a compiler, call it through :func:`blockwise` to keep its temporaries in cache)."""
-    if _native(a, b, c, d):
-        native.difference_ratio(_np(a), _np(b), _np(c), _np(d), scale, _np(out))
-        return out
-    return safe_div(torch.sub(a, b), torch.sub(c, d), scale=scale, out=out)
+def difference_ratio(a: Tensor, b: Tensor, c: Tensor, d: Tensor, scale: float = 1.0,
+                     out: Tensor | None = None) -> Tensor:
+    """scale (a - b) / (c - d), 0 where c == d (e.g. a window sum's ratio to another's, or a distance over a high-low
+    range), into ``out`` when given."""
+    return safe_div(a - b, c - d, scale=scale, out=out)
 
 
 def rolling_sum(x: Tensor, n: int, start: int = 0) -> Tensor:
@@ -279,70 +176,40 @@ class Prefix:
         self.shape, self.start = tuple(x.shape), start
         xs = x[..., start:]
         self.cs = _running_sum0(xs)  # cs[:, k] = sum of the first k values
-        self.cs2 = _running_sum0(xs, squares=True) if squares else None
+        self.cs2 = _running_sum0(xs * xs) if squares else None
 
     def parts(self, n: int, at: int, squares: bool = False) -> tuple[Tensor, Tensor]:
         """Views (hi, lo) aligned with bars at.. (at >= start + n - 1): the window sum over n bars is hi - lo."""
         cs = self.cs2 if squares else self.cs
+        if cs is None:
+            raise ValueError("Prefix built without squares")
         k = at - self.start + 1
         return cs[..., k:], cs[..., k - n : cs.shape[-1] - n]
 
     def sum(self, n: int, squares: bool = False) -> Tensor:
         """Sum of x[t-n+1..t] (of x^2 with ``squares``); NaN before start + n - 1."""
         a = self.start + n - 1
-        out = self._blank(a)
+        out = self.cs.new_empty(self.shape)
+        out[..., :a] = NAN
         if a < self.shape[-1]:
             torch.sub(*self.parts(n, a, squares), out=out[..., a:])
         return out
 
     def mean_var(self, n: int) -> tuple[Tensor, Tensor]:
         """Rolling mean and population variance over n bars."""
-        if self.cs2 is None:
-            raise ValueError("Prefix built without squares")
         mean = self.sum(n).div_(n)
-        return mean, self.sum(n, squares=True).div_(n).sub_(torch.mul(mean, mean, out=like(mean))).clamp_(min=0.0)
+        return mean, self.sum(n, squares=True).div_(n).sub_(mean * mean).clamp_(min=0.0)
 
     def std(self, n: int) -> Tensor:
-        """Rolling population standard deviation over n bars (as :meth:`mean_var`), run by run."""
-        a = self.start + n - 1
-        out = self._blank(a)
-        if a < self.shape[-1]:
-            parts = self._both_parts(n, a)
-            if _native(*parts):
-                native.window_std(*(_np(x) for x in parts), n, _np(out[..., a:]))
-            else:
-                blockwise(functools.partial(_std_block, n=n), out[..., a:], *parts)
-        return out
-
-    def _blank(self, a: int) -> Tensor:
-        """An output over the series' bars, NaN before bar a (the caller fills the rest)."""
-        out = empty(self.shape, self.cs)
-        out[..., :a] = NAN
-        return out
-
-    def _both_parts(self, n: int, at: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        if self.cs2 is None:
-            raise ValueError("Prefix built without squares")
-        return (*self.parts(n, at), *self.parts(n, at, squares=True))
+        """Rolling population standard deviation over n bars (the root of :meth:`mean_var`'s variance)."""
+        return self.mean_var(n)[1].sqrt_()
 
 
-def _std_block(hi: Tensor, lo: Tensor, hi2: Tensor, lo2: Tensor, out: Tensor, n: int) -> None:
-    """sqrt(max(E[x^2] - E[x]^2, 0)) from window sums (hi - lo) of x and x^2."""
-    m = torch.sub(hi, lo).div_(n)
-    torch.sub(hi2, lo2, out=out).div_(n).sub_(m.mul_(m)).clamp_(min=0.0).sqrt_()
-
-
-def _running_sum0(x: Tensor, squares: bool = False) -> Tensor:
-    """Running sums of x (of x^2 with ``squares``) along the last axis after a leading 0 (so a window sum is always
-    one subtraction)."""
-    out = empty(tuple(x.shape[:-1]) + (x.shape[-1] + 1,), x)
+def _running_sum0(x: Tensor) -> Tensor:
+    """Running sums of x along the last axis after a leading 0 (so a window sum is always one subtraction)."""
+    out = x.new_empty(tuple(x.shape[:-1]) + (x.shape[-1] + 1,))
     out[..., 0] = 0.0
-    if squares:
-        x = torch.mul(x, x, out=out[..., 1:])
-    if fast_path(x):  # written in place, with no temporary
-        K.cumsum(_np(x), out=_np(out)[..., 1:])
-    else:
-        out[..., 1:] = cumsum(x)
+    out[..., 1:] = cumsum(x)
     return out
 
 
@@ -352,7 +219,6 @@ class BlockPrefix:
     Each block of ``block`` output bars carries the max_window - 1 bars before it and is centred on r, x at
     the block's first output bar (a past value for every bar of the block): rounding error scales with the
     local spread of x, not with its level times the series length, and a sum at t depends only on bars <= t.
-    The same layout and arithmetic as ``cpu_kernels.BlockPrefix`` (the CPU fast path).
 
     ``finite=True`` (the rolling moments of ``foxhunt.preprocessing``; any float dtype, torch only): values that are
     not finite add nothing and are counted out (:meth:`moments`), a block is centred on the last finite value at or
@@ -451,49 +317,17 @@ def _last_finite_at(x: Tensor, ok: Tensor, step: int, k: int) -> Tensor:
     return torch.where(last >= 0, x.gather(1, last.clamp_min(0)), torch.zeros_like(last, dtype=x.dtype))
 
 
-def block_prefix(x: Tensor, max_window: int, start: int = 0, squares: bool = False) -> BlockPrefix | HostBlockPrefix:
-    """Block-centred prefix sums of x for windows up to ``max_window`` bars: :class:`BlockPrefix`, or on the CPU
-    the same layout and arithmetic on numpy views, its windows in compiled loops (:class:`HostBlockPrefix`; without
-    a compiler, :class:`BlockPrefix`)."""
-    if fast_path(x) and native.available():
-        return HostBlockPrefix(x, max_window, start, squares)
-    return BlockPrefix(x, max_window, start, squares)
-
-
-class HostBlockPrefix:
-    """:class:`BlockPrefix` by ``cpu_kernels.BlockPrefix`` on a CPU tensor's numpy view; results are tensors."""
-
-    def __init__(self, x: Tensor, max_window: int, start: int = 0, squares: bool = False) -> None:
-        self._k = K.BlockPrefix(_np(x), max_window, start, squares)
-
-    def sum(self, n: int) -> Tensor:
-        return torch.from_numpy(self._k.sum(n))
-
-    def mean(self, n: int) -> Tensor:
-        return torch.from_numpy(self._k.mean(n))
-
-    def mean_var(self, n: int) -> tuple[Tensor, Tensor]:
-        return tuple(torch.from_numpy(a) for a in self._k.mean_var(n))
-
-    def mean_std(self, n: int, k: float = 1.0) -> tuple[Tensor, Tensor]:
-        return tuple(torch.from_numpy(a) for a in self._k.mean_std(n, k))
-
-
 def rolling_max(x: Tensor, n: int) -> Tensor:
     """Highest value of x[t-n+1..t] (doubling: ceil(log2 n) + 1 passes, exact)."""
-    if fast_path(x):
-        return torch.from_numpy(K.rolling_max(_np(x), n))
     return _rolling_extreme(x, n, torch.maximum)
 
 
 def rolling_min(x: Tensor, n: int) -> Tensor:
     """Lowest value of x[t-n+1..t]."""
-    if fast_path(x):
-        return torch.from_numpy(K.rolling_min(_np(x), n))
     return _rolling_extreme(x, n, torch.minimum)
 
 
-def _rolling_extreme(x: Tensor, n: int, op) -> Tensor:
+def _rolling_extreme(x: Tensor, n: int, op: Callable[..., Tensor]) -> Tensor:
     if n < 1:
         raise ValueError(f"window must be >= 1, got {n}")
     T = x.shape[-1]
@@ -517,8 +351,6 @@ def bars_since_extreme(x: Tensor, n: int, highest: bool) -> Tensor:
 
     Doubling on (extreme, age) pairs: when two halves tie the later one wins.
     """
-    if fast_path(x) and n < 128:
-        return torch.from_numpy(K.bars_since_extreme(_np(x), n, highest))
     T = x.shape[-1]
     w = n + 1
     out = nans(x, w - 1)
@@ -541,14 +373,12 @@ def bars_since_extreme(x: Tensor, n: int, highest: bool) -> Tensor:
 
 
 def aroon_line(x: Tensor, n: int, highest: bool) -> Tensor:
-    """TA-Lib's Aroon up (down) line: (100 / n) (n - bars since the highest (lowest) of x[t-n..t]); on the CPU in the
-    kernel's last pass (three passes fewer)."""
-    if fast_path(x) and n < 128:
-        return torch.from_numpy(K.bars_since_extreme(_np(x), n, highest, aroon=True))
+    """TA-Lib's Aroon up (down) line: (100 / n) (n - bars since the highest (lowest) of x[t-n..t])."""
     return bars_since_extreme(x, n, highest).neg_().add_(n).mul_(100.0 / n)
 
 
-def _merge(m_new: Tensor, age_new: Tensor, m_old: Tensor, age_old: Tensor, lag: int, op, later_of,
+def _merge(m_new: Tensor, age_new: Tensor, m_old: Tensor, age_old: Tensor, lag: int, op: Callable[..., Tensor],
+           later_of: Callable[..., Tensor],
            m_out: Tensor | None, age_out: Tensor, later: Tensor) -> None:
     """Combine a recent window's (extreme, age) with an older one's ending ``lag`` bars back; ties go to the recent.
 
@@ -594,24 +424,19 @@ def affine_scan(c: Tensor, u: Tensor, y0: Tensor) -> Tensor:
     return y
 
 
-def first_order(x: Tensor, a: float, b: float, y0: Tensor | float, out: Tensor | None = None) -> Tensor:
-    """y[t] = a y[t-1] + b x[t] along the last axis from y[-1] = y0 (a blocked scan), into ``out`` when given.
+def first_order(x: Tensor, a: float, b: float, y0: Tensor | float) -> Tensor:
+    """y[t] = a y[t-1] + b x[t] along the last axis from y[-1] = y0 (a blocked scan).
 
     Inside a block of B bars y[k] = a^k (a y_in + b sum_{j<=k} a^-j x[j]) (a multiply, a running sum and a
     multiply); the block carries, y_in[j+1] = a^B y_in[j] + (block j's sum), are a doubling scan over the T / B
-    blocks. Blocks start at fixed offsets from the first bar, so bar t only sees bars <= t. On the CPU: the
-    compiled loop of :mod:`foxhunt.features.native` (one multiply-add a bar), where it is available.
+    blocks. Blocks start at fixed offsets from the first bar, so bar t only sees bars <= t.
     """
     S, L = x.shape
     y0 = rows(y0, x)
-    if fast_path(x) and native.available():
-        out = empty(tuple(x.shape), x) if out is None else out
-        native.first_order(_np(x), a, b, _np(y0), _np(out))
-        return out
     if L == 0:
-        return _put(x.new_empty((S, 0)), out)
+        return x.new_empty((S, 0))
     if not 0.01 <= a < 1.0:  # no gain from blocking: a^k vanishes within a few doublings
-        return _put(const_scan(b * x, a, y0), out)
+        return const_scan(b * x, a, y0)
     B = _scan_block(a)
     nf = -(-L // B)
     k = torch.arange(B, dtype=x.dtype, device=x.device)
@@ -622,7 +447,7 @@ def first_order(x: Tensor, a: float, b: float, y0: Tensor | float, out: Tensor |
     V[:, 1:, 0] += a * ends[:, :-1]
     V = torch.cumsum(V, dim=-1)  # inside blocks: short rows, many of them
     V *= h
-    return _put(V.view(S, nf * B)[:, :L], out)
+    return V.view(S, nf * B)[:, :L]
 
 
 def ema(x: Tensor, n: int | None = None, start: int = 0, alpha: float | None = None, seed: str = "sma") -> Tensor:
@@ -656,29 +481,22 @@ def wilder_sum(x: Tensor, n: int, start: int = 0) -> Tensor:
 
 def _seeded_scan(x: Tensor, s: int, y0: Tensor, a: float, b: float) -> Tensor:
     """NaN before bar s, y0 at s, then y[t] = a y[t-1] + b x[t]."""
-    T = x.shape[-1]
     out = nans(x, s)
-    if s < T:
+    if s < x.shape[-1]:
         out[:, s] = y0
-        first_order(x[:, s + 1 :], a, b, y0, out=out[:, s + 1 :])
+        out[:, s + 1 :] = first_order(x[:, s + 1 :], a, b, y0)
     return out
 
 
-def linear_recurrence(a: Tensor, b: Tensor, y0: Tensor | float, a_min: float, overwrite: bool = False) -> Tensor:
+def linear_recurrence(a: Tensor, b: Tensor, y0: Tensor | float, a_min: float) -> Tensor:
     """y[t] = a[t] y[t-1] + b[t] for t = 0..T-1 from y[-1] = y0, with a_min <= a <= 1 (blocked scan).
 
     Within a block of B bars y = A (y_in + cumsum(b / A)), A the running product of a; B comes from the
     caller's bound ``a_min`` (never from the data) and keeps A above float64 underflow. The block carries
-    y_in[j+1] = A_end[j] (y_in[j] + P_end[j]) are solved by a doubling scan over the blocks, on the device. On the
-    CPU: the compiled loop of :mod:`foxhunt.features.native`, where it is available, which with ``overwrite``
-    writes y over b (returned).
+    y_in[j+1] = A_end[j] (y_in[j] + P_end[j]) are solved by a doubling scan over the blocks, on the device.
     """
     if not 0.0 < a_min <= 1.0:
         raise ValueError(f"linear_recurrence: a_min must be in (0, 1], got {a_min}")
-    if fast_path(a) and native.available():
-        out = b if overwrite else empty(tuple(b.shape), b)
-        native.linear_recurrence(_np(a), _np(b), _np(rows(y0, a)), _np(out))
-        return out
     S, T = a.shape
     y0 = rows(y0, a)
     if T == 0:

@@ -97,13 +97,13 @@ class Panel:
         """Shared prefix sums of the series ``fn()`` (named ``key``): every window length is then one subtraction."""
         return self.memo(("prefix", key, start, squares), lambda: ops.Prefix(fn(), start, squares))
 
-    def close_prefix(self) -> ops.BlockPrefix | ops.HostBlockPrefix:
+    def close_prefix(self) -> ops.BlockPrefix:
         """Block-centred prefix sums of the close and its square, shared by the SMAs and Bollinger bands."""
-        return self.memo("close_block_prefix", lambda: ops.block_prefix(self.close, 200, squares=True))
+        return self.memo("close_block_prefix", lambda: ops.BlockPrefix(self.close, 200, squares=True))
 
     # shared intermediates used across families
     def log_close(self) -> Tensor:
-        return self.memo("log_close", lambda: torch.log(self.close, out=ops.like(self.close)))
+        return self.memo("log_close", lambda: torch.log(self.close))
 
     def log_return(self, k: int = 1, out: Tensor | None = None) -> Tensor:
         """ln C[t] - ln C[t-k], into ``out`` when given; only the 1-bar return is shared (memoised)."""
@@ -122,7 +122,11 @@ class Panel:
     def true_range(self) -> Tensor:
         """TA-Lib TRANGE: max(H, C[t-1]) - min(L, C[t-1]); undefined at the first bar."""
 
-        return self.memo("true_range", lambda: ops.blockwise(_true_range, ops.like(self.high), self.high, self.low, self.prev_close()))
+        def f() -> Tensor:
+            prev = self.prev_close()
+            return torch.maximum(self.high, prev).sub_(torch.minimum(self.low, prev))
+
+        return self.memo("true_range", f)
 
     def atr(self, n: int = 14) -> Tensor:
         """TA-Lib ATR: Wilder smoothing of the true range, seeded with its mean over bars 1..n."""
@@ -133,7 +137,7 @@ class Panel:
         whose product with a 0 distance is NaN): features in ATR units multiply by it (cheaper than a divide)."""
 
         def f():
-            r = torch.reciprocal(self.atr(14), out=ops.like(self.close))
+            r = torch.reciprocal(self.atr(14))
             return r.nan_to_num_(nan=ops.NAN, posinf=0.0)  # ATR >= 0: only 1 / 0 is infinite; warm-up stays NaN
 
         return self.memo("inv_atr_14", f)
@@ -144,13 +148,12 @@ class Panel:
 
     def typical_price(self) -> Tensor:
         def f():
-            tp = torch.add(self.high, self.low, out=ops.like(self.high))
-            return tp.add_(self.close).div_(3.0)
+            return (self.high + self.low).add_(self.close).div_(3.0)
 
         return self.memo("typical_price", f)
 
     def hl_range(self) -> Tensor:
-        return self.memo("hl_range", lambda: torch.sub(self.high, self.low, out=ops.like(self.high)))
+        return self.memo("hl_range", lambda: self.high - self.low)
 
     def volume_mean(self, n: int) -> Tensor:
         """SMA(n) of the volume."""
@@ -163,8 +166,3 @@ def one_symbol(symbol_index: Tensor) -> bool:
     if symbol_index.device.type != "cpu" or symbol_index.numel() == 0:
         return False
     return bool((symbol_index == symbol_index[0]).all())
-
-
-def _true_range(high: Tensor, low: Tensor, prev_close: Tensor, out: Tensor) -> None:
-    """max(H, C[t-1]) - min(L, C[t-1]) into out, run by run (:func:`ops.blockwise`)."""
-    torch.maximum(high, prev_close, out=out).sub_(torch.minimum(low, prev_close))

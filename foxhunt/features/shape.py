@@ -16,19 +16,17 @@ if TYPE_CHECKING:
 
 def bop(p: Panel, out: Tensor | None = None) -> Tensor:
     """TA-Lib BOP: (C - O) / (H - L), 0 on a flat bar."""
-    return O.safe_div(torch.sub(p.close, p.open, out=O.like(p.close)), p.hl_range(), out=out)
+    return O.safe_div(p.close - p.open, p.hl_range(), out=out)
 
 
 def _upper_wick(p: Panel) -> Tensor:
     """H - max(O, C)."""
-    m = torch.maximum(p.open, p.close, out=O.like(p.open))
-    return torch.sub(p.high, m, out=m)
+    return p.high - torch.maximum(p.open, p.close)
 
 
 def _lower_wick(p: Panel) -> Tensor:
     """min(O, C) - L."""
-    m = torch.minimum(p.open, p.close, out=O.like(p.open))
-    return m.sub_(p.low)
+    return torch.minimum(p.open, p.close).sub_(p.low)
 
 
 def range_rel(p: Panel, n: int) -> Tensor:
@@ -45,8 +43,8 @@ def features() -> FeatureList:
     fl.add("body", "TA-Lib BOP: (C - O) / (H - L)", 0, bop, talib="BOP")
     fl.add("upper_wick", "(H - max(O, C)) / (H - L)", 0, lambda p, out=None: O.safe_div(_upper_wick(p), p.hl_range(), out=out))
     fl.add("lower_wick", "(min(O, C) - L) / (H - L)", 0, lambda p, out=None: O.safe_div(_lower_wick(p), p.hl_range(), out=out))
-    fl.add("close_location", "(C - L) / (H - L), 0.5 on flat bars", 0, lambda p, out=None: O.safe_div(torch.sub(p.close, p.low, out=O.like(p.close)), p.hl_range(), 0.5, out=out))
+    fl.add("close_location", "(C - L) / (H - L), 0.5 on flat bars", 0, lambda p, out=None: O.safe_div(p.close - p.low, p.hl_range(), 0.5, out=out))
     fl.add("bar_return", "ln(C / O)", 0, lambda p, out=None: O.log_ratio(p.close, p.open, out))
     fl.add("gap", "ln(O[t] / C[t-1])", 1, lambda p, out=None: O.log_ratio(p.open, p.prev_close(), out))
-    fl.add("gap_atr", "(O[t] - C[t-1]) / ATR(14)", 14, lambda p, out=None: p.per_atr(torch.sub(p.open, p.prev_close(), out=O.like(p.open)), out), talib="ATR")
+    fl.add("gap_atr", "(O[t] - C[t-1]) / ATR(14)", 14, lambda p, out=None: p.per_atr(p.open - p.prev_close(), out), talib="ATR")
     return fl

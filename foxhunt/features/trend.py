@@ -33,7 +33,7 @@ def ema(p: Panel, n: int) -> Tensor:
 
 def _abs_change_prefix(p: Panel) -> ops.Prefix:
     """Prefix sums of |C[t] - C[t-1]| from bar 1, shared by every KAMA window."""
-    return p.prefix("abs_close_change", lambda: torch.abs(p.close_change(), out=ops.like(p.close)), 1)
+    return p.prefix("abs_close_change", lambda: torch.abs(p.close_change()), 1)
 
 
 def kama(p: Panel, n: int) -> Tensor:
@@ -44,27 +44,15 @@ def kama(p: Panel, n: int) -> Tensor:
         out = ops.nans(c, n)
         if c.shape[1] <= n:
             return out
-        a = ops.empty((c.shape[0], c.shape[1] - n), c)
-        b = ops.blockwise(_kama_block, out[:, n:], c[:, n:], c[:, :-n], *_abs_change_prefix(p).parts(n, n), a)
-        y = ops.linear_recurrence(a, b, c[:, n - 1], a_min=1.0 - _FASTEST**2, overwrite=True)
-        if y is not b:
-            out[:, n:] = y
+        now, (hi, lo) = c[:, n:], _abs_change_prefix(p).parts(n, n)  # the noise over the window is hi - lo
+        # efficiency ratio |change| / noise <= 1, with equality exactly when TA-Lib sets ER = 1; a flat window
+        # (0 / 0) gives 1 too: min(ER, 1) with 1 for NaN
+        er = (now - c[:, :-n]).abs_().div_(hi - lo).clamp_(max=1.0).nan_to_num_(nan=1.0)
+        sc = er.mul_(_FASTEST - _SLOWEST).add_(_SLOWEST).square_()
+        out[:, n:] = ops.linear_recurrence(1.0 - sc, sc * now, c[:, n - 1], a_min=1.0 - _FASTEST**2)
         return out
 
     return p.memo(("kama", n), f)
-
-
-def _kama_block(now: Tensor, then: Tensor, hi: Tensor, lo: Tensor, a: Tensor, out: Tensor) -> None:
-    """KAMA's recurrence y = a y[t-1] + b: a = 1 - sc into ``a``, b = sc C into out, from the closes n bars apart
-    and the prefix sums (hi - lo) of |C[t] - C[t-1]| over the window."""
-    er = torch.sub(now, then).abs_()
-    # |change| <= noise, with equality exactly when TA-Lib sets ER = 1; a flat window (0 / 0) gives 1 too:
-    # min(ER, 1) with 1 for NaN (what fmin gives, several times faster on a CPU)
-    er.div_(hi - lo)
-    er.clamp_(max=1.0).nan_to_num_(nan=1.0)
-    sc = er.mul_(_FASTEST - _SLOWEST).add_(_SLOWEST).square_()
-    torch.sub(1.0, sc, out=a)
-    torch.mul(sc, now, out=out)
 
 
 def _dist(p: Panel, ma: Tensor, out: Tensor | None = None) -> Tensor:

@@ -49,12 +49,7 @@ def bbands(p: Panel, n: int, k: float = 2.0) -> tuple[Tensor, Tensor, Tensor]:
 def bb_pctb(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """Bollinger %B: (C - lower) / (upper - lower) = (C - middle + half-width) / (2 half-width), 0.5 where the bands meet."""
     mid, half = _mid_halfwidth(p, n, 2.0)
-    return O.blockwise(_pctb_block, O.like(mid) if out is None else out, p.close, mid, half)
-
-
-def _pctb_block(close: Tensor, mid: Tensor, half: Tensor, out: Tensor) -> None:
-    """(C - middle + half-width) / (2 half-width), 0.5 where the half-width is 0, run by run (no full-size temporary)."""
-    O.safe_div(torch.sub(close, mid).add_(half), half, 0.5, scale=0.5, out=out)
+    return O.safe_div((p.close - mid).add_(half), half, 0.5, scale=0.5, out=out)
 
 
 def bb_width(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
@@ -65,7 +60,7 @@ def bb_width(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
 
 def _log_hl_sq(p: Panel) -> Tensor:
     def f() -> Tensor:
-        x = torch.div(p.high, p.low, out=O.like(p.high)).log_()
+        x = torch.div(p.high, p.low).log_()
         return x.mul_(x)
 
     return p.memo("log_hl_sq", f)
@@ -88,9 +83,9 @@ def garman_klass(p: Panel, n: int) -> Tensor:
     """Garman-Klass (1980): sqrt(mean(0.5 ln(H/L)^2 - (2 ln 2 - 1) ln(C/O)^2)) over n bars."""
 
     def term() -> Tensor:
-        lco = torch.div(p.close, p.open, out=O.like(p.close)).log_()
+        lco = torch.div(p.close, p.open).log_()
         lco.mul_(lco).mul_(2.0 * _LN2 - 1.0)
-        return torch.mul(_log_hl_sq(p), 0.5, out=O.like(lco)).sub_(lco)
+        return torch.mul(_log_hl_sq(p), 0.5).sub_(lco)
 
     return _sqrt_mean(p.prefix("gk_term", term).sum(n), n)
 
@@ -99,15 +94,11 @@ def rogers_satchell(p: Panel, n: int) -> Tensor:
     """Rogers-Satchell (1991): sqrt(mean(ln(H/C) ln(H/O) + ln(L/C) ln(L/O))) over n bars."""
 
     def term() -> Tensor:
-        return O.blockwise(_rogers_satchell_term, O.like(p.high), p.high, p.low, p.close, p.open)
+        """ln(H/C) ln(H/O) + ln(L/C) ln(L/O) as (lh - lc) (lh - lo) + (ll - lc) (ll - lo)."""
+        lh, ll, lc, lo = (torch.log(a) for a in (p.high, p.low, p.close, p.open))
+        return (lh - lc) * (lh - lo) + (ll - lc) * (ll - lo)
 
     return _sqrt_mean(p.prefix("rs_term", term).sum(n), n)
-
-
-def _rogers_satchell_term(high: Tensor, low: Tensor, close: Tensor, open_: Tensor, out: Tensor) -> None:
-    """ln(H/C) ln(H/O) + ln(L/C) ln(L/O) as (lh - lc) (lh - lo) + (ll - lc) (ll - lo), run by run."""
-    lh, ll, lc, lo = (torch.log(a) for a in (high, low, close, open_))
-    torch.add((lh - lc) * (lh - lo), (ll - lc) * (ll - lo), out=out)
 
 
 def features() -> FeatureList:

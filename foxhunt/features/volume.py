@@ -5,7 +5,6 @@ Window sums are differences of prefix sums shared by every window length (``Pane
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,16 +25,15 @@ def volume_prefix(p: Panel, start: int = 0) -> O.Prefix:
 
 
 def _log_volume(p: Panel) -> Tensor:
-    return p.memo("log1p_volume", lambda: torch.log1p(p.volume, out=O.like(p.volume)))
+    return p.memo("log1p_volume", lambda: torch.log1p(p.volume))
 
 
 def volume_z(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """z-score of ln(1 + V) against its trailing n-bar mean and population std (0 when the std is 0)."""
     x = _log_volume(p)
     x0 = x[:, :1]  # a past value for every bar: centring keeps the prefix sums of squares small
-    mean, var = p.prefix("log1p_volume_centred", lambda: torch.sub(x, x0, out=O.like(x)), 0, True).mean_var(n)
-    dev = torch.sub(x, x0, out=O.like(x))
-    dev -= mean
+    mean, var = p.prefix("log1p_volume_centred", lambda: x - x0, 0, True).mean_var(n)
+    dev = (x - x0).sub_(mean)
     return O.safe_div(dev, var.sqrt_(), out=out)
 
 
@@ -63,17 +61,11 @@ def obv(p: Panel) -> Tensor:
 def obv_change(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """(OBV[t] - OBV[t-n]) / sum of V over the last n bars: the net signed share of recent volume, in [-1, 1]
     (into ``out`` when given)."""
-    out = O.nans(p.close, n) if out is None else _nan_head(out, n)
+    out = O.nans(p.close, n, out)
     if n < p.shape[1]:
         s_hi, s_lo = p.prefix("signed_volume", lambda: _signed_volume(p), 1).parts(n, n)
         v_hi, v_lo = volume_prefix(p, 1).parts(n, n)
-        O.difference_ratio(s_hi, s_lo, v_hi, v_lo, out[:, n:])  # signed volume / volume, per window
-    return out
-
-
-def _nan_head(out: Tensor, n: int) -> Tensor:
-    """out with NaN on its first n bars (the caller writes the rest)."""
-    out[:, :n] = _NAN
+        O.difference_ratio(s_hi, s_lo, v_hi, v_lo, out=out[:, n:])  # signed volume / volume, per window
     return out
 
 
@@ -83,9 +75,8 @@ def _money_flows(p: Panel) -> tuple[Tensor, Tensor]:
     def f() -> tuple[Tensor, Tensor]:
         tp = p.typical_price()
         d = O.diff(tp, 1)
-        mf = torch.mul(tp, p.volume, out=O.like(tp))
-        up = torch.mul(mf, d > 0, out=O.like(tp))
-        return up, mf.mul_(d < 0)
+        mf = tp * p.volume
+        return mf * (d > 0), mf.mul_(d < 0)
 
     return p.memo("money_flows", f)
 
@@ -94,64 +85,47 @@ def mfi(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib MFI: 100 * positive money flow / total money flow over n bars (0 when the total is below 1), into
     ``out`` when given."""
     up, down = _money_flows(p)
-    out = O.nans(p.close, n) if out is None else _nan_head(out, n)
+    out = O.nans(p.close, n, out)
     if n < p.shape[1]:
         u_hi, u_lo = p.prefix("money_flow_up", lambda: up, 1).parts(n, n)
         d_hi, d_lo = p.prefix("money_flow_down", lambda: down, 1).parts(n, n)
-        O.blockwise(_mfi_block, out[:, n:], u_hi, u_lo, d_hi, d_lo)
+        pos = u_hi - u_lo
+        tot = (d_hi - d_lo).add_(pos)
+        O.safe_div(pos, tot, scale=100.0, out=out[:, n:]).masked_fill_(tot < 1.0, 0.0)
     return out
-
-
-def _mfi_block(u_hi: Tensor, u_lo: Tensor, d_hi: Tensor, d_lo: Tensor, out: Tensor) -> None:
-    """100 * positive / total money flow from window sums (hi - lo), 0 where the total is below 1."""
-    pos = u_hi - u_lo
-    tot = torch.sub(d_hi, d_lo).add_(pos)
-    O.safe_div(pos, tot, scale=100.0, out=out).masked_fill_(tot < 1.0, 0.0)
 
 
 def vwap_distance(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """(C - VWAP over n bars) / ATR(14), VWAP = sum(TP V) / sum(V) (TP itself where the volume is 0)."""
     tp = p.typical_price()
-    pv = p.prefix("tp_volume", lambda: torch.mul(tp, p.volume, out=O.like(tp))).sum(n)
+    pv = p.prefix("tp_volume", lambda: tp * p.volume).sum(n)
     vol = volume_prefix(p).sum(n)
-    return O.blockwise(_vwap_distance_block, pv if out is None else out, pv, vol, tp, p.close, p.inv_atr())
-
-
-def _vwap_distance_block(pv: Tensor, vol: Tensor, tp: Tensor, close: Tensor, inv_atr: Tensor, out: Tensor) -> None:
-    """(C - sum(TP V) / sum(V)) / ATR, with TP itself as the VWAP where the window's volume is 0."""
     zero = vol == 0
-    vwap = torch.div(pv, vol).masked_fill_(zero, 0.0).addcmul_(tp, zero)
-    torch.mul(vwap.neg_().add_(close), inv_atr, out=out)
+    vwap = pv.div_(vol).masked_fill_(zero, 0.0).addcmul_(tp, zero)
+    return torch.mul(vwap.neg_().add_(p.close), p.inv_atr(), out=out)
 
 
 def amihud(p: Panel, n: int) -> Tensor:
     """ln of Amihud's illiquidity: mean over n bars of |log return| / (C V), V floored at 1."""
-    illiq = p.memo("illiq", lambda: O.blockwise(_illiq, O.like(p.close), p.log_return(1), p.close, p.volume))
+    illiq = p.memo("illiq", lambda: p.log_return(1).abs() / (p.close * p.volume.clamp(min=1.0)))
     m = p.prefix("illiq", lambda: illiq, 1).sum(n)
     m /= n
     m += 1e-30
     return m.log_()
 
 
-def _illiq(r: Tensor, close: Tensor, volume: Tensor, out: Tensor) -> None:
-    """|r| / (C max(V, 1)), run by run."""
-    torch.div(r.abs(), close * volume.clamp(min=1.0), out=out)
-
-
 def _clv(p: Panel) -> Tensor:
     """Close location value ((C - L) - (H - C)) / (H - L), 0 on a flat bar."""
 
     def f() -> Tensor:
-        num = torch.sub(p.close, p.low, out=O.like(p.close))
-        num -= torch.sub(p.high, p.close, out=O.like(p.close))
-        return O.safe_div(num, p.hl_range(), out=num)
+        return O.safe_div((p.close - p.low).sub_(p.high - p.close), p.hl_range())
 
     return p.memo("clv", f)
 
 
 def _clv_volume(p: Panel) -> Tensor:
     """CLV * V: the money flow whose running sum is the AD line, shared by AD, ADOSC and CMF."""
-    return p.memo("clv_volume", lambda: torch.mul(_clv(p), p.volume, out=O.like(p.volume)))
+    return p.memo("clv_volume", lambda: _clv(p) * p.volume)
 
 
 def ad(p: Panel) -> Tensor:
@@ -167,14 +141,12 @@ def adosc(p: Panel, fast: int = 3, slow: int = 10) -> Tensor:
     level that grows with the series, which the EMAs' rounding would scale with) and one pass fewer.
     """
     flow = _clv_volume(p)
-    S, T = flow.shape
-    out = O.empty((S, T), flow)
+    out = torch.empty_like(flow)
     out[:, 0] = 0.0
-    if T > 1:
+    if flow.shape[1] > 1:
         a_fast, a_slow = 1.0 - 2.0 / (fast + 1), 1.0 - 2.0 / (slow + 1)
         d_fast = O.first_order(flow[:, 1:], a_fast, a_fast, 0.0)
-        O.first_order(flow[:, 1:], a_slow, a_slow, 0.0, out=out[:, 1:])
-        out[:, 1:] -= d_fast
+        torch.sub(O.first_order(flow[:, 1:], a_slow, a_slow, 0.0), d_fast, out=out[:, 1:])
     out[:, : slow - 1] = _NAN
     return out
 
@@ -183,18 +155,11 @@ def adosc_per_volume(p: Panel, fast: int, slow: int, out: Tensor | None = None) 
     """ADOSC / SMA(slow) of V (0 where that mean is 0), into ``out`` when given (one rounding, no copy)."""
     line = adosc(p, fast, slow)
     a = slow - 1
-    if out is None:
-        out = O.nans(line)
-    else:
-        out[:, : min(a, p.shape[1])] = _NAN
+    out = O.nans(line, a, out)
     if a < p.shape[1]:
-        O.blockwise(functools.partial(_per_mean, n=slow), out[:, a:], line[:, a:], *volume_prefix(p).parts(slow, a))
+        hi, lo = volume_prefix(p).parts(slow, a)
+        O.safe_div(line[:, a:], (hi - lo).div_(slow), out=out[:, a:])
     return out
-
-
-def _per_mean(x: Tensor, hi: Tensor, lo: Tensor, out: Tensor, n: int) -> None:
-    """x / ((hi - lo) / n): x per the mean of an n-bar window sum, 0 where that mean is 0, run by run."""
-    O.safe_div(x, torch.sub(hi, lo).div_(n), out=out)
 
 
 def cmf(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
