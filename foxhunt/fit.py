@@ -17,10 +17,12 @@ built, before any data is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import types
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,20 @@ from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.training.memory import retain_freed_memory
 
 log = logging.getLogger("foxhunt.fit")
+
+# What the main path would print whose cause lies outside foxhunt and that no public API avoids; hidden (by
+# ``quiet_outside_causes``) only while the CLI is built and fits. (category, message, module) as warnings.filterwarnings
+# takes them:
+OUTSIDE_WARNINGS = (
+    # Lightning's CLI calls jsonargparse APIs deprecated since jsonargparse 4.49 (add_instantiator,
+    # instantiate_classes, skip_none), with the notice jsonargparse puts before the first of them
+    (DeprecationWarning, r"(?s).*(was deprecated in v4\.|only one JsonargparseDeprecationWarning per type)",
+     r"lightning\.pytorch\.cli"),
+    # Lightning's CombinedLoader (every fit's data loaders) builds torch's LeafSpec, which this torch deprecates
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\.pytorch\.utilities\._pytree"),
+)
+# Lightning's advert for its cloud logger, logged at every Trainer whose logger is not that one
+LITLOGGER_TIP = "\N{ELECTRIC LIGHT BULB} Tip: For seamless cloud logging"
 
 
 class FoxhuntCLI(LightningCLI):
@@ -64,19 +80,23 @@ class FoxhuntCLI(LightningCLI):
         )
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """The Trainer, with foxhunt's checkpoints in place of Lightning's default one (the best by
-        ``checkpoint_monitor``, exported at the end, and the latest to resume from), the ensemble's figures, and a rich
-        progress bar in place of the default one. Callbacks the config names are kept as they are."""
-        trainer = super().instantiate_trainer(**kwargs)
-        callbacks = list(trainer.callbacks)
-        checkpoints = [cb for cb in callbacks if isinstance(cb, ModelCheckpoint)]
-        if len(checkpoints) == 1 and _is_default_checkpoint(checkpoints[0]):
+        """The Trainer, with foxhunt's checkpoints where the config names none (the best by ``checkpoint_monitor``,
+        exported at the end, and the latest to resume from), the ensemble's figures, and a rich progress bar in place
+        of the default one. Callbacks the config names are kept as they are."""
+        config = self.config_init.get(self.subcommand) if self.subcommand else self.config_init
+        settings = {**((config.get("trainer") or {}) if config else {}), **kwargs}
+        named = _listed(settings.get("callbacks"))
+        if settings.get("enable_checkpointing") is not False and not any(
+            isinstance(cb, ModelCheckpoint) for cb in [*named, *_listed(self.trainer_defaults.get("callbacks"))]
+        ):  # given to the Trainer, so that it builds no default checkpoint of its own (nor advertises a cloud one)
             monitor, mode = self.config.get("checkpoint_monitor", "val/sharpe"), self.config.get("checkpoint_mode", "max")
-            callbacks.remove(checkpoints[0])
-            callbacks += [
+            kwargs["callbacks"] = [
+                *named,
                 ModelCheckpoint(monitor=monitor, mode=mode, save_top_k=1, filename="best-{epoch}-{step}"),
                 ModelCheckpoint(monitor=None, save_top_k=1, filename="last", enable_version_counter=False),
             ]
+        trainer = super().instantiate_trainer(**kwargs)
+        callbacks = list(trainer.callbacks)
         every = self.config.get("checkpoint_every_n_steps")
         if every is not None:
             from foxhunt.training.checkpoint_io import PeriodicCheckpoint
@@ -144,7 +164,7 @@ class FoxhuntCLI(LightningCLI):
             for lg in trainer.loggers:
                 lg.log_hyperparams(model.hparam_params(), dict.fromkeys(model.hparam_metric_names(), float("nan")))
         with retain_freed_memory(bool(cfg.get("retain_freed_memory", True))):
-            with warnings.catch_warnings():
+            with quiet_outside_causes():
                 if continued:  # the resumed run's own checkpoints are there, as they should be
                     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
                 trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
@@ -301,9 +321,29 @@ def check_members(model: EnsembleModule, config: Any) -> None:
             raise ConfigError(f"{config_source(config)}model.members.{name} ({type(member).__name__}): {e}") from e
 
 
-def _is_default_checkpoint(cb: ModelCheckpoint) -> bool:
-    """Lightning's own ModelCheckpoint (added when checkpointing is on and the config names none)."""
-    return cb.monitor is None and cb.filename is None and cb.dirpath is None and not cb.save_last and cb.save_top_k == 1
+def _listed(callbacks: Any) -> list[Any]:
+    """A Trainer's ``callbacks`` argument as a list (it takes None, one callback or a list)."""
+    return [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+
+
+def _not_the_litlogger_tip(record: logging.LogRecord) -> bool:
+    """A logging filter that drops Lightning's cloud-logger advert (``LITLOGGER_TIP``) and keeps everything else."""
+    return not record.getMessage().startswith(LITLOGGER_TIP)
+
+
+@contextlib.contextmanager
+def quiet_outside_causes() -> Iterator[None]:
+    """Hide, inside the block, the warnings of ``OUTSIDE_WARNINGS`` and Lightning's cloud-logger advert: neither has a
+    cause in foxhunt or in its config, so the lines left are the ones worth reading."""
+    notices = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # where Lightning's rank_zero_info logs
+    with warnings.catch_warnings():
+        for category, message, module in OUTSIDE_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category, module=module)
+        notices.addFilter(_not_the_litlogger_tip)
+        try:
+            yield
+        finally:
+            notices.removeFilter(_not_the_litlogger_tip)
 
 
 def default_trainer_kwargs() -> dict[str, Any]:
@@ -323,7 +363,7 @@ def build_cli(args: list[str] | None = None, callbacks: list[Any] | None = None)
     added to the Trainer's (e.g. an Optuna pruning callback)."""
     defaults = default_trainer_kwargs()
     defaults["callbacks"] = [*defaults["callbacks"], *(callbacks or [])]
-    with warnings.catch_warnings():  # `python -m foxhunt.fit` passes its own argv (less --debug) on purpose
+    with quiet_outside_causes():  # `python -m foxhunt.fit` passes its own argv (less --debug) on purpose
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
         return FoxhuntCLI(
             EnsembleModule,

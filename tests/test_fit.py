@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import subprocess
 import sys
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -51,11 +55,61 @@ def _event_file(tmp_path: Path) -> Path:
     return files[-1]
 
 
+@dataclass
+class TinyFit:
+    """The module's one tiny fit: its directory and CLI, every warning it raised and what Lightning logged."""
+
+    tmp: Path
+    cli: Any
+    warnings: list[warnings.WarningMessage]
+    notices: list[str]
+
+
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def tiny_fit(tmp_path_factory) -> TinyFit:
     tmp = tmp_path_factory.mktemp("fit")
-    cli = _fit(tmp, "--model.members.dqn.init_args.select_every", "2")  # the DQN chooses its weights on validation
-    return tmp, cli
+    with warnings.catch_warnings(record=True) as caught, _capture_log("lightning.pytorch") as notices:
+        warnings.simplefilter("always")  # each one, however often it was raised before in this process
+        cli = _fit(tmp, "--model.members.dqn.init_args.select_every", "2")  # the DQN chooses its weights on validation
+    return TinyFit(tmp, cli, list(caught), list(notices))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_fit: TinyFit):
+    return tiny_fit.tmp, tiny_fit.cli
+
+
+def test_the_fit_prints_no_warning_foxhunt_can_avoid(tiny_fit: TinyFit) -> None:
+    """Every warning shown: the only one left is foxhunt's own about this config (the DQN's exploration outlasts the
+    run); Lightning's deprecations of its own dependencies are hidden, and it logs no tip (its checkpoint tip has no
+    cause: foxhunt's checkpoints are given to the Trainer; its cloud-logger advert is hidden)."""
+    shown = [f"{w.category.__name__}: {w.message}" for w in tiny_fit.warnings
+             if not (torch.cuda.is_available() and "GPU available but not used" in str(w.message))]  # tiny.yaml: cpu
+    assert shown == ["UserWarning: member 'dqn': epsilon_steps=20 exceeds the 9 updates of this run: exploration ends "
+                     "at epsilon 0.573, not epsilon_end=0.05"], shown
+    assert Path(tiny_fit.warnings[-1].filename).is_relative_to(Path(foxhunt.__file__).parent)
+    assert any("`Trainer.fit` stopped" in line for line in tiny_fit.notices)  # Lightning's log is captured
+    assert not [line for line in tiny_fit.notices if "Tip" in line or "was configured so" in line], tiny_fit.notices
+
+
+def test_only_the_named_outside_warnings_are_hidden() -> None:
+    """``quiet_outside_causes`` hides Lightning's data-loader deprecation, raised by Lightning's module, while the
+    same kind of warning raised anywhere else (as foxhunt would) still shows."""
+    from lightning.pytorch.utilities import CombinedLoader
+
+    from foxhunt.fit import quiet_outside_causes
+
+    def raised(quiet: bool) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with quiet_outside_causes() if quiet else contextlib.nullcontext():
+                CombinedLoader([[1.0, 2.0]], "max_size_cycle")  # every fit's loaders go through it
+                warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated (here)", FutureWarning, stacklevel=1)
+        return [f"{Path(w.filename).name}: {w.message}" for w in caught]
+
+    ours = "test_fit.py: `isinstance(treespec, LeafSpec)` is deprecated (here)"
+    assert raised(quiet=True) == [ours]
+    assert ours in raised(quiet=False) and any(line.startswith("_pytree.py: ") for line in raised(quiet=False))
 
 
 def test_fit_logs_scalars_and_figures_to_tensorboard(tiny_run) -> None:
