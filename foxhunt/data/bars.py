@@ -121,6 +121,12 @@ def timestamps_ns(frame: pd.DataFrame) -> np.ndarray:
     return pd.DatetimeIndex(frame["timestamp"]).as_unit("ns").asi8
 
 
+def utc_ns(when: str) -> int:
+    """A date or timestamp string as UTC nanoseconds (naive strings are UTC): how cut dates compare with bars."""
+    t = pd.Timestamp(when)
+    return (t.tz_localize("UTC") if t.tz is None else t).value
+
+
 def empty_bars() -> pd.DataFrame:
     """A frame of the bar schema with no rows."""
     return pd.DataFrame(

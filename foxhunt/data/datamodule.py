@@ -21,6 +21,7 @@ from foxhunt.data.bars import (
     check_policy,
     symbol_codes,
     timestamps_ns,
+    utc_ns,
 )
 from foxhunt.data.feature_cache import FeatureCache
 from foxhunt.data.io import load_bars
@@ -357,9 +358,9 @@ class BarDataModule(FeatureCache, pl.LightningDataModule):
         """0/1/2 for train/val/test and -1 for purged bars and bars outside [start, end), by shared cut times."""
         inside = np.ones(len(ts), dtype=bool)
         if self.start is not None:
-            inside &= ts >= _utc_ns(self.start)
+            inside &= ts >= utc_ns(self.start)
         if self.end is not None:
-            inside &= ts < _utc_ns(self.end)
+            inside &= ts < utc_ns(self.end)
         if not inside.any():
             raise DataError(f"data.start/data.end: no bars between start {self.start} and end {self.end}")
         if self.val_start is not None or self.test_start is not None:
@@ -490,9 +491,3 @@ class BarDataModule(FeatureCache, pl.LightningDataModule):
 
 def _date(ns: int) -> str:
     return f"{pd.Timestamp(ns, tz='UTC'):%Y-%m-%d %H:%M}"
-
-
-def _utc_ns(when: str) -> int:
-    """A date or timestamp string as UTC nanoseconds (naive strings are UTC)."""
-    t = pd.Timestamp(when)
-    return (t.tz_localize("UTC") if t.tz is None else t).value

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from foxhunt.data.bars import utc_ns
 from foxhunt.files import atomic_file, json_safe, write_json
-from foxhunt.walkforward.plan import DONE, WalkForwardError, fold_dir, folds_of, utc_ns
+from foxhunt.walkforward.plan import DONE, WalkForwardError, fold_dir, folds_of
 from foxhunt.walkforward.score import own_account, score
 
 if TYPE_CHECKING:

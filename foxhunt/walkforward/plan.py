@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from foxhunt.cli_errors import UserError
+from foxhunt.data.bars import utc_ns
 from foxhunt.files import write_json
 
 if TYPE_CHECKING:
@@ -53,14 +54,6 @@ def iso_utc(ns: int) -> str:
     import pandas as pd
 
     return pd.Timestamp(int(ns), tz="UTC").isoformat()
-
-
-def utc_ns(iso: str) -> int:
-    """An ISO date or timestamp as UTC nanoseconds (naive ones are UTC)."""
-    import pandas as pd
-
-    t = pd.Timestamp(iso)
-    return (t.tz_localize("UTC") if t.tz is None else t).value
 
 
 def fold_layout(
