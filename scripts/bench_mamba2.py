@@ -14,7 +14,7 @@ only in the SSD scan of each block:
 - ``chunked``: foxhunt's plain scan (``scan="chunked"``, :func:`foxhunt.models.mamba2.ssd_chunked`);
 - ``factored``: foxhunt's fast PyTorch scan (``scan="factored"``, :func:`foxhunt.models.mamba2.ssd_factored`) in the
   fused block layout, without the compiled loops (``native=False``: what runs where there is no C compiler);
-- ``native``: the defaults, the block's compiled CPU loops (``native=True``, :mod:`foxhunt.models.mamba2_native`: the
+- ``native``: the defaults, the block's compiled CPU loops (``native=True``, :mod:`foxhunt.kernels.mamba2_block`: the
   causal convolution with SiLU and the SSD step by step, in C);
 
 next to foxhunt's TFT (``TemporalFusionTransformer``, hidden 32, 4 heads, hidden_continuous 16) on the same batch.

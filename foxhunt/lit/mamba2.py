@@ -108,7 +108,7 @@ class Mamba2Module(Forecaster):
             fused: the block's fast layout (split input projection, channels-last convolution with a hand-written
                 backward); False: the plain form. The same parameters and outputs.
             native: on the CPU, run each block's convolution, SSD and norms in foxhunt's compiled C loops (the SSD
-                step by step; ``foxhunt.models.mamba2_native``) where a C compiler is available, else the paths
+                step by step; ``foxhunt.kernels.mamba2_block``) where a C compiler is available, else the paths
                 above. The same parameters and outputs (to float32 rounding).
             quantiles: forecast quantile levels, increasing, including 0.5.
             lr: AdamW learning rate, in (0, 1].

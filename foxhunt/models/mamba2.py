@@ -15,9 +15,9 @@ quadratic (attention-like) form with the decay mask exp(segsum(a)); between chun
 passed on by the recurrence S_c = exp(sum of a over chunk c) S_{c-1} + (state made inside chunk c), one step per
 chunk, so the whole is linear in L (O(L Q (N + P) + L N P) per head). The reference's dense [chunks x chunks] decay
 matrix, quadratic in the number of chunks, is not used. :func:`ssd_recurrent` is the same model step by step
-(:func:`ssd_step`, both in :mod:`foxhunt.models.ssd_recurrence`), the ground truth of the tests and of
+(:func:`ssd_step`, both in :mod:`foxhunt.kernels.ssd_recurrence`), the ground truth of the tests and of
 :meth:`Mamba2Block.step`. On the CPU a block runs the recurrence in compiled C loops instead
-(:mod:`foxhunt.models.mamba2_native`, ``native=True``).
+(:mod:`foxhunt.kernels.mamba2_block`, ``native=True``).
 
 **The block** (:class:`Mamba2Block`, the paper's parallel Mamba-2 block): one input projection to (z, x, B, C, dt);
 a short causal depthwise convolution and SiLU over (x, B, C); dt = softplus(dt + dt_bias), clamped to ``dt_limit``;
@@ -44,9 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from foxhunt.models import mamba2_native
-from foxhunt.models.ssd_recurrence import ssd_recurrent as ssd_recurrent  # re-exported: the scans' ground truth
-from foxhunt.models.ssd_recurrence import ssd_step
+from foxhunt.kernels import mamba2_block
+from foxhunt.kernels.ssd_recurrence import ssd_recurrent as ssd_recurrent  # re-exported: the scans' ground truth
+from foxhunt.kernels.ssd_recurrence import ssd_step
 
 try:  # optional fast path (CUDA only): the fused SSD kernel of the reference implementation
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
@@ -427,7 +427,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, y: Tensor, z: Tensor, lib: ctypes.CDLL | None = None) -> Tensor:
         """``lib``: the block's compiled loops, which compute the same in one pass (float32)."""
         if lib is not None:
-            return mamba2_native.rms_norm(lib, y, z, self.weight, self.eps)
+            return mamba2_block.rms_norm(lib, y, z, self.weight, self.eps)
         gated = _up(y) * F.silu(_up(z))
         normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * _up(self.weight)).to(y.dtype)
@@ -495,7 +495,7 @@ class Mamba2Block(nn.Module):
                 with a hand-written backward (:class:`_CausalConvSiLU`: no transposed copies); False: one projection
                 and autograd through ``conv1d`` over [b, channels, L], the plain form. Same parameters and outputs.
             native: on CPU tensors (not float64), run the convolution with its SiLU, the SSD and the norms in
-                foxhunt's compiled C loops (:mod:`foxhunt.models.mamba2_native`, the SSD step by step) where a C
+                foxhunt's compiled C loops (:mod:`foxhunt.kernels.mamba2_block`, the SSD step by step) where a C
                 compiler is available;
                 elsewhere, or False, the PyTorch paths named by ``scan`` and ``fused``. Same parameters and outputs
                 (to float32 rounding).
@@ -522,7 +522,7 @@ class Mamba2Block(nn.Module):
         self.dt_limit = None if dt_limit is None else (float(dt_limit[0]), float(dt_limit[1]))
         self.use_kernels, self.scan, self.fused, self.native = use_kernels, scan, fused, native
         self.conv_dim = d_inner + 2 * ngroups * d_state
-        self.native_shape = mamba2_native.BlockShape(n_heads, headdim, ngroups, d_state, self.conv_dim, d_conv,
+        self.native_shape = mamba2_block.BlockShape(n_heads, headdim, ngroups, d_state, self.conv_dim, d_conv,
                                                      d_model)
         self.in_proj = nn.Linear(d_model, 2 * d_inner + 2 * ngroups * d_state + n_heads, bias=bias)  # z, x, B, C, dt
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim, bias=conv_bias)
@@ -577,7 +577,7 @@ class Mamba2Block(nn.Module):
         not float64, a C compiler here), else None."""
         if not self.native or u.device.type != "cpu" or u.dtype == torch.float64:
             return None
-        return mamba2_native.library(self.native_shape)
+        return mamba2_block.library(self.native_shape)
 
     def ssd(self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, initial: Tensor | None,
             return_state: bool) -> Tensor | tuple[Tensor, Tensor]:
@@ -609,7 +609,7 @@ class Mamba2Block(nn.Module):
                                                                   strict=True))
             past = state.conv.transpose(1, 2).to(xbc.dtype) if state is not None else None  # [b, W - 1, channels]
             if lib is not None:  # reads past (zeros if None) and xbc in place
-                conv = mamba2_native.conv_silu(lib, past, xbc, self.conv1d.weight, self.conv1d.bias)
+                conv = mamba2_block.conv_silu(lib, past, xbc, self.conv1d.weight, self.conv1d.bias)
             else:
                 past = xbc.new_zeros(b, self.d_conv - 1, self.conv_dim) if past is None else past
                 padded = torch.cat([past, xbc], 1)  # [b, W - 1 + L, channels]; causal as below
@@ -626,7 +626,7 @@ class Mamba2Block(nn.Module):
         dt, A = self._dt(dt), -torch.exp(_up(self.A_log))
         initial = state.ssm if state is not None else None
         if lib is not None:  # with tail: only the last steps' outputs are computed
-            y, final = mamba2_native.ssd(lib, self.native_shape, conv, dt, A, self.D, initial, self.chunk_size, tail)
+            y, final = mamba2_block.ssd(lib, self.native_shape, conv, dt, A, self.D, initial, self.chunk_size, tail)
         else:
             x, B, C = self._heads(conv)
             out = self.ssd(x, dt, A, B, C, initial, return_state)
@@ -660,7 +660,7 @@ def rms_norm(norm: nn.RMSNorm, h: Tensor, lib: ctypes.CDLL | None) -> Tensor:
     if lib is None:
         return norm(h)
     eps = torch.finfo(torch.float32).eps if norm.eps is None else norm.eps  # (nn.RMSNorm's default)
-    return mamba2_native.rms_norm(lib, h, None, norm.weight, eps)
+    return mamba2_block.rms_norm(lib, h, None, norm.weight, eps)
 
 
 class ResidualBlock(nn.Module):

@@ -1,5 +1,5 @@
 """The SSD of Mamba-2 step by step, in PyTorch: the ground truth the chunked scans (:mod:`foxhunt.models.mamba2`)
-and the compiled loops (:mod:`foxhunt.models.mamba2_native`) are tested and checked against, and the recurrent form a
+and the compiled loops (:mod:`foxhunt.kernels.mamba2_block`) are tested and checked against, and the recurrent form a
 block runs bar by bar (``Mamba2Block.step``).
 
 Per head and step, with a scalar-times-identity state matrix A < 0: h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,

@@ -1,4 +1,4 @@
-"""The Mamba-2 block's compiled CPU path (foxhunt.models.mamba2_native) against the PyTorch paths it stands beside:
+"""The Mamba-2 block's compiled CPU loops (foxhunt.kernels.mamba2_block) against the PyTorch paths they stand beside:
 values and every gradient against the float64 step-by-step recurrence (odd lengths, several checkpoint intervals,
 groups, an entering state), the whole block and forecaster against the plain block, causality, threads, NaN, the
 shape check, and the fallback without the loops."""
@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from foxhunt.compiled import compiler
-from foxhunt.models import mamba2_native
+from foxhunt.kernels import mamba2_block
 from foxhunt.models.mamba2 import Mamba2Block, Mamba2Forecaster, ssd_recurrent
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler here")
 
 
-def conv_and_ssd_inputs(shape: mamba2_native.BlockShape, b: int, length: int, seed: int = 0) -> list[torch.Tensor]:
+def conv_and_ssd_inputs(shape: mamba2_block.BlockShape, b: int, length: int, seed: int = 0) -> list[torch.Tensor]:
     """float64 leaves: padded rows, conv weight and bias, dt, A, D, initial state."""
     gen = torch.Generator().manual_seed(seed)
     h, p, _, n, ch, w, _ = shape
@@ -30,7 +30,7 @@ def conv_and_ssd_inputs(shape: mamba2_native.BlockShape, b: int, length: int, se
             rand(b, length, h, lo=0.001, hi=0.3), rand(h, lo=-8.0, hi=-0.5), rand(h), rand(b, h, p, n)]
 
 
-def reference(shape: mamba2_native.BlockShape, padded, weight, bias, dt, A, D, init):  # type: ignore[no-untyped-def]
+def reference(shape: mamba2_block.BlockShape, padded, weight, bias, dt, A, D, init):  # type: ignore[no-untyped-def]
     """The same computation in float64 PyTorch: conv1d + SiLU, then the recurrence step by step."""
     h, p, g, n, ch, _, _ = shape
     b, length = dt.shape[:2]
@@ -52,8 +52,8 @@ def reference(shape: mamba2_native.BlockShape, padded, weight, bias, dt, A, D, i
     ((8, 8, 1, 16, 96, 4), 50, 16, 50),   # every step's, asked as a tail
 ])
 def test_values_and_gradients_equal_the_float64_recurrence(shape, length: int, chunk: int, tail: int | None) -> None:
-    shape = mamba2_native.BlockShape(*shape, 6)
-    lib = mamba2_native.library(shape)
+    shape = mamba2_block.BlockShape(*shape, 6)
+    lib = mamba2_block.library(shape)
     assert lib is not None
     leaves = conv_and_ssd_inputs(shape, 3, length)
     y, final = reference(shape, *leaves)
@@ -63,8 +63,8 @@ def test_values_and_gradients_equal_the_float64_recurrence(shape, length: int, c
     want = [y, final, *torch.autograd.grad((y * gy).sum() + (final * gf).sum(), leaves)]
     f32 = [t.detach().float().requires_grad_() for t in leaves]
     k = shape.d_conv - 1  # the steps before the first, as the convolution's past
-    conv = mamba2_native.conv_silu(lib, f32[0][:, :k], f32[0][:, k:], *f32[1:3])
-    fy, ffinal = mamba2_native.ssd(lib, shape, conv, *f32[3:], chunk=chunk, tail=tail)
+    conv = mamba2_block.conv_silu(lib, f32[0][:, :k], f32[0][:, k:], *f32[1:3])
+    fy, ffinal = mamba2_block.ssd(lib, shape, conv, *f32[3:], chunk=chunk, tail=tail)
     got = [fy, ffinal, *torch.autograd.grad((fy * gy.float()).sum() + (ffinal * gf.float()).sum(), f32)]
     names = ["y", "final", "padded", "weight", "bias", "dt", "A", "D", "initial"]
     for name, a, b in zip(names, got, want, strict=True):
@@ -75,8 +75,8 @@ def test_values_and_gradients_equal_the_float64_recurrence(shape, length: int, c
 @pytest.mark.parametrize("gated", [False, True])
 def test_norms_equal_the_float64_norm(gated: bool) -> None:
     """The residual stream's RMSNorm and the block's gated norm norm(y silu(z)) w: values and gradients."""
-    shape = mamba2_native.BlockShape(4, 3, 2, 5, 32, 4, 6)
-    lib = mamba2_native.library(shape)
+    shape = mamba2_block.BlockShape(4, 3, 2, 5, 32, 4, 6)
+    lib = mamba2_block.library(shape)
     width = 12 if gated else 6
     gen = torch.Generator().manual_seed(2)
     leaves = [(torch.randn(3, 41, width, generator=gen, dtype=torch.float64) * 3).requires_grad_()
@@ -87,12 +87,12 @@ def test_norms_equal_the_float64_norm(gated: bool) -> None:
     go = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
     want = [ref, *torch.autograd.grad((ref * go).sum(), leaves)]
     f32 = [t.detach().float().requires_grad_() for t in leaves]
-    out = mamba2_native.rms_norm(lib, f32[0], f32[1] if gated else None, f32[-1][0, 0], 1e-5)
+    out = mamba2_block.rms_norm(lib, f32[0], f32[1] if gated else None, f32[-1][0, 0], 1e-5)
     got = [out, *torch.autograd.grad((out * go.float()).sum(), f32)]
     for a, b in zip(got, want, strict=True):
         assert ((a.double() - b).abs().max() / b.abs().max()).item() < 2e-6
     with pytest.raises(RuntimeError, match="shape not compiled in"):
-        mamba2_native.rms_norm(lib, torch.randn(2, 7), None, torch.ones(7), 1e-5)
+        mamba2_block.rms_norm(lib, torch.randn(2, 7), None, torch.ones(7), 1e-5)
 
 
 def plain_and_native(native_first: bool = False, **kw) -> tuple[Mamba2Block, Mamba2Block]:  # type: ignore[no-untyped-def]
@@ -141,16 +141,16 @@ def test_forecaster_equals_the_plain_forecaster() -> None:
 def test_threads_split_the_batch_without_changing_outputs() -> None:
     """Sequences are independent: the loops' outputs and per-sequence gradients are bit-identical on 1 and 3 threads;
     the gradients of the shared weights equal to rounding (the threads' partial sums are added in another order)."""
-    shape = mamba2_native.BlockShape(4, 3, 2, 5, 32, 4, 6)
-    lib = mamba2_native.library(shape)
+    shape = mamba2_block.BlockShape(4, 3, 2, 5, 32, 4, 6)
+    lib = mamba2_block.library(shape)
     before = torch.get_num_threads()
     runs = []
     try:
         for threads in (1, 3):
             torch.set_num_threads(threads)
             f32 = [t.detach().float().requires_grad_() for t in conv_and_ssd_inputs(shape, 7, 30)]
-            conv = mamba2_native.conv_silu(lib, f32[0][:, :3], f32[0][:, 3:], *f32[1:3])
-            y, final = mamba2_native.ssd(lib, shape, conv, *f32[3:], chunk=8)
+            conv = mamba2_block.conv_silu(lib, f32[0][:, :3], f32[0][:, 3:], *f32[1:3])
+            y, final = mamba2_block.ssd(lib, shape, conv, *f32[3:], chunk=8)
             runs.append((y, final, *torch.autograd.grad(y.square().sum() + final.sum(), f32)))
     finally:
         torch.set_num_threads(before)
@@ -174,25 +174,25 @@ def test_a_nan_input_reaches_the_outputs_from_its_step_on() -> None:
 
 def test_a_tail_outside_the_sequence_is_refused() -> None:
     """The scan computes the outputs of the last 1..L steps; another tail is an error, not an empty or clipped output."""
-    shape = mamba2_native.BlockShape(2, 4, 1, 3, 14, 2, 6)
-    lib = mamba2_native.library(shape)
+    shape = mamba2_block.BlockShape(2, 4, 1, 3, 14, 2, 6)
+    lib = mamba2_block.library(shape)
     leaves = [t.detach().float() for t in conv_and_ssd_inputs(shape, 1, 5)]
     for tail in (0, 6):
         with pytest.raises(ValueError, match="tail must be in"):
-            mamba2_native.ssd(lib, shape, leaves[0][:, 1:], *leaves[3:], chunk=3, tail=tail)
+            mamba2_block.ssd(lib, shape, leaves[0][:, 1:], *leaves[3:], chunk=3, tail=tail)
 
 
 def test_a_library_refuses_another_shape() -> None:
     """Each library is compiled for one block shape; called with another it raises rather than reading out of
     bounds, and a shape that cannot exist is refused before compiling."""
-    shape = mamba2_native.BlockShape(4, 3, 2, 5, 32, 4, 6)
-    other = mamba2_native.BlockShape(2, 4, 1, 3, 14, 2, 6)
+    shape = mamba2_block.BlockShape(4, 3, 2, 5, 32, 4, 6)
+    other = mamba2_block.BlockShape(2, 4, 1, 3, 14, 2, 6)
     leaves = [t.detach().float() for t in conv_and_ssd_inputs(other, 2, 9)]
-    conv = mamba2_native.conv_silu(mamba2_native.library(other), None, leaves[0][:, 1:], *leaves[1:3])
+    conv = mamba2_block.conv_silu(mamba2_block.library(other), None, leaves[0][:, 1:], *leaves[1:3])
     with pytest.raises(RuntimeError, match="shape not compiled in"):
-        mamba2_native.ssd(mamba2_native.library(shape), other, conv, *leaves[3:], chunk=4)
+        mamba2_block.ssd(mamba2_block.library(shape), other, conv, *leaves[3:], chunk=4)
     with pytest.raises(ValueError, match="channels must be"):
-        mamba2_native.library(mamba2_native.BlockShape(4, 3, 2, 5, 31, 4, 6))
+        mamba2_block.library(mamba2_block.BlockShape(4, 3, 2, 5, 31, 4, 6))
 
 
 def test_without_the_loops_the_block_runs_its_pytorch_path(monkeypatch) -> None:
@@ -201,13 +201,13 @@ def test_without_the_loops_the_block_runs_its_pytorch_path(monkeypatch) -> None:
     u = torch.randn(2, 25, 8)
     fast = native(u)
     monkeypatch.setenv("FOXHUNT_NATIVE", "0")
-    mamba2_native.library.cache_clear()
+    mamba2_block.library.cache_clear()
     try:
         assert native.native_library(u) is None
         torch.testing.assert_close(native(u), plain(u), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(native(u), fast, rtol=2e-5, atol=2e-5)
     finally:
-        mamba2_native.library.cache_clear()
+        mamba2_block.library.cache_clear()
 
 
 @pytest.mark.slow
@@ -231,7 +231,7 @@ def test_first_use_under_inference_mode_builds_and_checks_the_library(tmp_path, 
     """A library first needed inside ``torch.inference_mode`` (a validation or predict step) still passes its
     self-check (which takes gradients) and is used; the forward equals the PyTorch path's."""
     monkeypatch.setenv("FOXHUNT_CACHE", str(tmp_path))
-    mamba2_native.library.cache_clear()
+    mamba2_block.library.cache_clear()
     try:
         plain, native = plain_and_native(d_state=7)  # a shape no other test compiles
         u = torch.randn(2, 19, 8)
@@ -242,7 +242,7 @@ def test_first_use_under_inference_mode_builds_and_checks_the_library(tmp_path, 
         torch.testing.assert_close(out, plain(u).detach(), rtol=2e-5, atol=2e-5)
         assert len(list((tmp_path / "native").glob("mamba2-*.so"))) == 1
     finally:
-        mamba2_native.library.cache_clear()
+        mamba2_block.library.cache_clear()
 
 
 def test_a_library_that_computes_wrongly_is_refused_and_removed(tmp_path, monkeypatch) -> None:
@@ -250,10 +250,10 @@ def test_a_library_that_computes_wrongly_is_refused_and_removed(tmp_path, monkey
     (here its outputs half of what they should be) is refused with a warning, removed from the cache, and the block
     runs its PyTorch path."""
     monkeypatch.setenv("FOXHUNT_CACHE", str(tmp_path))
-    wrong = mamba2_native.SOURCE.replace("y[g * WG + w] += c * s[w];", "y[g * WG + w] += 0.5f * c * s[w];")
-    assert wrong != mamba2_native.SOURCE
-    monkeypatch.setattr(mamba2_native, "SOURCE", wrong)
-    mamba2_native.library.cache_clear()
+    wrong = mamba2_block.SOURCE.replace("y[g * WG + w] += c * s[w];", "y[g * WG + w] += 0.5f * c * s[w];")
+    assert wrong != mamba2_block.SOURCE
+    monkeypatch.setattr(mamba2_block, "SOURCE", wrong)
+    mamba2_block.library.cache_clear()
     try:
         plain, native = plain_and_native(d_state=9)
         u = torch.randn(2, 19, 8)
@@ -262,7 +262,7 @@ def test_a_library_that_computes_wrongly_is_refused_and_removed(tmp_path, monkey
         assert not list((tmp_path / "native").glob("mamba2-*.so"))
         torch.testing.assert_close(native(u), plain(u), rtol=1e-5, atol=1e-6)
     finally:
-        mamba2_native.library.cache_clear()
+        mamba2_block.library.cache_clear()
 
 
 def test_subnormals_are_flushed_inside_the_loops_and_the_callers_mode_is_restored() -> None:
@@ -271,9 +271,9 @@ def test_subnormals_are_flushed_inside_the_loops_and_the_callers_mode_is_restore
     on such a core. The loops flush them to zero (the gradient they return holds none where the float64 recurrence's
     falls in float32's subnormal range) and give the caller back its floating-point mode (torch's own products still
     make subnormals after the call)."""
-    shape = mamba2_native.BlockShape(8, 8, 1, 16, 96, 4, 6)
+    shape = mamba2_block.BlockShape(8, 8, 1, 16, 96, 4, 6)
     h, p, g, n = shape.heads, shape.headdim, shape.groups, shape.d_state
-    lib = mamba2_native.library(shape)
+    lib = mamba2_block.library(shape)
     assert lib is not None
     b, length = 2, 700
     gen = torch.Generator().manual_seed(0)
@@ -288,7 +288,7 @@ def test_subnormals_are_flushed_inside_the_loops_and_the_callers_mode_is_restore
     tiny = torch.finfo(torch.float32).tiny
     assert int(((want.abs() < tiny) & (want.abs() > 1e-45)).sum()) > 100, "the setting must reach the subnormal range"
     x32 = xbc.detach().float().requires_grad_()
-    fy, _ = mamba2_native.ssd(lib, shape, x32, dt.float(), A.float(), D.float(), None, chunk=16, tail=1)
+    fy, _ = mamba2_block.ssd(lib, shape, x32, dt.float(), A.float(), D.float(), None, chunk=16, tail=1)
     got = torch.autograd.grad(fy.sum(), x32)[0]  # the loops' own output, no torch operation after them
     subnormal = (got != 0) & (got.abs() < tiny)
     assert not bool(subnormal.any()), f"{int(subnormal.sum())} subnormal gradients"
