@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 
 #: What reaching outside the checkout looks like in a test: a parent above the repository root, or a sibling folder.
@@ -24,3 +26,13 @@ def test_the_pattern_catches_the_old_dbn_path() -> None:
 
 def test_the_dbn_samples_ship_with_the_tests() -> None:
     assert len(sorted((TESTS / "data" / "dbn").glob("*.dbn*"))) == 16
+
+
+def test_every_kernel_source_ships_as_package_data() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    root = TESTS.parent
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    sources = sorted((root / "foxhunt" / "kernels").glob("*.c"))
+    assert sources, "foxhunt/kernels holds no C source"
+    assert (root / "foxhunt" / "kernels" / "__init__.py").is_file()  # a regular package: packages.find ships it
+    assert all(any(s.match(g) for g in data["foxhunt.kernels"]) for s in sources)
