@@ -15,13 +15,10 @@ Rows (``--rows``):
 
 - ``ppo-defaults``: PPOModule's defaults (``n_envs`` agents x ``n_steps`` per rollout, 4 epochs of 32 minibatches):
   the vectorised learner as shipped, compared on environment steps per second (target >= 20x SB3's);
-- ``ppo-torch-adamw``: the defaults with torch's fused AdamW step instead of the compiled one (``native_adamw=False``);
 - ``ppo-<E>x<M>[-<N>x<T>]``: the defaults with E epochs of M minibatches [and rollouts of N agents x T steps], e.g.
   ``ppo-10x8-128x64``, the former defaults (10 epochs of 8 minibatches of 1,024 over 128 x 64 rollouts);
 - ``ppo-mb64``: SB3's own schedule (2048 steps per rollout, here 16 agents x 128 steps, 10 epochs of minibatches of 64:
-  320 updates per rollout), compared on minibatch updates per second at the same minibatch size (target >= 2x SB3's);
-- ``ppo-mb64-torch-head``: the same with ``native_loss=False`` (the fused loss's head in torch ops, not compiled C);
-- ``ppo-mb64-plain``: the same with ``fused_loss=False`` (the plain autograd loss), to show what the fused path buys.
+  320 updates per rollout), compared on minibatch updates per second at the same minibatch size (target >= 2x SB3's).
 
 Every learner runs on one thread (``torch.set_num_threads(1)``), interleaved: every repeat runs every learner once, in
 turn; figures are medians over repeats (ratios: medians of per-repeat ratios). Timing starts at the first training
@@ -56,10 +53,7 @@ COST_BPS = 1.0
 # name -> PPOModule overrides
 ROWS = {
     "ppo-defaults": {},
-    "ppo-torch-adamw": {"native_adamw": False},
     "ppo-mb64": {"n_envs": 16, "n_steps": 128, "n_minibatches": 32, "n_epochs": 10},
-    "ppo-mb64-torch-head": {"n_envs": 16, "n_steps": 128, "n_minibatches": 32, "n_epochs": 10, "native_loss": False},
-    "ppo-mb64-plain": {"n_envs": 16, "n_steps": 128, "n_minibatches": 32, "n_epochs": 10, "fused_loss": False},
 }
 
 

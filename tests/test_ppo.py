@@ -19,9 +19,7 @@ import lightning as L
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from torch import Tensor
 
-from foxhunt import compiled
 from foxhunt.data.market import MarketSplit
 from foxhunt.data.market_datamodule import MarketDataModule
 from foxhunt.lit.ensemble import EnsembleModule
@@ -159,143 +157,6 @@ def test_squashed_gaussian_log_prob_and_entropy() -> None:
     assert estimate.item() < Normal(m, s).entropy().item()  # squashing removes entropy
 
 
-@pytest.mark.parametrize("space", ["discrete", "continuous"])
-@pytest.mark.parametrize("clip_vloss", [True, False])
-@pytest.mark.parametrize("hidden", [(16,), (16, 16), (12, 10, 8)])
-def test_fused_loss_equals_the_plain_autograd_path(market, space, clip_vloss, hidden) -> None:
-    """The hand-written backward (models/actor_critic_fused.py), with its loss head in torch ops and compiled, gives
-    the plain path's loss, logged parts and gradients, on a minibatch whose ratios are partly clipped (weights moved
-    away from the rollout's policy) and with an upstream gradient other than 1, for one, two and three hidden layers."""
-    results = {}
-    paths = {"plain": {"fused_loss": False}, "torch head": {"native_loss": False}, "native head": {}}
-    for path, switch in paths.items():
-        member = PPOModule(**{**SMALL, "action_space": space, "clip_vloss": clip_vloss,
-                              "ent_coef": 0.05, "clip_coef": 0.1, "n_envs": 64, "n_minibatches": 2,
-                              "mean_reg_coef": 0.3 if space == "continuous" else 0.0, "hidden": hidden, **switch})
-        member.attach_market(market.train)
-        member.start()
-        member.collect_rollout()
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in member.net.parameters():
-                p.add_(0.25 * torch.randn(p.shape, generator=g))
-        loss = member.training_loss(None, 0)
-        (2.5 * loss).backward()
-        results[path] = (loss.detach(), [p.grad for p in member.net.parameters()], dict(member.counters.last),
-                         member.ratio_statistics(member.counters.last["logratio"]))
-    loss_a, grads_a, parts_a, stats = results["plain"]
-    assert 0.1 < stats["clipfrac"] < 0.9, stats  # both branches of the clipped surrogate are exercised
-    for path in ("torch head", "native head"):
-        loss_b, grads_b, parts_b, _ = results[path]
-        torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
-        for k in parts_a:
-            assert not parts_b[k].requires_grad
-            torch.testing.assert_close(parts_b[k], parts_a[k], rtol=1e-5, atol=1e-5)
-        for a, b in zip(grads_a, grads_b, strict=True):
-            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6 * float(a.abs().max()))
-
-
-@pytest.mark.skipif(compiled.compiler() is None or not compiled.enabled(), reason="no C compiler, or FOXHUNT_NATIVE=0")
-@pytest.mark.parametrize("n_actions", [0, 3, 7])
-@pytest.mark.parametrize("vclip", [None, 0.2])
-def test_compiled_loss_head_equals_the_torch_head_at_the_edges(n_actions, vclip) -> None:
-    """The C head (models/ppo_loss_native.py) against loss_head_torch on strided rows like the rollout's, with ratios
-    far outside the clip on both sides, advantages of both signs, values moved past the value clip both ways, logits
-    and samples large enough to need the stable forms (log-sum-exp, softplus)."""
-    from foxhunt.models import ppo_loss_native
-    from foxhunt.models.actor_critic_fused import loss_head_torch, native_library
-
-    lib = native_library(True)
-    assert lib is not None  # a compiler is here, so the library must build and pass its self-check
-    g = torch.Generator().manual_seed(n_actions)
-    b = 257
-    table = torch.randn(b, 6, generator=g) * torch.tensor([3.0, 1.0, 2.0, 1.0, 1.0, 1.0])
-    actions_u, noise, old_values, advantages, returns, _ = table.unbind(1)
-    out = torch.randn(b, max(n_actions, 1), generator=g) * 4.0
-    value = returns + torch.randn(b, generator=g)
-    if n_actions:
-        actions = torch.randint(0, n_actions, (b,), generator=g)
-        log_std = None
-        old_log_probs = torch.log_softmax(out, 1).gather(1, actions.view(-1, 1)).view(-1)
-    else:
-        actions, log_std = actions_u * 4.0, torch.tensor([0.3])  # |u| up to ~40: tanh saturates
-        old_log_probs = -0.5 * ((actions - out.view(-1)) / log_std.exp()).square() - 2.0
-    old_log_probs = old_log_probs + torch.randn(b, generator=g)  # ratios from e^-3 to e^3
-    coefs = (0.2, vclip, 0.5, 0.03, 0.1 if n_actions == 0 else 0.0)
-    want = loss_head_torch(out, value, actions, noise, old_log_probs, old_values, advantages, returns, log_std, *coefs)
-    got = ppo_loss_native.head(lib, out, value, actions, noise, old_log_probs, old_values, advantages, returns,
-                               0.0 if log_std is None else float(log_std), *coefs)
-    ratio = want[2].exp()
-    assert bool((ratio < 0.8).any()) and bool((ratio > 1.2).any())
-    n_parts = want[1].numel()
-    names = ("loss", "parts", "logratio", "d_out", "d_value", "d_log_std")
-    for name, w, x in zip(names, want, (got[0], got[1][:n_parts], *got[2:]), strict=True):
-        if w is None:
-            continue
-        torch.testing.assert_close(x, w.view(x.shape), rtol=2e-5, atol=1e-6 * (1.0 + float(w.abs().max())),
-                                   msg=lambda m, name=name: f"{name}: {m}")
-    if n_actions:  # an index outside the logits is refused in one line, as torch's gather refuses it
-        bad = actions.clone()
-        bad[5] = n_actions
-        with pytest.raises(ValueError, match=r"action index is outside \[0, "):
-            ppo_loss_native.head(lib, out, value, bad, noise, old_log_probs, old_values, advantages, returns, 0.0,
-                                 *coefs)
-
-
-@pytest.mark.skipif(compiled.compiler() is None or not compiled.enabled(), reason="no C compiler, or FOXHUNT_NATIVE=0")
-@pytest.mark.parametrize("n_h", [5, 64, 70])
-@pytest.mark.parametrize("n_out", [1, 3])
-def test_compiled_heads_and_tanh_backward_equal_torch_ops(n_h, n_out) -> None:
-    """The compiled heads (forward, and backward through the top layer's tanh) and the stacked layers' tanh backward
-    with its row sums against the torch ops of the reference path, at widths below, at and past the dot's 32 lanes."""
-    from foxhunt.models import ppo_loss_native
-    from foxhunt.models.actor_critic_fused import native_library
-
-    lib = native_library(True)
-    assert lib is not None
-    g = torch.Generator().manual_seed(n_h * 10 + n_out)
-    b = 131
-    h = torch.tanh(torch.randn(2, b, n_h, generator=g) * 2.0)
-    w_a, b_a = torch.randn(n_out, n_h, generator=g), torch.randn(n_out, generator=g)
-    w_c, b_c = torch.randn(1, n_h, generator=g), torch.randn(1, generator=g)
-    out, value = ppo_loss_native.heads_forward(lib, h, w_a, b_a, w_c, b_c)
-    torch.testing.assert_close(out, torch.addmm(b_a, h[0], w_a.t()), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(value, torch.addmm(b_c, h[1], w_c.t()), rtol=1e-5, atol=1e-5)
-    d_out, d_value = torch.randn(b, n_out, generator=g), torch.randn(b, 1, generator=g)
-    grads, delta, d_b = ppo_loss_native.heads_backward(lib, h, d_out, d_value, w_a, w_c)
-    want_delta = torch.ops.aten.tanh_backward(torch.stack([d_out.mm(w_a), d_value.mm(w_c)]), h)
-    want = [d_out.t().mm(h[0]), d_out.sum(0), d_value.t().mm(h[1]), d_value.sum(0), want_delta, want_delta.sum(1)]
-    for w, x in zip(want, [*grads, delta, d_b], strict=True):
-        assert x.shape == w.shape
-        torch.testing.assert_close(x, w, rtol=1e-5, atol=1e-5)
-    delta = torch.randn(2, b, n_h, generator=g)
-    want_delta = torch.ops.aten.tanh_backward(delta, h)
-    d_b = ppo_loss_native.tanh_backward_sum_(lib, delta, h)  # scales delta in place
-    torch.testing.assert_close(delta, want_delta, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(d_b, want_delta.sum(1), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.skipif(compiled.compiler() is None or not compiled.enabled(), reason="no C compiler, or FOXHUNT_NATIVE=0")
-def test_the_compiled_loops_self_check_passes_under_mixed_precision_and_a_float64_default() -> None:
-    """The library is first needed inside a training step, which may run under CPU autocast (bf16-mixed) or after a
-    caller changed the default dtype: its check against torch's ops must not fail there (it would be refused for
-    the whole process), and must leave the caller's settings as they were."""
-    from foxhunt.models.actor_critic_fused import _native_self_check, native_library
-
-    lib = native_library(True)
-    assert lib is not None
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert _native_self_check(lib)
-        assert torch.is_autocast_enabled("cpu")
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        assert _native_self_check(lib)
-        assert torch.get_default_dtype() == torch.float64
-    finally:
-        torch.set_default_dtype(before)
-
-
 def test_linear_decay_and_constructor_checks() -> None:
     f = LinearDecay(100, warmup_steps=10)
     assert f(0) == pytest.approx(0.1) and f(10) == 1.0 and f(55) == pytest.approx(0.5) and f(100) == 0.0 and f(200) == 0.0
@@ -321,57 +182,33 @@ def test_orthogonal_init_is_seeded_and_leaves_the_global_rng_alone() -> None:
     assert torch.rand(1) == before
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
     net = ActorCritic(3, 4, 3, 3, hidden=(8, 8))
-    for tower in (0, 1):
-        w = net.tensor("tower.0.weight")[tower]  # orthogonal rows scaled by sqrt(2), the actor's and the critic's
+    for mlp in (net.actor, net.critic):
+        w = mlp[0].weight  # orthogonal rows scaled by sqrt(2), the actor's and the critic's
         torch.testing.assert_close(w @ w.T, 2.0 * torch.eye(8), atol=1e-5, rtol=0)
-    assert net.tensor("actor_head.weight").norm() < 0.05 and torch.all(net.tensor("critic_head.bias") == 0)
+    assert net.actor[-1].weight.norm() < 0.05 and torch.all(net.critic[-1].bias == 0)
 
 
 @pytest.mark.parametrize("space", ["discrete", "continuous"])
-def test_grouped_towers_are_the_two_mlps_and_load_their_layout(space) -> None:
-    """The grouped layout (both networks' hidden layers as [2, out, in] weights, views of two flat parameters) is two
-    plain tanh MLPs: the same initial values as ``tanh_mlp`` actor then critic from the same seed, the same outputs by
-    the per-network path and by the fused loss's batched products; its state dict is the named tensors (no shared
-    storage), it loads back, and state dicts of the former two-MLP layout load into it exactly."""
+def test_actor_critic_is_two_tanh_mlps(space) -> None:
+    """The network is CleanRL's two separate tanh MLPs: the initial values of ``tanh_mlp`` actor then critic from the
+    same seed, the same outputs, and a state dict of their layers (``actor.<i>``, ``critic.<i>``, ``actor_logstd``)."""
     from foxhunt.models.actor_critic import tanh_mlp
-    from foxhunt.models.actor_critic_fused import _forward
 
     n_out = 3 if space == "discrete" else 1
+    n_pos = 1 if space == "continuous" else 3
     torch.manual_seed(4)
-    net = ActorCritic(3, 4, 1 if space == "continuous" else 3, 3, action_space=space, hidden=(8, 6))
+    net = ActorCritic(3, 4, n_pos, 3, action_space=space, hidden=(8, 6), log_std_init=-0.3)
     torch.manual_seed(4)
-    n_in = net.tensor("tower.0.weight").shape[2]
+    n_in = 4 * 3 + n_pos
     actor, critic = tanh_mlp(n_in, (8, 6), n_out, 0.01), tanh_mlp(n_in, (8, 6), 1, 1.0)
     x = torch.randn(7, n_in)
     with torch.no_grad():
         torch.testing.assert_close(net.actor_out(x), actor(x).squeeze(1) if space == "continuous" else actor(x), rtol=0, atol=0)
         torch.testing.assert_close(net.value(x), critic(x).squeeze(1), rtol=0, atol=0)
-        views = net.detached_tensors()
-        acts = _forward(x, views[:4], views[4:8])
-        torch.testing.assert_close(acts[-2], actor(x))
-        torch.testing.assert_close(acts[-1], critic(x))
-        a2, c2 = net.two_mlps()
-        torch.testing.assert_close(a2(x), actor(x), rtol=0, atol=0)
-        torch.testing.assert_close(c2(x), critic(x), rtol=0, atol=0)
-    old = {**{f"actor.{k}": v for k, v in actor.state_dict().items()}, **{f"critic.{k}": v for k, v in critic.state_dict().items()}}
+    want = [f"actor.{k}" for k in actor.state_dict()] + [f"critic.{k}" for k in critic.state_dict()]
+    assert set(net.state_dict()) == set(want) | ({"actor_logstd"} if space == "continuous" else set())
     if space == "continuous":
-        old["actor_logstd"] = torch.tensor([-0.3])
-    twin = ActorCritic(3, 4, 1 if space == "continuous" else 3, 3, action_space=space, hidden=(8, 6))
-    twin.load_state_dict(old)
-    state = net.state_dict()
-    for (ka, a), (kb, b) in zip(state.items(), twin.state_dict().items(), strict=True):
-        assert ka == kb
-        if ka != "actor_logstd":
-            assert torch.equal(a, b), ka
-    assert [n for n, _ in net.named_parameters()] == ["weights", "biases"]
-    assert len({t.untyped_storage().data_ptr() for t in state.values()}) == len(state)  # safetensors-safe
-    assert state["tower.1.weight"].shape == (2, 6, 8) and state["actor_head.weight"].shape == (n_out, 6)
-    twin.load_state_dict(state)
-    assert torch.equal(twin.weights, net.weights) and torch.equal(twin.biases, net.biases)
-    with pytest.raises(RuntimeError, match="Unexpected key"):
-        twin.load_state_dict({**state, "extra": torch.zeros(1)})
-    with pytest.raises(RuntimeError, match="size mismatch"):
-        twin.load_state_dict({**state, "critic_head.bias": torch.zeros(2)})
+        assert net.actor_logstd.item() == pytest.approx(-0.3)
 
 
 # ------------------------------------------------------------------------------------------------ environment
@@ -413,8 +250,8 @@ def test_deterministic_positions_equal_a_bar_by_bar_loop() -> None:
         member = PPOModule(window=4, action_space=space, hidden=(16, 16), seed=3, log_std_init=0.0, no_trade_band=band)
         member.attach_market(split)
         with torch.no_grad():  # a policy that depends visibly on the held position, with targets across [-1, 1]
-            member.net.tensor("tower.0.weight")[0].mul_(30.0)  # the actor's first layer
-            member.net.tensor("actor_head.weight").mul_(50.0)
+            member.net.actor[0].weight.mul_(30.0)  # the actor's first layer
+            member.net.actor[-1].weight.mul_(50.0)
         positions, m = member.deterministic_positions(split)
         want = torch.zeros(m.n_bars)
         held = 0.0
@@ -543,7 +380,7 @@ def test_fit_logs_training_and_validation_metrics(tmp_path, market, space) -> No
                                        "explained_variance", "reward_per_bar", "env_steps", "env_steps_per_s",
                                        "rollout_time_fraction", "rollouts", "kl_stops", "nonfinite_skipped", "updates")]
     keys += [f"val/ppo/{k}" for k in ("sharpe", "reward_per_bar", "turnover", "max_drawdown")]
-    keys += ["lr/ppo", "val/sharpe", "grad_norm/ppo/total", "grad_norm/ppo/weights", "grad_norm/ppo/biases"]
+    keys += ["lr/ppo", "val/sharpe", "grad_norm/ppo/total", "grad_norm/ppo/actor", "grad_norm/ppo/critic"]
     keys += ["train/ppo/std"] if space == "continuous" else []
     for key in keys:
         assert key in logged, key
@@ -573,7 +410,7 @@ def test_nonfinite_loss_skips_and_the_minibatch_is_consumed(tmp_path, market, mo
         return (lp * float("nan"), ent, out) if self.rollout.cursor == 1 and self.rollout.epoch == 1 else (lp, ent, out)
 
     monkeypatch.setattr(PPOModule, "_log_prob_and_entropy", nan_once)
-    module = PPOModule(nonfinite="skip", fused_loss=False, **SMALL)  # the plain path computes _log_prob_and_entropy
+    module = PPOModule(nonfinite="skip", **SMALL)
     model = fit(module, market, trainer(tmp_path, max_steps=8))
     # three coordinator steps of 4 attempts, one skipped: 11 updates, and the 12 minibatches were all taken
     assert module.guard.skipped_loss == 1 and model.updates["ppo"] == 11
@@ -632,7 +469,7 @@ def test_weights_are_chosen_on_validation() -> None:
     _, val_market = module._held_out_markets()
     assert module.policy_score(module.policy_network, val_market)[0] == pytest.approx(s.best, rel=1e-6)
     assert module.policy_network is module.policy_net and module.policy_net is not module.net
-    assert not module.holds_flat and module.policy_net.weights.requires_grad is False
+    assert not module.holds_flat and not any(p.requires_grad for p in module.policy_net.parameters())
     chosen = module.positions_of(module.policy_net, module.market_tensors(data.test))
     torch.testing.assert_close(module.positions(data.test), chosen.float(), rtol=0, atol=0)
     assert float(chosen.abs().sum()) > 0
@@ -653,7 +490,8 @@ def test_an_agent_holds_flat_until_a_candidate_beats_flat_on_validation(tmp_path
     assert module.policy_score(module.net, val_market)[0] <= 0.0  # the last candidate did not beat flat either
     assert float(module.positions(market.test).abs().max()) == 0.0
     assert model.evaluate(market.test).metrics["ppo"]["turnover"] == 0.0
-    assert model.optimizers().param_groups[0]["params"][0] is module.net.weights  # only the learning network learns
+    stepped = {id(p) for group in model.optimizers().param_groups for p in group["params"]}
+    assert stepped == {id(p) for p in module.net.parameters()}  # only the learning network learns
 
     first = PPOModule(**kwargs)
     t1 = trainer(tmp_path / "b", max_epochs=1)
@@ -664,7 +502,7 @@ def test_an_agent_holds_flat_until_a_candidate_beats_flat_on_validation(tmp_path
     torch.testing.assert_close(torch.tensor(resumed.selection.sharpes), torch.tensor(s.sharpes), rtol=0, atol=0,
                                equal_nan=True)  # NaN: a candidate that never traded on validation
     assert resumed.selection.best_update == s.best_update
-    assert torch.equal(resumed.policy_net.weights, module.policy_net.weights)
+    assert same_weights(resumed.policy_net, module.policy_net)
 
     # a state dict written before selection (no policy_net, no selected_update) loads: the learning network trades
     old = {k: v for k, v in model.state_dict().items() if ".policy_net." not in k and not k.endswith("selected_update")}
@@ -672,30 +510,35 @@ def test_an_agent_holds_flat_until_a_candidate_beats_flat_on_validation(tmp_path
     fresh.load_state_dict(old)
     member = fresh.member("ppo")
     assert int(member.selected_update) == -1 and member.policy_network is member.net
-    assert torch.equal(member.policy_net.weights, module.net.weights)
+    assert same_weights(member.policy_net, module.net)
 
 
-def test_a_checkpoint_of_the_former_optimizer_layout_is_refused_in_one_line(tmp_path, market) -> None:
-    """A checkpoint written before the two flat parameters holds AdamW's state of 12 named tensors (the two MLPs and
-    the log std): resuming from it is refused with one line naming the reason, before torch's group-size mismatch."""
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Whether two networks hold exactly the same tensors under the same names."""
+    sa, sb = a.state_dict(), b.state_dict()
+    return list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_a_checkpoint_of_another_network_layout_is_refused_in_one_line(tmp_path, market) -> None:
+    """A checkpoint whose AdamW state covers another number of tensors than the network's 13 parameters (here 2:
+    another actor-critic layout): resuming from it is refused with one line naming the reason, before torch's
+    group-size mismatch."""
     kwargs = {**SMALL, "action_space": "continuous"}
     t1 = trainer(tmp_path / "a", max_epochs=1)
-    model = fit(PPOModule(**kwargs), market, t1)
+    fit(PPOModule(**kwargs), market, t1)
     ckpt = tmp_path / "a" / "one.ckpt"
     t1.save_checkpoint(ckpt)
     blob = torch.load(ckpt, map_location="cpu", weights_only=False)
-    assert sum(len(g["params"]) for g in blob["optimizer_states"][0]["param_groups"]) == 2
-    actor, critic = model.member("ppo").network.two_mlps()
-    old = [*actor.parameters(), *critic.parameters()]  # the actor's copy holds the log std
-    assert len(old) == 12
-    optimizer = torch.optim.AdamW(old, lr=3e-4, eps=1e-5)
-    for p in old:
+    assert sum(len(g["params"]) for g in blob["optimizer_states"][0]["param_groups"]) == 13
+    other = [torch.nn.Parameter(torch.zeros(700)), torch.nn.Parameter(torch.zeros(70))]
+    optimizer = torch.optim.AdamW(other, lr=3e-4, eps=1e-5)
+    for p in other:
         p.grad = torch.ones_like(p)
     optimizer.step()
     blob["optimizer_states"][0] = optimizer.state_dict()
-    torch.save(blob, tmp_path / "old.ckpt")
-    with pytest.raises(ValueError, match="holds 12 parameter tensors, the network now has 2") as info:
-        fit(PPOModule(**kwargs), market, trainer(tmp_path / "b", max_epochs=2), ckpt_path=str(tmp_path / "old.ckpt"))
+    torch.save(blob, tmp_path / "other.ckpt")
+    with pytest.raises(ValueError, match="holds 2 parameter tensors, the network has 13") as info:
+        fit(PPOModule(**kwargs), market, trainer(tmp_path / "b", max_epochs=2), ckpt_path=str(tmp_path / "other.ckpt"))
     assert "\n" not in str(info.value)
 
 
@@ -856,23 +699,6 @@ def test_fit_export_load_through_the_cli(tmp_path, space) -> None:
     table = loaded.model.evaluate(split).metrics
     assert table["ppo"]["sharpe"] == pytest.approx(cli.results["backtest"]["ppo"]["sharpe"], abs=1e-9)
 
-    # an export written before the grouped towers (the actor's and the critic's own MLPs: `actor.<i>`/`critic.<i>`
-    # keys) loads, converted, to the same positions
-    old = tmp_path / "old_export"
-    shutil.copytree(export, old)
-    tensors = load_file(old / "ensemble.safetensors")
-    nets = sorted(k[: -len("tower.0.weight")] for k in tensors if k.endswith("tower.0.weight"))
-    assert nets and all(p.startswith("model.") for p in nets)
-    for prefix in nets:
-        tensors = two_mlp_state(tensors, prefix)
-    assert any(".actor.0.weight" in k for k in tensors) and not any("tower." in k for k in tensors)
-    save_file(tensors, old / "ensemble.safetensors")
-    meta["sha256"]["ensemble"] = hashlib.sha256((old / "ensemble.safetensors").read_bytes()).hexdigest()
-    (old / "metadata.json").write_text(json.dumps(meta))
-    converted = foxhunt.load(old).model.positions(split)
-    for who in ("ppo", "ensemble"):
-        torch.testing.assert_close(converted[who].cpu(), mine[who].cpu(), rtol=0, atol=0)
-
     # an export written before validation selection (no chosen weights, no `selected_update`) loads, and its
     # learning network trades, as it did then
     before = tmp_path / "before_selection"
@@ -887,22 +713,6 @@ def test_fit_export_load_through_the_cli(tmp_path, space) -> None:
     assert int(reloaded.member("ppo").selected_update) == -1
     learning = ppo.positions_of(ppo.network.eval(), ppo.market_tensors(split))
     torch.testing.assert_close(reloaded.positions(split)["ppo"].cpu(), learning.float().cpu(), rtol=0, atol=0)
-
-
-def two_mlp_state(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    """An ActorCritic's tensors under ``prefix`` in the former layout: two MLPs, ``actor.<2l>``/``critic.<2l>``
-    (Linear, Tanh, ...; the head at the last even index), ``actor_logstd`` unchanged."""
-    out = {k: v for k, v in state.items()
-           if not k.startswith((f"{prefix}tower.", f"{prefix}actor_head.", f"{prefix}critic_head."))}
-    layers = sorted({int(k[len(prefix) + 6:].split(".")[0]) for k in state if k.startswith(f"{prefix}tower.")})
-    for i in layers:
-        for kind in ("weight", "bias"):
-            grouped = state[f"{prefix}tower.{i}.{kind}"]
-            out[f"{prefix}actor.{2 * i}.{kind}"], out[f"{prefix}critic.{2 * i}.{kind}"] = grouped[0], grouped[1]
-    for kind in ("weight", "bias"):
-        out[f"{prefix}actor.{2 * len(layers)}.{kind}"] = state[f"{prefix}actor_head.{kind}"]
-        out[f"{prefix}critic.{2 * len(layers)}.{kind}"] = state[f"{prefix}critic_head.{kind}"]
-    return {k: v.contiguous() for k, v in out.items()}
 
 
 def test_an_ensemble_with_a_ppo_member_trains_exports_and_reloads(tmp_path) -> None:
@@ -952,34 +762,3 @@ def test_two_members_fitted_with_max_steps_anneal_over_their_own_share(tmp_path,
         schedule = model._schedulers[name]
         assert schedule.last_epoch == model.updates[name] and schedule.lr_lambdas[0].total_steps == model.updates[name]
         assert model._optimizer(name).param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12), name
-
-
-def test_rollouts_use_the_compiled_tanh_only_without_autograd() -> None:
-    """The in-place tanh given to the networks (the rollouts' compiled loop) runs only where autograd is off, and
-    gives the reference outputs within the loop's 5e-7; with autograd on, torch.tanh runs and gradients flow."""
-    from foxhunt.models import ppo_loss_native
-    from foxhunt.models.actor_critic_fused import native_library
-
-    lib = native_library(True)
-    if lib is None:
-        pytest.skip("no C compiler (or FOXHUNT_NATIVE=0): rollouts use torch.tanh")
-    torch.manual_seed(0)
-    net = ActorCritic(n_features=3, window=4, n_position_features=3, n_actions=3, hidden=(16, 8))
-    x = torch.randn(50, 15) * 3.0
-    calls = []
-
-    def fast(a: Tensor) -> Tensor:
-        calls.append(a.shape)
-        return ppo_loss_native.tanh_(lib, a)
-
-    with torch.no_grad():
-        want_out, want_value = net.actor_out(x), net.value(x)
-        got_out, got_value = net.actor_out(x, fast), net.value(x, fast)
-    assert len(calls) == 4  # two hidden layers of each network
-    torch.testing.assert_close(got_out, want_out, rtol=0, atol=5e-6)
-    torch.testing.assert_close(got_value, want_value, rtol=0, atol=5e-6)
-    calls.clear()
-    net.value(x, fast).sum().backward()  # autograd on: the reference tanh, a gradient
-    assert calls == [] and net.weights.grad is not None and bool(net.weights.grad.abs().sum() > 0)
-    assert PPOModule(window=4)._inference_tanh() is not None
-    assert PPOModule(window=4, native_loss=False)._inference_tanh() is None

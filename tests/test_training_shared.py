@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
+import unittest.mock
 
 import lightning.pytorch as pl
 import pytest
@@ -407,103 +407,36 @@ def test_fit_updates_equals_the_coordinators_loop(paces, epoch_steps, max_steps)
     assert fit_updates([(2, 0)], math.inf, None) == (math.inf, [math.inf])  # nothing bounds it
 
 
-# ---------------------------------------------------------------------------------------------- compiled AdamW
-def _compiled_adamw_lib():
-    from foxhunt.training import adamw_native
+# ---------------------------------------------------------------------------------------------- fused AdamW
+def test_prefer_fused_switches_to_torchs_fused_adamw_before_the_first_step_only() -> None:
+    """Every member's AdamW is made by make_adamw and switched by prefer_fused: on CPU float tensors the step then runs
+    torch's fused kernel and gives the default implementation's weights (two groups, one without decay); an optimizer
+    that already stepped keeps its implementation."""
+    from torch.optim import adam
 
-    lib = adamw_native.library()
-    if lib is None:
-        pytest.skip("no C compiler (or FOXHUNT_NATIVE=0): CompiledAdamW runs torch's step")
-    return lib
+    from foxhunt.training.optim import prefer_fused
 
-
-@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_compiled_adamw_equals_torch_adamw_over_a_scheduled_run(weight_decay: float) -> None:
-    """CompiledAdamW follows torch.optim.AdamW step for step (two groups, one without decay, a LambdaLR schedule,
-    a parameter without a gradient on some steps), and its state loads into torch's AdamW and back."""
-    from foxhunt.training.adamw_native import CompiledAdamW
-
-    _compiled_adamw_lib()
-    g = torch.Generator().manual_seed(3)
-    init = [torch.randn(300, generator=g), torch.randn(7, generator=g)]
-    ref = [nn.Parameter(t.clone()) for t in init]
-    got = [nn.Parameter(t.clone()) for t in init]
-
-    def groups(ps: list[nn.Parameter]) -> list[dict]:
-        return [{"params": [ps[0]], "weight_decay": weight_decay}, {"params": [ps[1]], "weight_decay": 0.0}]
-
-    ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, eps=1e-5)
-    got_opt = CompiledAdamW(groups(got), lr=1e-2, eps=1e-5)
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 - s / 40) for o in (ref_opt, got_opt)]
-    for step in range(30):
-        grads = [torch.randn(300, generator=g), torch.randn(7, generator=g)]
-        for ps in (ref, got):
-            ps[0].grad = grads[0].clone()
-            ps[1].grad = None if step % 4 == 3 else grads[1].clone()  # a parameter left out of some steps
-        for o, s in zip((ref_opt, got_opt), scheds, strict=True):
-            o.step()
-            s.step()
-    for r, c in zip(ref, got, strict=True):
-        torch.testing.assert_close(c, r, rtol=1e-5, atol=1e-6)
-        assert float(got_opt.state[c]["step"]) == float(ref_opt.state[r]["step"])
-    assert got_opt.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"])
-    # the same state layout both ways: a checkpoint of either resumes in the other
-    moved = torch.optim.AdamW(groups([nn.Parameter(c.detach().clone()) for c in got]), lr=1e-2, eps=1e-5)
-    moved.load_state_dict(got_opt.state_dict())
-    back = CompiledAdamW(groups([nn.Parameter(r.detach().clone()) for r in ref]), lr=1e-2, eps=1e-5)
-    back.load_state_dict(ref_opt.state_dict())
-    before = [p.detach().clone() for group in back.param_groups for p in group["params"]]
-    assert back.compiled_step()  # no gradients yet: a step that changes nothing
-    assert all(torch.equal(a, p) for a, p in zip(before, [p for gr in back.param_groups for p in gr["params"]], strict=True))
-    for opt in (moved, back):
-        for group in opt.param_groups:
-            for p in group["params"]:
-                p.grad = torch.ones_like(p)
-        opt.step()
-    for a, b in zip(moved.param_groups, back.param_groups, strict=True):
-        torch.testing.assert_close(b["params"][0], a["params"][0], rtol=1e-5, atol=1e-6)
-
-
-def test_compiled_adamw_falls_back_to_torch_where_the_loop_does_not_apply() -> None:
-    """float64 parameters, amsgrad, or a non-contiguous gradient take torch's step (and give its result)."""
-    from foxhunt.training.adamw_native import CompiledAdamW
-
-    _compiled_adamw_lib()
-    cases = [({"dtype": torch.float64}, {}, False), ({}, {"amsgrad": True}, False), ({}, {}, True)]
-    for tensor_kw, opt_kw, strided in cases:
-        ref = nn.Parameter(torch.linspace(-1, 1, 12, **tensor_kw).view(3, 4))
-        got = nn.Parameter(ref.detach().clone())
-        grad = torch.linspace(0.5, -0.5, 12, **tensor_kw).view(4, 3).t()  # non-contiguous
-        ref.grad = grad.clone()
-        got.grad = grad if strided else grad.contiguous()
-        ref_opt = torch.optim.AdamW([ref], lr=0.1, **opt_kw)
-        got_opt = CompiledAdamW([got], lr=0.1, **opt_kw)
-        assert got_opt.compiled_step() is False
-        ref_opt.step()
-        got_opt.step()
-        torch.testing.assert_close(got, ref)
-
-
-def test_compiled_adamw_rechecks_a_state_loaded_after_its_first_steps() -> None:
-    """The state check is cached per parameter until its tensors change: a state loaded later with a float64 step
-    count (which the loop cannot update) sends the step to torch's, with torch's result."""
-    from foxhunt.training.adamw_native import CompiledAdamW
-
-    _compiled_adamw_lib()
-    got = nn.Parameter(torch.linspace(-1, 1, 10))
-    opt = CompiledAdamW([got], lr=0.1)
-    got.grad = torch.full((10,), 0.5)
-    assert opt.compiled_step()  # fresh state, checked and cached
-    assert opt.compiled_step()
-    state = opt.state_dict()
-    state["state"][0]["step"] = state["state"][0]["step"].double()  # load_state_dict keeps a step's dtype
-    opt.load_state_dict(state)
-    ref = nn.Parameter(got.detach().clone())
-    ref.grad = got.grad.clone()
-    ref_opt = torch.optim.AdamW([ref], lr=0.1)
-    ref_opt.load_state_dict(copy.deepcopy(state))  # (load_state_dict keeps tensors it need not cast: not shared)
-    assert opt.compiled_step() is False  # the new tensors do not fit: not the cached verdict
-    opt.step()
-    ref_opt.step()
-    torch.testing.assert_close(got, ref)
-    assert float(opt.state[got]["step"]) == float(ref_opt.state[ref]["step"]) == 3.0
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(5, 3, generator=g), torch.randn(3, generator=g)]
+    runs = {}
+    for fused in (False, True):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = make_adamw([{"params": [params[0]], "weight_decay": 0.1}, {"params": [params[1]], "weight_decay": 0.0}],
+                         lr=1e-2, weight_decay=0.1, eps=1e-5)
+        if fused:
+            prefer_fused(opt)
+        assert all(group["fused"] is (True if fused else None) for group in opt.param_groups)
+        for step in range(3):
+            for i, p in enumerate(params):
+                p.grad = torch.full_like(p, 0.5 - step) * (i + 1)
+            with unittest.mock.patch.object(adam, "_fused_adam", wraps=adam._fused_adam) as kernel:
+                opt.step()
+            assert kernel.called is fused
+        runs[fused] = params
+    for a, b in zip(runs[False], runs[True], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+    stepped = make_adamw([nn.Parameter(torch.ones(2))], lr=0.1)
+    stepped.param_groups[0]["params"][0].grad = torch.ones(2)
+    stepped.step()
+    prefer_fused(stepped)
+    assert stepped.param_groups[0]["fused"] is None

@@ -26,7 +26,6 @@ Usage::
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -36,15 +35,12 @@ from torch import Tensor, nn
 
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.lit.member import Agent
-from foxhunt.models import ppo_loss_native
 from foxhunt.models.actor_critic import (
     ActionSpace,
     ActorCritic,
-    InplaceTanh,
     squashed_normal_entropy,
     squashed_normal_log_prob,
 )
-from foxhunt.models.actor_critic_fused import fused_ppo_loss, native_library
 from foxhunt.rl.env import (
     ContinuousMarketEnv,
     MarketEnv,
@@ -148,9 +144,6 @@ class PPOModule(Agent):
         adam_eps: float = 1e-5,
         weight_decay: float = 0.0,
         fused_adamw: bool = True,
-        native_adamw: bool = True,
-        fused_loss: bool = True,
-        native_loss: bool = True,
         scheduler: PPOScheduler = "linear",
         total_steps: int | None = None,
         warmup_steps: int = 0,
@@ -213,20 +206,9 @@ class PPOModule(Agent):
                 default, so the learning rate anneals over the whole run).
             lr: AdamW learning rate (its start, with a schedule).
             adam_eps: AdamW's epsilon (1e-5, as in CleanRL and the "37 implementation details").
-            weight_decay: AdamW decoupled weight decay (weight matrices only: the network's flat ``weights``).
-            fused_adamw: use PyTorch's fused AdamW kernel where the parameters' device supports it.
-            native_adamw: on CPU, step AdamW in one compiled C loop per flat parameter
-                (:class:`~foxhunt.training.adamw_native.CompiledAdamW`: the same optimizer and state, tested equal to
-                torch's) where a C compiler is available; torch's step (fused where ``fused_adamw``) elsewhere.
-            fused_loss: compute the minibatch loss and its gradient by the hand-written backward of
-                :mod:`foxhunt.models.actor_critic_fused` (the same loss as the plain autograd path, tested equal; a
-                CPU update at small minibatches is mostly autograd bookkeeping); False: the plain path. Mixed
-                precision always takes the plain path.
-            native_loss: with ``fused_loss``, compute the loss head (the terms after the networks' outputs and their
-                gradients) in one compiled C call (:mod:`foxhunt.models.ppo_loss_native`), and the towers' tanh in
-                updates and rollouts by its compiled loop (within 5e-7 of tanh), where a C compiler is available;
-                False (or ``FOXHUNT_NATIVE=0``, or no compiler): the same head in torch ops, ``torch.tanh`` in
-                rollouts.
+            weight_decay: AdamW decoupled weight decay (weight matrices only: not biases, not the log std).
+            fused_adamw: step AdamW with PyTorch's fused kernel where the parameters' device and dtype support it
+                (:func:`~foxhunt.training.optim.prefer_fused`, as the TFT's and the DQN's); torch's default elsewhere.
             scheduler: learning-rate schedule: "linear" (to 0 at ``total_steps``, CleanRL's annealing), "none",
                 "step", "cosine", or "plateau" (on the validation reward).
             total_steps: updates the linear or cosine schedule spans (defaults to the Trainer's estimate).
@@ -390,7 +372,6 @@ class PPOModule(Agent):
         assert env is not None and buf is not None and net is not None and self.sample_rng is not None
         t0 = time.perf_counter()
         market, n = env.market, env.n_envs
-        tanh_ = self._inference_tanh()
         reward_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         taken = torch.zeros((hp.n_steps, n), device=self.device) if self.continuous else None  # after the band
         inputs = self._inputs_table()  # every step's network inputs, kept for the critic and the minibatches
@@ -398,7 +379,7 @@ class PPOModule(Agent):
             held = env.positions
             x = net.inputs(market.windows(env.bars, flat=True), self.position_features(market, held),
                            out=None if inputs is None else inputs[t * n : (t + 1) * n])
-            out = net.actor_out(x, tanh_)
+            out = net.actor_out(x)
             if self.continuous:
                 noise = torch.randn(n, generator=self.sample_rng, device=self.device)
                 u = out + net.actor_logstd.exp() * noise
@@ -414,7 +395,7 @@ class PPOModule(Agent):
                 buf.add(t, tr.bars, held, action, logp.gather(1, action.unsqueeze(1)).squeeze(1), tr.rewards, tr.last)
             reward_sum += tr.raw_rewards.sum(dtype=torch.float64)
         if inputs is not None:
-            values = torch.cat([net.value(x, tanh_).float() for x in inputs.split(16_384)]).view_as(buf.rewards)
+            values = torch.cat([net.value(x).float() for x in inputs.split(16_384)]).view_as(buf.rewards)
         else:
             values = self._values(market, buf.bars.view(-1), buf.held.view(-1)).view_as(buf.rewards)
         ends = buf.last.clone()
@@ -430,12 +411,6 @@ class PPOModule(Agent):
         c.reward_count += n * hp.n_steps
         c.explained_variance = buf.explained_variance()
         c.rollout_seconds += time.perf_counter() - t0
-
-    def _inference_tanh(self) -> InplaceTanh | None:
-        """The towers' tanh for rollouts (no autograd): the compiled loop of the fused loss's library with
-        ``native_loss`` (where it loads), else None (``torch.tanh``)."""
-        lib = native_library(self.hparams.fused_loss and self.hparams.native_loss)
-        return None if lib is None else functools.partial(ppo_loss_native.tanh_, lib)
 
     def _inputs_table(self) -> Tensor | None:
         """An empty [T·N, W·F + P] table for the network inputs of every step of a rollout (its critic pass and
@@ -461,10 +436,8 @@ class PPOModule(Agent):
     def _values(self, market: MarketTensors, bars: Tensor, held: Tensor, chunk: int = 16_384) -> Tensor:
         """[B] the critic's values of states (bars, held positions), in chunks (a window gather is W·F per row)."""
         assert self.net is not None
-        tanh_ = self._inference_tanh()
         parts = [
-            self.net.value(self.net.inputs(market.windows(b, flat=True), self.position_features(market, h)),
-                           tanh_).float()
+            self.net.value(self.net.inputs(market.windows(b, flat=True), self.position_features(market, h))).float()
             for b, h in zip(bars.split(chunk), held.split(chunk), strict=True)
         ]
         return torch.cat(parts) if parts else torch.zeros(0, device=bars.device)
@@ -484,31 +457,23 @@ class PPOModule(Agent):
         market = self.env.market
         x = mb.inputs if mb.inputs is not None else net.inputs(market.windows(mb.bars, flat=True),
                                                                 self.position_features(market, mb.held))
-        advantages = mb.advantages  # normalised per minibatch (norm_adv) by the buffer when the epoch began
-        if hp.fused_loss and not torch.is_autocast_enabled(x.device.type):
-            # the same loss, one autograd node with the chain rule written out (models/actor_critic_fused.py)
-            loss, parts = fused_ppo_loss(net, x, mb.actions, mb.log_probs, mb.values, advantages, mb.returns, mb.noise,
-                                         hp.clip_coef, hp.clip_coef if hp.clip_vloss else None, hp.vf_coef, hp.ent_coef,
-                                         hp.mean_reg_coef, native=hp.native_loss)
-            logratio = parts["logratio"]
-        else:
-            new_log_prob, entropy, mean = self._log_prob_and_entropy(x, mb)
-            new_value = net.value(x).float()
-            logratio = new_log_prob - mb.log_probs
-            ratio = logratio.exp()
-            pg_loss = clipped_surrogate_loss(ratio, advantages, hp.clip_coef)
-            v_loss = value_loss(new_value, mb.values, mb.returns, hp.clip_coef if hp.clip_vloss else None)
-            entropy_loss = entropy.mean()
-            loss = pg_loss - hp.ent_coef * entropy_loss + hp.vf_coef * v_loss
-            if self.continuous and hp.mean_reg_coef > 0:
-                loss = loss + hp.mean_reg_coef * mean.square().mean()  # pulls the pre-squash mean toward flat
-            # the debug figures (approximate KL, clip fraction) come from this log-ratio when they are logged
-            parts = {"policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(), "entropy": entropy_loss.detach(),
-                     "logratio": logratio.detach()}
-        if hp.target_kl is not None and buf.at_epoch_end and float(approx_kl(logratio.detach())) > hp.target_kl:
+        new_log_prob, entropy, mean = self._log_prob_and_entropy(x, mb)
+        new_value = net.value(x).float()
+        logratio = new_log_prob - mb.log_probs
+        ratio = logratio.exp()
+        # advantages were normalised per minibatch (norm_adv) by the buffer when the epoch began
+        pg_loss = clipped_surrogate_loss(ratio, mb.advantages, hp.clip_coef)
+        v_loss = value_loss(new_value, mb.values, mb.returns, hp.clip_coef if hp.clip_vloss else None)
+        entropy_loss = entropy.mean()
+        loss = pg_loss - hp.ent_coef * entropy_loss + hp.vf_coef * v_loss
+        if self.continuous and hp.mean_reg_coef > 0:
+            loss = loss + hp.mean_reg_coef * mean.square().mean()  # pulls the pre-squash mean toward flat
+        logratio = logratio.detach()  # approximate KL and clip fraction come from it (ratio_statistics) when logged
+        if hp.target_kl is not None and buf.at_epoch_end and float(approx_kl(logratio)) > hp.target_kl:
             buf.stop()  # this minibatch still steps; the next update collects a new rollout (CleanRL's epoch break)
             self.counters.kl_stops += 1
-        self.counters.last = parts
+        self.counters.last = {"policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(),
+                              "entropy": entropy_loss.detach(), "logratio": logratio}
         return loss
 
     def after_update(self, update: int) -> None:
@@ -562,16 +527,11 @@ class PPOModule(Agent):
         total = hp.total_steps
         if hp.scheduler in ("linear", "cosine") and total is None:
             total = self.estimated_updates()
-        net = self.network
-        assert isinstance(net, ActorCritic)
-        # decay the matrices only: the flat ``weights``, not ``biases`` (biases and log σ)
-        params = ([{"params": [net.weights], "weight_decay": hp.weight_decay}, {"params": [net.biases], "weight_decay": 0.0}]
-                  if hp.weight_decay else [net.weights, net.biases])
-        config = configure_adamw(
-            params, lr=hp.lr, weight_decay=hp.weight_decay, eps=hp.adam_eps,
+        config = configure_adamw(  # the matrices decay; biases and the log std do not (optim.is_no_decay)
+            self.network, lr=hp.lr, weight_decay=hp.weight_decay, eps=hp.adam_eps,
             scheduler="none" if hp.scheduler == "linear" else hp.scheduler, total_steps=total,
             warmup_steps=hp.warmup_steps, monitor="val/reward_per_bar_neg",
-            interval="epoch" if hp.scheduler == "plateau" else "step", native=hp.native_adamw,
+            interval="epoch" if hp.scheduler == "plateau" else "step",
         )
         if hp.scheduler == "linear":
             sched = torch.optim.lr_scheduler.LambdaLR(config, LinearDecay(total, hp.warmup_steps))  # type: ignore[arg-type]
@@ -648,20 +608,20 @@ class PPOModule(Agent):
         return state
 
     def _upgrade_hook(self, module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
-        """load_state_dict pre-hook: :meth:`upgrade_state_dict` in place (checkpoints of the former layout)."""
+        """load_state_dict pre-hook: :meth:`upgrade_state_dict` in place (checkpoints without validation selection)."""
         upgraded = self.upgrade_state_dict(state, prefix)
         if upgraded is not state:
             state.update(upgraded)
 
     def check_optimizer_state(self, state: dict[str, Any]) -> None:
-        """AdamW's state over the network's two flat parameters (weights, biases); checkpoints written before them
-        (12 or 8 named tensors) cannot resume: refused with the reason instead of torch's group-size mismatch."""
+        """Refuse, in one line, a checkpoint whose AdamW state covers another number of tensors than the network's
+        parameters (another actor-critic layout), before torch's group-size mismatch."""
         n = sum(len(group["params"]) for group in state.get("param_groups", []))
-        if n != 2:
+        want = sum(p.requires_grad for p in self.network.parameters())
+        if n != want:
             raise ValueError(
-                f"PPO member: the checkpoint's optimizer state holds {n} parameter tensors, the network "
-                "now has 2 (its flat weights and biases): it was written before that layout and cannot be resumed; "
-                "its weights still load (EnsembleModule.load_weights, export) - start a new fit from them")
+                f"PPO member: the checkpoint's optimizer state holds {n} parameter tensors, the network has {want}: "
+                "it was written for another actor-critic layout and cannot be resumed")
 
     def _apply_run_state(self, state: dict[str, Any]) -> None:
         assert self.env is not None and self.rollout is not None and self.sample_rng is not None

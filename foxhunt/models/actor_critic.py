@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -24,7 +23,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 ActionSpace = Literal["discrete", "continuous"]
-InplaceTanh = Callable[[Tensor], Tensor]  # x -> tanh(x), written into x
 LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
@@ -65,25 +63,13 @@ def tanh_mlp(n_in: int, hidden: tuple[int, ...], n_out: int, head_gain: float) -
     return nn.Sequential(*layers)
 
 
-ACTOR, CRITIC = 0, 1  # the towers' indices in a grouped [2, out, in] weight
-
-
 class ActorCritic(nn.Module):
-    """Actor and critic MLPs (no shared body) over the flattened window [B, W·F] and position features [B, P].
+    """Actor and critic MLPs (no shared body, CleanRL's ``Agent``) over the flattened window [B, W·F] and position
+    features [B, P].
 
     ``P`` is the number of actions (a one-hot of the held action) for the discrete policy and 1 (the held position
-    value) for the continuous one. The actor's head has gain 0.01 (near-uniform initial policy), the critic's gain 1.
-
-    Layout. The two networks' hidden layers have the same widths, so each hidden layer of both is one grouped tensor
-    (``tower.<l>.weight`` [2, out, in], ``tower.<l>.bias`` [2, out]; index 0 the actor's, 1 the critic's); the heads
-    differ in width and stay apart (``actor_head.*``, ``critic_head.*``, and ``actor_logstd``). These named tensors are
-    the state dict (checkpoints, exports) and are views (:meth:`tensor`) into two flat parameters, ``weights`` (the
-    matrices) and ``biases`` (biases and the log standard deviation), which are all the optimizer, the gradient clip
-    and the guard see: at a minibatch of 64 rows their per-tensor Python (AdamW's, autograd's gradient accumulation)
-    costs as much as the arithmetic. The fused loss runs both towers in one batched product per layer and returns
-    the two flat gradients; :meth:`actor_out` and :meth:`value` run each network on its own slices, as two plain MLPs
-    through autograd. Initial values are exactly those of two ``tanh_mlp``s built actor first (:meth:`two_mlps` gives
-    them back); state dicts of the former two-MLP layout (``actor.<i>``, ``critic.<i>``) load as well.
+    value) for the continuous one. The actor's head has gain 0.01 (near-uniform initial policy), the critic's gain 1;
+    the continuous policy's ``actor_logstd`` is one state-independent parameter.
     """
 
     def __init__(
@@ -103,91 +89,11 @@ class ActorCritic(nn.Module):
             raise ValueError(f"action_space must be 'discrete' or 'continuous', got {action_space!r}")
         self.window, self.n_features, self.n_position_features = window, n_features, n_position_features
         self.action_space: ActionSpace = action_space
-        self.n_hidden = len(hidden)
         n_in = window * n_features + n_position_features
-        n_out = n_actions if action_space == "discrete" else 1
-        # built as two tanh MLPs (the RNG draws, hence the initial values, of the plain layout), then grouped
-        actor = tanh_mlp(n_in, hidden, n_out, head_gain=0.01)
-        critic = tanh_mlp(n_in, hidden, 1, head_gain=1.0)
-        state = grouped_state_dict({**{f"actor.{k}": v for k, v in actor.state_dict().items()},
-                                    **{f"critic.{k}": v for k, v in critic.state_dict().items()}})
+        self.actor = tanh_mlp(n_in, hidden, n_actions if action_space == "discrete" else 1, head_gain=0.01)
+        self.critic = tanh_mlp(n_in, hidden, 1, head_gain=1.0)
         if action_space == "continuous":
-            state["actor_logstd"] = torch.full((1,), float(log_std_init))
-        names = self.tensor_names()
-        self.layout: dict[str, tuple[int, int, int, tuple[int, ...]]] = {}  # name -> (flat, start, end, shape)
-        flats: list[list[Tensor]] = [[], []]
-        for flat, group in enumerate(names):
-            start = 0
-            for name in group:
-                t = state[name].detach()
-                self.layout[name] = (flat, start, start + t.numel(), tuple(t.shape))
-                flats[flat].append(t.reshape(-1))
-                start += t.numel()
-        self.weights = nn.Parameter(torch.cat(flats[0]))
-        self.biases = nn.Parameter(torch.cat(flats[1]))
-        self._views: tuple[tuple[int, int], tuple[Tensor, ...]] | None = None
-
-    @staticmethod
-    def upgrade_state_dict(state: dict[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
-        """``state`` with this network's tensors of the former two-MLP layout (``actor.*``/``critic.*``, exports
-        written before the grouped towers) under their current names (``foxhunt.load`` checks names before loading)."""
-        return grouped_state_dict(state, prefix)
-
-    def tensor_names(self) -> tuple[list[str], list[str]]:
-        """The named tensors in ``weights`` and in ``biases``, in order: the hidden layers', then the heads'."""
-        layers = range(self.n_hidden)
-        weights = [f"tower.{i}.weight" for i in layers] + ["actor_head.weight", "critic_head.weight"]
-        biases = [f"tower.{i}.bias" for i in layers] + ["actor_head.bias", "critic_head.bias"]
-        return weights, biases + (["actor_logstd"] if self.continuous else [])
-
-    def tensor(self, name: str) -> Tensor:
-        """The named tensor as a view of its flat parameter (gradients reach the parameter through autograd)."""
-        flat, start, end, shape = self.layout[name]
-        return (self.weights if flat == 0 else self.biases)[start:end].view(shape)
-
-    def detached_tensors(self) -> tuple[Tensor, ...]:
-        """Every named tensor as a detached view (``tower.<l>`` weight and bias per layer, the actor head's weight and
-        bias, the critic head's, ``actor_logstd``), made once per storage: optimizer steps update them in place."""
-        key = (self.weights.data_ptr(), self.biases.data_ptr())
-        if self._views is None or self._views[0] != key:
-            w, b = self.tensor_names()
-            names = [n for i in range(self.n_hidden) for n in (w[i], b[i])]
-            names += ["actor_head.weight", "actor_head.bias", "critic_head.weight", "critic_head.bias"]
-            names += ["actor_logstd"] if self.continuous else []
-            with torch.no_grad():
-                self._views = (key, tuple(self.tensor(n).detach() for n in names))
-        return self._views[1]
-
-    @property
-    def actor_logstd(self) -> Tensor:
-        """[1] the continuous policy's state-independent log standard deviation (a view of ``biases``)."""
-        return self.tensor("actor_logstd")
-
-    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
-        """The named tensors (copies, so that exports hold no shared storage), not the flat parameters."""
-        for name in self.layout:
-            t = self.tensor(name)
-            destination[prefix + name] = t if keep_vars else t.detach().clone()
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
-                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
-                              error_msgs: list[str]) -> None:
-        """Copy the named tensors (or those of the former two-MLP layout) into the flat parameters."""
-        own = {k: v for k, v in state_dict.items() if k.startswith(prefix)}
-        if any(k.startswith(f"{prefix}actor.") for k in own):
-            own = grouped_state_dict(own, prefix)
-        for name, (_, _, _, shape) in self.layout.items():
-            key = prefix + name
-            if key not in own:
-                missing_keys.append(key)
-            elif tuple(own[key].shape) != shape:
-                error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(own[key].shape)}, "
-                                  f"the model has {shape}")
-            else:
-                with torch.no_grad():
-                    self.tensor(name).copy_(own[key])
-        if strict:
-            unexpected_keys.extend(k for k in own if k[len(prefix):] not in self.layout)
+            self.actor_logstd = nn.Parameter(torch.full((1,), float(log_std_init)))
 
     @property
     def continuous(self) -> bool:
@@ -198,56 +104,19 @@ class ActorCritic(nn.Module):
         where given, e.g. rows of a rollout's table)."""
         return torch.cat([window.flatten(1) if window.dim() == 3 else window, position], 1, out=out)
 
-    def actor_out(self, x: Tensor, tanh_: InplaceTanh | None = None) -> Tensor:
-        """Logits [B, A] (discrete) or the Gaussian's mean [B] (continuous) of inputs ``x`` (``tanh_``: see
-        :meth:`_hidden`)."""
-        out = self._head(self._hidden(x, ACTOR, tanh_=tanh_), "actor")
+    def actor_out(self, x: Tensor) -> Tensor:
+        """Logits [B, A] (discrete) or the Gaussian's mean [B] (continuous) of inputs ``x``."""
+        out = self.actor(x)
         return out.squeeze(1) if self.continuous else out
 
-    def value(self, x: Tensor, tanh_: InplaceTanh | None = None) -> Tensor:
-        """[B] the critic's state values of inputs ``x`` (``tanh_``: see :meth:`_hidden`)."""
-        return self._head(self._hidden(x, CRITIC, tanh_=tanh_), "critic").squeeze(1)
+    def value(self, x: Tensor) -> Tensor:
+        """[B] the critic's state values of inputs ``x``."""
+        return self.critic(x).squeeze(1)
 
     def forward(self, window: Tensor, position: Tensor) -> tuple[Tensor, Tensor]:
         """(actor output, value) of a batch of states."""
         x = self.inputs(window, position)
         return self.actor_out(x), self.value(x)
-
-    def _hidden(self, x: Tensor, tower: int, start: int = 0, tanh_: InplaceTanh | None = None) -> Tensor:
-        """The last hidden activation of one network (``tower``: ACTOR or CRITIC) from hidden layer ``start`` on, on
-        its own slices of the grouped weights (a plain MLP through autograd).
-
-        ``tanh_``: an in-place tanh for inference (e.g. the compiled loop of
-        :func:`foxhunt.models.ppo_loss_native.tanh_`, for rollouts), used only where autograd is off; None, or with
-        autograd on: ``torch.tanh``, the reference.
-        """
-        fast = tanh_ is not None and not torch.is_grad_enabled()
-        for i in range(start, self.n_hidden):
-            a = F.linear(x, self.tensor(f"tower.{i}.weight")[tower], self.tensor(f"tower.{i}.bias")[tower])
-            x = tanh_(a) if fast else torch.tanh(a)  # type: ignore[misc]
-        return x
-
-    def _head(self, x: Tensor, which: str) -> Tensor:
-        return F.linear(x, self.tensor(f"{which}_head.weight"), self.tensor(f"{which}_head.bias"))
-
-    def two_mlps(self) -> tuple[nn.Sequential, nn.Sequential]:
-        """Copies of the actor and the critic as the plain layout's ``tanh_mlp``s (for references and tests)."""
-        nets = []
-        with torch.no_grad():
-            for tower, which in ((ACTOR, "actor"), (CRITIC, "critic")):
-                layers: list[nn.Module] = []
-                for i in range(self.n_hidden):
-                    w, b = self.tensor(f"tower.{i}.weight")[tower], self.tensor(f"tower.{i}.bias")[tower]
-                    lin = nn.Linear(w.shape[1], w.shape[0])
-                    lin.weight.copy_(w)
-                    lin.bias.copy_(b)
-                    layers += [lin, nn.Tanh()]
-                w, b = self.tensor(f"{which}_head.weight"), self.tensor(f"{which}_head.bias")
-                head = nn.Linear(w.shape[1], w.shape[0])
-                head.weight.copy_(w)
-                head.bias.copy_(b)
-                nets.append(nn.Sequential(*layers, head))
-        return nets[0], nets[1]
 
     # -------------------------------------------------------------------------------------- deterministic policy
     def deterministic(self, window: Tensor, position: Tensor) -> Tensor:
@@ -255,16 +124,14 @@ class ActorCritic(nn.Module):
         out = self.actor_out(self.inputs(window, position))
         return torch.tanh(out) if self.continuous else out
 
+    def actor_linears(self) -> list[nn.Linear]:
+        """The actor's linear layers, first to head (for the bar-by-bar evaluation)."""
+        return [m for m in self.actor if isinstance(m, nn.Linear)]
+
     def actor_prepare(self, window_flat: Tensor) -> Tensor:
         """[B, H] the actor's first pre-activation without the position's share (for a bar-by-bar evaluation)."""
-        n = self.window * self.n_features
-        return F.linear(window_flat, self.tensor("tower.0.weight")[ACTOR, :, :n], self.tensor("tower.0.bias")[ACTOR])
-
-    def actor_step(self, prepared: Tensor, position: Tensor) -> Tensor:
-        """The deterministic position tanh(mean) [L] from :meth:`actor_prepare`'s rows and held positions [L, P]."""
-        first = self.tensor("tower.0.weight")[ACTOR]
-        x = torch.tanh(prepared + F.linear(position, first[:, self.window * self.n_features :]))
-        return torch.tanh(self._head(self._hidden(x, ACTOR, start=1), "actor").squeeze(1))
+        first = self.actor_linears()[0]
+        return F.linear(window_flat, first.weight[:, : self.window * self.n_features], first.bias)
 
     @torch.no_grad()
     def deterministic_path(self, prepared: Tensor, decide: Tensor, held: Tensor, no_trade_band: float = 0.0) -> Tensor:
@@ -272,18 +139,15 @@ class ActorCritic(nn.Module):
         flat, from :meth:`actor_prepare`'s rows ``prepared`` [L, S, H] and the positions ``held`` [L] coming in; a
         target within ``no_trade_band`` of p_{s-1} keeps p_{s-1} (the environment's rule, ``apply_no_trade_band``).
 
-        The fast path of :meth:`actor_step` applied bar by bar: a recurrence over bars cannot be batched, and per bar
-        the work is a few [L, H] products, where a torch call's dispatch costs several times numpy's (about 5 µs a
-        bar here against 20-45). Same parameters, float32 on the host; tested equal to :meth:`deterministic`.
+        :meth:`deterministic` applied bar by bar in numpy: a recurrence over bars cannot be batched, and per bar the
+        work is a few [L, H] products, where a torch call's dispatch costs several times numpy's (about 5 µs a bar
+        here against 20-45). Same parameters, float32 on the host; tested equal to :meth:`deterministic`.
         """
         if not self.continuous:
             raise ValueError("deterministic_path is the continuous policy's; the discrete one is a policy table")
-        n = self.window * self.n_features
-        w_pos = self.tensor("tower.0.weight")[ACTOR, :, n].detach().cpu().numpy()  # [H]: the held position's column
-        layers = [(self.tensor(f"tower.{i}.weight")[ACTOR].detach().cpu().numpy().T.copy(),
-                   self.tensor(f"tower.{i}.bias")[ACTOR].detach().cpu().numpy()) for i in range(1, self.n_hidden)]
-        layers.append((self.tensor("actor_head.weight").detach().cpu().numpy().T.copy(),
-                       self.tensor("actor_head.bias").detach().cpu().numpy()))
+        first, *rest = self.actor_linears()
+        w_pos = first.weight[:, self.window * self.n_features].detach().cpu().numpy()  # [H]: the held position's column
+        layers = [(lin.weight.detach().cpu().numpy().T.copy(), lin.bias.detach().cpu().numpy()) for lin in rest]
         (w_head, b_head), hidden = layers[-1], layers[:-1]
         pre = prepared.detach().float().transpose(0, 1).contiguous().cpu().numpy()  # [S, L, H]: bar-major
         ok = decide.transpose(0, 1).unsqueeze(2).float().cpu().numpy()  # [S, L, 1]
@@ -304,21 +168,3 @@ class ActorCritic(nn.Module):
             p = target * ok[j]  # flat where no decision is possible
             out[j] = p
         return torch.from_numpy(out[:, :, 0].T.copy()).to(prepared.device)
-
-
-def grouped_state_dict(state: dict[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
-    """The state of the former two-MLP layout (``actor.<2l>``/``critic.<2l>`` hidden layers, the last index each
-    network's head) in :class:`ActorCritic`'s grouped layout; other keys pass through. Values are copied exactly."""
-    out = {k: v for k, v in state.items() if not k.startswith((f"{prefix}actor.", f"{prefix}critic."))}
-    linears = sorted({int(k[len(prefix) + 6 :].split(".")[0]) for k in state if k.startswith(f"{prefix}actor.")})
-    if not linears:
-        return dict(state)
-    *hidden, head = linears
-    for i, idx in enumerate(hidden):
-        for kind in ("weight", "bias"):
-            out[f"{prefix}tower.{i}.{kind}"] = torch.stack([state[f"{prefix}actor.{idx}.{kind}"],
-                                                            state[f"{prefix}critic.{idx}.{kind}"]])
-    for kind in ("weight", "bias"):
-        out[f"{prefix}actor_head.{kind}"] = state[f"{prefix}actor.{head}.{kind}"]
-        out[f"{prefix}critic_head.{kind}"] = state[f"{prefix}critic.{head}.{kind}"]
-    return out

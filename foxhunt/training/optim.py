@@ -9,8 +9,6 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from foxhunt.training.adamw_native import CompiledAdamW
-
 SchedulerKind = Literal["none", "step", "cosine", "plateau"]
 SCHEDULER_KINDS: tuple[str, ...] = ("none", "step", "cosine", "plateau")
 
@@ -30,10 +28,8 @@ def make_adamw(
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
-    native: bool = False,
 ) -> torch.optim.AdamW:
-    """AdamW with validated hyperparameters (decoupled weight decay, Loshchilov & Hutter); ``native``: a
-    :class:`~foxhunt.training.adamw_native.CompiledAdamW` (the same optimizer, its CPU step in one compiled loop)."""
+    """AdamW with validated hyperparameters (decoupled weight decay, Loshchilov & Hutter)."""
     lr = validate_lr(lr)
     if not math.isfinite(weight_decay) or weight_decay < 0.0:
         raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
@@ -41,8 +37,7 @@ def make_adamw(
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
     if not eps > 0.0:
         raise ValueError(f"eps must be > 0, got {eps!r}")
-    cls = CompiledAdamW if native else torch.optim.AdamW
-    return cls(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
 
 
 # Modules whose every parameter is a normalisation gain or shift (nn.RMSNorm exists from torch 2.4).
@@ -211,7 +206,6 @@ def configure_adamw(
     monitor: str = "val/loss",
     interval: str = "step",
     exclude_bias_and_norm: bool = True,
-    native: bool = False,
 ) -> torch.optim.AdamW | dict[str, Any]:
     """What ``LightningModule.configure_optimizers`` returns: AdamW alone, or with its scheduler config.
 
@@ -225,7 +219,7 @@ def configure_adamw(
         )
     else:
         params = list(module_or_params)
-    optimizer = make_adamw(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, native=native)
+    optimizer = make_adamw(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
     sched = make_scheduler(
         optimizer,
         scheduler,
@@ -243,11 +237,15 @@ def configure_adamw(
     return {"optimizer": optimizer, "lr_scheduler": sched}
 
 
+FUSED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)  # AdamW(fused=True)'s, as torch documents
+
+
 def prefer_fused(optimizer: torch.optim.Optimizer) -> None:
-    """Switch AdamW to its fused kernel before its first step, where every parameter's device and dtype allow it."""
+    """Switch AdamW to torch's fused kernel (one kernel for all parameters) before its first step, where every
+    parameter is a CPU or CUDA tensor of a dtype it supports; otherwise torch's default implementation stays."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if optimizer.state or not params:
         return
-    if all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params):
+    if all(p.device.type in ("cpu", "cuda") and p.dtype in FUSED_DTYPES for p in params):
         for group in optimizer.param_groups:
             group["fused"], group["foreach"] = True, False
