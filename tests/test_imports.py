@@ -100,7 +100,7 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 # the oracle) and the scoring built on it (``foxhunt.evaluation``) sit before the members, which are trained on the
 # one and score themselves with the other; neither reads a member.
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("plumbing", ("foxhunt.version", "foxhunt.files", "foxhunt.cli_errors", "foxhunt.compiled", "foxhunt.kernels")),
+    ("plumbing", ("foxhunt.version", "foxhunt.files", "foxhunt.cli_errors", "foxhunt.kernels")),
     ("bars", ("foxhunt.data.bars", "foxhunt.data.dbn", "foxhunt.data.io", "foxhunt.data.synthetic")),
     ("features", ("foxhunt.features", "foxhunt.preprocessing")),
     ("windows", ("foxhunt.data",)),

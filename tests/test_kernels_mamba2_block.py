@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from foxhunt.compiled import compiler
+from foxhunt.kernels.build import compiler
 from foxhunt.kernels import mamba2_block
 from foxhunt.models.mamba2 import Mamba2Block, Mamba2Forecaster, ssd_recurrent
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import foxhunt
-from foxhunt.compiled import compiler
+from foxhunt.kernels.build import compiler
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.data.windows import WindowBatches
 from foxhunt.lit.mamba2 import Mamba2Module

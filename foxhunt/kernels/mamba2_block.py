@@ -16,7 +16,7 @@ instead of storing it. The norms are one pass each way. All are linear in L, as 
 matrix products stay torch's.
 
 The block's shape (heads, head width, groups, state size, convolved channels, kernel width, d_model) is compiled into
-the library (one per shape, built on first use by :mod:`foxhunt.compiled`, cached and verified): the short loops then
+the library (one per shape, built on first use by :mod:`foxhunt.kernels.build`, cached and verified): the short loops then
 unroll into registers, about x3 over the same loops with the sizes as arguments. Float32 only, with fused
 multiply-adds and reassociated sums (tolerance ~1e-6 relative against the float64 recurrence, checked when the
 library is loaded). The batch (or the rows, for the norms) is split over ``torch.get_num_threads()`` threads (ctypes
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from foxhunt import compiled
+from foxhunt.kernels import build
 from foxhunt.kernels.ssd_recurrence import ssd_recurrent
 
 SOURCE = (Path(__file__).parent / "mamba2_block.c").read_text()  # shipped beside this module as package data
@@ -310,7 +310,7 @@ def library(shape: BlockShape) -> ctypes.CDLL | None:
         raise ValueError(f"{shape}: channels must be heads * headdim + 2 * groups * d_state")
     names = ("SSD_H", "SSD_P", "SSD_G", "SSD_N", "CONV_C", "CONV_W", "NORM_D")
     defines = tuple(f"-D{k}={v}" for k, v in zip(names, shape, strict=True))
-    return compiled.load("mamba2", SOURCE, FLAGS, _declare, functools.partial(_self_check, shape),
+    return build.load("mamba2", SOURCE, FLAGS, _declare, functools.partial(_self_check, shape),
                          "the Mamba-2 blocks run their PyTorch path on the CPU (the same model, slower)", defines)
 
 

@@ -1,7 +1,7 @@
-"""C loops compiled on first use: one build, cache and verification for every compiled part of foxhunt.
+"""C kernels compiled on first use: the one build, cache and verification of every C source in this package.
 
-A part (the features' loops in :mod:`foxhunt.features.native`, the Mamba-2 block's in
-:mod:`foxhunt.models.mamba2_native`) hands :func:`load` its C source, flags and a self-check. The source is compiled
+A kernel's module (:mod:`foxhunt.kernels.mamba2_block`) hands :func:`load` its C source (a ``.c`` file beside it),
+flags and a self-check against its PyTorch reference. The source is compiled
 with the system's C compiler (``$CC``, else ``cc``) into the user's cache (``$FOXHUNT_CACHE``, else
 ``$XDG_CACHE_HOME/foxhunt``, else ``~/.cache/foxhunt``), under a name that hashes the source, the flags and defines,
 the compiler's version and the machine's CPU (``-march=native`` vectorises for it; a compiler that refuses that flag
