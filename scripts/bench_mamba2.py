@@ -11,9 +11,8 @@ only in the SSD scan of each block:
   of it is copied into foxhunt; it needs ``einops``). It takes the discretised X = dt x and A dt, B and C per head
   (foxhunt's one group is broadcast to the heads, a view), a length that is a multiple of the chunk (the rows are
   padded with dt = 0, which changes nothing), and has no D skip (added outside, as foxhunt's scan does inside);
-- ``chunked``: foxhunt's plain scan (``scan="chunked"``, :func:`foxhunt.models.mamba2.ssd_chunked`);
-- ``factored``: foxhunt's fast PyTorch scan (``scan="factored"``, :func:`foxhunt.models.mamba2.ssd_factored`) in the
-  fused block layout, without the compiled loops (``native=False``: what runs where there is no C compiler);
+- ``chunked``: foxhunt's PyTorch block and scan (``native=False``, :func:`foxhunt.models.mamba2.ssd_chunked`: what runs
+  on CUDA and where there is no C compiler);
 - ``native``: the defaults, the block's compiled CPU loops (``native=True``, :mod:`foxhunt.kernels.mamba2_block`: the
   causal convolution with SiLU and the SSD step by step, in C);
 
@@ -23,7 +22,7 @@ All use the same chunk length (16) where they have one.
 Printed per lookback L: the largest difference of the three Mamba-2 versions' outputs (every row of the stack's
 output, absolute and relative to the largest) and of their parameter gradients (relative to each gradient's largest
 entry); samples/s of the training step (median of the timed repeats; the versions interleaved, one step of each per
-round, so that load from other processes hits all alike); the fastest foxhunt version's (native, else factored)
+round, so that load from other processes hits all alike); the fastest foxhunt version's (native, else chunked)
 speed-up over each other; the peak
 resident memory during a timed step of each (VmHWM reset through /proc/self/clear_refs before each step, outside
 its timing) and its rise above the memory before the step; the load average (``os.getloadavg``) before and after
@@ -35,7 +34,7 @@ its step time at each L over its step time at the smallest L (linear: L / L_min)
                                                                      # needs ~10 GiB at 4096; ~15 min on a quiet core)
     python scripts/bench_mamba2.py --lookbacks 64,512,4096 --repeats 3 --no-warmup --batch 32   # docs/MAMBA2.md's run
     python scripts/bench_mamba2.py --lookbacks 64,512 --repeats 5
-    python scripts/bench_mamba2.py --variants factored,tft --lookbacks 512,4096,16384
+    python scripts/bench_mamba2.py --variants chunked,tft --lookbacks 512,4096,16384
     python scripts/bench_mamba2.py --reference /path/to/mamba_ssm/modules/ssd_minimal.py   # no download
     python scripts/bench_mamba2.py --trainer --lookbacks 64,512,4096 --trainer-steps 3   # the member modules in a Trainer
 
@@ -55,8 +54,8 @@ Every run is under ``--allocator retain`` unless told otherwise: the fit's own s
 
 The reference links chunks by a dense [chunks x chunks] decay matrix applied to every chunk's state (quadratic in
 L / Q), and builds its intra-chunk decay mask per head ([b, heads, chunks, Q, Q]) through a cumulative sum over a
-[Q, Q] repeat; foxhunt's factored scan links chunks with one fused step each (linear) and applies the decay as row and
-column scalings of one causal C B^T per group (see ``ssd_factored``). Measured figures are in docs/MAMBA2.md.
+[Q, Q] repeat; foxhunt's chunked scan links chunks with one recurrence step each (linear) and shares C B^T by the
+heads of a group (see ``ssd_chunked``). Measured figures are in docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
@@ -89,13 +88,12 @@ from foxhunt.training.memory import retain_freed_memory
 
 QUANTILES = (0.1, 0.5, 0.9)
 KNOWN, HORIZON = 3, 6
-MAMBA_VARIANTS = ("reference", "chunked", "factored", "native", "reference_fused_block")
-FUSED = ("factored", "native", "reference_fused_block")  # the versions in the fused block layout
+MAMBA_VARIANTS = ("reference", "chunked", "native")
 
 
 def fastest(names: Container[str]) -> str | None:
-    """The version the others are compared with: native if it runs, else factored."""
-    return next((n for n in ("native", "factored") if n in names), None)
+    """The version the others are compared with: native if it runs, else chunked."""
+    return next((n for n in ("native", "chunked") if n in names), None)
 
 
 # ------------------------------------------------------------------------------------------------------- reference
@@ -254,7 +252,6 @@ def member_modules(variants: list[str], data: object, args: argparse.Namespace,
             continue
         module = Mamba2Module(quantiles=QUANTILES, d_model=args.d_model, n_layers=args.layers, d_state=args.d_state,
                               headdim=args.headdim, expand=args.expand, chunk_size=args.chunk, log_grad_norm_every=0,
-                              scan="chunked" if name == "chunked" else "factored", fused=name in FUSED,
                               native=name == "native")
         module.bind(spec)
         if name.startswith("reference"):
@@ -320,9 +317,8 @@ def build(variants: list[str], length: int, args: argparse.Namespace, reference:
             continue
         net = copy.deepcopy(base)
         for module in net.modules():
-            if hasattr(module, "scan"):  # the plain block around the reference and the plain scan
-                module.scan = "chunked" if name == "chunked" else "factored"
-                module.fused, module.native = name in FUSED, name == "native"
+            if hasattr(module, "native"):  # the plain block around the reference scan, or the C loops
+                module.native = name == "native"
         if name.startswith("reference"):
             use_reference_scan(net, reference)  # type: ignore[arg-type]
         nets[name] = net
@@ -444,8 +440,8 @@ def profile_lookback(length: int, variant: str, args: argparse.Namespace) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lookbacks", default="64,512,4096")
-    parser.add_argument("--variants", default="reference,chunked,factored,native,tft",
-                        help="any of reference, chunked, factored, native (Mamba-2 versions) and tft")
+    parser.add_argument("--variants", default="reference,chunked,native,tft",
+                        help="any of reference, chunked, native (Mamba-2 versions) and tft")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--inputs", type=int, default=8, help="features per bar (the TFT's cost grows with them)")
     parser.add_argument("--d-model", type=int, default=32)

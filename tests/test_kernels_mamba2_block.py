@@ -99,7 +99,7 @@ def plain_and_native(native_first: bool = False, **kw) -> tuple[Mamba2Block, Mam
     args = {"d_model": 8, "d_state": 5, "d_conv": 4, "headdim": 4, "ngroups": 2, "chunk_size": 6, "bias": True}
     args.update(kw)
     torch.manual_seed(0)
-    plain = Mamba2Block(**args, scan="chunked", fused=False, native=False)
+    plain = Mamba2Block(**args, native=False)
     native = Mamba2Block(**args, native=True)
     native.load_state_dict(plain.state_dict())
     return plain, native
@@ -126,7 +126,7 @@ def test_forecaster_equals_the_plain_forecaster() -> None:
     """The whole forecaster (two blocks, the last one computing only its decoder rows) and its gradients."""
     kw = {"d_model": 16, "n_layers": 2, "headdim": 8, "d_state": 16, "chunk_size": 16}
     torch.manual_seed(0)
-    plain = Mamba2Forecaster(6, [4, 5], n_symbols=2, horizon=3, scan="chunked", fused=False, native=False, **kw)
+    plain = Mamba2Forecaster(6, [4, 5], n_symbols=2, horizon=3, native=False, **kw)
     native = Mamba2Forecaster(6, [4, 5], n_symbols=2, horizon=3, **kw)
     native.load_state_dict(plain.state_dict())
     x_past, x_future, sym = torch.randn(4, 100, 6), torch.randn(4, 3, 2), torch.tensor([0, 1, 1, 0])

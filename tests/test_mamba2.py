@@ -12,13 +12,11 @@ import pytest
 import torch
 
 import foxhunt
-from foxhunt.kernels.build import compiler
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.data.windows import WindowBatches
+from foxhunt.kernels.build import compiler
 from foxhunt.lit.mamba2 import Mamba2Module
 from foxhunt.models.mamba2 import (
-    FACTORED_EXP_LIMIT,
-    SCANS,
     Mamba2Block,
     Mamba2Forecaster,
     Mamba2Stack,
@@ -26,10 +24,8 @@ from foxhunt.models.mamba2 import (
     kernels_available,
     segsum,
     ssd_chunked,
-    ssd_factored,
     ssd_recurrent,
 )
-from foxhunt.models.mamba2 import _CausalConvSiLU as CausalConvSiLU
 from foxhunt.training.optim import decay_param_groups
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,13 +63,12 @@ def test_segsum_and_decay_mask_by_hand() -> None:
     assert torch.autograd.gradcheck(decay_mask, (a_cum,))
 
 
-@pytest.mark.parametrize("scan", sorted(SCANS))
 @pytest.mark.parametrize("chunk", [1, 3, 8, 16, 37, 64])
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("groups", [1, 2])
-def test_chunked_scan_equals_recurrence_values_and_gradients(scan: str, chunk: int, with_state: bool,
+def test_chunked_scan_equals_recurrence_values_and_gradients(chunk: int, with_state: bool,
                                                              groups: int) -> None:
-    """Both scans (the plain chunked form and the factored fast path with its hand-written backward): any chunk
+    """The chunked scan against the step-by-step recurrence, values and gradients: any chunk
     length, a length (37) that is no multiple of it, one or two groups of B and C, an initial state or none."""
     inputs = ssd_inputs(groups=groups)
     if not with_state:
@@ -90,28 +85,26 @@ def test_chunked_scan_equals_recurrence_values_and_gradients(scan: str, chunk: i
         return y, final, dict(zip(leaves, grads, strict=True))
 
     y_ref, s_ref, g_ref = run(ssd_recurrent)
-    y, s, g = run(SCANS[scan], chunk_size=chunk, return_final_state=True)
+    y, s, g = run(ssd_chunked, chunk_size=chunk, return_final_state=True)
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(s, s_ref, rtol=1e-10, atol=1e-10)
     for name in leaves:
         torch.testing.assert_close(g[name], g_ref[name], rtol=1e-9, atol=1e-9, msg=name)
 
 
-@pytest.mark.parametrize("scan", sorted(SCANS))
-def test_chunked_scan_float32_matches_and_returns_input_dtype(scan: str) -> None:
+def test_chunked_scan_float32_matches_and_returns_input_dtype() -> None:
     inputs = ssd_inputs(length=200, dtype=torch.float64)
     y_ref, _ = ssd_recurrent(**inputs)
-    y = SCANS[scan](**{k: v.float() for k, v in inputs.items()}, chunk_size=64)
+    y = ssd_chunked(**{k: v.float() for k, v in inputs.items()}, chunk_size=64)
     assert y.dtype == torch.float32
     torch.testing.assert_close(y.double(), y_ref, rtol=1e-4, atol=1e-4)
-    y16 = SCANS[scan](**{k: v.bfloat16() for k, v in inputs.items()}, chunk_size=64)
+    y16 = ssd_chunked(**{k: v.bfloat16() for k, v in inputs.items()}, chunk_size=64)
     assert y16.dtype == torch.bfloat16 and torch.isfinite(y16).all()
 
 
-@pytest.mark.parametrize("scan", sorted(SCANS))
-def test_chunked_scan_without_final_state_and_state_chaining(scan: str) -> None:
+def test_chunked_scan_without_final_state_and_state_chaining() -> None:
     """Two halves chained through the final state are the whole sequence; y alone is the same with or without it."""
-    fn = SCANS[scan]
+    fn = ssd_chunked
     inputs = ssd_inputs(length=40)
     y_all, s_all = fn(**inputs, chunk_size=8, return_final_state=True)
     torch.testing.assert_close(fn(**inputs, chunk_size=8), y_all, rtol=0, atol=0)
@@ -124,41 +117,21 @@ def test_chunked_scan_without_final_state_and_state_chaining(scan: str) -> None:
     torch.testing.assert_close(s2, s_all, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("scan", sorted(SCANS))
-def test_chunked_scan_is_causal_bit_for_bit(scan: str) -> None:
+def test_chunked_scan_is_causal_bit_for_bit() -> None:
     inputs = ssd_inputs(length=50, dtype=torch.float32)
-    y = SCANS[scan](**inputs, chunk_size=16)
+    y = ssd_chunked(**inputs, chunk_size=16)
     t = 20  # inside the second chunk: the rest of that chunk and every later one change
     changed = {k: v.clone() for k, v in inputs.items()}
     for key in ("x", "B", "C"):
         changed[key][:, t + 1 :] = torch.randn_like(changed[key][:, t + 1 :]).abs() * 5
     changed["dt"][:, t + 1 :] = torch.rand_like(changed["dt"][:, t + 1 :]) * 2  # new step sizes within the limit
-    y2 = SCANS[scan](**changed, chunk_size=16)
+    y2 = ssd_chunked(**changed, chunk_size=16)
     assert torch.equal(y[:, : t + 1], y2[:, : t + 1])
     assert not torch.equal(y[:, t + 1 :], y2[:, t + 1 :])
-    # step sizes so large that a later chunk decays past exp(-60): the plain scan stays bit-identical up to t; the
-    # factored one switches the whole call to the plain scan, which moves earlier outputs by rounding only
+    # step sizes so large that a later chunk decays past exp(-60): still bit-identical up to t
     changed["dt"][:, t + 1 :] = 50.0
-    y3 = SCANS[scan](**changed, chunk_size=16)
-    if scan == "chunked":
-        assert torch.equal(y[:, : t + 1], y3[:, : t + 1])
-    torch.testing.assert_close(y3[:, : t + 1], y[:, : t + 1], rtol=1e-5, atol=1e-6)
-
-
-def test_factored_scan_falls_back_where_a_chunk_decays_too_far() -> None:
-    """exp(-s) would overflow past the limit: those calls run the plain scan (the same result, bit for bit), the
-    others the factored one (equal within rounding, not bit for bit), and both stay exact against the recurrence."""
-    inputs = ssd_inputs(length=24, dtype=torch.float32)
-    inputs["dt"] = torch.full_like(inputs["dt"], 1.0)
-    limit = FACTORED_EXP_LIMIT[torch.float32]
-    steep = {**inputs, "A": torch.full_like(inputs["A"], -limit / 8 - 1.0)}  # a chunk of 8 decays past exp(-limit)
-    assert torch.equal(ssd_factored(**steep, chunk_size=8), ssd_chunked(**steep, chunk_size=8))
-    mild = {**inputs, "A": torch.full_like(inputs["A"], -limit / 8 + 1.0)}
-    y_fast = ssd_factored(**mild, chunk_size=8)
-    assert not torch.equal(y_fast, ssd_chunked(**mild, chunk_size=8))
-    y_ref, _ = ssd_recurrent(**{k: v.double() for k, v in mild.items()})
-    torch.testing.assert_close(y_fast.double(), y_ref, rtol=1e-4, atol=1e-5)
-    assert torch.isfinite(y_fast).all()
+    y3 = ssd_chunked(**changed, chunk_size=16)
+    assert torch.equal(y[:, : t + 1], y3[:, : t + 1])
 
 
 # ---------------------------------------------------------------------------------------------------------- the block
@@ -188,43 +161,9 @@ def test_block_parameters_follow_the_paper() -> None:
     assert float(limited._dt(torch.full((4,), 50.0)).max().detach()) == pytest.approx(0.03)
 
 
-def test_causal_conv_silu_gradients() -> None:
-    """The fused path's convolution and SiLU with their hand-written backward, against finite differences."""
-    gen = torch.Generator().manual_seed(0)
-    padded = torch.randn(3, 12, 5, generator=gen, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(5, 1, 4, generator=gen, dtype=torch.float64, requires_grad=True)
-    bias = torch.randn(5, generator=gen, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(CausalConvSiLU.apply, (padded, weight, bias))
-    assert torch.autograd.gradcheck(CausalConvSiLU.apply, (padded, weight, None))
-
-
-@pytest.mark.parametrize("bias", [False, True])
-def test_fast_and_plain_block_paths_agree(bias: bool) -> None:
-    """scan="factored" with fused=True (the default) against scan="chunked" with fused=False (the plain form): the
-    same outputs, state and parameter gradients, from zeros and continuing from a state."""
-    m = block(bias=bias, conv_bias=not bias).double()
-    u = torch.randn(2, 23, 8, dtype=torch.float64)
-    runs = {}
-    for scan, fused in (("chunked", False), ("factored", True), ("chunked", True), ("factored", False)):
-        m.scan, m.fused = scan, fused
-        y, state = m(u[:, :9], return_state=True)
-        y2, state2 = m(u[:, 9:], state, return_state=True)
-        grads = torch.autograd.grad((y.sum() + (y2 ** 2).sum()), list(m.parameters()))
-        runs[(scan, fused)] = (y, y2, state2.conv, state2.ssm, *grads)
-    plain = runs[("chunked", False)]
-    for key, run in runs.items():
-        for a, b in zip(run, plain, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=str(key))
-    with pytest.raises(ValueError, match="scan must be one of"):
-        block(scan="dense")
-
-
-PATHS = [("factored", True, False), ("chunked", False, False), ("factored", True, True)]  # scan, fused, native
-
-
-@pytest.mark.parametrize(("scan", "fused", "native"), PATHS)
-def test_block_step_equals_parallel_form(scan: str, fused: bool, native: bool) -> None:
-    m = block(scan=scan, fused=fused).double()
+@pytest.mark.parametrize("native", [False, True])
+def test_block_step_equals_parallel_form(native: bool) -> None:
+    m = block().double()
     u = torch.randn(3, 23, 8, dtype=torch.float64)
     y, final = m(u, return_state=True)
     state, steps = m.init_state(3), []
@@ -242,7 +181,7 @@ def test_block_step_equals_parallel_form(scan: str, fused: bool, native: bool) -
         rest.append(out)
     torch.testing.assert_close(torch.cat([y1, torch.stack(rest, 1)], 1), y, rtol=1e-10, atol=1e-12)
     # and the same in float32, within float32 rounding
-    m32 = block(scan=scan, fused=fused, native=native)
+    m32 = block(native=native)
     assert (m32.native_library(u.float()) is not None) == (native and compiler() is not None)
     y32 = m32(u.float())
     state, steps = m32.init_state(3), []
@@ -264,11 +203,10 @@ def test_stack_step_equals_parallel_form() -> None:
     torch.testing.assert_close(torch.stack(steps, 1), y, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_stack_tail_equals_the_last_rows_of_the_full_output(fused: bool) -> None:
+def test_stack_tail_equals_the_last_rows_of_the_full_output() -> None:
     """``tail`` (the forecaster reads only its decoder rows) changes what is computed, not the values or gradients."""
     torch.manual_seed(0)
-    stack = Mamba2Stack(8, n_layers=2, d_state=5, headdim=4, chunk_size=4, fused=fused).double()
+    stack = Mamba2Stack(8, n_layers=2, d_state=5, headdim=4, chunk_size=4).double()
     u = torch.randn(2, 19, 8, dtype=torch.float64, requires_grad=True)
     full = stack(u)[:, -3:]
     grads_full = torch.autograd.grad(full.square().sum(), [u, *stack.parameters()])
@@ -285,9 +223,9 @@ def test_stack_tail_equals_the_last_rows_of_the_full_output(fused: bool) -> None
         stack(u, tail=0)
 
 
-@pytest.mark.parametrize(("scan", "fused", "native"), PATHS)
-def test_block_and_forecaster_are_causal_bit_for_bit(scan: str, fused: bool, native: bool) -> None:
-    m = block(chunk_size=8, scan=scan, fused=fused, native=native)
+@pytest.mark.parametrize("native", [False, True])
+def test_block_and_forecaster_are_causal_bit_for_bit(native: bool) -> None:
+    m = block(chunk_size=8, native=native)
     u = torch.randn(2, 30, 8)
     y = m(u)
     t = 12
@@ -298,7 +236,7 @@ def test_block_and_forecaster_are_causal_bit_for_bit(scan: str, fused: bool, nat
     # the forecaster: decoder step h sees the known-future inputs up to step h only
     torch.manual_seed(0)
     net = Mamba2Forecaster(5, [3, 4], n_symbols=2, horizon=4, d_model=8, headdim=4, d_state=4, chunk_size=8,
-                           scan=scan, fused=fused, native=native).eval()
+                           native=native).eval()
     x_past, x_future, sym = torch.randn(3, 10, 5), torch.randn(3, 4, 2), torch.tensor([0, 1, 1])
     pred = net(x_past, x_future, sym).prediction
     later = x_future.clone()
@@ -460,7 +398,7 @@ def test_bf16_mixed_on_cpu_trains_without_nan(tmp_path: Path) -> None:
 
 def test_bf16_mixed_on_cpu_trains_through_the_coordinator(tmp_path: Path) -> None:
     """The path foxhunt.fit runs: the coordinator steps its members by hand inside training_step, where Lightning's
-    autocast is on; the factored scan's hand-written backward must not run under it (it raised a dtype mismatch)."""
+    autocast is on; the block's scan and C loops compute in float32 under it and train without NaN."""
     from foxhunt.data.datamodule import BarDataModule
     from foxhunt.lit.ensemble import EnsembleModule
 
@@ -471,7 +409,7 @@ def test_bf16_mixed_on_cpu_trains_through_the_coordinator(tmp_path: Path) -> Non
     model = EnsembleModule(members={"mamba2": m}, min_edge_confidence=None)
     t = trainer(tmp_path, max_steps=4, precision="bf16-mixed", limit_val_batches=0, gradient_clip_val=None)
     t.fit(model, datamodule=dm)
-    assert m.network.backbone.layers[0].mixer.scan == "factored" and model.updates["mamba2"] == 4
+    assert model.updates["mamba2"] == 4
     assert all(torch.isfinite(p).all() for p in m.parameters())
 
 
@@ -597,16 +535,3 @@ def test_close_to_oracle_on_the_weak_planted_signal() -> None:
     assert report["loss_ratio"] < 1.02, report
     assert report["gap_closed"] > 0.6, report
     assert abs(report["tft_coverage"] - 0.80) < 0.03, report  # (evaluate's key names the TFT; here it is the Mamba-2)
-
-
-def test_factored_scan_backward_inside_autocast_matches_outside() -> None:
-    """The factored scan's hand-written backward keeps the forward's float32 even when autograd runs inside an
-    autocast region (it raised a dtype error there before)."""
-    inputs = {k: v.float().requires_grad_() for k, v in ssd_inputs(length=23).items()}
-    gy = torch.randn(2, 23, 4, 3)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = ssd_factored(**inputs, chunk_size=8)
-        inside = torch.autograd.grad((y * gy).sum(), list(inputs.values()))
-    outside = torch.autograd.grad((ssd_factored(**inputs, chunk_size=8) * gy).sum(), list(inputs.values()))
-    for a, b in zip(inside, outside, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

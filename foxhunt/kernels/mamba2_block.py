@@ -1,7 +1,7 @@
 """The Mamba-2 block's CPU fast path in plain C: its causal convolution with SiLU, its SSD step by step, and its
 norms (the residual stream's RMSNorm and the gated norm).
 
-On a CPU the chunked SSD (:func:`foxhunt.models.mamba2.ssd_factored`) spends its time in small batched products and
+On a CPU the chunked SSD (:func:`foxhunt.models.mamba2.ssd_chunked`) spends its time in small batched products and
 element-wise passes over [b, L, heads, P] tensors; the recurrence it computes,
 
     h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,    y_t = h_t C_t + D x_t    (per head; h_t [P, N])

@@ -58,8 +58,6 @@ class Mamba2Module(Forecaster):
         dropout: float = 0.0,
         lookback: int | None = None,
         use_kernels: bool = False,
-        scan: Literal["factored", "chunked"] = "factored",
-        fused: bool = True,
         native: bool = True,
         quantiles: tuple[float, ...] = (0.1, 0.5, 0.9),
         lr: float = 1e-3,
@@ -92,9 +90,8 @@ class Mamba2Module(Forecaster):
             expand: inner width E = expand * d_model.
             headdim: channels per SSM head P (E must divide by it; heads H = E / P).
             ngroups: groups G of B and C shared by heads (H must divide by it).
-            chunk_size: longest chunk of the SSD scan; a speed setting only (outputs do not depend on it). 16 keeps
-                the factored scan in range: at step sizes near dt_max = 0.1 and |A| <= 16 a chunk decays by about
-                exp(-25.6), against its limit exp(-60) (past it a call runs the plain scan).
+            chunk_size: longest chunk of the PyTorch SSD scan and the C loops' checkpoint interval; a speed setting
+                only (outputs do not depend on it).
             A_init_range: A = -U(range) at initialisation.
             dt_min: smallest step size dt at initialisation (log-uniform in [dt_min, dt_max]).
             dt_max: largest step size dt at initialisation.
@@ -103,13 +100,9 @@ class Mamba2Module(Forecaster):
             dropout: dropout on each block's output, before the residual sum.
             lookback: past rows the member reads, <= the data's lookback (the last rows of each window); None: all.
             use_kernels: on CUDA, run the SSD scan with mamba_ssm's fused kernel if installed (``foxhunt[cuda]``).
-            scan: the pure-PyTorch SSD scan: "factored" (the fast path, a hand-written backward) or "chunked" (the
-                plain form); the same model, parameters and outputs (see docs/MAMBA2.md).
-            fused: the block's fast layout (split input projection, channels-last convolution with a hand-written
-                backward); False: the plain form. The same parameters and outputs.
             native: on the CPU, run each block's convolution, SSD and norms in foxhunt's compiled C loops (the SSD
-                step by step; ``foxhunt.kernels.mamba2_block``) where a C compiler is available, else the paths
-                above. The same parameters and outputs (to float32 rounding).
+                step by step; ``foxhunt.kernels.mamba2_block``) where a C compiler is available, else the plain
+                PyTorch block. The same parameters and outputs (to float32 rounding).
             quantiles: forecast quantile levels, increasing, including 0.5.
             lr: AdamW learning rate, in (0, 1].
             weight_decay: AdamW decoupled weight decay (weights only: biases, norms, A_log, D and dt_bias are not
@@ -191,8 +184,6 @@ class Mamba2Module(Forecaster):
             dt_init_floor=hp.dt_init_floor,
             dt_limit=None if hp.dt_limit is None else tuple(hp.dt_limit),
             use_kernels=hp.use_kernels,
-            scan=hp.get("scan", "factored"),  # checkpoints from before the switch load with the default
-            fused=hp.get("fused", True),
             native=hp.get("native", True),
         )
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -79,26 +79,9 @@ def segsum(a_cum: Tensor) -> Tensor:
     return (a_cum[..., :, None] - a_cum[..., None, :]).masked_fill(rows[:, None] < rows[None, :], -math.inf)
 
 
-class _DecayMask(torch.autograd.Function):
-    """exp(segsum(a_cum)) with a backward of one product and two reductions (autograd's own chain through exp,
-    masked_fill and the broadcast difference costs four passes over [..., T, T])."""
-
-    @staticmethod
-    def forward(ctx, a_cum: Tensor) -> Tensor:  # type: ignore[no-untyped-def, override]
-        mask = segsum(a_cum).exp_()
-        ctx.save_for_backward(mask)
-        return mask
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[no-untyped-def, override]
-        (mask,) = ctx.saved_tensors
-        g = grad * mask  # d out[i, j] / d (a_cum[i] - a_cum[j]) = out[i, j] (0 above the diagonal)
-        return g.sum(-1) - g.sum(-2)
-
-
 def decay_mask(a_cum: Tensor) -> Tensor:
     """[..., T, T] exp(a[j+1] + .. + a[i]) for i >= j, 0 above the diagonal: how much of step j is left at step i."""
-    return _DecayMask.apply(a_cum)
+    return segsum(a_cum).exp()
 
 
 def _chunk_length(length: int, chunk_size: int) -> int:
@@ -190,228 +173,13 @@ def ssd_chunked(
     return y
 
 
-class _SSDFactored(torch.autograd.Function):
-    """The chunked SSD with the decay mask factored, exp(s_i - s_j) = exp(s_i) exp(-s_j), and a hand-written backward.
-
-    Inputs are in the working dtype; x [b, L, H, P] is not padded (the output y [b, L, H, P] neither), the others
-    are, to c chunks of q >= L steps (dt = 0 in the padding): dt [b, c q, H], s [b, c, q, H] the chunk's prefix sums
-    of dt A (from the chunk's first step, so s depends on no later step), B, C [b, c q, G, N], D [H] or None,
-    initial_state [b, H, P, N] or None.
-
-    Per chunk, with x' = exp(-s) dt x (one pass over x) and M = tril(C B^T) shared by a group's heads:
-
-        y = exp(s) (M x' + C S^T) + D x        S the state entering the chunk       own = x'^T B
-        S_next = exp(s_last) (S + own)         (the state leaving it, entering the next chunk)
-
-    so the intra-chunk part is two batched products over all heads of a group at once ([q, q] @ [q, R P]), no
-    [.., heads, q, q] decay mask is built, and chunks are linked by one fused step each (linear in L). The
-    backward reverses the same steps (its state recurrence runs backwards over the chunks) and saves x', M,
-    M x' + C S^T, the entering states and own: about 3 R P + q + 2 R P N / q floats per step and group.
-    """
-
-    @staticmethod
-    def forward(ctx, x, dt, s, B, C, D, initial_state):  # type: ignore[no-untyped-def, override]
-        b, length, n_heads, p = x.shape
-        c, q = s.shape[1], s.shape[2]
-        g, n = B.shape[2], B.shape[3]
-        r = n_heads // g
-        e_pos, e_neg = s.exp(), (-s).exp()  # [b, c, q, H]
-        w = (dt.view(b, c, q, n_heads) * e_neg).view(b, c * q, n_heads, 1)
-        xs = x.new_empty(b, c * q, n_heads, p)  # x' = exp(-s) dt x, zero in the padding
-        torch.mul(x, w[:, :length], out=xs[:, :length])
-        xs[:, length:].zero_()
-        xs_g = xs.view(b, c, q, g, r * p).transpose(2, 3).reshape(b * c * g, q, r * p)
-        Bg = B.view(b, c, q, g, n).transpose(2, 3).reshape(b * c * g, q, n)
-        Cg = C.view(b, c, q, g, n).transpose(2, 3).reshape(b * c * g, q, n)
-        M = torch.bmm(Cg, Bg.transpose(1, 2)).tril_()  # [bcG, q, q]
-        own = torch.bmm(xs_g.transpose(1, 2), Bg).view(b, c, g, r, p, n)  # each chunk's own state, unscaled
-        e_end = e_pos[:, :, -1].reshape(b, c, g, r, 1, 1)  # exp(s_last): the whole chunk's decay
-        # the entering states S_c = e_end_{c-1} (S_{c-1} + own_{c-1}), one fused step a chunk
-        entering = torch.empty_like(own)
-        if initial_state is None:
-            entering[:, 0].zero_()
-        else:
-            entering[:, 0].copy_(initial_state.reshape(b, g, r, p, n))
-        if c > 1:
-            step = e_end[:, :-1]  # [b, c - 1, G, R, 1, 1]
-            own_scaled = own[:, :-1] * step
-            for i in range(c - 1):
-                torch.addcmul(own_scaled[:, i], step[:, i], entering[:, i], out=entering[:, i + 1])
-        final = e_end[:, -1] * (entering[:, -1] + own[:, -1])  # [b, G, R, P, N]
-        y_raw = torch.bmm(M, xs_g).baddbmm_(Cg, entering.view(b * c * g, r * p, n).transpose(1, 2))
-        y_raw_h = y_raw.view(b, c, g, q, r, p).transpose(2, 3).reshape(b, c * q, n_heads, p)
-        y = y_raw_h[:, :length] * e_pos.view(b, c * q, n_heads, 1)[:, :length]
-        if D is not None:
-            y = y.addcmul_(x, D[:, None])
-        ctx.save_for_backward(x, dt, s, Bg, Cg, D, xs_g, M, y_raw_h, entering, own)
-        ctx.shape = (b, c, q, g, r, p, n)
-        ctx.has_initial = initial_state is not None
-        return y, final.reshape(b, n_heads, p, n)
-
-    @staticmethod
-    def backward(ctx, gy, g_final):  # type: ignore[no-untyped-def, override]
-        # in the forward's precision even where autograd runs inside an autocast region
-        with torch.autocast(gy.device.type, enabled=False):
-            return _SSDFactored._backward(ctx, gy, g_final)
-
-    @staticmethod
-    def _backward(ctx, gy, g_final):  # type: ignore[no-untyped-def]
-        x, dt, s, Bg, Cg, D, xs_g, M, y_raw_h, entering, own = ctx.saved_tensors
-        b, c, q, g, r, p, n = ctx.shape
-        n_heads, length, padded = g * r, x.shape[1], c * q
-        e_pos, e_neg = s.exp(), (-s).exp()
-        gy = gy.contiguous()
-        # (reductions over the outer dimensions first, and row dots over P as batched products: both vectorise over
-        # more than P elements)
-        gD = (gy * x).sum((0, 1)).sum(-1) if D is not None and ctx.needs_input_grad[5] else None
-        g_raw_h = gy.new_empty(b, padded, n_heads, p)  # d/d y_raw = exp(s) gy, zero in the padding
-        torch.mul(gy, e_pos.view(b, padded, n_heads, 1)[:, :length], out=g_raw_h[:, :length])
-        g_raw_h[:, length:].zero_()
-        # exp(s) d/d exp(s) of y = exp(s) y_raw: the row dot of d/d y_raw with y_raw
-        gs_pos = torch.bmm(g_raw_h.view(-1, 1, p), y_raw_h.view(-1, p, 1)).view(b, c, q, n_heads)
-        g_raw = g_raw_h.view(b, c, q, g, r * p).transpose(2, 3).reshape(b * c * g, q, r * p)
-        gM = torch.bmm(g_raw, xs_g.transpose(1, 2)).tril_()
-        gxs = torch.bmm(M.transpose(1, 2), g_raw)
-        gC = torch.bmm(gM, Bg).baddbmm_(g_raw, entering.view(b * c * g, r * p, n))
-        gB = torch.bmm(gM.transpose(1, 2), Cg)
-        g_entering = torch.bmm(g_raw.transpose(1, 2), Cg).view(b, c, g, r, p, n)
-        # the state recurrence backwards: G_c = dL/dS_c (S_c leaves chunk c), G_{c-1} = g_entering_c + e_end_c G_c
-        e_end = e_pos[:, :, -1].reshape(b, c, g, r, 1, 1)
-        G = torch.empty_like(own)
-        if g_final is None:
-            G[:, -1].zero_()
-        else:
-            G[:, -1].copy_(g_final.reshape(b, g, r, p, n))
-        if c > 1:
-            for i in range(c - 1, 0, -1):
-                torch.addcmul(g_entering[:, i], e_end[:, i], G[:, i], out=G[:, i - 1])
-        g_init = None
-        if ctx.has_initial:
-            g_init = (g_entering[:, 0] + e_end[:, 0] * G[:, 0]).reshape(b, n_heads, p, n)
-        g_eend = (G * (entering + own)).sum((-1, -2)).view(b, c, n_heads)
-        g_own = (G * e_end).view(b * c * g, r * p, n)
-        gxs.baddbmm_(Bg, g_own.transpose(1, 2))
-        gB.baddbmm_(xs_g, g_own)
-        gxs_h = gxs.view(b, c, g, q, r, p).transpose(2, 3).reshape(b, padded, n_heads, p)[:, :length]
-        w = dt.view(b, c, q, n_heads) * e_neg
-        gx = gxs_h * w.view(b, padded, n_heads, 1)[:, :length]
-        if D is not None:
-            gx = gx.addcmul_(gy, D[:, None])
-        gw = F.pad((gxs_h * x).sum(-1), (0, 0, 0, padded - length)).view(b, c, q, n_heads)
-        gdt = (gw * e_neg).view(b, padded, n_heads)
-        gs = gs_pos - gw * w
-        gs[:, :, -1] += g_eend * e_end.view(b, c, n_heads)
-        gB = gB.view(b, c, g, q, n).transpose(2, 3).reshape(b, padded, g, n)
-        gC = gC.view(b, c, g, q, n).transpose(2, 3).reshape(b, padded, g, n)
-        return gx, gdt, gs, gB, gC, gD, g_init
-
-
-#: largest |exponent| the factored scan lets exp(s) and exp(-s) reach, by working dtype; a chunk whose decay
-#: exp(sum of dt A) is below exp(-2 limit) makes :func:`ssd_factored` fall back to :func:`ssd_chunked`
-FACTORED_EXP_LIMIT = {torch.float32: 60.0, torch.float64: 600.0}
-
-
-def ssd_factored(
-    x: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    chunk_size: int,
-    D: Tensor | None = None,
-    initial_state: Tensor | None = None,
-    return_final_state: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """:func:`ssd_chunked`'s model and arguments, computed faster (the fast path of :class:`Mamba2Block`).
-
-    The decay mask inside a chunk, exp(a_{j+1} + .. + a_i) = exp(s_i - s_j) with s the chunk's prefix sums of a = dt A,
-    is factored as exp(s_i) exp(-s_j) and applied to the rows and columns of one causal C B^T per group of heads,
-    never built per head (see :class:`_SSDFactored`; its backward is written by hand). Exact in exact arithmetic; in
-    floating point the rounding is that of exp(s), about eps |s|, as :func:`segsum`'s. Where a chunk decays by more
-    than exp(-limit) (``FACTORED_EXP_LIMIT``: exp(-60) in float32, beyond chunk x dt_max x max|A| = 16 x 0.1 x 16
-    at initialisation) exp(-s) could overflow, and the call runs :func:`ssd_chunked` instead. That choice is made
-    once per call from every chunk, so a later input that forces it changes earlier outputs by rounding (the two
-    scans agree to ~1e-6 relative in float32), never by more; inputs within the limit keep outputs up to t
-    bit-identical under any change after t (tested).
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    b, length, n_heads, p = x.shape
-    g = B.shape[2]
-    if n_heads % g:
-        raise ValueError(f"{n_heads} heads cannot share {g} groups of B and C")
-    out_dtype = x.dtype
-    work = _up(x).dtype
-    with torch.autocast(x.device.type, enabled=False):
-        xw, dtw, Aw, Bw, Cw = (t.to(work) for t in (x, dt, A, B, C))
-        q = _chunk_length(length, chunk_size)
-        pad = (-length) % q
-        if pad:  # dt = 0 past the end: decay 1 and no input (as ssd_chunked; x is padded inside)
-            Bw, Cw = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (Bw, Cw))
-            dtw = F.pad(dtw, (0, 0, 0, pad))
-        c = (length + pad) // q
-        dtw = dtw.contiguous()
-        a_cum = (dtw * Aw).view(b, c, q, n_heads).cumsum(2)
-        if float(a_cum[:, :, -1].detach().min()) < -FACTORED_EXP_LIMIT[work]:
-            return ssd_chunked(x, dt, A, B, C, chunk_size, D, initial_state, return_final_state)
-        init = None if initial_state is None else initial_state.to(work)
-        Dw = None if D is None else D.to(work)
-        y, state = _SSDFactored.apply(xw, dtw, a_cum, Bw, Cw, Dw, init)
-        y = y.to(out_dtype)
-    if return_final_state:
-        return y, state
-    return y
-
-
-#: the pure-PyTorch scans a block can run, by the name of its ``scan`` switch
-SCANS = {"factored": ssd_factored, "chunked": ssd_chunked}
-
-
 # --------------------------------------------------------------------------------------------------------- the block
-def _channels_first(t: Tensor) -> Tensor:
-    """[b, T, channels] as a [b, channels, 1, T] view: a channels-last image, what conv2d runs fastest on CPU."""
-    return t.transpose(1, 2)[:, :, None]
-
-
 def _last_conv_inputs(past: Tensor | None, xbc: Tensor, n: int) -> Tensor:
     """The last n inputs of the convolution, [b, channels, n] (the next call's past): from xbc [b, L, channels], and
     from past [b, n, channels] (None: zeros) where L < n."""
     if xbc.shape[1] < n:
         xbc = torch.cat([xbc.new_zeros(xbc.shape[0], n, xbc.shape[2]) if past is None else past, xbc], 1)
     return xbc[:, xbc.shape[1] - n :].transpose(1, 2)
-
-
-class _CausalConvSiLU(torch.autograd.Function):
-    """silu(depthwise convolution) of channels-last inputs [b, W - 1 + L, channels] (the W - 1 steps before the first
-    output in front) -> [b, L, channels], with a hand-written backward: the input gradient as one more channels-last
-    convolution (with the flipped kernel) and the weight gradient from ``torch.nn.grad.conv2d_weight`` on the
-    channels-last views, where autograd's depthwise convolution backward costs several times more on CPU."""
-
-    @staticmethod
-    def forward(ctx, padded: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
-        ctx.param_dtype = weight.dtype  # the convolution runs in the input's dtype (bf16 under autocast)
-        weight = weight.to(padded.dtype)
-        bias = None if bias is None else bias.to(padded.dtype)
-        pre = F.conv2d(_channels_first(padded), weight[:, :, None], bias, groups=weight.shape[0])[:, :, 0]
-        pre = pre.transpose(1, 2)  # [b, L, channels], contiguous (channels-last output)
-        ctx.save_for_backward(padded, weight, pre)
-        ctx.has_bias = bias is not None
-        return F.silu(pre)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:  # type: ignore[override]
-        padded, weight, pre = ctx.saved_tensors
-        with torch.enable_grad():
-            leaf = pre.detach().requires_grad_()
-            (g_pre,) = torch.autograd.grad(F.silu(leaf), leaf, grad.contiguous())
-        n_channels, width = weight.shape[0], weight.shape[-1]
-        # the input gradient is the output gradient, padded by W - 1 on both sides, convolved with the flipped kernel
-        g_wide = F.pad(g_pre, (0, 0, width - 1, width - 1))
-        g_in = F.conv2d(_channels_first(g_wide), weight[:, :, None].flip(-1), groups=n_channels)[:, :, 0].transpose(1, 2)
-        g_w = torch.nn.grad.conv2d_weight(_channels_first(padded), (n_channels, 1, 1, width), _channels_first(g_pre),
-                                          groups=n_channels)[:, :, 0]
-        g_b = g_pre.sum((0, 1)).to(ctx.param_dtype) if ctx.has_bias else None
-        return g_in, g_w.to(ctx.param_dtype), g_b
 
 
 class GatedRMSNorm(nn.Module):
@@ -468,8 +236,6 @@ class Mamba2Block(nn.Module):
         bias: bool = False,
         conv_bias: bool = True,
         use_kernels: bool = False,
-        scan: Literal["factored", "chunked"] = "factored",
-        fused: bool = True,
         native: bool = True,
     ) -> None:
         """
@@ -488,17 +254,10 @@ class Mamba2Block(nn.Module):
             bias: biases in the input and output projections.
             conv_bias: bias in the convolution.
             use_kernels: on CUDA tensors, run the scan with mamba_ssm's fused kernel when it is installed.
-            scan: the pure-PyTorch scan: "factored" (:func:`ssd_factored`, the fast path) or "chunked"
-                (:func:`ssd_chunked`, the plain form it is tested against); the same model and parameters.
-            fused: the fast layout of the rest of the block: the input projection as three products (z, xBC, dt:
-                no strided slices, no concatenated gradient) and the convolution with its SiLU run channels-last
-                with a hand-written backward (:class:`_CausalConvSiLU`: no transposed copies); False: one projection
-                and autograd through ``conv1d`` over [b, channels, L], the plain form. Same parameters and outputs.
             native: on CPU tensors (not float64), run the convolution with its SiLU, the SSD and the norms in
                 foxhunt's compiled C loops (:mod:`foxhunt.kernels.mamba2_block`, the SSD step by step) where a C
-                compiler is available;
-                elsewhere, or False, the PyTorch paths named by ``scan`` and ``fused``. Same parameters and outputs
-                (to float32 rounding).
+                compiler is available; elsewhere, or False, the plain PyTorch block (:func:`ssd_chunked`). Same
+                parameters and outputs (to float32 rounding).
         """
         super().__init__()
         d_inner = expand * d_model
@@ -515,12 +274,10 @@ class Mamba2Block(nn.Module):
             raise ValueError(f"dt_min and dt_max must be 0 < dt_min <= dt_max, got {dt_min}, {dt_max}")
         if dt_limit is not None and not 0.0 <= dt_limit[0] < dt_limit[1]:
             raise ValueError(f"dt_limit must be 0 <= lo < hi, got {dt_limit}")
-        if scan not in SCANS:
-            raise ValueError(f"scan must be one of {sorted(SCANS)}, got {scan!r}")
         self.d_model, self.d_state, self.d_conv, self.d_inner = d_model, d_state, d_conv, d_inner
         self.headdim, self.n_heads, self.ngroups, self.chunk_size = headdim, n_heads, ngroups, chunk_size
         self.dt_limit = None if dt_limit is None else (float(dt_limit[0]), float(dt_limit[1]))
-        self.use_kernels, self.scan, self.fused, self.native = use_kernels, scan, fused, native
+        self.use_kernels, self.native = use_kernels, native
         self.conv_dim = d_inner + 2 * ngroups * d_state
         self.native_shape = mamba2_block.BlockShape(n_heads, headdim, ngroups, d_state, self.conv_dim, d_conv,
                                                      d_model)
@@ -582,11 +339,11 @@ class Mamba2Block(nn.Module):
     def ssd(self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, initial: Tensor | None,
             return_state: bool) -> Tensor | tuple[Tensor, Tensor]:
         """The SSD with the D skip (shapes as :func:`ssd_chunked`): the CUDA kernel when asked for and usable, else
-        the pure-PyTorch scan named by ``scan``."""
+        the pure-PyTorch chunked scan."""
         if self.use_kernels and x.is_cuda and mamba_chunk_scan_combined is not None:
             return mamba_chunk_scan_combined(x, dt, A, B, C, self.chunk_size, D=_up(self.D),
                                              initial_states=initial, return_final_states=return_state)
-        return SCANS[self.scan](x, dt, A, B, C, self.chunk_size, D=self.D, initial_state=initial,
+        return ssd_chunked(x, dt, A, B, C, self.chunk_size, D=self.D, initial_state=initial,
                                 return_final_state=return_state)
 
     # ------------------------------------------------------------------------------------------------ parallel
@@ -601,19 +358,14 @@ class Mamba2Block(nn.Module):
         """
         b, length, _ = u.shape
         lib = self.native_library(u)
-        if self.fused or lib is not None:
+        if lib is not None:  # three products (no strided slices for the C loops), the gate z only where read
             proj = self.in_proj
             biases = (None,) * 3 if proj.bias is None else proj.bias.split(self.split_sizes)
-            rows = (u if tail is None else u[:, length - tail :], u, u)  # the gate z only where outputs are read
+            rows = (u if tail is None else u[:, length - tail :], u, u)
             z, xbc, dt = (F.linear(r, w, bi) for r, w, bi in zip(rows, proj.weight.split(self.split_sizes), biases,
                                                                   strict=True))
             past = state.conv.transpose(1, 2).to(xbc.dtype) if state is not None else None  # [b, W - 1, channels]
-            if lib is not None:  # reads past (zeros if None) and xbc in place
-                conv = mamba2_block.conv_silu(lib, past, xbc, self.conv1d.weight, self.conv1d.bias)
-            else:
-                past = xbc.new_zeros(b, self.d_conv - 1, self.conv_dim) if past is None else past
-                padded = torch.cat([past, xbc], 1)  # [b, W - 1 + L, channels]; causal as below
-                conv = _CausalConvSiLU.apply(padded, self.conv1d.weight, self.conv1d.bias)
+            conv = mamba2_block.conv_silu(lib, past, xbc, self.conv1d.weight, self.conv1d.bias)  # past, xbc in place
             last_inputs = _last_conv_inputs(past, xbc, self.d_conv - 1)
         else:
             z, xbc, dt = self._split(self.in_proj(u))
