@@ -17,11 +17,9 @@ costs, data and features, over fewer steps, which favours a path that speeds tho
   ~9,000 windows: the shipped epoch's 500 steps to ~30,000 windows), evaluated in batches of 128 (at the default
   1,024 the plain path's evaluation is killed for memory on a 24 GiB machine); the fused variable selection
   against the plain grouped GRNs;
-- ``dqn-direct``: quickstart.yaml; the coordinator's direct ``loss.backward()`` against Lightning's
-  ``manual_backward``;
 - ``memory``: mamba2.yaml at a 1,024-bar lookback; glibc keeping freed memory against the system allocator.
 
-    python scripts/bench_fast_paths.py --repeats 3 --rows mamba2,tft125,dqn-direct
+    python scripts/bench_fast_paths.py --repeats 3 --rows mamba2,tft125
 
 The paths that did not earn their keep (docs/PERFORMANCE.md) were measured by this script's rows at the commit
 before they were removed; a row exists only for a path that is still here.
@@ -75,8 +73,6 @@ ROWS: dict[str, Row] = {
     "tft125": Row("tft.yaml", ["--data.synthetic_bars", "60000", "--trainer.max_epochs", "1",
                                "--trainer.limit_train_batches", "100", "--data.eval_batch_size", "128"], Arm(),
                   Arm(["--model.members.tft.init_args.fused", "false"])),
-    "dqn-direct": Row("quickstart.yaml", ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "250"],
-                      Arm(), Arm(["--model.direct_backward", "false"])),
     "memory": Row("mamba2.yaml", ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "20",
                                   "--data.lookback", "1024", "--data.batch_size", "64"],
                   Arm(), Arm(["--retain_freed_memory", "false"])),
@@ -108,7 +104,7 @@ def run_fit(row: Row, arm: Arm, workdir: Path) -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", default="mamba2,tft125,dqn-direct", help="comma-separated rows of ROWS")
+    p.add_argument("--rows", default="mamba2,tft125", help="comma-separated rows of ROWS")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", type=Path, default=None, help="also write every timing here")
     args = p.parse_args()

@@ -63,8 +63,6 @@ from foxhunt.evaluation.trading import counted_log_returns
 from foxhunt.lit.member import Agent, Forecaster, Member, fit_updates
 from foxhunt.training.gradnorm import grad_norms
 
-_BACKWARD_HOOKS = ("on_before_backward", "on_after_backward")
-
 
 def null_max_sharpe(n_candidates: int, n_bars: int) -> float:
     """Per-bar Sharpe the best of ``n_candidates`` policies without edge shows on ``n_bars`` bars, in expectation.
@@ -90,7 +88,6 @@ class _LoopPlan:
     params: dict[str, list[nn.Parameter]]
     clip: dict[str, float | None]
     scaler: Any  # the GradScaler of 16-mixed (None otherwise): gradients are unscaled only inside the optimizer step
-    direct_backward: bool
     active: str | None = None  # the member whose optimizer is stepping (read by on_before_optimizer_step)
 
     @property
@@ -109,7 +106,6 @@ class EnsembleModule(pl.LightningModule):
         cost_bps: float = 1.0,
         stack_fraction: float = 0.5,
         bars_per_year: float | None = None,
-        direct_backward: bool = True,
         min_edge_confidence: float | None = 0.95,
     ) -> None:
         """
@@ -123,9 +119,6 @@ class EnsembleModule(pl.LightningModule):
             bars_per_year: Sharpe annualisation; None infers it once at setup from the training split's observed bar
                 density (the longest split) and records it here, so every split's table, the checkpoints and the
                 export (and a back-test of a reloaded export) annualise with that one value.
-            direct_backward: call ``loss.backward()`` directly when nothing listens to Lightning's backward dispatch
-                (one device, no GradScaler, no callback hooking backward), which costs a small network's update
-                about a tenth; False always goes through ``manual_backward`` (the reference path; same gradients).
             min_edge_confidence: do no harm: a member trades only when the probability that its validation edge after
                 costs is real reaches this level: the PSR of its validation P&L against flat, or, when it chose its
                 weights among N candidates on validation, against the Sharpe the best of N would show without edge
@@ -327,11 +320,11 @@ class EnsembleModule(pl.LightningModule):
             for p in plan.params[name]:
                 p.grad = None
         if not plan.scaled:
-            self._backward(functools.reduce(operator.add, live.values()), plan)
+            self._backward(functools.reduce(operator.add, live.values()))
         for name in live:
             member, update = plan.members[name], self.updates[name]
             if plan.scaled:
-                self._backward(live[name], plan)
+                self._backward(live[name])
                 scale = plan.scaler.get_scale()
             else:
                 if member.log_grad_norm_every and update % member.log_grad_norm_every == 0:
@@ -350,15 +343,12 @@ class EnsembleModule(pl.LightningModule):
             member.after_update(update)
             self.updates[name] = update + 1
 
-    def _backward(self, loss: Tensor, plan: _LoopPlan) -> None:
+    def _backward(self, loss: Tensor) -> None:
         """Backward outside Lightning's autocast (on around training_step, where the members are stepped): under it
-        the hand-written backwards (Mamba-2's scan, the TFT's selection, PPO's loss) would see their products recast."""
+        the hand-written backwards (Mamba-2's C loops, the TFT's selection) would see their products recast."""
         device = loss.device.type
         with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext():
-            if plan.direct_backward:
-                loss.backward()
-            else:
-                self.manual_backward(loss)
+            self.manual_backward(loss)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Under a GradScaler the gradients are unscaled only here: log the active member's norms, then clip them."""
@@ -400,7 +390,6 @@ class EnsembleModule(pl.LightningModule):
                 params={n: list(m.network.parameters()) for n, m in members.items()},
                 clip=clip,
                 scaler=getattr(self.trainer.precision_plugin, "scaler", None),
-                direct_backward=self._direct_backward,
             )
         return plan
 
@@ -431,17 +420,6 @@ class EnsembleModule(pl.LightningModule):
             agent.attach_market(self._stacked["train"], self._stacked.get("val"))
         agent.start()
         self.started.add(name)
-
-    @property
-    def _direct_backward(self) -> bool:
-        trainer = self.trainer
-        return bool(
-            self.hparams.direct_backward
-            and getattr(trainer.precision_plugin, "scaler", None) is None
-            and isinstance(trainer.strategy, pl.strategies.SingleDeviceStrategy)
-            and not any(getattr(type(cb), h) is not getattr(pl.Callback, h) for cb in trainer.callbacks for h in _BACKWARD_HOOKS)
-            and not any(getattr(type(self), h) is not getattr(pl.LightningModule, h) for h in (*_BACKWARD_HOOKS, "backward"))
-        )
 
     # ------------------------------------------------------------------------------------------------ stacking
     def _take_snapshots(self) -> None:
