@@ -316,7 +316,7 @@ def check_members(model: EnsembleModule, config: Any) -> None:
 
     for name, member in model.members.items():
         try:
-            validate_lr(member.hparams.get("lr", 1e-3))
+            validate_lr(member.optim.lr)
         except ValueError as e:
             raise ConfigError(f"{config_source(config)}model.members.{name} ({type(member).__name__}): {e}") from e
 

@@ -142,9 +142,10 @@ def run_foxhunt(data: SyntheticMarket, test: MarketTensors, oracle: float, s: Se
         exogenous=exogenous, batch_size=s.batch_size, learning_starts=s.learning_starts,
         target_update="hard", target_update_every=s.target_update_interval,
         epsilon_start=s.epsilon_start, epsilon_end=EPS_END, epsilon_steps=s.epsilon_updates,
-        lr=s.lr, weight_decay=0.0, scheduler="none", gradient_clip_val=10.0, huber_delta=1.0,
-        dropout=0.0, obs_noise=0.0, turnover_penalty_bps=0.0, select_every=0, patience=0,  # SB3 has none of these
-        updates_per_step=updates_per_step, seed=s.seed,
+        huber_delta=1.0, dropout=0.0, obs_noise=0.0, turnover_penalty_bps=0.0, select_every=0, patience=0,  # SB3 has none of these
+        optim={"lr": s.lr, "weight_decay": 0.0, "scheduler": "none", "gradient_clip_val": 10.0,
+               "updates_per_step": updates_per_step},
+        seed=s.seed,
     )
     model = EnsembleModule(members={"dqn": member}, cost_bps=COST_BPS)
     steps = math.ceil(s.updates / updates_per_step)

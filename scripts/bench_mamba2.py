@@ -248,10 +248,10 @@ def member_modules(variants: list[str], data: object, args: argparse.Namespace,
         torch.manual_seed(0)
         if name == "tft":
             modules[name] = make_module(data, hidden_size=args.d_model, attention_heads=4, hidden_continuous_size=16,
-                                        dropout=0.1, log_grad_norm_every=0)
+                                        dropout=0.1, optim={"log_grad_norm_every": 0})
             continue
         module = Mamba2Module(quantiles=QUANTILES, d_model=args.d_model, n_layers=args.layers, d_state=args.d_state,
-                              headdim=args.headdim, expand=args.expand, chunk_size=args.chunk, log_grad_norm_every=0,
+                              headdim=args.headdim, expand=args.expand, chunk_size=args.chunk, optim={"log_grad_norm_every": 0},
                               native=name == "native")
         module.bind(spec)
         if name.startswith("reference"):

@@ -106,7 +106,8 @@ def run_foxhunt(data, env_steps: int, window: int, episode_length: int, override
     from foxhunt.lit.ensemble import EnsembleModule
     from foxhunt.lit.ppo import PPOModule
 
-    kwargs = {"window": window, "episode_length": episode_length, "log_grad_norm_every": 0, "seed": seed, **overrides}
+    kwargs = {"window": window, "episode_length": episode_length, "seed": seed, **overrides,
+              "optim": {"log_grad_norm_every": 0, **overrides.get("optim", {})}}
     member = PPOModule(**kwargs)
     hp = member.hparams
     rollouts = max(1, env_steps // (hp.n_envs * hp.n_steps))

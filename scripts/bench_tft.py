@@ -256,8 +256,8 @@ class Ours:
         torch.manual_seed(args.seed)
         self.member = TFTModule(
             hidden_size=32, attention_heads=4, hidden_continuous_size=16, dropout=0.1, quantiles=QUANTILES,
-            lr=args.lr, weight_decay=0.0, scheduler="none", log_figures=False, fused=not args.reference,
-            fused_adamw=not args.reference,
+            log_figures=False, fused=not args.reference,
+            optim={"lr": args.lr, "weight_decay": 0.0, "scheduler": "none", "fused_adamw": not args.reference},
         )
         self.dm = BenchData(data, args.batch_size, args.seed)
         self.path = args.path
@@ -298,7 +298,7 @@ class Ours:
     def memory_probe(self) -> tuple[Any, Any, Callable[[], None]]:
         """A copy of the network, its AdamW, and one training step of it (forward, loss, backward, clip, step)."""
         net = copy.deepcopy(self.net).train()
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=bool(self.member.hparams.fused_adamw))
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=self.member.optim.fused_adamw)
         batch = next(iter(windows(self.data, "train", self.batch_size, shuffle=True)))
 
         def step() -> None:
@@ -539,7 +539,7 @@ def profile_width(width: int, args: argparse.Namespace) -> dict[str, float]:
 
     del out
     params = list(net.parameters())
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=bool(member.hparams.fused_adamw))
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=member.optim.fused_adamw)
 
     def whole() -> None:
         pred = net(batch["x_past"], batch["x_future"], batch["symbol"]).prediction

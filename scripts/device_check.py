@@ -193,10 +193,10 @@ def main() -> None:
         if "ensemble4" not in args.skip:
             r = fit_check("lightning_configs/ensemble.yaml", args.accelerator, precision, args.steps,
                           ["--data.synthetic_bars", "100000", "--data.synthetic_symbols", "1",
-                           "--model.members.dqn.init_args.start_step", "20",
-                           "--model.members.ppo.init_args.start_step", "20",
-                           "--model.members.tft.init_args.warmup_steps", "5",
-                           "--model.members.mamba2.init_args.warmup_steps", "5"])
+                           "--model.members.dqn.init_args.optim.start_step", "20",
+                           "--model.members.ppo.init_args.optim.start_step", "20",
+                           "--model.members.tft.init_args.optim.warmup_steps", "5",
+                           "--model.members.mamba2.init_args.optim.warmup_steps", "5"])
             results[f"ensemble4/{precision}"] = r
             print(f"[issues 17, 18] ensemble of four members {precision}: {r}", flush=True)
     if "tests" not in args.skip:

@@ -48,7 +48,8 @@ from foxhunt.training.memory import retain_freed_memory
 def train_mamba2(data: QualityData, *, steps: int, batch_size: int = 128, seed: int = 0, **hparams) -> Mamba2Module:
     """Fit Mamba2Module for ``steps`` optimizer steps with clipping at 1.0 (no validation)."""
     pl.seed_everything(seed, workers=True, verbose=False)
-    module = Mamba2Module(quantiles=data.quantiles, log_grad_norm_every=0, **hparams)
+    optim = {"log_grad_norm_every": 0, **hparams.pop("optim", {})}
+    module = Mamba2Module(quantiles=data.quantiles, optim=optim, **hparams)
     split = data.splits["train"]
     module.bind(MarketSpec(list(split.feature_names), list(data.known_future), list(split.symbols), data.lookback,
                            data.horizon))
@@ -178,8 +179,8 @@ def run() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    hp = {"d_model": args.d_model, "headdim": args.d_model // 2, "d_state": 16, "n_layers": 2, "lr": args.lr,
-          "warmup_steps": min(100, args.steps // 10)}
+    hp = {"d_model": args.d_model, "headdim": args.d_model // 2, "d_state": 16, "n_layers": 2,
+          "optim": {"lr": args.lr, "warmup_steps": min(100, args.steps // 10)}}
     if not args.skip_weak:
         t0 = time.perf_counter()
         data = build_quality_data(args.n_bars, seed=args.seed, signal_strength=args.signal, lookback=args.lookback,
@@ -197,8 +198,8 @@ def run() -> None:
               f"{report['train_s']} s", flush=True)
         if args.tft:
             t2 = time.perf_counter()
-            tft, _ = train_tft(data, steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr,
-                               hidden_size=args.d_model, warmup_steps=hp["warmup_steps"])
+            tft, _ = train_tft(data, steps=args.steps, batch_size=args.batch_size, seed=args.seed,
+                               hidden_size=args.d_model, optim=hp["optim"])
             tr = report_of(tft, data)
             print(f"tft:    loss ratio to the oracle {tr['loss_ratio']:.4f} (gap closed {tr['gap_closed']:.2f}); "
                   f"coverage {tr['model_coverage']:.4f}; {time.perf_counter() - t2:.1f} s", flush=True)
@@ -222,10 +223,10 @@ def run() -> None:
             warm = min(100, args.table_steps // 10)
             if name == "mamba2":
                 m = train_mamba2(data, steps=args.table_steps, batch_size=args.table_batch_size, seed=args.seed,
-                                 **{**hp, "warmup_steps": warm})
+                                 **{**hp, "optim": {"lr": args.lr, "warmup_steps": warm}})
             else:
                 m, _ = train_tft(data, steps=args.table_steps, batch_size=args.table_batch_size, seed=args.seed,
-                                 lr=args.lr, hidden_size=args.d_model, warmup_steps=warm)
+                                 hidden_size=args.d_model, optim={"lr": args.lr, "warmup_steps": warm})
             train_s = time.perf_counter() - t2
             r = report_of(m, data)
             first = int(data.splits["test"].timestamps[windows(data, "test", 1024).starts[0]])  # the same for all
@@ -248,12 +249,12 @@ def run() -> None:
             t2 = time.perf_counter()
             if name == "mamba2":
                 m = train_mamba2(data, steps=args.lm_steps, batch_size=args.lm_batch_size, seed=args.seed,
-                                 lookback=lb, **{**hp, "warmup_steps": warm})
+                                 lookback=lb, **{**hp, "optim": {"lr": args.lr, "warmup_steps": warm}})
                 r = report_of(m, data)
             else:  # the TFT reads the same windows cut to its lookback (they end at the same rows)
                 short = at_lookback(data, lb)
                 m, _ = train_tft(short, steps=args.lm_steps, batch_size=args.lm_batch_size, seed=args.seed,
-                                 lr=args.lr, hidden_size=args.d_model, warmup_steps=warm)
+                                 hidden_size=args.d_model, optim={"lr": args.lr, "warmup_steps": warm})
                 r = report_of(m, short)
             print(json.dumps({"model": name, "lookback": lb, **r}), flush=True)
             print(f"{name:>6} lookback {lb:>4}: loss ratio {r['loss_ratio']:.4f} "

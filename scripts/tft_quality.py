@@ -51,7 +51,7 @@ def main() -> None:
     t1 = time.perf_counter()
     module, _ = train(
         data, steps=args.steps, batch_size=args.batch_size, seed=args.seed, precision=args.precision,
-        lr=args.lr, hidden_size=args.hidden, warmup_steps=min(100, args.steps // 10),
+        hidden_size=args.hidden, optim={"lr": args.lr, "warmup_steps": min(100, args.steps // 10)},
     )
     t2 = time.perf_counter()
     report = evaluate(module, data, "test")

@@ -37,8 +37,8 @@ def no_data_loading(monkeypatch):
 @pytest.mark.parametrize(
     "override, expected",
     [
-        (["--model.members.tft.init_args.lr", "-1"], r"tiny.yaml: model.members.tft (TFTModule): learning rate must be in (0, 1], got -1.0"),
-        (["--model.members.dqn.init_args.lr", "2"], r"tiny.yaml: model.members.dqn (DQNModule): learning rate must be in (0, 1], got 2.0"),
+        (["--model.members.tft.init_args.optim.lr", "-1"], r"tiny.yaml: model.members.tft (TFTModule): learning rate must be in (0, 1], got -1.0"),
+        (["--model.members.dqn.init_args.optim.lr", "2"], r"tiny.yaml: model.members.dqn (DQNModule): learning rate must be in (0, 1], got 2.0"),
         (["--model.members.dqn.init_args.gamma", "1.5"], r"tiny.yaml: model.members.dqn (DQNModule): gamma must be in [0, 1)"),
         (["--model.members.dqn.init_args.epsilon_end", "3"], r"tiny.yaml: model.members.dqn (DQNModule): epsilon_start/end must be in [0, 1]"),
         (["--data.train_fraction", "1.5"], r"tiny.yaml: data: BarDataModule: need 0 < train_fraction"),
@@ -65,7 +65,7 @@ def test_debug_gives_the_traceback(tmp_path: Path, no_data_loading) -> None:
     from foxhunt.fit import main
 
     with pytest.raises(ConfigError, match="learning rate must be in"):
-        run_command(main, ["--config", TINY, "--debug", "--model.members.dqn.init_args.lr", "-1"])
+        run_command(main, ["--config", TINY, "--debug", "--model.members.dqn.init_args.optim.lr", "-1"])
 
 
 def test_fit_data_errors_are_one_line_naming_the_file_or_the_fields(tmp_path: Path, capsys) -> None:
@@ -117,7 +117,7 @@ def test_backtest_walkforward_data_and_tune_errors_are_one_line(tmp_path: Path, 
 
 def test_python_m_foxhunt_fit_prints_one_line_and_exits_2(tmp_path: Path) -> None:
     """As a command: exit status 2, one line on stderr, no traceback."""
-    proc = subprocess.run([sys.executable, "-m", "foxhunt.fit", "--config", TINY, "--model.members.dqn.init_args.lr",
+    proc = subprocess.run([sys.executable, "-m", "foxhunt.fit", "--config", TINY, "--model.members.dqn.init_args.optim.lr",
                            "-1"], capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert proc.returncode == 2, proc.stderr[-3000:]

@@ -35,6 +35,11 @@ def test_every_shipped_config_builds_with_its_values(name, tmp_path, monkeypatch
         member = cli.model.member(member_name)
         assert f"{type(member).__module__}.{type(member).__name__}" == spec["class_path"]
         for key, value in (spec.get("init_args") or {}).items():
+            if key == "optim":  # the optimisation settings: the fields it gives, beside the member's defaults
+                for field, v in value.items():
+                    assert _plain(member.hparams.optim[field]) == _plain(v), (name, member_name, key, field)
+                    assert _plain(getattr(member.optim, field)) == _plain(v), (name, member_name, key, field)
+                continue
             assert _plain(member.hparams[key]) == _plain(value), (name, member_name, key)
     # do no harm: every shipped config, and the coordinator by default, hold a member without a significant
     # validation edge after costs flat (a config that turned the rule off would let such a member pay costs)
@@ -47,3 +52,27 @@ def test_the_coordinator_does_no_harm_by_default() -> None:
     from foxhunt.lit.ensemble import EnsembleModule
 
     assert inspect.signature(EnsembleModule.__init__).parameters["min_edge_confidence"].default == 0.95
+
+
+def test_a_partial_optim_keeps_the_members_other_defaults(tmp_path, monkeypatch) -> None:
+    """``optim`` given in part (YAML, through foxhunt.fit's parser): the fields it names are set, every other field
+    keeps that member's own default (the DQN's constant 3e-4 and clip 10, the TFT's cosine and weight decay)."""
+    from foxhunt.lit.dqn import DQNModule, DQNOptimization
+    from foxhunt.lit.tft import TFTModule, TFTOptimization
+
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load((Path(__file__).parent / "configs" / "tiny.yaml").read_text())
+    members = config["model"]["members"]
+    members["tft"]["init_args"]["optim"] = {"lr": 0.002}
+    members["dqn"]["init_args"]["optim"] = {"scheduler": "cosine", "warmup_steps": 3}
+    path = tmp_path / "partial.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = build_cli(["--config", str(path), "--model.members.dqn.init_args.optim.start_step", "2"])
+    tft, dqn = cli.model.member("tft"), cli.model.member("dqn")
+    assert isinstance(tft, TFTModule) and isinstance(dqn, DQNModule)
+    assert tft.optim == TFTOptimization(lr=0.002)
+    assert dqn.optim == DQNOptimization(scheduler="cosine", warmup_steps=3, start_step=2)
+    assert (dqn.optim.lr, dqn.optim.weight_decay, dqn.optim.gradient_clip_val, dqn.optim.updates_per_step) == (
+        3e-4, 0.0, 10.0, 16)
+    assert (tft.optim.scheduler, tft.optim.weight_decay, tft.optim.log_grad_norm_every) == ("cosine", 1e-4, 50)
+    assert dqn.start_step == 2 and dqn.hparams.optim == dqn.optim.as_dict()

@@ -307,7 +307,7 @@ RESUME = ("python -m foxhunt.fit --config lightning_configs/quickstart.yaml --tr
 # appended to the guide's fit commands so the walk-through takes seconds
 TINY = ["--data.synthetic_bars", "5000", "--data.lookback", "12", "--data.horizon", "3", "--trainer.limit_train_batches", "6",
         "--trainer.limit_val_batches", "2", "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false",
-        "--model.members.dqn.init_args.start_step", "3", "--model.members.dqn.init_args.learning_starts", "256",
+        "--model.members.dqn.init_args.optim.start_step", "3", "--model.members.dqn.init_args.learning_starts", "256",
         "--model.members.dqn.init_args.n_envs", "16"]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import warnings
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -32,11 +33,17 @@ def market():
 # 4 updates per coordinator step, 5 steps per epoch: 20 updates per epoch
 SMALL = {
     "window": 4, "n_envs": 32, "episode_length": 64, "hidden": (32, 32), "batch_size": 32, "replay_capacity": 4096,
-    "learning_starts": 256, "epsilon_steps": 50, "log_grad_norm_every": 5, "updates_per_step": 4,
+    "learning_starts": 256, "epsilon_steps": 50,
+    "optim": {"log_grad_norm_every": 5, "updates_per_step": 4},
     # deterministic networks for the TD arithmetic (the regularisers and the selection: test_dqn_generalisation.py)
     "dropout": 0.0, "obs_noise": 0.0, "select_every": 0,
 }
 UPDATES_PER_EPOCH = 20
+
+
+def small(**optim: Any) -> dict[str, Any]:
+    """SMALL with these optimisation settings over its own."""
+    return {**SMALL, "optim": {**SMALL["optim"], **optim}}
 
 
 def trainer(tmp_path: Path, **kw) -> L.Trainer:
@@ -49,7 +56,7 @@ def trainer(tmp_path: Path, **kw) -> L.Trainer:
     return L.Trainer(**args)
 
 
-def datamodule(market, validate: bool = False, updates_per_step: int = SMALL["updates_per_step"]) -> MarketDataModule:
+def datamodule(market, validate: bool = False, updates_per_step: int = SMALL["optim"]["updates_per_step"]) -> MarketDataModule:
     """The market's splits; an epoch is UPDATES_PER_EPOCH updates of a member running ``updates_per_step`` per step."""
     assert UPDATES_PER_EPOCH % updates_per_step == 0
     return MarketDataModule(market.train, market.val if validate else None, market.test,
@@ -82,15 +89,15 @@ def test_constructor_rejects_bad_configuration() -> None:
     with pytest.raises(ValueError, match="replay_capacity"):
         DQNModule(n_envs=256, replay_capacity=100)
     with pytest.raises(ValueError, match="updates_per_step"):
-        DQNModule(updates_per_step=0)
+        DQNModule(optim={"updates_per_step": 0})
     with pytest.raises(ValueError, match="start_step"):
-        DQNModule(start_step=-1)
+        DQNModule(optim={"start_step": -1})
     with pytest.raises(ValueError, match="cost_bps"):
         DQNModule(cost_bps=-1.0)
     with pytest.raises(ValueError, match="gradient_clip_val"):
-        DQNModule(gradient_clip_val=-1.0)
+        DQNModule(optim={"gradient_clip_val": -1.0})
     with pytest.raises(ValueError, match="learning rate"):
-        DQNModule(lr=0.0)
+        DQNModule(optim={"lr": 0.0})
     m = DQNModule(n_features=2)
     with pytest.raises(RuntimeError, match="attach_market"):
         m._build_environment()
@@ -212,7 +219,7 @@ def test_fit_logs_training_and_validation_metrics(tmp_path, market, exogenous, n
     assert logged["train/dqn/updates"] == UPDATES_PER_EPOCH and logged["train/dqn/nonfinite_skipped"] == 0
     assert module.env_steps == 256 + UPDATES_PER_EPOCH * 32  # warm-up plus one step of all agents per update
     assert t.global_step == model.updates["dqn"] == UPDATES_PER_EPOCH
-    assert model.steps == UPDATES_PER_EPOCH // SMALL["updates_per_step"]
+    assert model.steps == UPDATES_PER_EPOCH // SMALL["optim"]["updates_per_step"]
     # what was logged is the coordinator's evaluation of the member's greedy policy
     evaluation = model.last_evaluation
     assert evaluation is not None
@@ -221,7 +228,7 @@ def test_fit_logs_training_and_validation_metrics(tmp_path, market, exogenous, n
 
 
 def test_hard_target_sync(tmp_path, market) -> None:
-    kwargs = {**SMALL, "target_update": "hard", "target_update_every": 10, "updates_per_step": 5}
+    kwargs = {**small(updates_per_step=5), "target_update": "hard", "target_update_every": 10}
     synced = DQNModule(**kwargs)
     fit(synced, market, trainer(tmp_path, max_steps=10))
     assert same_parameters(synced.q_net, synced.target_net)
@@ -238,10 +245,10 @@ def test_nonfinite_loss_raises_or_skips(tmp_path, market, monkeypatch) -> None:
         return q.sum() * float("nan"), q.detach()
 
     monkeypatch.setattr(DQNModule, "_td_loss", nan_loss)
-    raising = DQNModule(nonfinite="raise", **SMALL)
+    raising = DQNModule(**small(nonfinite="raise"))
     with pytest.raises(NonFiniteError, match="non-finite loss"):
         fit(raising, market, trainer(tmp_path, max_steps=3))
-    skipping = DQNModule(nonfinite="skip", **{**SMALL, "updates_per_step": 2})
+    skipping = DQNModule(**small(nonfinite="skip", updates_per_step=2))
     skipping.attach_market(market.train)  # builds the networks now, to compare the weights after
     before = [p.detach().clone() for p in skipping.q_net.parameters()]
     t = trainer(tmp_path, max_steps=3, limit_train_batches=3, log_every_n_steps=1)
@@ -265,8 +272,8 @@ def test_nonfinite_gradients_raise_or_skip(tmp_path, market, monkeypatch) -> Non
 
     monkeypatch.setattr(DQNModule, "_td_loss", nan_gradients)
     with pytest.raises(NonFiniteError, match="non-finite gradients"):
-        fit(DQNModule(nonfinite="raise", **SMALL), market, trainer(tmp_path, max_steps=3))
-    skipping = DQNModule(nonfinite="skip", **{**SMALL, "updates_per_step": 2})
+        fit(DQNModule(**small(nonfinite="raise")), market, trainer(tmp_path, max_steps=3))
+    skipping = DQNModule(**small(nonfinite="skip", updates_per_step=2))
     model = fit(skipping, market, trainer(tmp_path, max_steps=3, limit_train_batches=3))
     assert skipping.guard.skipped_gradients == 6 and skipping.guard.skipped_loss == 0
     assert model.updates["dqn"] == 0
@@ -326,7 +333,7 @@ def test_updates_per_step_does_not_change_the_updates(tmp_path, market) -> None:
     """Grouping updates into coordinator steps is bookkeeping only: 1 or 4 per step train bit-identical weights."""
     models = []
     for u in (1, 4):
-        module = DQNModule(**{**SMALL, "updates_per_step": u, "env_step_every": 2})
+        module = DQNModule(**{**small(updates_per_step=u), "env_step_every": 2})
         t = trainer(tmp_path / str(u), max_epochs=2)
         model = fit(module, market, t)
         assert t.global_step == model.updates["dqn"] == 2 * UPDATES_PER_EPOCH
@@ -348,7 +355,7 @@ def test_training_metrics_reach_the_logger_every_log_every_n_steps(tmp_path, mar
         rows = [r for r in csv.DictReader(fh) if r.get("train/dqn/td_loss")]
     # every second coordinator step (of 4 updates each), at the logger's step count
     assert [int(float(r["train/dqn/updates"])) for r in rows] == [8, 16, 24, 32, 40]
-    assert all(float(r["lr/dqn"]) == pytest.approx(SMALL.get("lr", 3e-4)) for r in rows)
+    assert all(float(r["lr/dqn"]) == pytest.approx(SMALL["optim"].get("lr", 3e-4)) for r in rows)
 
 
 def test_plateau_schedule_steps_on_the_validation_reward(tmp_path, market) -> None:
@@ -358,7 +365,7 @@ def test_plateau_schedule_steps_on_the_validation_reward(tmp_path, market) -> No
         def on_validation_end(self, trainer, pl_module) -> None:
             seen.append(-pl_module.last_evaluation.metrics["dqn"]["reward_per_bar"])
 
-    module = DQNModule(scheduler="plateau", lr=1e-3, **SMALL)
+    module = DQNModule(**small(scheduler="plateau", lr=1e-3))
     model = fit(module, market, trainer(tmp_path, max_epochs=3, callbacks=[Record()]), validate=True)
     sched = model.lr_schedulers()
     assert isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -382,7 +389,7 @@ def test_plateau_schedule_steps_on_the_agents_own_reward_while_the_rule_holds_it
             own.append(-policy_metrics({"dqn": pos}, split, pl_module.hparams.cost_bps)["dqn"]["reward_per_bar"])
             held.append(bool(pl_module.held_flat[0]))
 
-    module = DQNModule(scheduler="plateau", lr=1e-3, **SMALL)
+    module = DQNModule(**small(scheduler="plateau", lr=1e-3))
     model = EnsembleModule(members={"dqn": module}, min_edge_confidence=0.999999)
     model = fit(module, market, trainer(tmp_path, max_epochs=3, callbacks=[Record()]), validate=True, model=model)
     sched = model.lr_schedulers()
@@ -391,7 +398,7 @@ def test_plateau_schedule_steps_on_the_agents_own_reward_while_the_rule_holds_it
 
 
 def test_polyak_every_k_updates(tmp_path, market) -> None:
-    kwargs = {**SMALL, "polyak_every": 4, "tau": 0.5, "updates_per_step": 1}
+    kwargs = {**small(updates_per_step=1), "polyak_every": 4, "tau": 0.5}
     three = DQNModule(**kwargs)
     initial = [p.detach().clone() for p in DQNModule(**kwargs, n_features=3).target_net.parameters()]
     fit(three, market, trainer(tmp_path, max_steps=3))
@@ -410,7 +417,7 @@ def test_polyak_every_k_updates(tmp_path, market) -> None:
 ])
 def test_cosine_schedule_without_total_steps_spans_the_fit(tmp_path, market, limit) -> None:
     """total_steps=None: the cosine decays to zero over the updates the fit actually takes (40 either way)."""
-    module = DQNModule(scheduler="cosine", **SMALL)
+    module = DQNModule(**small(scheduler="cosine"))
     model = fit(module, market, trainer(tmp_path, **limit))
     assert model.updates["dqn"] == 2 * UPDATES_PER_EPOCH
     assert model.optimizers().param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)

@@ -17,7 +17,7 @@ from foxhunt.trading.pnl import strategy_log_returns
 
 SMALL = {
     "window": 8, "n_envs": 64, "episode_length": 64, "hidden": (64, 64), "batch_size": 64, "replay_capacity": 32_768,
-    "learning_starts": 2048, "lr": 1e-3, "env_step_every": 2,
+    "learning_starts": 2048, "optim": {"lr": 1e-3}, "env_step_every": 2,
 }
 
 

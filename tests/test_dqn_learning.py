@@ -25,7 +25,7 @@ def test_small_dqn_learns_out_of_sample() -> None:
     data = quality.ar1_market(n_bars=60_000, phi=0.3, seed=3)
     module, _ = quality.train_dqn(
         data, 1_500, seed=0, n_envs=128, batch_size=128, learning_starts=4096, hidden=(64, 64),
-        replay_capacity=65_536, lr=1e-3,
+        replay_capacity=65_536, optim={"lr": 1e-3},
     )
     test = MarketTensors(data.test, module.hparams.window, tuple(module.hparams.actions), module.cost_bps)
     base = quality.baseline_metrics(test, data.expected["test"])

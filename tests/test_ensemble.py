@@ -33,9 +33,10 @@ def datamodule() -> BarDataModule:
 
 def four_members() -> dict:
     """Two TFTs of different sizes and two DQNs with different windows."""
-    tft = {"attention_heads": 2, "lr": 3e-3, "scheduler": "none", "policy_interval": (0.5, 0.5), "log_grad_norm_every": 2}
+    tft = {"attention_heads": 2, "policy_interval": (0.5, 0.5),
+           "optim": {"lr": 3e-3, "scheduler": "none", "log_grad_norm_every": 2}}
     dqn = {"n_envs": 16, "episode_length": 32, "batch_size": 32, "replay_capacity": 2048, "learning_starts": 128,
-           "epsilon_steps": 20, "updates_per_step": 2, "start_step": 3, "log_grad_norm_every": 2}
+           "epsilon_steps": 20, "optim": {"updates_per_step": 2, "start_step": 3, "log_grad_norm_every": 2}}
     return {
         "tft_small": TFTModule(hidden_size=8, hidden_continuous_size=4, **tft),
         "tft_large": TFTModule(hidden_size=16, hidden_continuous_size=8, **tft),
@@ -124,7 +125,7 @@ def test_nonfinite_member_loss_is_skipped_and_counted_without_touching_the_other
     members = four_members()
     members = {"tft": members["tft_small"], "dqn": DQNModule(window=4, hidden=(16,), n_envs=16, episode_length=32,
                                                               batch_size=32, replay_capacity=2048, learning_starts=128,
-                                                              updates_per_step=1, nonfinite="skip")}
+                                                              optim={"updates_per_step": 1, "nonfinite": "skip"})}
     model = EnsembleModule(members=members, combine="vote")
     dqn = model.member("dqn")
     real = dqn.training_loss
@@ -161,7 +162,7 @@ def test_export_metadata_names_members_and_spec(tmp_path: Path) -> None:
 def test_a_member_that_would_never_train_is_refused_before_training(tmp_path: Path) -> None:
     members = four_members()
     late = DQNModule(window=4, hidden=(16,), n_envs=16, episode_length=32, batch_size=32, replay_capacity=2048,
-                     learning_starts=128, start_step=50)
+                     learning_starts=128, optim={"start_step": 50})
     model = EnsembleModule(members={"tft": members["tft_small"], "dqn": late}, combine="vote")
     with pytest.raises(ValueError, match=r"member 'dqn' has start_step=50, but this fit runs 6 coordinator steps"):
         fit(model, datamodule(), tmp_path, max_epochs=1)
@@ -172,7 +173,7 @@ def test_settings_that_outlast_the_run_are_named_and_untrained_members_marked(tm
     from foxhunt.evaluation.backtest import format_table
 
     dqn = DQNModule(window=4, hidden=(16,), n_envs=16, episode_length=32, batch_size=32, replay_capacity=2048,
-                    learning_starts=128, updates_per_step=1, epsilon_steps=10_000)
+                    learning_starts=128, optim={"updates_per_step": 1}, epsilon_steps=10_000)
     model = EnsembleModule(members={"tft": four_members()["tft_small"], "dqn": dqn}, combine="vote")
     with pytest.warns(UserWarning, match=r"member 'dqn': epsilon_steps=10000 exceeds the 6 updates"):
         fit(model, datamodule(), tmp_path, max_epochs=1)
@@ -193,7 +194,7 @@ def test_an_empty_validation_split_is_refused_before_training() -> None:
 def test_a_member_max_steps_leaves_no_step_is_refused_before_training(tmp_path: Path) -> None:
     """max_steps counts every member's updates: the TFT's ten updates end the fit before the DQN's start step."""
     late = DQNModule(window=4, hidden=(16,), n_envs=16, episode_length=32, batch_size=32, replay_capacity=2048,
-                     learning_starts=128, start_step=12)
+                     learning_starts=128, optim={"start_step": 12})
     model = EnsembleModule(members={"tft": four_members()["tft_small"], "dqn": late}, combine="vote")
     with pytest.raises(ValueError, match=r"member 'dqn' has start_step=12, but this fit runs 10 coordinator steps "
                                          r"\(max_steps=10 counts the updates of every member together\)"):
@@ -301,7 +302,8 @@ def test_the_best_checkpoint_brings_its_update_counts_and_the_runs_candidates(tm
     from foxhunt.evaluation.backtest import format_table
 
     dqn = DQNModule(window=4, hidden=(16,), n_envs=16, episode_length=32, batch_size=32, replay_capacity=2048,
-                    learning_starts=128, epsilon_steps=20, updates_per_step=2, start_step=7, select_every=0)
+                    learning_starts=128, epsilon_steps=20, optim={"updates_per_step": 2, "start_step": 7},
+                    select_every=0)
     tft = four_members()["tft_small"]
     model = EnsembleModule(members={"tft": tft, "dqn": dqn}, combine="vote")
     saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ck", filename="{epoch}", save_top_k=-1)

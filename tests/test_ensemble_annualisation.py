@@ -20,8 +20,8 @@ def test_every_split_and_the_reloaded_export_annualise_with_the_training_density
     from tests.test_ensemble import datamodule, fit
 
     dm = datamodule()
-    tft = TFTModule(hidden_size=8, hidden_continuous_size=4, attention_heads=2, lr=3e-3, scheduler="none",
-                    policy_interval=(0.5, 0.5))
+    tft = TFTModule(hidden_size=8, hidden_continuous_size=4, attention_heads=2, policy_interval=(0.5, 0.5),
+                    optim={"lr": 3e-3, "scheduler": "none"})
     model = EnsembleModule(members={"tft": tft}, combine="vote", min_edge_confidence=None)
     fit(model, dm, tmp_path, max_epochs=1, limit_train_batches=2)
     train, test = model.split("train"), model.split("test")

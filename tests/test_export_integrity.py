@@ -239,6 +239,28 @@ def test_run_values_null_and_zero_cost_load(export_copy: Path) -> None:
     assert dqn.reward_scale_used is None and dqn.cost_bps == 0.0
 
 
+def test_members_optimisation_settings_travel_as_one_mapping(exports, export_copy: Path) -> None:
+    """metadata.json holds each member's ``optim`` as one JSON mapping, and ``foxhunt.load`` rebuilds the same
+    settings from it."""
+    model = exports["policy_net"][0]
+    meta = _meta(export_copy)
+    loaded = foxhunt.load(export_copy).model
+    for name in model.member_names:
+        assert meta["members"][name]["init_args"]["optim"] == json.loads(json.dumps(model.member(name).optim.as_dict()))
+        assert loaded.member(name).optim == model.member(name).optim
+
+
+def test_an_export_with_the_optimisation_arguments_beside_the_others_is_refused_in_one_line(export_copy: Path) -> None:
+    """An export written before the members took their optimisation settings as one ``optim`` (``lr`` and the rest
+    among the member's own arguments) is refused, naming the field; it is not rebuilt with other settings."""
+    meta = _meta(export_copy)
+    args = meta["members"]["tft"]["init_args"]
+    args.update(args.pop("optim"))
+    _write_meta(export_copy, meta)
+    message = refusal(export_copy)
+    assert "metadata.json: members.tft.init_args: " in message and "unexpected keyword argument" in message, message
+
+
 def test_updates_below_minus_one_are_refused(export_copy: Path) -> None:
     meta = _meta(export_copy)
     meta["members"]["dqn"]["updates"] = -5

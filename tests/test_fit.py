@@ -494,7 +494,8 @@ def test_periodic_checkpoints_inside_an_epoch_and_ckpt_path_last_resumes_from_th
 
 TFT_ONLY = {"class_path": "foxhunt.lit.tft.TFTModule", "init_args": {"hidden_size": 8, "attention_heads": 2, "hidden_continuous_size": 4}}
 DQN_ONLY = {"class_path": "foxhunt.lit.dqn.DQNModule", "init_args": {"window": 4, "n_envs": 16, "episode_length": 64,
-            "hidden": [16], "batch_size": 32, "replay_capacity": 4096, "learning_starts": 256, "updates_per_step": 4}}
+            "hidden": [16], "batch_size": 32, "replay_capacity": 4096, "learning_starts": 256,
+            "optim": {"updates_per_step": 4}}}
 
 
 @pytest.mark.parametrize(
@@ -564,7 +565,8 @@ def test_16_mixed_clips_and_logs_unscaled_gradients(tmp_path: Path) -> None:
     # fp16 autocast on CPU has no LSTM kernel, so the DQN member carries this check (the coordinator's code path
     # for clipping and grad norms is the same for both members)
     dqn = DQNModule(window=4, n_envs=16, episode_length=32, hidden=(16,), batch_size=32, replay_capacity=2048,
-                    learning_starts=64, log_grad_norm_every=1, updates_per_step=1, gradient_clip_val=None)
+                    learning_starts=64,
+                    optim={"log_grad_norm_every": 1, "updates_per_step": 1, "gradient_clip_val": None})
     model = EnsembleModule(members={"dqn": dqn}, gradient_clip_val=1e-3)
     scale = 2.0**14
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=scale))
@@ -695,7 +697,7 @@ def test_ensemble_dqn_steps_its_agents_every_env_step_every_updates(tmp_path: Pa
     dm = BarDataModule(synthetic_bars=3000, features=feats, known_future=[], lookback=8, horizon=2, batch_size=16,
                        cache_dir=None)
     dqn = DQNModule(window=4, n_envs=16, episode_length=32, hidden=(16,), batch_size=32, replay_capacity=2048,
-                    learning_starts=64, env_step_every=3, updates_per_step=1)
+                    learning_starts=64, env_step_every=3, optim={"updates_per_step": 1})
     model = EnsembleModule(members={"dqn": dqn})
     trainer = pl.Trainer(accelerator="cpu", max_steps=7, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
@@ -737,8 +739,10 @@ def test_16_mixed_each_member_unscales_at_its_own_scale_and_skipped_steps_leave_
     dm = BarDataModule(synthetic_bars=3000, features=feats, known_future=["tod_sin", "tod_cos"], lookback=8, horizon=2,
                        batch_size=16, cache_dir=None)
     dqn = DQNModule(window=4, n_envs=16, episode_length=32, hidden=(16,), batch_size=32, replay_capacity=2048,
-                    learning_starts=64, updates_per_step=1, scheduler="cosine", total_steps=100, warmup_steps=2)
-    ppo = PPOModule(window=4, n_envs=8, n_steps=16, n_minibatches=2, n_epochs=1, hidden=(16,), updates_per_step=2)
+                    learning_starts=64,
+                    optim={"updates_per_step": 1, "scheduler": "cosine", "total_steps": 100, "warmup_steps": 2})
+    ppo = PPOModule(window=4, n_envs=8, n_steps=16, n_minibatches=2, n_epochs=1, hidden=(16,),
+                    optim={"updates_per_step": 2})
     model = EnsembleModule(members={"dqn": dqn, "ppo": ppo}, gradient_clip_val=1.0)
     plugin = Plugin("16-mixed", "cpu", scaler=scaler)
     trainer = pl.Trainer(accelerator="cpu", plugins=[plugin], max_steps=60, limit_val_batches=0, num_sanity_val_steps=0,

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from foxhunt.kernels.build import compiler
 from foxhunt.kernels import mamba2_block
+from foxhunt.kernels.build import compiler
 from foxhunt.models.mamba2 import Mamba2Block, Mamba2Forecaster, ssd_recurrent
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler here")

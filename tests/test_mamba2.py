@@ -305,9 +305,9 @@ def loader(split: MarketSplit, batch_size: int = 32, shuffle: bool = True) -> Wi
 
 
 def module(**kw) -> Mamba2Module:  # type: ignore[no-untyped-def]
-    args = {"d_model": 16, "n_layers": 2, "d_state": 8, "headdim": 8, "chunk_size": 8, "lr": 3e-3,
-            "scheduler": "cosine", "log_grad_norm_every": 5}
-    args.update(kw)
+    args = {"d_model": 16, "n_layers": 2, "d_state": 8, "headdim": 8, "chunk_size": 8}
+    optim = {"lr": 3e-3, "scheduler": "cosine", "log_grad_norm_every": 5, **kw.pop("optim", {})}
+    args.update(kw, optim=optim)
     m = Mamba2Module(**args)
     m.bind(SPEC)
     return m
@@ -386,7 +386,7 @@ def test_training_learns_and_logs(tmp_path: Path) -> None:
 
 def test_bf16_mixed_on_cpu_trains_without_nan(tmp_path: Path) -> None:
     pl.seed_everything(0, verbose=False)
-    m = module(nonfinite="raise")  # any NaN loss or gradient would raise
+    m = module(optim={"nonfinite": "raise"})  # any NaN loss or gradient would raise
     t = trainer(tmp_path, max_steps=8, precision="bf16-mixed", limit_val_batches=0)
     t.fit(m, loader(make_split()))
     assert t.global_step == 8
@@ -405,7 +405,7 @@ def test_bf16_mixed_on_cpu_trains_through_the_coordinator(tmp_path: Path) -> Non
     pl.seed_everything(0, verbose=False)
     dm = BarDataModule(synthetic_bars=3000, signal_strength=0.3, features=["logret_1", "logret_5", "rsi_14", "tod_sin"],
                        known_future=["tod_sin"], lookback=8, horizon=2, batch_size=16, cache_dir=None)
-    m = Mamba2Module(d_model=16, headdim=8, d_state=8, lr=3e-3, scheduler="none", nonfinite="raise")
+    m = Mamba2Module(d_model=16, headdim=8, d_state=8, optim={"lr": 3e-3, "scheduler": "none", "nonfinite": "raise"})
     model = EnsembleModule(members={"mamba2": m}, min_edge_confidence=None)
     t = trainer(tmp_path, max_steps=4, precision="bf16-mixed", limit_val_batches=0, gradient_clip_val=None)
     t.fit(model, datamodule=dm)
@@ -416,7 +416,7 @@ def test_bf16_mixed_on_cpu_trains_through_the_coordinator(tmp_path: Path) -> Non
 def test_predict_returns_original_scale_and_checkpoint_round_trip(tmp_path: Path) -> None:
     pl.seed_everything(0, verbose=False)
     split = make_split(scale=2.0)
-    m = module(nonfinite="skip")
+    m = module(optim={"nonfinite": "skip"})
     batch = next(iter(loader(split, 16, shuffle=False)))
     raw = m.eval()(batch).prediction
     # mapped back with the batch's y_scale, the quantiles sorted (the untrained heads may cross)
@@ -462,10 +462,10 @@ def test_in_an_ensemble_with_a_tft_export_reload_and_backtest(tmp_path: Path) ->
     dm = BarDataModule(synthetic_bars=4000, signal_strength=0.3, features=features, known_future=["tod_sin", "tod_cos"],
                        lookback=8, horizon=2, batch_size=32, eval_batch_size=256, cache_dir=None)
     members = {
-        "mamba2": Mamba2Module(d_model=16, headdim=8, d_state=8, lookback=6, lr=3e-3, scheduler="none",
-                               policy_interval=(0.5, 0.5), log_grad_norm_every=2),
-        "tft": TFTModule(hidden_size=8, hidden_continuous_size=4, attention_heads=2, scheduler="none",
-                         policy_interval=(0.5, 0.5)),
+        "mamba2": Mamba2Module(d_model=16, headdim=8, d_state=8, lookback=6, policy_interval=(0.5, 0.5),
+                               optim={"lr": 3e-3, "scheduler": "none", "log_grad_norm_every": 2}),
+        "tft": TFTModule(hidden_size=8, hidden_continuous_size=4, attention_heads=2, policy_interval=(0.5, 0.5),
+                         optim={"scheduler": "none"}),
     }
     model = EnsembleModule(members=members, cost_bps=0.5)
     t = pl.Trainer(accelerator="cpu", max_epochs=2, limit_train_batches=5, limit_val_batches=2, num_sanity_val_steps=0,
@@ -493,7 +493,7 @@ def test_fit_config_runs_with_overrides(tmp_path: Path) -> None:
     from foxhunt.fit import main
 
     args = ["--config", str(ROOT / "lightning_configs" / "mamba2.yaml"),
-            "--model.members.mamba2.init_args.d_state", "64", "--model.members.mamba2.init_args.warmup_steps", "0",
+            "--model.members.mamba2.init_args.d_state", "64", "--model.members.mamba2.init_args.optim.warmup_steps", "0",
             "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "2",
             "--trainer.num_sanity_val_steps", "0", "--trainer.accelerator", "cpu",
             "--trainer.enable_progress_bar", "false",
@@ -519,8 +519,8 @@ def _train_on_quality_data(n_bars: int, steps: int, lookback: int, horizon: int)
     torch.set_num_threads(1)
     data = build_quality_data(n_bars, seed=0, lookback=lookback, horizon=horizon)
     pl.seed_everything(0, verbose=False)
-    m = Mamba2Module(d_model=16, headdim=8, d_state=16, lr=3e-3, warmup_steps=steps // 10, log_grad_norm_every=0,
-                     quantiles=data.quantiles)
+    m = Mamba2Module(d_model=16, headdim=8, d_state=16, quantiles=data.quantiles,
+                     optim={"lr": 3e-3, "warmup_steps": steps // 10, "log_grad_norm_every": 0})
     split = data.splits["train"]
     m.bind(MarketSpec(list(split.feature_names), list(data.known_future), list(split.symbols), lookback, horizon))
     trainer(None, max_steps=steps, limit_val_batches=0).fit(m, windows(data, "train", 128, shuffle=True))

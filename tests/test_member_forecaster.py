@@ -20,7 +20,7 @@ SPEC = MarketSpec(list(FEATURES), ["tod_sin"], ["A", "B"], LOOKBACK, HORIZON)
 
 def _bound(cls: type, **kw) -> TFTModule | Mamba2Module:  # type: ignore[no-untyped-def]
     """A member as the coordinator builds it: hyperparameters only, sizes bound from the data."""
-    args = {"lr": 3e-3, "scheduler": "none", "log_grad_norm_every": 0}
+    args: dict = {"optim": {"lr": 3e-3, "scheduler": "none", "log_grad_norm_every": 0, **kw.pop("optim", {})}}
     args.update({"hidden_size": 8, "attention_heads": 2, "hidden_continuous_size": 4, "dropout": 0.0}
                 if cls is TFTModule else {"d_model": 16, "headdim": 8, "d_state": 8, "chunk_size": 8})
     args.update(kw)
@@ -53,7 +53,7 @@ def test_a_bound_tft_reloads_from_its_standalone_checkpoint(tmp_path: Path) -> N
     built for and rebuilds its network from it on load; before, ``load_from_checkpoint`` failed on the network's
     unexpected keys."""
     pl.seed_everything(0, verbose=False)
-    m = _bound(TFTModule, nonfinite="skip")
+    m = _bound(TFTModule, optim={"nonfinite": "skip"})
     assert m.hparams.get("n_features") is None
     t = trainer(tmp_path, max_steps=2, limit_val_batches=0)
     t.fit(m, loader(make_split()))

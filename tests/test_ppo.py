@@ -14,6 +14,7 @@ import math
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -46,9 +47,14 @@ def market():
 # 4 updates per coordinator step, 5 steps per epoch: 20 updates per epoch (the first epoch ends inside rollout 2)
 SMALL = {
     "window": 4, "n_envs": 16, "n_steps": 8, "episode_length": 16, "n_minibatches": 8, "n_epochs": 2,
-    "hidden": (16, 16), "log_grad_norm_every": 5, "updates_per_step": 4,
+    "hidden": (16, 16), "optim": {"log_grad_norm_every": 5, "updates_per_step": 4},
 }
 UPDATES_PER_EPOCH = 20
+
+
+def small(**optim: Any) -> dict[str, Any]:
+    """SMALL with these optimisation settings over its own."""
+    return {**SMALL, "optim": {**SMALL["optim"], **optim}}
 
 
 def trainer(tmp_path: Path, **kw) -> L.Trainer:
@@ -169,7 +175,7 @@ def test_linear_decay_and_constructor_checks() -> None:
     with pytest.raises(ValueError, match="target_kl"):
         PPOModule(target_kl=0.0)
     with pytest.raises(ValueError, match="scheduler"):
-        PPOModule(scheduler="exp")  # type: ignore[arg-type]
+        PPOModule(optim={"scheduler": "exp"})  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="bind it"):
         _ = PPOModule().network
 
@@ -393,7 +399,7 @@ def test_fit_logs_training_and_validation_metrics(tmp_path, market, space) -> No
 
 
 def test_target_kl_stops_a_rollout_early_and_the_lr_anneals_to_zero(tmp_path, market) -> None:
-    kwargs = {**SMALL, "lr": 3e-2, "target_kl": 1e-6, "updates_per_step": 5}
+    kwargs = {**small(lr=3e-2, updates_per_step=5), "target_kl": 1e-6}
     module = PPOModule(**kwargs)
     model = fit(module, market, trainer(tmp_path, max_epochs=2))
     assert model.updates["ppo"] == 40
@@ -410,7 +416,7 @@ def test_nonfinite_loss_skips_and_the_minibatch_is_consumed(tmp_path, market, mo
         return (lp * float("nan"), ent, out) if self.rollout.cursor == 1 and self.rollout.epoch == 1 else (lp, ent, out)
 
     monkeypatch.setattr(PPOModule, "_log_prob_and_entropy", nan_once)
-    module = PPOModule(nonfinite="skip", **SMALL)
+    module = PPOModule(**small(nonfinite="skip"))
     model = fit(module, market, trainer(tmp_path, max_steps=8))
     # three coordinator steps of 4 attempts, one skipped: 11 updates, and the 12 minibatches were all taken
     assert module.guard.skipped_loss == 1 and model.updates["ppo"] == 11
@@ -423,7 +429,7 @@ def test_resume_from_checkpoint_is_exact(tmp_path, market, space) -> None:
     rollout (contents, minibatch schedule, shuffling RNG), environment, sampling RNG, counters. The first epoch ends
     inside the second rollout's first epoch."""
     # the linear LR schedule spans both epochs in both runs (the first leg's Trainer alone would plan one)
-    kwargs = {**SMALL, "action_space": space, "target_kl": 0.05, "total_steps": 2 * UPDATES_PER_EPOCH}
+    kwargs = {**small(total_steps=2 * UPDATES_PER_EPOCH), "action_space": space, "target_kl": 0.05}
 
     straight = PPOModule(**kwargs)
     straight_model = fit(straight, market, trainer(tmp_path / "a", max_epochs=2))
@@ -480,7 +486,7 @@ def test_an_agent_holds_flat_until_a_candidate_beats_flat_on_validation(tmp_path
     """Costs far above any edge (5% per unit traded): no candidate earns more than flat (0) after costs on validation,
     so the member holds no position; a checkpoint resumes the selection exactly; a state dict from before selection
     loads. (At 1 bp the premise rested on luck: on this AR 0.3 market an untrained candidate can beat flat.)"""
-    kwargs = {**SMALL, "action_space": space, "select_every": 5, "total_steps": 2 * UPDATES_PER_EPOCH, "cost_bps": 500.0}
+    kwargs = {**small(total_steps=2 * UPDATES_PER_EPOCH), "action_space": space, "select_every": 5, "cost_bps": 500.0}
     module = PPOModule(**kwargs)
     model = fit(module, market, trainer(tmp_path / "a", max_epochs=2), validate=True)
     s = module.selection
@@ -667,7 +673,7 @@ def test_ppo_learning_over_seeds(case) -> None:
 # ------------------------------------------------------------------------------------------------ fit, export, load
 PPO_ONLY = {"class_path": "foxhunt.lit.ppo.PPOModule", "init_args": {
     "window": 4, "n_envs": 16, "n_steps": 16, "episode_length": 16, "n_minibatches": 4, "hidden": [16],
-    "updates_per_step": 4, "log_grad_norm_every": 2}}
+    "optim": {"updates_per_step": 4, "log_grad_norm_every": 2}}}
 
 
 @pytest.mark.parametrize("space", ["discrete", "continuous"])
@@ -726,7 +732,8 @@ def test_an_ensemble_with_a_ppo_member_trains_exports_and_reloads(tmp_path) -> N
 
     tiny = Path(__file__).parent / "configs" / "tiny.yaml"
     members = yaml.safe_load(tiny.read_text())["model"]["members"]
-    ppo = {**PPO_ONLY, "init_args": {**PPO_ONLY["init_args"], "start_step": 2, "updates_per_step": 2}}
+    optim = {**PPO_ONLY["init_args"]["optim"], "start_step": 2, "updates_per_step": 2}
+    ppo = {**PPO_ONLY, "init_args": {**PPO_ONLY["init_args"], "optim": optim}}
     members["ppo"] = ppo
     cli = main(["--config", str(tiny), "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
                 "--trainer.default_root_dir", str(tmp_path), "--export_dir", str(tmp_path / "export"),
@@ -751,8 +758,9 @@ def test_an_ensemble_with_a_ppo_member_trains_exports_and_reloads(tmp_path) -> N
 def test_two_members_fitted_with_max_steps_anneal_over_their_own_share(tmp_path, market) -> None:
     """max_steps counts every member's updates together: each member's linear schedule spans its own share of them
     (here 40 and 14 of the 54 updates the fit takes) and reaches 0 at the member's last update."""
-    small = {**SMALL, "n_minibatches": 2, "log_grad_norm_every": 0, "scheduler": "linear", "select_every": 0}
-    members = {"ppo": PPOModule(**small), "ppo_b": PPOModule(**{**small, "updates_per_step": 2, "start_step": 3}, seed=1)}
+    one = {**small(log_grad_norm_every=0, scheduler="linear"), "n_minibatches": 2, "select_every": 0}
+    other = {**one, "optim": {**one["optim"], "updates_per_step": 2, "start_step": 3}}
+    members = {"ppo": PPOModule(**one), "ppo_b": PPOModule(**other, seed=1)}
     model = EnsembleModule(members=members, min_edge_confidence=None)
     t = trainer(tmp_path, max_steps=50, max_epochs=-1, limit_val_batches=0)
     fit(members["ppo"], market, t, model=model)

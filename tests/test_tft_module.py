@@ -68,9 +68,10 @@ def loader(split: MarketSplit, batch_size: int = 32, shuffle: bool = True) -> Wi
 
 def module(**kw) -> TFTModule:  # type: ignore[no-untyped-def]
     args = {"n_features": 3, "n_known_future": 1, "n_symbols": 2, "lookback": LOOKBACK, "horizon": HORIZON, "hidden_size": 8,
-                "attention_heads": 2, "hidden_continuous_size": 4, "dropout": 0.0, "lr": 3e-3, "scheduler": "cosine",
-                "log_grad_norm_every": 5, "feature_names": FEATURES, "known_future_names": ["tod_sin"]}
-    args.update(kw)
+                "attention_heads": 2, "hidden_continuous_size": 4, "dropout": 0.0, "feature_names": FEATURES,
+                "known_future_names": ["tod_sin"]}
+    optim = {"lr": 3e-3, "scheduler": "cosine", "log_grad_norm_every": 5, **kw.pop("optim", {})}
+    args.update(kw, optim=optim)
     return TFTModule(**args)
 
 
@@ -124,7 +125,7 @@ def test_quantile_validation() -> None:
 
 def test_lr_validated_at_construction() -> None:
     with pytest.raises(ValueError, match=r"learning rate must be in \(0, 1\], got 2.0"):
-        module(lr=2.0)
+        module(optim={"lr": 2.0})
 
 
 # ---------------------------------------------------------------------------------------------------------- training
@@ -159,7 +160,7 @@ def evaluate_loss(m: TFTModule, split: MarketSplit) -> float:
 
 def test_bf16_mixed_on_cpu_trains_without_nan(tmp_path: Path) -> None:
     pl.seed_everything(0, verbose=False)
-    m = module(nonfinite="raise")  # any NaN loss or gradient would raise
+    m = module(optim={"nonfinite": "raise"})  # any NaN loss or gradient would raise
     t = trainer(tmp_path, max_steps=8, precision="bf16-mixed", limit_val_batches=0)
     t.fit(m, loader(make_split()))
     assert t.global_step == 8
@@ -175,12 +176,12 @@ def _poisoned(split: MarketSplit, rows: slice) -> MarketSplit:
 def test_nonfinite_loss_raise_names_step(tmp_path: Path) -> None:
     split = _poisoned(make_split(), slice(0, 600))  # all of symbol A: every early batch meets it
     with pytest.raises(NonFiniteError, match=r"non-finite loss .* at step 0"):
-        trainer(tmp_path, max_steps=3, limit_val_batches=0).fit(module(nonfinite="raise"), loader(split))
+        trainer(tmp_path, max_steps=3, limit_val_batches=0).fit(module(optim={"nonfinite": "raise"}), loader(split))
 
 
 def test_nonfinite_skip_counts_and_keeps_weights(tmp_path: Path) -> None:
     pl.seed_everything(0, verbose=False)
-    m = module(nonfinite="skip", scheduler="none")
+    m = module(optim={"nonfinite": "skip", "scheduler": "none"})
     before = {k: v.clone() for k, v in m.state_dict().items()}
     split = _poisoned(make_split(), slice(0, 1200))  # every window is poisoned
     trainer(tmp_path, max_steps=4, limit_train_batches=4, max_epochs=1, limit_val_batches=0).fit(m, loader(split))
@@ -200,11 +201,11 @@ class _PoisonGrad(pl.Callback):
 def test_nonfinite_gradient_raise_names_block(tmp_path: Path) -> None:
     t = trainer(tmp_path, max_steps=5, limit_val_batches=0, callbacks=[_PoisonGrad()], gradient_clip_val=None)
     with pytest.raises(NonFiniteError, match=r"step 2 in block\(s\): lstm_encoder \("):
-        t.fit(module(nonfinite="raise"), loader(make_split()))
+        t.fit(module(optim={"nonfinite": "raise"}), loader(make_split()))
 
 
 def test_nonfinite_gradient_skip_counts(tmp_path: Path) -> None:
-    m = module(nonfinite="skip")
+    m = module(optim={"nonfinite": "skip"})
     t = trainer(tmp_path, max_steps=5, limit_val_batches=0, callbacks=[_PoisonGrad()], gradient_clip_val=None)
     t.fit(m, loader(make_split()))
     assert m.guard.skipped_gradients == 1 and m.guard.skipped == 1
@@ -213,7 +214,7 @@ def test_nonfinite_gradient_skip_counts(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind,expected", [("step", "StepDecay"), ("plateau", "ReduceLROnPlateau"), ("none", None)])
 def test_scheduler_choices(tmp_path: Path, kind: str, expected: str | None) -> None:
-    m = module(scheduler=kind, step_size=5, gamma=0.5)
+    m = module(optim={"scheduler": kind, "step_size": 5, "gamma": 0.5})
     t = trainer(tmp_path, max_steps=10, limit_val_batches=1, val_check_interval=5, check_val_every_n_epoch=None)
     t.fit(m, loader(make_split()), loader(make_split(seed=1), 64, shuffle=False))
     configs = t.lr_scheduler_configs
@@ -233,7 +234,8 @@ def test_scheduler_choices(tmp_path: Path, kind: str, expected: str | None) -> N
 def test_fused_adamw_steps_like_plain_adamw(weight_decay: float) -> None:
     """fused_adamw switches the member's AdamW to the fused kernel; three steps on the same gradients give the same
     weights as the plain AdamW (fused_adamw=False), decay groups included."""
-    fused, plain = module(fused_adamw=True, weight_decay=weight_decay, scheduler="none"), module(fused_adamw=False, scheduler="none", weight_decay=weight_decay)
+    fused = module(optim={"fused_adamw": True, "weight_decay": weight_decay, "scheduler": "none"})
+    plain = module(optim={"fused_adamw": False, "scheduler": "none", "weight_decay": weight_decay})
     plain.load_state_dict(fused.state_dict())
     before = [p.detach().clone() for p in fused.parameters()]
     opt_fused, opt_plain = fused.configure_optimizers(), plain.configure_optimizers()
@@ -315,7 +317,7 @@ def test_interpret_and_tensorboard_figures(tmp_path: Path) -> None:
 
 def test_checkpoint_round_trip(tmp_path: Path) -> None:
     pl.seed_everything(0, verbose=False)
-    m = module(nonfinite="skip")
+    m = module(optim={"nonfinite": "skip"})
     t = trainer(tmp_path, max_steps=3, limit_val_batches=0, enable_checkpointing=True)
     t.fit(m, loader(make_split()))
     m.guard.skipped_loss = 2

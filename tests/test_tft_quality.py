@@ -46,8 +46,8 @@ def test_tft_close_to_oracle_small() -> None:
     torch.set_num_threads(1)
     q = _quality_module()
     data = q.build_quality_data(30_000, seed=0, lookback=24, horizon=2)
-    module, _ = q.train(data, steps=200, batch_size=128, seed=0, lr=3e-3, hidden_size=16, attention_heads=2,
-                        hidden_continuous_size=8, warmup_steps=20)
+    module, _ = q.train(data, steps=200, batch_size=128, seed=0, hidden_size=16, attention_heads=2,
+                        hidden_continuous_size=8, optim={"lr": 3e-3, "warmup_steps": 20})
     report = q.evaluate(module, data, "test")
     assert report["rows"] > 4000
     # The no-skill forecast (train quantiles) is only ~5% worse than the oracle here, so the loss bound is stated as
@@ -68,7 +68,8 @@ def test_tft_quality_full() -> None:
     torch.set_num_threads(1)
     q = _quality_module()
     data = q.build_quality_data(200_000, seed=0, lookback=32, horizon=6)
-    module, _ = q.train(data, steps=800, batch_size=128, seed=0, lr=3e-3, hidden_size=16, warmup_steps=80)
+    module, _ = q.train(data, steps=800, batch_size=128, seed=0, hidden_size=16,
+                        optim={"lr": 3e-3, "warmup_steps": 80})
     report = q.evaluate(module, data, "test")
     assert report["loss_ratio"] <= 1.05, report
     assert report["gap_closed"] > 0.6, report

@@ -73,14 +73,14 @@ def test_study_prunes_the_bad_region_logs_each_trial_and_summarises(tiny_study) 
     assert TrialState.PRUNED in states and TrialState.COMPLETE in states, states
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     for t in trials:
-        if t.params["model.members.tft.lr"] > 0.7:  # the deliberately bad region is pruned after its first validation
+        if t.params["model.members.tft.optim.lr"] > 0.7:  # the deliberately bad region is pruned after its first validation
             assert t.state == TrialState.PRUNED, (t.number, t.params)
         if t.state == TrialState.PRUNED:
             assert "pruned" in t.user_attrs["pruned_reason"]
             first = t.intermediate_values[0]
             assert first > min(c.intermediate_values[0] for c in complete if c.number < t.number)
             assert len(t.intermediate_values) == 1
-    assert any(t.params["model.members.tft.lr"] > 0.7 for t in trials), "the seeded start-up no longer samples the bad region"
+    assert any(t.params["model.members.tft.optim.lr"] > 0.7 for t in trials), "the seeded start-up no longer samples the bad region"
     for t in complete:  # the objective is the best validation quantile loss, reported every epoch
         assert t.value == pytest.approx(min(t.intermediate_values.values()), rel=1e-6)
         assert len(t.intermediate_values) == 2
@@ -90,14 +90,14 @@ def test_study_prunes_the_bad_region_logs_each_trial_and_summarises(tiny_study) 
         trial_dir = runs / f"trial_{t.number}"
         assert t.user_attrs["log_dir"] == str(trial_dir)
         fit_config = yaml.safe_load((trial_dir / "fit_config.yaml").read_text())
-        assert fit_config["model"]["members"]["tft"]["init_args"]["lr"] == t.params["model.members.tft.lr"]
+        assert fit_config["model"]["members"]["tft"]["init_args"]["optim"]["lr"] == t.params["model.members.tft.optim.lr"]
         assert fit_config["model"]["members"]["dqn"]["init_args"]["hidden"] == json.loads(t.params["model.members.dqn.hidden"])
         events = list(trial_dir.glob("events.out.tfevents*"))
         assert events, f"trial {t.number} wrote no TensorBoard events"
         acc = EventAccumulator(str(events[0]))
         acc.Reload()
         hparams = acc.PluginTagToContent("hparams")
-        assert any(b"model.members.tft.lr" in content for content in hparams.values()), "parameters missing from the hparams tab"
+        assert any(b"model.members.tft.optim.lr" in content for content in hparams.values()), "parameters missing from the hparams tab"
         assert "hp/val/tft/quantile_loss" in acc.Tags()["scalars"]
     # the feature cache is shared: every trial read the same features
     assert len(list((tmp / "cache").glob("features-*.safetensors"))) == 1
@@ -122,7 +122,7 @@ def test_study_prunes_the_bad_region_logs_each_trial_and_summarises(tiny_study) 
     if len(complete) >= 2:
         assert set(summary["importances"]["val/tft/quantile_loss"]) == set(best_trial.params)
     config = yaml.safe_load((best / "config.yaml").read_text())
-    assert config["model"]["members"]["tft"]["init_args"]["lr"] == best_trial.params["model.members.tft.lr"]
+    assert config["model"]["members"]["tft"]["init_args"]["optim"]["lr"] == best_trial.params["model.members.tft.optim.lr"]
     assert config["trainer"]["max_epochs"] == 2  # the fixed keys are part of the ready config
 
 
@@ -150,7 +150,7 @@ def test_best_config_runs_in_fit_unchanged(tiny_study, tmp_path: Path, monkeypat
     monkeypatch.chdir(tmp_path)  # the config's own logger writes runs/ here
     cli = fit_main(["--config", str(best)])
     study = _study(tmp)
-    assert cli.model.member("tft").hparams.lr == pytest.approx(study.best_params["model.members.tft.lr"])
+    assert cli.model.member("tft").optim.lr == pytest.approx(study.best_params["model.members.tft.optim.lr"])
     assert list(cli.model.member("dqn").hparams.hidden) == json.loads(study.best_params["model.members.dqn.hidden"])
     assert "ensemble" in cli.results["backtest"]
     assert list((tmp_path / "runs").rglob("ensemble.safetensors"))
@@ -165,7 +165,7 @@ def test_tied_best_trials_give_the_config_of_the_study_best_trial(tiny_study, tm
     tmp, path = tiny_study
     cfg = load_tune_config(path)
     done = [t for t in _study(tmp).get_trials() if t.state == TrialState.COMPLETE]
-    lr = "model.members.tft.lr"
+    lr = "model.members.tft.optim.lr"
     first = done[0]
     other = {**first.params, lr: first.distributions[lr].high}  # a different configuration with the same score
     tied = optuna.create_study(direction="maximize")
@@ -176,7 +176,7 @@ def test_tied_best_trials_give_the_config_of_the_study_best_trial(tiny_study, tm
     text = format_summary({**summary, "summary_path": "s"}, "db")
     assert summary["best"][0]["tied"] == 2 and "tied with 2 other" in text and "edge_confidence" in text
     written = yaml.safe_load((tmp_path / "best" / "config.yaml").read_text())
-    assert written["model"]["members"]["tft"]["init_args"]["lr"] == pytest.approx(first.params[lr]) != other[lr]
+    assert written["model"]["members"]["tft"]["init_args"]["optim"]["lr"] == pytest.approx(first.params[lr]) != other[lr]
 
 
 def _tune_worker(argv: list[str]) -> None:
@@ -378,17 +378,17 @@ def test_config_errors_name_file_and_field(tmp_path: Path, capsys) -> None:
             load_tune_config(path)
         assert str(path) in str(info.value)
 
-    space = "search_space: {model.members.tft.lr: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}}\n"
-    bad("search_space: {model.members.tft.lr: {type: float, low: 0, high: 1, log: true}}\n",
-        r"search_space\.model\.members\.tft\.lr.*low > 0")
-    bad("search_space: {model.members.tft.lr: {type: gaussian}}\n", "float, int or categorical")
+    space = "search_space: {model.members.tft.optim.lr: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}}\n"
+    bad("search_space: {model.members.tft.optim.lr: {type: float, low: 0, high: 1, log: true}}\n",
+        r"search_space\.model\.members\.tft\.optim\.lr.*low > 0")
+    bad("search_space: {model.members.tft.optim.lr: {type: gaussian}}\n", "float, int or categorical")
     bad("search_space: {data.lookback: {type: int, low: 8}}\n", "needs 'low' and 'high'")
     bad(space + "objective: {metric: val/sharpe, direction: up}\n", "direction")
     bad(space + "objective: [val/sharpe, val/ensemble/max_drawdown]\npruner: {name: median}\n", "single objective")
     bad(space + "pruner: {name: median, patience: 3}\n", "rejects its arguments")
     bad(space + "sampler: {name: annealing}\n", "sampler.name")
     bad(space + "searchspace: {}\n", "unknown key")
-    bad(space + "fixed: {model.members.tft.lr: 0.1}\n", "both fixed and searched")
+    bad(space + "fixed: {model.members.tft.optim.lr: 0.1}\n", "both fixed and searched")
     path = tmp_path / "nobase.yaml"
     path.write_text("base_config: nowhere.yaml\n" + space)
     assert main(["--config", str(path)]) == 2
@@ -407,7 +407,7 @@ def test_search_space_keys_are_checked_by_the_fit_parser(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("space, expected", [
-    ({"model.members.dqn.lr": {"type": "float", "low": 1e-4, "high": 5.0, "log": True}},
+    ({"model.members.dqn.optim.lr": {"type": "float", "low": 1e-4, "high": 5.0, "log": True}},
      "model.members.dqn (DQNModule): learning rate must be in (0, 1], got 5.0"),
     ({"model.members.dqn.gamma": {"type": "float", "low": 0.9, "high": 1.0}}, "gamma must be in [0, 1), got 1.0"),
     ({"model.combine": ["sharpe_weighted", "stack", "mean"]}, "model.combine"),
@@ -439,7 +439,7 @@ def test_set_dotted_creates_missing_sections_and_refuses_null_entries() -> None:
     assert config["data"] == {"lookback": 8}
     # a member the base config nulls out is not silently brought back as a class-less section
     with pytest.raises(TuneConfigError, match=r"model\.members\.dqn is null"):
-        set_dotted(config, "model.members.dqn.lr", 0.1)
+        set_dotted(config, "model.members.dqn.optim.lr", 0.1)
     assert config["model"]["members"]["dqn"] is None
 
 

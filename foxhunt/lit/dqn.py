@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -39,8 +40,7 @@ from foxhunt.models.qnet import EncoderKind, QNetwork
 from foxhunt.rl.batches import PresampledBatches, TDBatch
 from foxhunt.rl.env import MarketEnv, MarketTensors, RewardSource, greedy_positions, reward_scale_for
 from foxhunt.rl.replay import ReplayBuffer, ReplaySample
-from foxhunt.training.guard import GuardPolicy, NonFiniteGuard
-from foxhunt.training.optim import SchedulerKind, configure_adamw, prefer_fused, validate_lr
+from foxhunt.training.optim import Optimization, SchedulerKind
 
 TargetUpdate = Literal["hard", "polyak"]
 EpsilonSchedule = Literal["linear", "exponential"]
@@ -76,6 +76,19 @@ def _check_warm_up(learning_starts: int, replay_capacity: int, n_envs: int, n_st
             + (f" or lower learning_starts to at most {slots * n_envs}" if slots > n_step else "")
         )
     return warm
+
+
+@dataclass(frozen=True)
+class DQNOptimization(Optimization):
+    """The DQN's optimisation defaults: a constant 3e-4 without weight decay, clipped at 10, 16 updates a step."""
+
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    scheduler: SchedulerKind = "none"
+    gradient_clip_val: float | None = 10.0
+    log_grad_norm_every: int = 100
+    updates_per_step: int = 16
+    fused_adamw: bool = True
 
 
 @dataclass
@@ -131,17 +144,7 @@ class DQNModule(Agent):
         turnover_penalty_bps: float = 0.0,
         select_every: int = 1000,
         patience: int = 10,
-        lr: float = 3e-4,
-        weight_decay: float = 0.0,
-        fused_adamw: bool = True,
-        scheduler: SchedulerKind = "none",
-        total_steps: int | None = None,
-        warmup_steps: int = 0,
-        gradient_clip_val: float | None = 10.0,
-        nonfinite: GuardPolicy = "raise",
-        log_grad_norm_every: int = 100,
-        updates_per_step: int = 16,
-        start_step: int = 0,
+        optim: DQNOptimization | Mapping[str, Any] = DQNOptimization(),
         seed: int = 0,
         n_features: int | None = None,
     ) -> None:
@@ -189,26 +192,15 @@ class DQNModule(Agent):
             select_every: updates between scores of the greedy policy on the validation split; the best-scoring
                 weights (reward per bar after costs) become the policy (``policy_net``). 0: the last weights trade.
             patience: evaluations without a better validation score after which the member stops learning (0: never).
-            lr: AdamW learning rate.
-            weight_decay: AdamW decoupled weight decay (weight matrices only).
-            fused_adamw: use PyTorch's fused AdamW kernel where the parameters' device supports it (the small
-                Q-network's update is dominated by per-parameter op overhead on CPU otherwise).
-            scheduler: learning-rate schedule ("none", "step", "cosine", "plateau" on the validation reward).
-            total_steps: updates the cosine schedule spans (defaults to the Trainer's estimate).
-            warmup_steps: linear LR warm-up updates.
-            gradient_clip_val: the coordinator clips this member's gradients to this 2-norm (None: the coordinator's
-                ``gradient_clip_val``; 0: no clipping).
-            nonfinite: "raise" on a NaN/Inf loss or gradient, or "skip" the update and count it.
-            log_grad_norm_every: log gradient norms every this many updates (0: never).
-            updates_per_step: gradient updates per coordinator (Trainer) step. An update of a small Q-network takes
-                about a millisecond on CPU, as long as the Trainer's own per-batch bookkeeping, so several run in one.
-            start_step: coordinator steps before the first update (e.g. while forecasters warm up).
+            optim: the optimisation settings (:class:`~foxhunt.training.optim.Optimization`; fields not given keep
+                :class:`DQNOptimization`'s defaults; a plateau schedule watches the validation reward).
             seed: seeds network initialisation, environment, replay sampling and exploration.
             n_features: feature columns observed; None: taken from the data when the coordinator binds the member.
         """
         super().__init__()
+        self.init_optim(DQNOptimization.of(optim))
+        optim = self.optim.as_dict()  # noqa: F841 - hyperparameters hold plain values (read by save_hyperparameters)
         self.save_hyperparameters()
-        validate_lr(lr)
         if not 0.0 <= gamma < 1.0:
             raise ValueError(f"gamma must be in [0, 1), got {gamma}")
         if n_step < 1:
@@ -225,33 +217,24 @@ class DQNModule(Agent):
             raise ValueError(f"epsilon_start/end must be in [0, 1], got {epsilon_start}, {epsilon_end}")
         if not 0.0 < tau <= 1.0:
             raise ValueError(f"tau must be in (0, 1], got {tau}")
-        counts = (batch_size, env_steps_per_update, env_step_every, updates_per_step, target_update_every, polyak_every)
+        counts = (batch_size, env_steps_per_update, env_step_every, target_update_every, polyak_every)
         if min(*counts, epsilon_steps) < 1:
             raise ValueError(
-                "batch_size, env_steps_per_update, env_step_every, updates_per_step, target_update_every, polyak_every"
+                "batch_size, env_steps_per_update, env_step_every, target_update_every, polyak_every"
                 " and epsilon_steps must be >= 1"
             )
         if select_every < 0 or patience < 0:
             raise ValueError(f"select_every and patience must be >= 0, got {select_every}, {patience}")
         if obs_noise < 0 or turnover_penalty_bps < 0:
             raise ValueError(f"obs_noise and turnover_penalty_bps must be >= 0, got {obs_noise}, {turnover_penalty_bps}")
-        if start_step < 0:
-            raise ValueError(f"start_step must be >= 0, got {start_step}")
         if cost_bps is not None and cost_bps < 0:
             raise ValueError(f"cost_bps must be >= 0, got {cost_bps}")
-        if gradient_clip_val is not None and not gradient_clip_val >= 0:
-            raise ValueError(f"gradient_clip_val must be >= 0 or None, got {gradient_clip_val}")
         if n_envs < 1:
             raise ValueError(f"n_envs must be >= 1, got {n_envs}")
         if replay_capacity < n_envs * max(2, n_step):
             raise ValueError(f"replay_capacity ({replay_capacity}) must hold at least {max(2, n_step)} steps of {n_envs} agents")
         _check_warm_up(learning_starts, replay_capacity, n_envs, n_step)
-        self.updates_per_step = int(updates_per_step)
         self.obs_noise = float(obs_noise)  # read every update: a plain attribute
-        self.start_step = int(start_step)
-        self.log_grad_norm_every = int(log_grad_norm_every)
-        self.gradient_clip_val = gradient_clip_val
-        self.guard = NonFiniteGuard(nonfinite)
         # derived from the data and the coordinator at bind time (plain attributes, never hyperparameters)
         self.n_inputs: int | None = None  # feature columns observed (the data's, plus stacked forecasts)
         self.cost_bps = 1.0 if cost_bps is None else float(cost_bps)
@@ -511,20 +494,6 @@ class DQNModule(Agent):
                         "q_max": float(c.last_q.max()) / scale})
         c.reward_sum, c.reward_count = None, 0
         return out
-
-    def configure_optimizers(self) -> Any:
-        hp = self.hparams
-        total = hp.total_steps
-        if hp.scheduler == "cosine" and total is None:
-            total = self.estimated_updates()
-        config = configure_adamw(
-            self.network, lr=hp.lr, weight_decay=hp.weight_decay, scheduler=hp.scheduler, total_steps=total,
-            warmup_steps=hp.warmup_steps, monitor="val/reward_per_bar_neg",
-            interval="epoch" if hp.scheduler == "plateau" else "step",
-        )
-        if hp.fused_adamw:
-            prefer_fused(config["optimizer"] if isinstance(config, dict) else config)
-        return config
 
     def check_run(self, planned_updates: int) -> list[str]:
         hp = self.hparams

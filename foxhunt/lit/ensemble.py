@@ -112,7 +112,7 @@ class EnsembleModule(pl.LightningModule):
         Args:
             members: the named members (forecasters and agents), e.g. ``{"tft": TFTModule(), "dqn": DQNModule()}``.
             combine: how member positions become the ensemble's ("stack", "vote", "sharpe_weighted").
-            gradient_clip_val: max gradient 2-norm of a member without its own ``gradient_clip_val`` (0: none).
+            gradient_clip_val: max gradient 2-norm of a member without its own ``optim.gradient_clip_val`` (0: none).
             cost_bps: transaction cost per unit of position traded, in basis points, for every policy and back-test
                 (and for the agents' rewards unless they set their own).
             stack_fraction: with combine="stack", the share of the training split (in time) the forecasters train on.
@@ -720,7 +720,7 @@ class EnsembleModule(pl.LightningModule):
             if member.start_step >= steps:
                 raise ValueError(
                     f"member {name!r} has start_step={member.start_step}, but this fit runs {int(steps)} coordinator steps "
-                    f"({bound}): it would never train. Lower its start_step or train longer"
+                    f"({bound}): it would never train. Lower its optim.start_step or train longer"
                 )
             for note in member.check_run(int(n)):
                 rank_zero_warn(f"member {name!r}: {note}")

@@ -21,7 +21,9 @@ Batches are dicts from :class:`foxhunt.data.windows.WindowBatches`: ``x_past`` [
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -33,8 +35,15 @@ from foxhunt.evaluation.forecast_metrics import forecast_metrics, validate_quant
 from foxhunt.lit.member import Forecaster
 from foxhunt.models.mamba2 import Mamba2Forecaster, Mamba2Output
 from foxhunt.training.gradnorm import grad_norms
-from foxhunt.training.guard import NonFiniteGuard
-from foxhunt.training.optim import SchedulerKind, validate_lr
+from foxhunt.training.optim import Optimization
+
+
+@dataclass(frozen=True)
+class Mamba2Optimization(Optimization):
+    """The Mamba-2's optimisation defaults: :class:`~foxhunt.training.optim.Optimization`'s, with torch's default
+    (unfused) AdamW."""
+
+    fused_adamw: bool = False
 
 
 class Mamba2Module(Forecaster):
@@ -60,24 +69,9 @@ class Mamba2Module(Forecaster):
         use_kernels: bool = False,
         native: bool = True,
         quantiles: tuple[float, ...] = (0.1, 0.5, 0.9),
-        lr: float = 1e-3,
-        weight_decay: float = 1e-4,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        scheduler: SchedulerKind = "cosine",
-        warmup_steps: int = 0,
-        step_size: int = 1000,
-        gamma: float = 0.5,
-        min_lr_ratio: float = 0.0,
-        plateau_patience: int = 5,
-        total_steps: int | None = None,
-        nonfinite: Literal["raise", "skip"] = "raise",
-        log_grad_norm_every: int = 50,
         compile_network: bool = False,
         policy_interval: tuple[float, float] = (0.1, 0.9),
-        updates_per_step: int = 1,
-        start_step: int = 0,
-        gradient_clip_val: float | None = None,
+        optim: Mamba2Optimization | Mapping[str, Any] = Mamba2Optimization(),
     ) -> None:
         """
         The network is built when the member is bound to the data (:meth:`bind`; the coordinator does it in setup).
@@ -104,54 +98,31 @@ class Mamba2Module(Forecaster):
                 step by step; ``foxhunt.kernels.mamba2_block``) where a C compiler is available, else the plain
                 PyTorch block. The same parameters and outputs (to float32 rounding).
             quantiles: forecast quantile levels, increasing, including 0.5.
-            lr: AdamW learning rate, in (0, 1].
-            weight_decay: AdamW decoupled weight decay (weights only: biases, norms, A_log, D and dt_bias are not
-                decayed).
-            betas: AdamW betas.
-            eps: AdamW epsilon.
-            scheduler: none, step, cosine or plateau (see :func:`foxhunt.training.optim.make_scheduler`).
-            warmup_steps: linear warm-up steps before step/cosine.
-            step_size: optimizer steps between step decays.
-            gamma: step-decay / plateau reduction factor.
-            min_lr_ratio: cosine floor, and plateau floor, as a fraction of lr.
-            plateau_patience: validation epochs without improvement before a plateau reduction.
-            total_steps: cosine length; defaults to the member's estimated updates in the fit.
-            nonfinite: on a NaN/Inf loss or gradient, "raise" an error naming step and blocks, or "skip" and count.
-            log_grad_norm_every: log total and per-block gradient norms every N updates (0: never).
             compile_network: torch.compile the network in place at fit start.
             policy_interval: the forecast quantiles whose interval must clear the cost for the member's policy to take
                 a position (see :func:`foxhunt.evaluation.policies.forecast_policy`).
-            updates_per_step: optimizer updates per coordinator step (inside an ensemble).
-            start_step: coordinator steps before the member's first update (inside an ensemble).
-            gradient_clip_val: max gradient 2-norm inside an ensemble (None: the coordinator's; 0: none).
+            optim: the optimisation settings (:class:`~foxhunt.training.optim.Optimization`; fields not given keep
+                :class:`Mamba2Optimization`'s defaults; weight decay spares biases, norms, A_log, D and dt_bias).
         """
         super().__init__()
+        self.init_optim(Mamba2Optimization.of(optim))
+        optim = self.optim.as_dict()  # noqa: F841 - hyperparameters hold plain values (read by save_hyperparameters)
         self.save_hyperparameters()
-        validate_lr(lr)
         self.quantiles = validate_quantiles(quantiles)
-        if log_grad_norm_every < 0:
-            raise ValueError(f"log_grad_norm_every must be >= 0, got {log_grad_norm_every}")
         for q in policy_interval:
             if not any(abs(q - x) < 1e-9 for x in self.quantiles):
                 raise ValueError(f"policy_interval quantile {q} is not one of the quantiles {list(self.quantiles)}")
         if not policy_interval[0] <= 0.5 <= policy_interval[1]:
             raise ValueError(f"policy_interval must be (lower, upper) with lower <= 0.5 <= upper (the long edge is the "
                              f"lower quantile, the short edge the upper one), got {tuple(policy_interval)}")
-        if updates_per_step < 1 or start_step < 0:
-            raise ValueError(f"updates_per_step must be >= 1 and start_step >= 0, got {updates_per_step}, {start_step}")
         if lookback is not None and lookback < 1:
             raise ValueError(f"lookback must be >= 1 (or None: the data's), got {lookback}")
         self.policy_interval = (float(policy_interval[0]), float(policy_interval[1]))
-        self.updates_per_step = int(updates_per_step)
-        self.start_step = int(start_step)
-        self.log_grad_norm_every = int(log_grad_norm_every)
-        self.gradient_clip_val = gradient_clip_val
         self.spec: MarketSpec | None = None  # what the network was built for (plain attribute, never a hyperparameter)
         self.net: Mamba2Forecaster | None = None
         with torch.device("meta"):  # the blocks' own checks (widths, heads, groups, ranges) now, on a throwaway network
             self._network_for(MarketSpec(["x"], [], ["s"], 1, 1))
         self.register_buffer("quantile_levels", torch.tensor(self.quantiles, dtype=torch.float32), persistent=False)
-        self.guard = NonFiniteGuard(nonfinite)
         self.val_metrics = forecast_metrics(self.quantiles, prefix="val/")
         self.test_metrics = forecast_metrics(self.quantiles, prefix="test/")
         self.val_quantile_loss_best = MinMetric()
@@ -306,7 +277,7 @@ class Mamba2Module(Forecaster):
     # ------------------------------------------------------------------------------------------------------ optimiser
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Log grad norms every N steps, then apply the non-finite guard (Lightning has already unscaled here)."""
-        every = self.hparams.log_grad_norm_every
+        every = self.optim.log_grad_norm_every
         if every and self.global_step % every == 0:
             self.log_dict(grad_norms(self.network))
         if getattr(self.trainer.precision_plugin, "scaler", None) is None:

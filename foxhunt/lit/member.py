@@ -37,7 +37,7 @@ from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
 from foxhunt.evaluation.trading import counted_log_returns, counted_position_changes, trading_metrics
 from foxhunt.rl.env import MarketTensors
 from foxhunt.training.guard import NonFiniteGuard
-from foxhunt.training.optim import configure_adamw
+from foxhunt.training.optim import Optimization, configure_adamw, prefer_fused
 
 MemberKind = Literal["forecaster", "agent"]
 
@@ -77,11 +77,9 @@ class Member(pl.LightningModule):
     """Base of every ensemble member: the coordinator drives these methods (see the module docstring)."""
 
     kind: ClassVar[MemberKind]
+    monitor: ClassVar[str]  # the validation metric a plateau schedule watches (lower is better)
+    optim: Optimization  # its optimisation settings (the ``optim`` constructor argument, with the member's defaults)
     guard: NonFiniteGuard
-    updates_per_step: int  # updates per coordinator step once started
-    start_step: int  # coordinator steps before the member's first update (its warm-up wait)
-    log_grad_norm_every: int  # updates between grad-norm logs (0: never)
-    gradient_clip_val: float | None  # max gradient 2-norm (None: the coordinator's; 0: no clipping)
     finished: bool = False  # stopped early (e.g. no validation gain for its patience): the coordinator skips it
     # (updates_per_step, start_step) of the other members of the coordinator's fit, set by the coordinator before it
     # configures the member's optimizer (global_step counts every member's updates); empty: the member trains alone
@@ -91,6 +89,49 @@ class Member(pl.LightningModule):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.validation_sharpes = []
+
+    def init_optim(self, optim: Optimization) -> None:
+        """Take the checked optimisation settings and the non-finite guard they choose (a constructor calls it)."""
+        optim.check()
+        self.optim = optim
+        self.guard = NonFiniteGuard(optim.nonfinite)
+
+    @property
+    def updates_per_step(self) -> int:
+        """Updates per coordinator step once started."""
+        return self.optim.updates_per_step
+
+    @property
+    def start_step(self) -> int:
+        """Coordinator steps before the member's first update (its warm-up wait)."""
+        return self.optim.start_step
+
+    @property
+    def log_grad_norm_every(self) -> int:
+        """Updates between grad-norm logs (0: never)."""
+        return self.optim.log_grad_norm_every
+
+    @property
+    def gradient_clip_val(self) -> float | None:
+        """Max gradient 2-norm (None: the coordinator's; 0: no clipping)."""
+        return self.optim.gradient_clip_val
+
+    def configure_optimizers(self) -> Any:
+        """AdamW (decay on weights only, by role) and the shared schedules over the member's own updates, switched to
+        torch's fused AdamW kernel where allowed (``fused_adamw``)."""
+        o = self.optim
+        total = o.total_steps
+        if o.scheduler == "cosine" and total is None:
+            total = self.estimated_updates()
+        config = configure_adamw(
+            self.network, lr=o.lr, weight_decay=o.weight_decay, scheduler=o.scheduler, betas=tuple(o.betas), eps=o.eps,
+            total_steps=total, warmup_steps=o.warmup_steps, step_size=o.step_size, gamma=o.gamma,
+            min_lr_ratio=o.min_lr_ratio, plateau_patience=o.plateau_patience, monitor=self.monitor,
+            interval="epoch" if o.scheduler == "plateau" else "step",
+        )
+        if o.fused_adamw:
+            prefer_fused(config["optimizer"] if isinstance(config, dict) else config)
+        return config
 
     def bind(self, spec: MarketSpec, extra_inputs: int = 0, seed_offset: int = 0, cost_bps: float | None = None) -> None:
         """Build the networks for the data described by ``spec`` (``extra_inputs`` more feature columns when
@@ -177,6 +218,7 @@ class Forecaster(Member):
     """A member that forecasts quantiles of the next ``horizon`` log returns from window batches."""
 
     kind: ClassVar[MemberKind] = "forecaster"
+    monitor: ClassVar[str] = "val/loss"
     quantiles: tuple[float, ...]
     quantile_levels: Tensor  # the quantiles as a buffer, for the pinball loss
     test_metrics: Any  # a torchmetrics collection of the forecast metrics, prefixed "test/"
@@ -266,9 +308,7 @@ class Forecaster(Member):
         return loss[finite].mean()
 
 
-    # The standalone-training pieces both quantile forecasters share (hyperparameters lr, weight_decay, scheduler,
-    # betas, eps, total_steps, warmup_steps, step_size, gamma, min_lr_ratio, plateau_patience; metrics
-    # val_quantile_loss_best and test_metrics).
+    # The standalone-training pieces both quantile forecasters share (metrics val_quantile_loss_best and test_metrics).
     def on_train_start(self) -> None:
         """Standalone training: forget the sanity check's best validation loss."""
         self.val_quantile_loss_best.reset()  # forget the sanity check's value
@@ -276,29 +316,6 @@ class Forecaster(Member):
     def on_test_epoch_end(self) -> None:
         self.log_dict(self.test_metrics.compute())
         self.test_metrics.reset()
-
-    def configure_optimizers(self) -> Any:
-        """AdamW (decay on weights only, by role) and the shared schedules; cosine spans the member's own updates."""
-        hp = self.hparams
-        total = hp.total_steps
-        if hp.scheduler == "cosine" and total is None:
-            total = self.estimated_updates()
-        return configure_adamw(
-            self.network,
-            lr=hp.lr,
-            weight_decay=hp.weight_decay,
-            scheduler=hp.scheduler,
-            betas=tuple(hp.betas),
-            eps=hp.eps,
-            total_steps=total,
-            warmup_steps=hp.warmup_steps,
-            step_size=hp.step_size,
-            gamma=hp.gamma,
-            min_lr_ratio=hp.min_lr_ratio,
-            plateau_patience=hp.plateau_patience,
-            monitor="val/loss",
-            interval="epoch" if hp.scheduler == "plateau" else "step",
-        )
 
 
 FLAT = 0  # ``selected_update`` when no candidate has beaten flat on validation: the agent holds no position
@@ -338,6 +355,7 @@ class Agent(Member):
     """
 
     kind: ClassVar[MemberKind] = "agent"
+    monitor: ClassVar[str] = "val/reward_per_bar_neg"
     cost_bps: float  # the cost it trades with: its own, or the ensemble's from bind
     reward_scale_used: float | None  # fitted on the training split when the environment is first built
     select_every: int  # updates between validation scores of the learning network (0: the last weights trade)

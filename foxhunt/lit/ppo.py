@@ -27,6 +27,7 @@ Usage::
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -51,8 +52,7 @@ from foxhunt.rl.env import (
     sequential_positions,
 )
 from foxhunt.rl.rollout import RolloutBatch, RolloutBuffer
-from foxhunt.training.guard import GuardPolicy, NonFiniteGuard
-from foxhunt.training.optim import configure_adamw, prefer_fused
+from foxhunt.training.optim import Optimization, configure_adamw, prefer_fused
 
 PPOScheduler = Literal["none", "linear", "step", "cosine", "plateau"]
 INPUTS_BYTES = 128 << 20  # largest rollout of network inputs kept for minibatches to select from (else gathered)
@@ -93,6 +93,20 @@ class LinearDecay:
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
         return max(0.0, 1.0 - (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
+
+
+@dataclass(frozen=True)
+class PPOOptimization(Optimization):
+    """PPO's optimisation defaults, CleanRL's: 3e-4 annealed linearly to 0, AdamW epsilon 1e-5 (the "37
+    implementation details"), no weight decay, max gradient norm 0.5, 16 updates a step."""
+
+    lr: float = 3e-4
+    eps: float = 1e-5
+    weight_decay: float = 0.0
+    scheduler: PPOScheduler = "linear"  # type: ignore[assignment]
+    gradient_clip_val: float | None = 0.5
+    log_grad_norm_every: int = 100
+    updates_per_step: int = 16
 
 
 @dataclass
@@ -140,18 +154,7 @@ class PPOModule(Agent):
         mean_reg_coef: float = 0.0,
         select_every: int = 80,
         patience: int = 0,
-        lr: float = 3e-4,
-        adam_eps: float = 1e-5,
-        weight_decay: float = 0.0,
-        fused_adamw: bool = True,
-        scheduler: PPOScheduler = "linear",
-        total_steps: int | None = None,
-        warmup_steps: int = 0,
-        gradient_clip_val: float | None = 0.5,
-        nonfinite: GuardPolicy = "raise",
-        log_grad_norm_every: int = 100,
-        updates_per_step: int = 16,
-        start_step: int = 0,
+        optim: PPOOptimization | Mapping[str, Any] = PPOOptimization(),
         seed: int = 0,
         n_features: int | None = None,
     ) -> None:
@@ -204,25 +207,15 @@ class PPOModule(Agent):
                 weights trade.
             patience: scores without a better validation reward after which the member stops learning (0: never; the
                 default, so the learning rate anneals over the whole run).
-            lr: AdamW learning rate (its start, with a schedule).
-            adam_eps: AdamW's epsilon (1e-5, as in CleanRL and the "37 implementation details").
-            weight_decay: AdamW decoupled weight decay (weight matrices only: not biases, not the log std).
-            fused_adamw: step AdamW with PyTorch's fused kernel where the parameters' device and dtype support it
-                (:func:`~foxhunt.training.optim.prefer_fused`, as the TFT's and the DQN's); torch's default elsewhere.
-            scheduler: learning-rate schedule: "linear" (to 0 at ``total_steps``, CleanRL's annealing), "none",
-                "step", "cosine", or "plateau" (on the validation reward).
-            total_steps: updates the linear or cosine schedule spans (defaults to the Trainer's estimate).
-            warmup_steps: linear LR warm-up updates.
-            gradient_clip_val: the coordinator clips this member's gradients to this 2-norm (CleanRL's max_grad_norm;
-                None: the coordinator's ``gradient_clip_val``; 0: no clipping).
-            nonfinite: "raise" on a NaN/Inf loss or gradient, or "skip" the update and count it.
-            log_grad_norm_every: log gradient norms every this many updates (0: never).
-            updates_per_step: gradient updates per coordinator (Trainer) step.
-            start_step: coordinator steps before the first update (e.g. while forecasters warm up).
+            optim: the optimisation settings (:class:`~foxhunt.training.optim.Optimization`; fields not given keep
+                :class:`PPOOptimization`'s defaults); its ``scheduler`` may also be "linear" (to 0 at ``total_steps``,
+                CleanRL's annealing); a plateau schedule watches the validation reward.
             seed: seeds network initialisation, environment, action sampling and minibatch shuffling.
             n_features: feature columns observed; None: taken from the data when the coordinator binds the member.
         """
         super().__init__()
+        self.init_optim(PPOOptimization.of(optim))
+        optim = self.optim.as_dict()  # noqa: F841 - hyperparameters hold plain values (read by save_hyperparameters)
         self.save_hyperparameters()
         if action_space not in ("discrete", "continuous"):
             raise ValueError(f"action_space must be 'discrete' or 'continuous', got {action_space!r}")
@@ -231,7 +224,7 @@ class PPOModule(Agent):
         if not 0.0 <= gae_lambda <= 1.0:
             raise ValueError(f"gae_lambda must be in [0, 1], got {gae_lambda}")
         counts = {"window": window, "n_envs": n_envs, "n_steps": n_steps, "episode_length": episode_length,
-                  "n_epochs": n_epochs, "n_minibatches": n_minibatches, "updates_per_step": updates_per_step}
+                  "n_epochs": n_epochs, "n_minibatches": n_minibatches}
         for name, value in counts.items():
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -243,10 +236,8 @@ class PPOModule(Agent):
             raise ValueError(f"vf_coef and ent_coef must be >= 0, got {vf_coef}, {ent_coef}")
         if target_kl is not None and not target_kl > 0:
             raise ValueError(f"target_kl must be > 0 or None, got {target_kl}")
-        if scheduler not in ("none", "linear", "step", "cosine", "plateau"):
-            raise ValueError(f"scheduler must be one of none, linear, step, cosine, plateau; got {scheduler!r}")
-        if start_step < 0:
-            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        if self.optim.scheduler not in ("none", "linear", "step", "cosine", "plateau"):
+            raise ValueError(f"scheduler must be one of none, linear, step, cosine, plateau; got {self.optim.scheduler!r}")
         if cost_bps is not None and cost_bps < 0:
             raise ValueError(f"cost_bps must be >= 0, got {cost_bps}")
         if select_every < 0 or patience < 0:
@@ -255,13 +246,6 @@ class PPOModule(Agent):
             raise ValueError(f"mean_reg_coef must be >= 0, got {mean_reg_coef}")
         if not 0.0 <= no_trade_band < 2.0:
             raise ValueError(f"no_trade_band must be in [0, 2), got {no_trade_band}")
-        if gradient_clip_val is not None and not gradient_clip_val >= 0:
-            raise ValueError(f"gradient_clip_val must be >= 0 or None, got {gradient_clip_val}")
-        self.updates_per_step = int(updates_per_step)
-        self.start_step = int(start_step)
-        self.log_grad_norm_every = int(log_grad_norm_every)
-        self.gradient_clip_val = gradient_clip_val
-        self.guard = NonFiniteGuard(nonfinite)
         self.continuous = action_space == "continuous"
         # derived from the data and the coordinator at bind time (plain attributes, never hyperparameters)
         self.n_inputs: int | None = None
@@ -523,23 +507,19 @@ class PPOModule(Agent):
         return {"approx_kl": float(approx_kl(logratio)), "clipfrac": float(clipfrac)}
 
     def configure_optimizers(self) -> Any:
-        hp = self.hparams
-        total = hp.total_steps
-        if hp.scheduler in ("linear", "cosine") and total is None:
-            total = self.estimated_updates()
-        config = configure_adamw(  # the matrices decay; biases and the log std do not (optim.is_no_decay)
-            self.network, lr=hp.lr, weight_decay=hp.weight_decay, eps=hp.adam_eps,
-            scheduler="none" if hp.scheduler == "linear" else hp.scheduler, total_steps=total,
-            warmup_steps=hp.warmup_steps, monitor="val/reward_per_bar_neg",
-            interval="epoch" if hp.scheduler == "plateau" else "step",
-        )
-        if hp.scheduler == "linear":
-            sched = torch.optim.lr_scheduler.LambdaLR(config, LinearDecay(total, hp.warmup_steps))  # type: ignore[arg-type]
-            config = {"optimizer": config, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1,
-                                                            "name": "lr-linear"}}
-        if hp.fused_adamw:
-            prefer_fused(config["optimizer"] if isinstance(config, dict) else config)
-        return config
+        """The members' AdamW and schedules (the matrices decay; biases and the log std do not), or CleanRL's linear
+        annealing to 0 over the member's updates."""
+        o = self.optim
+        if o.scheduler != "linear":
+            return super().configure_optimizers()
+        total = o.total_steps if o.total_steps is not None else self.estimated_updates()
+        optimizer = configure_adamw(self.network, lr=o.lr, weight_decay=o.weight_decay, scheduler="none",
+                                    betas=tuple(o.betas), eps=o.eps)
+        if o.fused_adamw:
+            prefer_fused(optimizer)  # type: ignore[arg-type]
+        sched = torch.optim.lr_scheduler.LambdaLR(optimizer, LinearDecay(total, o.warmup_steps))  # type: ignore[arg-type]
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1,
+                                                         "name": "lr-linear"}}
 
     def check_run(self, planned_updates: int) -> list[str]:
         hp = self.hparams

@@ -10,7 +10,9 @@ optionally ``y_loc``/``y_scale`` ([B] or [B, H]) mapping a prediction of ``y`` b
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -27,10 +29,14 @@ from foxhunt.evaluation.forecast_metrics import (
 from foxhunt.lit.member import Forecaster
 from foxhunt.models.tft import TemporalFusionTransformer, TFTOutput
 from foxhunt.training.gradnorm import grad_norms
-from foxhunt.training.guard import NonFiniteGuard
-from foxhunt.training.optim import SchedulerKind, prefer_fused, validate_lr
+from foxhunt.training.optim import Optimization
 
 TFTInterpretation = Interpretation  # the name the notebooks use
+
+
+@dataclass(frozen=True)
+class TFTOptimization(Optimization):
+    """The TFT's optimisation defaults: those of :class:`~foxhunt.training.optim.Optimization`."""
 
 
 class TFTModule(Forecaster):
@@ -50,28 +56,12 @@ class TFTModule(Forecaster):
         dropout: float = 0.1,
         quantiles: tuple[float, ...] = (0.1, 0.5, 0.9),
         add_relative_time: bool = True,
-        lr: float = 1e-3,
-        weight_decay: float = 1e-4,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        scheduler: SchedulerKind = "cosine",
-        warmup_steps: int = 0,
-        step_size: int = 1000,
-        gamma: float = 0.5,
-        min_lr_ratio: float = 0.0,
-        plateau_patience: int = 5,
-        total_steps: int | None = None,
-        nonfinite: Literal["raise", "skip"] = "raise",
-        log_grad_norm_every: int = 50,
         log_figures: bool = True,
         compile_network: bool = False,
         fused: bool = True,
         keep_activations_mib: int = 512,
-        fused_adamw: bool = True,
         policy_interval: tuple[float, float] = (0.1, 0.9),
-        updates_per_step: int = 1,
-        start_step: int = 0,
-        gradient_clip_val: float | None = None,
+        optim: TFTOptimization | Mapping[str, Any] = TFTOptimization(),
         feature_names: list[str] | None = None,
         known_future_names: list[str] | None = None,
         symbol_names: list[str] | None = None,
@@ -93,43 +83,25 @@ class TFTModule(Forecaster):
             dropout: dropout rate in GRNs, gates and attention.
             quantiles: forecast quantile levels, increasing, including 0.5.
             add_relative_time: add the relative time index as a known input of encoder and decoder.
-            lr: AdamW learning rate, in (0, 1].
-            weight_decay: AdamW decoupled weight decay (matrices only; biases and norms are not decayed).
-            betas: AdamW betas.
-            eps: AdamW epsilon.
-            scheduler: none, step (decay by gamma every step_size steps), cosine (to min_lr_ratio over total_steps),
-                plateau (by gamma when val/loss stalls for plateau_patience epochs).
-            warmup_steps: linear warm-up steps before step/cosine.
-            step_size: optimizer steps between step decays.
-            gamma: step-decay / plateau reduction factor.
-            min_lr_ratio: cosine floor, and plateau floor, as a fraction of lr.
-            plateau_patience: validation epochs without improvement before a plateau reduction.
-            total_steps: cosine length; defaults to the trainer's estimated stepping batches.
-            nonfinite: on a NaN/Inf loss or gradient, "raise" an error naming step and blocks, or "skip" and count.
-            log_grad_norm_every: log total and per-block gradient norms every N optimizer steps (0: never).
             log_figures: log variable-importance and attention figures to TensorBoard at validation end.
             compile_network: torch.compile the network in place at fit start.
             fused: run the per-variable GRNs of variable selection as the chunked fused kernel (False: the plain
                 reference path; both compute the same function with the same parameters).
             keep_activations_mib: per variable selection, the fused path keeps activations for backward up to this
                 size (MiB) rather than recompute them there (~400 MiB with ~125 inputs at batch 128 x 64 bars); 0: never.
-            fused_adamw: step AdamW with PyTorch's fused kernel where the parameters' device supports it (one kernel
-                over all the network's ~150 tensors instead of a loop over them); False, the plain AdamW.
             policy_interval: the forecast quantiles whose interval must clear the cost for the member's policy to take
                 a position (see :func:`foxhunt.evaluation.policies.forecast_policy`).
-            updates_per_step: optimizer updates per coordinator step (inside an ensemble).
-            start_step: coordinator steps before the member's first update (inside an ensemble).
-            gradient_clip_val: max gradient 2-norm inside an ensemble (None: the coordinator's; 0: none).
+            optim: the optimisation settings (:class:`~foxhunt.training.optim.Optimization`; fields not given keep
+                :class:`TFTOptimization`'s defaults).
             feature_names: names of the F past inputs, for interpretation figures.
             known_future_names: names of the K known-future inputs.
             symbol_names: names of the symbols.
         """
         super().__init__()
+        self.init_optim(TFTOptimization.of(optim))
+        optim = self.optim.as_dict()  # noqa: F841 - hyperparameters hold plain values (read by save_hyperparameters)
         self.save_hyperparameters()
-        validate_lr(lr)
         self.quantiles = validate_quantiles(quantiles)
-        if log_grad_norm_every < 0:
-            raise ValueError(f"log_grad_norm_every must be >= 0, got {log_grad_norm_every}")
         for name, names, n in (("feature_names", feature_names, n_features), ("known_future_names", known_future_names, n_known_future)):
             if names is not None and n is not None and len(names) != n:
                 raise ValueError(f"{name} has {len(names)} entries, expected {n}")
@@ -139,13 +111,7 @@ class TFTModule(Forecaster):
         if not policy_interval[0] <= 0.5 <= policy_interval[1]:
             raise ValueError(f"policy_interval must be (lower, upper) with lower <= 0.5 <= upper (the long edge is the "
                              f"lower quantile, the short edge the upper one), got {tuple(policy_interval)}")
-        if updates_per_step < 1 or start_step < 0:
-            raise ValueError(f"updates_per_step must be >= 1 and start_step >= 0, got {updates_per_step}, {start_step}")
         self.policy_interval = (float(policy_interval[0]), float(policy_interval[1]))
-        self.updates_per_step = int(updates_per_step)
-        self.start_step = int(start_step)
-        self.log_grad_norm_every = int(log_grad_norm_every)
-        self.gradient_clip_val = gradient_clip_val
         self.spec: MarketSpec | None = None  # what the network was built for (plain attribute, never a hyperparameter)
         self.net: TemporalFusionTransformer | None = None
         sizes = (n_features, n_known_future, lookback, horizon)
@@ -157,7 +123,6 @@ class TFTModule(Forecaster):
         elif any(v is not None for v in sizes):
             raise ValueError("give all of n_features, n_known_future, lookback and horizon, or none (bound from the data)")
         self.register_buffer("quantile_levels", torch.tensor(self.quantiles, dtype=torch.float32), persistent=False)
-        self.guard = NonFiniteGuard(nonfinite)
         self.val_metrics = forecast_metrics(self.quantiles, prefix="val/")
         self.test_metrics = forecast_metrics(self.quantiles, prefix="test/")
         self.val_quantile_loss_best = MinMetric()
@@ -299,20 +264,13 @@ class TFTModule(Forecaster):
     # ------------------------------------------------------------------------------------------------------ optimiser
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Log grad norms every N steps, then apply the non-finite guard (Lightning has already unscaled here)."""
-        every = self.hparams.log_grad_norm_every
+        every = self.optim.log_grad_norm_every
         if every and self.global_step % every == 0:
             self.log_dict(grad_norms(self.network))
         if getattr(self.trainer.precision_plugin, "scaler", None) is None:
             # (under 16-mixed the GradScaler skips overflowing steps itself and lowers the scale)
             self.guard.check_gradients(self.network, self.global_step)
         self.log("train/nonfinite_skipped", float(self.guard.skipped), on_step=True, on_epoch=False)
-
-    def configure_optimizers(self) -> Any:
-        """The forecasters' AdamW and schedule, switched to the fused AdamW kernel where allowed (``fused_adamw``)."""
-        config = super().configure_optimizers()
-        if self.hparams.fused_adamw:
-            prefer_fused(config["optimizer"] if isinstance(config, dict) else config)
-        return config
 
     def setup(self, stage: str) -> None:
         if stage == "fit" and self.hparams.compile_network:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from typing import Any
 
 import lightning as L
 import numpy as np
@@ -39,6 +40,7 @@ __all__ = [
     "train_dqn",
     "train_on_task",
     "updates_per_step_for",
+    "with_overrides",
 ]
 
 BARS_PER_YEAR = 365.25 * 24 * 60
@@ -136,9 +138,16 @@ def default_dqn_kwargs(steps: int) -> dict:
         "window": 4, "n_envs": 256, "episode_length": 256, "cost_bps": 1.0, "gamma": 0.9, "hidden": (128, 128), "batch_size": 256,
         "replay_capacity": 262_144, "learning_starts": 16_384, "target_update": "polyak", "tau": 0.005,
         "epsilon_start": 1.0, "epsilon_end": 0.05, "epsilon_steps": max(1, steps // 4), "exogenous": "all_actions",
-        "lr": 3e-4, "weight_decay": 1e-4, "scheduler": "cosine", "total_steps": steps, "updates_per_epoch": min(steps, 1000),
-        "log_grad_norm_every": 0, "dropout": 0.0, "obs_noise": 0.0, "select_every": 0, "patience": 0,
+        "optim": {"lr": 3e-4, "weight_decay": 1e-4, "scheduler": "cosine", "total_steps": steps, "log_grad_norm_every": 0},
+        "updates_per_epoch": min(steps, 1000), "dropout": 0.0, "obs_noise": 0.0, "select_every": 0, "patience": 0,
     }
+
+
+def with_overrides(kwargs: dict[str, Any], overrides: dict[str, Any], updates: int) -> dict[str, Any]:
+    """A member's arguments with ``overrides`` over them, its ``optim`` merged field by field, and updates per step
+    that divide ``updates`` unless set."""
+    optim = {"updates_per_step": updates_per_step_for(updates), **kwargs.get("optim", {}), **overrides.get("optim", {})}
+    return {**kwargs, **overrides, "optim": optim}
 
 
 def updates_per_step_for(steps: int, most: int = 16) -> int:
@@ -154,11 +163,9 @@ def train_dqn(data: SyntheticMarket, steps: int, seed: int = 0, validate: bool =
     The member keeps the coordinator's cost (``module.cost_bps``); ``module.evaluate(split)`` back-tests its greedy
     policy as before.
     """
-    kwargs = default_dqn_kwargs(steps)
-    kwargs.update(overrides)
+    kwargs = with_overrides(default_dqn_kwargs(steps), overrides, steps)
     cost_bps = kwargs.pop("cost_bps")
     updates_per_epoch = kwargs.pop("updates_per_epoch")
-    kwargs.setdefault("updates_per_step", updates_per_step_for(steps))
     module = DQNModule(seed=seed, **kwargs)
     ensemble = EnsembleModule(members={"dqn": module}, cost_bps=cost_bps)
     dm = MarketDataModule(data.train, data.val if validate else None, data.test,
@@ -200,8 +207,8 @@ def task_dqn_kwargs(updates: int) -> dict:
     a 32-bar window, batches of 64 and the environment stepped every 4 updates (64 transitions per update);
     ``updates`` sets the exploration and the cosine schedule's length."""
     return {
-        "window": 32, "batch_size": 64, "env_step_every": 4, "epsilon_steps": max(1, updates // 10), "scheduler": "cosine",
-        "total_steps": updates, "log_grad_norm_every": 0,
+        "window": 32, "batch_size": 64, "env_step_every": 4, "epsilon_steps": max(1, updates // 10),
+        "optim": {"scheduler": "cosine", "total_steps": updates, "log_grad_norm_every": 0},
     }
 
 
@@ -212,9 +219,7 @@ def train_on_task(
     """Train a DQN member through the coordinator on ``data.train`` (choosing its weights on ``data.val``), then let
     the coordinator decide on ``data.val`` whether it trades (``min_edge_confidence``); returns (the coordinator, the
     member, seconds)."""
-    kwargs = task_dqn_kwargs(updates)
-    kwargs.update(overrides)
-    kwargs.setdefault("updates_per_step", updates_per_step_for(updates))
+    kwargs = with_overrides(task_dqn_kwargs(updates), overrides, updates)
     member = DQNModule(seed=seed, **kwargs)
     ensemble = EnsembleModule(members={"dqn": member}, cost_bps=cost_bps, min_edge_confidence=min_edge_confidence)
     dm = MarketDataModule(data.train, data.val, data.test, steps_per_epoch=math.ceil(updates / member.updates_per_step))

@@ -20,7 +20,7 @@ from foxhunt.data.market_datamodule import MarketDataModule
 from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.lit.ppo import PPOModule
 from foxhunt.quality.agent_tasks import SyntheticMarket
-from foxhunt.quality.agents import updates_per_step_for
+from foxhunt.quality.agents import with_overrides
 
 
 def updates_for_env_steps(env_steps: int, **overrides: Any) -> int:
@@ -38,9 +38,7 @@ def train_ppo(
     """Train a PPOModule (``overrides`` on its defaults) for ``updates`` minibatch updates on ``data.train`` as the
     coordinator's only member; with ``validate``, the coordinator then decides on ``data.val`` whether it trades
     (``min_edge_confidence``, its do-no-harm rule). Returns (the coordinator, the member, seconds)."""
-    overrides.setdefault("updates_per_step", updates_per_step_for(updates))
-    overrides.setdefault("log_grad_norm_every", 0)
-    member = PPOModule(seed=seed, **overrides)
+    member = PPOModule(seed=seed, **with_overrides({"optim": {"log_grad_norm_every": 0}}, overrides, updates))
     ensemble = EnsembleModule(members={"ppo": member}, cost_bps=cost_bps, min_edge_confidence=min_edge_confidence)
     dm = MarketDataModule(data.train, data.val if validate else None, data.test,
                           steps_per_epoch=math.ceil(updates / member.updates_per_step))

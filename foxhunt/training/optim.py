@@ -2,15 +2,101 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterable
-from typing import Any, Literal
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
 
+from foxhunt.training.guard import GuardPolicy
+
 SchedulerKind = Literal["none", "step", "cosine", "plateau"]
 SCHEDULER_KINDS: tuple[str, ...] = ("none", "step", "cosine", "plateau")
+
+_O = TypeVar("_O", bound="Optimization")
+
+
+@dataclass(frozen=True)
+class Optimization:
+    """How a member learns: its AdamW, schedule, clipping, guard and pace in the coordinator, declared once; a
+    config gives it as a member's ``optim`` mapping, and each member's subclass holds that member's defaults."""
+
+    lr: float = 1e-3
+    """AdamW learning rate (its start, with a schedule), in (0, 1]."""
+    weight_decay: float = 1e-4
+    """AdamW decoupled weight decay, on weights only (biases, norms and other vectors are not decayed)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    fused_adamw: bool = True
+    """Step AdamW with torch's fused kernel where the parameters' device and dtype allow (one kernel for all)."""
+    scheduler: SchedulerKind = "cosine"
+    """none, step (by gamma every step_size updates), cosine (to min_lr_ratio over total_steps), plateau (by gamma
+    when the validation monitor stalls for plateau_patience epochs)."""
+    warmup_steps: int = 0
+    """Linear warm-up updates before a step or cosine schedule."""
+    step_size: int = 1000
+    """Updates between step decays."""
+    gamma: float = 0.5
+    """The schedule's step-decay / plateau reduction factor."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor, and plateau floor, as a fraction of lr."""
+    plateau_patience: int = 5
+    """Validation epochs without improvement before a plateau reduction."""
+    total_steps: int | None = None
+    """Updates a cosine (or linear) schedule spans; None: the member's estimated updates in the fit."""
+    gradient_clip_val: float | None = None
+    """Max gradient 2-norm the coordinator clips this member to (None: the coordinator's; 0: no clipping)."""
+    nonfinite: GuardPolicy = "raise"
+    """On a NaN/Inf loss or gradient: "raise" an error naming the update and blocks, or "skip" the update and count."""
+    log_grad_norm_every: int = 50
+    """Updates between logs of the total and per-block gradient norms (0: never)."""
+    updates_per_step: int = 1
+    """Optimizer updates per coordinator step."""
+    start_step: int = 0
+    """Coordinator steps before the member's first update (e.g. while forecasters warm up)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))  # JSON and YAML give a list
+
+    @classmethod
+    def of(cls: type[_O], value: _O | Mapping[str, Any] | None) -> _O:
+        """The member's settings from a config's (possibly partial) mapping, its saved hyperparameters or an instance;
+        fields not given keep this class's defaults."""
+        if value is None:
+            return cls()
+        if isinstance(value, Optimization):
+            return value if type(value) is cls else cls(**dataclasses.asdict(value))
+        if not isinstance(value, Mapping):
+            raise TypeError(f"optim must be a mapping of {cls.__name__} fields, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"optim has no field(s) {unknown}; it takes {sorted(known)}")
+        return cls(**value)
+
+    def check(self) -> None:
+        """Refuse settings that would wreck a run before it starts (ValueError, one line, naming the field)."""
+        validate_lr(self.lr)
+        if not math.isfinite(self.weight_decay) or self.weight_decay < 0.0:
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
+        if self.nonfinite not in ("raise", "skip"):
+            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
+        if self.log_grad_norm_every < 0:
+            raise ValueError(f"log_grad_norm_every must be >= 0, got {self.log_grad_norm_every}")
+        if self.updates_per_step < 1 or self.start_step < 0:
+            raise ValueError(f"updates_per_step must be >= 1 and start_step >= 0, got {self.updates_per_step}, "
+                             f"{self.start_step}")
+        if self.gradient_clip_val is not None and not self.gradient_clip_val >= 0:
+            raise ValueError(f"gradient_clip_val must be >= 0 or None, got {self.gradient_clip_val}")
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values, as hyperparameters hold them (checkpoints load with weights_only=True; exports write JSON)."""
+        return dataclasses.asdict(self)
 
 
 def validate_lr(lr: float) -> float:
