@@ -14,10 +14,10 @@ import torch
 import foxhunt
 from foxhunt.data.datamodule import BarDataModule
 from foxhunt.data.market import MarketSpec, MarketSplit
-from foxhunt.evaluation.significance import psr_from_moments, sharpe_moments
+from foxhunt.evaluation.significance import null_max_sharpe, psr_from_moments, sharpe_moments
 from foxhunt.export.write import export_ensemble
 from foxhunt.lit.dqn import DQNModule
-from foxhunt.lit.ensemble import EnsembleModule, null_max_sharpe
+from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.lit.member import Agent, Forecaster
 from foxhunt.lit.tft import TFTModule
 from foxhunt.quality import agents as quality

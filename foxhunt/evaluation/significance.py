@@ -287,3 +287,18 @@ def sharpe_summary(
         "skew": m.skew,
         "kurtosis": m.kurtosis,
     }
+
+
+def null_max_sharpe(n_candidates: int, n_bars: int) -> float:
+    """Per-bar Sharpe the best of ``n_candidates`` policies without edge shows on ``n_bars`` bars, in expectation.
+
+    Bailey & Lopez de Prado's expected maximum (``expected_max_sharpe``) with the null's own sampling variance
+    1 / (n_bars - 1) in place of the candidates' spread: a member's candidates are successive checkpoints of one
+    learning run, whose spread measures learning, not luck, and independent candidates bound correlated ones from
+    above. 0 for a single candidate (or none).
+    """
+    if n_candidates <= 1 or n_bars < 3:
+        return 0.0
+    unit = torch.linspace(-1.0, 1.0, n_candidates, dtype=torch.float64)
+    unit = unit / unit.std()  # N trials of unit spread: expected_max_sharpe returns E[max of N] in units of the spread
+    return expected_max_sharpe(unit) / math.sqrt(n_bars - 1)

@@ -23,7 +23,7 @@ Combinations (``combine``), for any set of members:
   train on those later bars only. The ensemble's position is the agents' vote.
 
 Do no harm (``min_edge_confidence``, any member, on by default): at each validation a member whose validation
-edge after costs is not significant (PSR against :func:`null_max_sharpe` of the candidates it was compared on) is
+edge after costs is not significant (PSR against :func:`foxhunt.evaluation.significance.null_max_sharpe` of the candidates it was compared on) is
 held flat until a later validation clears it. A member's candidates are every policy of it compared on validation
 over the fit (``Member.selection_sharpes``): an agent's own validation scores when it chooses its weights, else its
 policy at each validation (the export takes the epoch of the best validation). The export loads the best
@@ -43,10 +43,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import math
-import operator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -57,45 +55,14 @@ from torch import Tensor, nn
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.evaluation.backtest import BACKTEST_KEYS, PolicyEvaluation, oracle_split_positions, policy_metrics
 from foxhunt.evaluation.policies import Combine, forecast_policy, sharpe_weights, vote, weighted
-from foxhunt.evaluation.significance import expected_max_sharpe, psr_from_moments, sharpe_moments
+from foxhunt.evaluation.significance import null_max_sharpe, psr_from_moments, sharpe_moments
 from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
 from foxhunt.evaluation.trading import counted_log_returns
 from foxhunt.lit.member import Agent, Forecaster, Member, fit_updates
-from foxhunt.training.gradnorm import grad_norms
+from foxhunt.lit.member_updates import MemberUpdates, UpdatePlan
 
 
-def null_max_sharpe(n_candidates: int, n_bars: int) -> float:
-    """Per-bar Sharpe the best of ``n_candidates`` policies without edge shows on ``n_bars`` bars, in expectation.
-
-    Bailey & Lopez de Prado's expected maximum (``expected_max_sharpe``) with the null's own sampling variance
-    1 / (n_bars - 1) in place of the candidates' spread: a member's candidates are successive checkpoints of one
-    learning run, whose spread measures learning, not luck, and independent candidates bound correlated ones from
-    above. 0 for a single candidate (or none).
-    """
-    if n_candidates <= 1 or n_bars < 3:
-        return 0.0
-    unit = torch.linspace(-1.0, 1.0, n_candidates, dtype=torch.float64)
-    unit = unit / unit.std()  # N trials of unit spread: expected_max_sharpe returns E[max of N] in units of the spread
-    return expected_max_sharpe(unit) / math.sqrt(n_bars - 1)
-
-
-@dataclass
-class _LoopPlan:
-    """The lookups of every update, done once per fit (an update of a small network costs about a millisecond)."""
-
-    members: dict[str, Member]
-    optimizers: dict[str, Any]  # LightningOptimizers: stepping them advances global_step
-    params: dict[str, list[nn.Parameter]]
-    clip: dict[str, float | None]
-    scaler: Any  # the GradScaler of 16-mixed (None otherwise): gradients are unscaled only inside the optimizer step
-    active: str | None = None  # the member whose optimizer is stepping (read by on_before_optimizer_step)
-
-    @property
-    def scaled(self) -> bool:
-        return self.scaler is not None
-
-
-class EnsembleModule(pl.LightningModule):
+class EnsembleModule(MemberUpdates, pl.LightningModule):
     """The coordinator: one Trainer, any named members, one trading policy (see the module docstring)."""
 
     def __init__(
@@ -167,7 +134,7 @@ class EnsembleModule(pl.LightningModule):
         self._schedulers: dict[str, Any] = {}
         self._own_val_reward: dict[str, float] = {}  # each member's validation reward per bar before the rule's hold
         self._resume_rng: Tensor | None = None
-        self._plan: _LoopPlan | None = None  # looked up at the first update of a fit
+        self._plan: UpdatePlan | None = None  # looked up at the first update of a fit
         self._snapshots_loaded = False  # set when a checkpoint or an export brings taken snapshots back
         self._candidate_floor: dict[str, int] = {}  # the run's candidate counts, kept by load_weights
 
@@ -276,9 +243,6 @@ class EnsembleModule(pl.LightningModule):
                 self._schedulers[name] = sched["scheduler"]
         return optimizers, schedulers
 
-    def _optimizer(self, name: str) -> Any:
-        return self._loop_plan().optimizers[name]
-
     def _paces(self) -> dict[str, tuple[int, int]]:
         """(updates_per_step, start_step) of every member still training."""
         return {n: (self.member(n).updates_per_step, self.member(n).start_step) for n in self.member_names
@@ -301,97 +265,6 @@ class EnsembleModule(pl.LightningModule):
         every = self.trainer.log_every_n_steps
         if every and self.steps % every == 0:
             self._log_training(active)
-
-    def _update(self, losses: dict[str, Tensor]) -> None:
-        """Guard each loss, one backward of their sum (one per member under a GradScaler), then per member: grad norms,
-        guard and clip, step, after_update.
-
-        Without a GradScaler the gradients are final after backward: the guard and the clip share one norm here.
-        With one (16-mixed) they are scaled until the optimizer step unscales them, so the norms are logged and the
-        clip applied in ``on_before_optimizer_step``. Lightning updates the scale after every optimizer step, so there
-        each member's backward runs just before its own step, at the scale that step unscales by; a step the scaler
-        skips (overflow) is counted and leaves the member's schedule, update count and ``after_update`` alone.
-        """
-        plan = self._loop_plan()
-        live = {n: loss for n, loss in losses.items() if plan.members[n].guard.check_loss(loss, self.updates[n])}
-        if not live:
-            return
-        for name in live:
-            for p in plan.params[name]:
-                p.grad = None
-        if not plan.scaled:
-            self._backward(functools.reduce(operator.add, live.values()))
-        for name in live:
-            member, update = plan.members[name], self.updates[name]
-            if plan.scaled:
-                self._backward(live[name])
-                scale = plan.scaler.get_scale()
-            else:
-                if member.log_grad_norm_every and update % member.log_grad_norm_every == 0:
-                    self._log_grad_norms(name)
-                if not member.guard.clip_gradients(member.network, plan.clip[name], update, params=plan.params[name]):
-                    continue  # non-finite gradients, policy "skip": counted by the guard, weights untouched
-            plan.active = name
-            plan.optimizers[name].step()
-            plan.active = None
-            if plan.scaled and plan.scaler.get_scale() < scale:  # the scaler found inf/NaN and skipped the step
-                member.guard.scaler_skipped += 1
-                continue
-            sched = self._schedulers.get(name)
-            if sched is not None and not isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
-                sched.step()
-            member.after_update(update)
-            self.updates[name] = update + 1
-
-    def _backward(self, loss: Tensor) -> None:
-        """Backward outside Lightning's autocast (on around training_step, where the members are stepped): under it
-        the hand-written backwards (Mamba-2's C loops, the TFT's selection) would see their products recast."""
-        device = loss.device.type
-        with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext():
-            self.manual_backward(loss)
-
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Under a GradScaler the gradients are unscaled only here: log the active member's norms, then clip them."""
-        plan = self._loop_plan()
-        name = plan.active
-        if name is None or not plan.scaled:
-            return
-        member = self.member(name)
-        every = member.log_grad_norm_every
-        if every and self.updates[name] % every == 0:
-            self._log_grad_norms(name)
-        clip = plan.clip[name]
-        if clip:
-            torch.nn.utils.clip_grad_norm_(member.network.parameters(), clip)
-
-    @property
-    def stepping_member(self) -> str | None:
-        """The member whose optimizer is stepping now (None outside an optimizer step), for callbacks' hooks."""
-        return None if self._plan is None else self._plan.active
-
-    def _log_grad_norms(self, name: str) -> None:
-        norms = grad_norms(self.member(name).network)
-        self.log_dict({f"grad_norm/{name}/{k.split('/', 1)[1]}": v for k, v in norms.items()})
-
-    def _loop_plan(self) -> _LoopPlan:
-        """What every update of this fit reads, looked up once (members, optimizers, parameter lists, switches)."""
-        plan = self._plan
-        if plan is None:
-            opts = self.optimizers()
-            opts = opts if isinstance(opts, list) else [opts]
-            members = {n: self.member(n) for n in self.member_names}
-            clip: dict[str, float | None] = {}
-            for n, m in members.items():
-                value = m.gradient_clip_val if m.gradient_clip_val is not None else self.hparams.gradient_clip_val
-                clip[n] = float(value) if value and value > 0 else None
-            plan = self._plan = _LoopPlan(
-                members=members,
-                optimizers=dict(zip(self.member_names, opts, strict=True)),
-                params={n: list(m.network.parameters()) for n, m in members.items()},
-                clip=clip,
-                scaler=getattr(self.trainer.precision_plugin, "scaler", None),
-            )
-        return plan
 
     def _log_training(self, active: dict[str, int]) -> None:
         metrics: dict[str, float] = {}
