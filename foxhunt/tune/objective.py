@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("foxhunt.tune")
 
+#: how often a worker whose budget is taken looks again for other workers' running trials to end (a cheap query;
+#: staleness is judged by the heartbeat grace, not by this)
+WAIT_POLL_S = 1.0
+
 
 # ----------------------------------------------------------------------------------------------------- a trial
 class TrialError(RuntimeError):
@@ -336,7 +340,7 @@ def run_study(
                                     name, sorted(running))
                         break
                     run.waited = True
-                    time.sleep(cfg.heartbeat_interval)
+                    time.sleep(min(cfg.heartbeat_interval, WAIT_POLL_S))
                     continue
             before = {t.number for t in study.get_trials(deepcopy=False) if t.state != TrialState.WAITING}
             with warnings.catch_warnings():
