@@ -365,13 +365,24 @@ def test_bf16_mixed_on_cpu_runs_without_nan(tmp_path: Path) -> None:
 
 def _fit_subprocess(tmp: Path, *extra: str, version: bool = True) -> subprocess.CompletedProcess:
     """``python -m foxhunt.fit`` on the tiny config; ``version``: log to version_0 always (else a new version a run)."""
+    return _fit_subprocesses((tmp, extra, version))[0]
+
+
+def _fit_subprocesses(*runs: tuple[Path, tuple[str, ...], bool]) -> list[subprocess.CompletedProcess]:
+    """Independent fits (``(tmp, extra, version)`` as :func:`_fit_subprocess` takes them) run side by side, each in its
+    own folder: on two cores two fits take the time of one, and what each writes depends on nothing the other does."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(ROOT)]))
-    args = [sys.executable, "-m", "foxhunt.fit", "--config", TINY, "--trainer.max_epochs", "2",
-            "--trainer.logger.init_args.save_dir", str(tmp / "runs"),
-            *(("--trainer.logger.init_args.version", "0") if version else ()),
-            "--trainer.default_root_dir", str(tmp), "--export_dir", str(tmp / "export"), "--backtest", "false",
-            "--trainer.enable_progress_bar", "false", *extra]
-    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, check=False)
+    calls = [[sys.executable, "-m", "foxhunt.fit", "--config", TINY, "--trainer.max_epochs", "2",
+              "--trainer.logger.init_args.save_dir", str(tmp / "runs"),
+              *(("--trainer.logger.init_args.version", "0") if version else ()),
+              "--trainer.default_root_dir", str(tmp), "--export_dir", str(tmp / "export"), "--backtest", "false",
+              "--trainer.enable_progress_bar", "false", *extra] for tmp, extra, version in runs]
+    procs = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in calls]
+    done = []
+    for args, proc in zip(calls, procs, strict=True):
+        out, err = proc.communicate(timeout=600)
+        done.append(subprocess.CompletedProcess(args, proc.returncode, out, err))
+    return done
 
 
 def _batch_log(path: Path) -> tuple[str, ...]:
@@ -405,10 +416,11 @@ def _assert_same_final_tensors(tmp_path: Path, a: str, b: str) -> None:
 def test_resume_after_kill_is_exact(tmp_path: Path) -> None:
     """A run killed after its first epoch (of two) and resumed from last.ckpt sees the batches of an uninterrupted
     run's second epoch and ends with its weights, bit for bit."""
-    whole = _fit_subprocess(tmp_path / "whole", *_batch_log(tmp_path / "whole.batches"))
+    whole, killed = _fit_subprocesses(
+        (tmp_path / "whole", _batch_log(tmp_path / "whole.batches"), True),
+        (tmp_path / "cut", ("--trainer.callbacks+=_resume_helpers.KillAfterEpoch", "--trainer.callbacks.epoch=0",
+                            *_batch_log(tmp_path / "killed.batches")), True))
     assert whole.returncode == 0, whole.stderr[-3000:]
-    killed = _fit_subprocess(tmp_path / "cut", "--trainer.callbacks+=_resume_helpers.KillAfterEpoch",
-                             "--trainer.callbacks.epoch=0", *_batch_log(tmp_path / "killed.batches"))
     assert killed.returncode == -9, killed.stderr[-3000:]
     last = tmp_path / "cut" / "runs" / "foxhunt" / "version_0" / "checkpoints" / "last.ckpt"
     assert last.exists()
@@ -431,10 +443,11 @@ def test_a_resumed_run_exports_the_best_checkpoint_of_the_whole_run(tmp_path: Pa
         return Path(line.split("loaded the best checkpoint ")[1].split(" for export")[0])
 
     common = ("--trainer.max_epochs", "4", "--log_figures", "false", "--hparams_tab", "false")
-    whole = _fit_subprocess(tmp_path / "whole", *common, version=False)
+    whole, killed = _fit_subprocesses(
+        (tmp_path / "whole", common, False),
+        (tmp_path / "cut", (*common, "--trainer.callbacks+=_resume_helpers.KillAfterEpoch", "--trainer.callbacks.epoch=1"),
+         False))
     assert whole.returncode == 0, whole.stderr[-3000:]
-    killed = _fit_subprocess(tmp_path / "cut", *common, "--trainer.callbacks+=_resume_helpers.KillAfterEpoch",
-                             "--trainer.callbacks.epoch=1", version=False)
     assert killed.returncode == -9, killed.stderr[-3000:]
     resumed = _fit_subprocess(tmp_path / "cut", *common, "--ckpt_path", "last", version=False)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -463,11 +476,12 @@ def test_periodic_checkpoints_inside_an_epoch_and_ckpt_path_last_resumes_from_th
     the batches an uninterrupted run sees from there (none replayed, none skipped: the training loader's position
     is in the checkpoint) and ends with its weights and export, bit for bit."""
     periodic_every = ("--checkpoint_every_n_steps", "2")
-    whole = _fit_subprocess(tmp_path / "whole", *periodic_every, *_batch_log(tmp_path / "whole.batches"))
+    whole, killed = _fit_subprocesses(
+        (tmp_path / "whole", (*periodic_every, *_batch_log(tmp_path / "whole.batches")), True),
+        (tmp_path / "cut", (*periodic_every, "--trainer.callbacks+=_resume_helpers.KillAtBatch",
+                            "--trainer.callbacks.epoch=1", "--trainer.callbacks.batch=2",
+                            *_batch_log(tmp_path / "killed.batches")), True))
     assert whole.returncode == 0, whole.stderr[-3000:]
-    killed = _fit_subprocess(tmp_path / "cut", *periodic_every,
-                             "--trainer.callbacks+=_resume_helpers.KillAtBatch", "--trainer.callbacks.epoch=1",
-                             "--trainer.callbacks.batch=2", *_batch_log(tmp_path / "killed.batches"))
     assert killed.returncode == -9, killed.stderr[-3000:]
     ckpts = tmp_path / "cut" / "runs" / "foxhunt" / "version_0" / "checkpoints"
     epoch_end = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=True)
