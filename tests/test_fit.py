@@ -370,13 +370,14 @@ def _fit_subprocess(tmp: Path, *extra: str, version: bool = True) -> subprocess.
 
 def _fit_subprocesses(*runs: tuple[Path, tuple[str, ...], bool]) -> list[subprocess.CompletedProcess]:
     """Independent fits (``(tmp, extra, version)`` as :func:`_fit_subprocess` takes them) run side by side, each in its
-    own folder: on two cores two fits take the time of one, and what each writes depends on nothing the other does."""
+    own folder on one thread: on two cores two fits take the time of one, and what each writes depends on nothing
+    the other does."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(ROOT)]))
     calls = [[sys.executable, "-m", "foxhunt.fit", "--config", TINY, "--trainer.max_epochs", "2",
               "--trainer.logger.init_args.save_dir", str(tmp / "runs"),
               *(("--trainer.logger.init_args.version", "0") if version else ()),
               "--trainer.default_root_dir", str(tmp), "--export_dir", str(tmp / "export"), "--backtest", "false",
-              "--trainer.enable_progress_bar", "false", *extra] for tmp, extra, version in runs]
+              "--trainer.enable_progress_bar", "false", "--torch_threads", "1", *extra] for tmp, extra, version in runs]
     procs = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in calls]
     done = []
     for args, proc in zip(calls, procs, strict=True):
