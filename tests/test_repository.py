@@ -9,8 +9,16 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 
-#: What reaching outside the checkout looks like in a test: a parent above the repository root, or a sibling folder.
-OUTSIDE = re.compile(r"parents\[(?:[2-9]|\d\d)\]|\.parent\.parent\.parent|\.\./shared|/\s*[\"']shared[\"']\s*/")
+#: The sibling folder of a session's checkout that a fresh clone lacks, and what reaching above the repository root
+#: looks like in a test. The patterns are assembled from parts so that this file, which names them, reads nothing.
+SIBLING = "shared"
+UP = ".."
+OUTSIDE = re.compile("|".join((
+    r"parents\[(?:[2-9]|\d\d)\]",  # Path(__file__).parents[k]: tests/ -> repo root is k = 1
+    r"\.parent\.parent\.parent",
+    re.escape(f"{UP}/{SIBLING}"),
+    rf"/\s*[\"']{SIBLING}[\"']\s*/",
+)))
 
 
 def test_no_test_reads_outside_the_repository() -> None:
@@ -20,7 +28,9 @@ def test_no_test_reads_outside_the_repository() -> None:
 
 
 def test_the_pattern_catches_the_old_dbn_path() -> None:
-    assert OUTSIDE.search('DBN_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "dbn"')
+    k = 2
+    assert OUTSIDE.search(f'DBN_DIR = Path(__file__).resolve().parents[{k}] / "{SIBLING}" / "data" / "dbn"')
+    assert OUTSIDE.search(f'open("{UP}/{SIBLING}/data/dbn/x.dbn")')
     assert not OUTSIDE.search('DBN_DIR = Path(__file__).resolve().parent / "data" / "dbn"')
 
 
