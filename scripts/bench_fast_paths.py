@@ -42,20 +42,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: Run foxhunt.fit in this process, after an optional patch (how a path with no config switch is turned off).
-PRELUDE = """
-import sys
-{patch}
-from foxhunt.fit import main
-sys.argv = ["foxhunt.fit"] + {argv!r}
-main()
-"""
 
 @dataclass
 class Arm:
-    args: list[str] = field(default_factory=list)
-    patch: str = ""
-    env: dict[str, str] = field(default_factory=dict)
+    args: list[str] = field(default_factory=list)  # the switch's setting, as fit arguments
 
 
 @dataclass
@@ -88,15 +78,14 @@ def run_fit(row: Row, arm: Arm, workdir: Path) -> tuple[float, float]:
     else:
         argv += ["--data.cache_dir", str(workdir / "features")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "FOXHUNT_CACHE": str(workdir / "native"),
-           "PYTHONPATH": str(ROOT), **arm.env}  # this checkout's foxhunt, whatever is installed
-    code = PRELUDE.format(patch=arm.patch, argv=argv)
+           "PYTHONPATH": str(ROOT)}  # this checkout's foxhunt, whatever is installed
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", code], cwd=workdir, env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "foxhunt.fit", *argv], cwd=workdir, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:  # e.g. killed for memory (-9): the arm is reported as failed, the other rows go on
-        print(f"fit failed, exit {done.returncode} ({row.config} {arm.args or arm.patch or 'on'}):\n"
+        print(f"fit failed, exit {done.returncode} ({row.config} {arm.args or 'on'}):\n"
               f"{done.stderr[-1500:]}", flush=True)
         return math.nan, math.nan
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -105,9 +94,11 @@ def run_fit(row: Row, arm: Arm, workdir: Path) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="mamba2,tft125", help="comma-separated rows of ROWS")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats (>= 1) after the untimed first run")
     p.add_argument("--json", type=Path, default=None, help="also write every timing here")
     args = p.parse_args()
+    if args.repeats < 1:
+        raise SystemExit("--repeats: at least 1 (a median needs a timing)")
     names = args.rows.split(",")
     unknown = sorted(set(names) - set(ROWS))
     if unknown:
