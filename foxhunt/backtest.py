@@ -22,7 +22,7 @@ from foxhunt.data.market import MarketSplit
 from foxhunt.evaluation.backtest import format_table
 from foxhunt.evaluation.figures import equity_figure
 from foxhunt.export.load import LoadedEnsemble, load
-from foxhunt.export.metadata import overlap_with_training
+from foxhunt.export.metadata import overlap_with_training, seen_time_span
 from foxhunt.files import write_json
 
 log = logging.getLogger("foxhunt.backtest")
@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         split, unseen = training_split(loaded, args.split), None
     evaluation = loaded.model.evaluate(split, significance=True)
     print(format_table(evaluation.metrics, split=split.name if args.data is not None else f"{args.split} (training data)"))
+    never_seen = loaded.unseen_symbols(split)
+    if never_seen:  # the unseen-symbol rule (foxhunt.export.symbols): only members that do not read the symbol
+        print(f"\nsymbols the model was never trained on (it knows {', '.join(loaded.symbols)}), traded by members "
+              f"that do not read the symbol: {', '.join(never_seen)}")
     if unseen is not None:
         print(f"\nthe model on the {int(unseen.valid.sum()):,} decision bars after the training span only (positions "
               "decided again there, starting flat):")
@@ -67,40 +71,32 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
 
 
 def _guard_overlap(loaded: LoadedEnsemble, split: MarketSplit, allow: bool) -> MarketSplit | None:
-    """Refuse bars the model trained or was selected on (unless allowed: then the unseen bars, for a second table);
-    warn about symbols it never saw."""
-    trained = set(loaded.metadata["data"].get("symbols", []))
-    for symbol in split.symbols:
-        if symbol not in trained:
-            log.warning("symbol %s was not among the symbols the model was trained on (%s)", symbol, sorted(trained))
+    """Refuse bars inside the time span the model trained or was selected on, of every symbol whatever its name
+    (unless allowed: then the bars after the span, for a second table); warn about bars before it."""
     seen = overlap_with_training(loaded.metadata, split)
-    spans = loaded.metadata["data"].get("seen_span", {})
-    before = torch.zeros(len(split), dtype=torch.bool)  # bars earlier than the span: the model learned from their future
-    for code, symbol in enumerate(split.symbols):
-        if symbol in spans:
-            before |= (split.symbol_index == code) & (split.timestamps < spans[symbol][0])
+    span = seen_time_span(loaded.metadata)
+    if span is None:
+        return None
+    before = split.timestamps < span[0]  # bars earlier than the span: the model learned from their future
     if bool((before & split.valid).any()):
         log.warning("%s: %s decision bars lie before the span the model was trained and selected on (it was fitted on "
                     "their future), so their figures are no out-of-sample test in time", split.name,
                     f"{int((before & split.valid).sum()):,}")
     if not bool(seen.any()):
         return None
-    # the second table's bars: those after the span only (a model fitted on later bars has in effect seen the future
-    # of earlier ones); a symbol it never saw keeps all its bars
-    after = torch.ones(len(split), dtype=torch.bool)
-    for code, symbol in enumerate(split.symbols):
-        if symbol in spans:
-            after &= (split.symbol_index != code) | (split.timestamps > spans[symbol][1])
-    where = "; ".join(
-        f"{sym}: {int((seen & (split.symbol_index == i)).sum()):,} bars inside {_date(spans[sym][0])} .. {_date(spans[sym][1])}"
-        for i, sym in enumerate(split.symbols) if sym in spans and bool((seen & (split.symbol_index == i)).any())
+    where = f"{_date(span[0])} .. {_date(span[1])}, any symbol: " + ", ".join(
+        f"{sym} {int((seen & (split.symbol_index == i)).sum()):,} bars"
+        for i, sym in enumerate(split.symbols) if bool((seen & (split.symbol_index == i)).any())
     )
     if not allow:
         raise DataError(
-            f"{split.name}: it overlaps the bars the model was trained or selected on ({where}); its "
+            f"{split.name}: it overlaps the time span the model was trained or selected on ({where}); its "
             "figures there would be in-sample. Back-test later bars, or pass --allow-overlap to see both"
         )
     log.warning("%s overlaps the training/validation span (%s): the first table includes those bars", split.name, where)
+    # the second table's bars: those after the span only (a model fitted on later bars has in effect seen the future
+    # of earlier ones)
+    after = split.timestamps > span[1]
     if not bool((after & split.valid).any()):
         log.warning("%s: no decision bar after the training span, so no second table", split.name)
         return None

@@ -75,10 +75,14 @@ class MarketSplit:
         return last
 
     def segment_bounds(self) -> torch.Tensor:
-        """[S, 2] start/end (exclusive) row of each symbol's contiguous block."""
-        counts = torch.bincount(self.symbol_index, minlength=len(self.symbols))
-        ends = torch.cumsum(counts, 0)
-        return torch.stack([ends - counts, ends], dim=1)
+        """[S, 2] start/end (exclusive) row of each symbol's contiguous block, in any order of blocks (an export's codes
+        need not follow the file's order); [0, 0] for a symbol without rows."""
+        sym = self.symbol_index
+        n = max(len(self.symbols), int(sym.max()) + 1 if sym.numel() else 0)
+        idx = torch.arange(sym.shape[0], device=sym.device)
+        start = torch.full((n,), sym.shape[0], dtype=torch.int64, device=sym.device).scatter_reduce(0, sym, idx, "amin")
+        end = torch.zeros(n, dtype=torch.int64, device=sym.device).scatter_reduce(0, sym, idx + 1, "amax")
+        return torch.stack([torch.where(end > 0, start, 0), end], dim=1)
 
     def select(self, rows: torch.Tensor) -> MarketSplit:
         """The rows picked by a boolean mask [T], as a split of its own (order kept)."""

@@ -71,7 +71,8 @@ def equity_figure(positions: dict[str, Tensor], split: MarketSplit, cost_bps: fl
     ticks = torch.linspace(0, max(len(split) - 1, 0), 6).round().long().unique()
     ax_pos.set_xticks(ticks.numpy())
     ax_pos.set_xticklabels([_date_label(split, int(t)) for t in ticks], fontsize=8)
-    names = f"symbols {', '.join(split.symbols)} in turn" if len(split.symbols) > 1 else split.symbols[0] if split.symbols else ""
+    present = [split.symbols[i] for i in torch.unique_consecutive(split.symbol_index).tolist()]  # in row order
+    names = f"symbols {', '.join(present)} in turn" if len(present) > 1 else present[0] if present else ""
     ax_pos.set_xlabel(f"bar date (UTC), split {split.name!r}, {names}")
     return fig
 

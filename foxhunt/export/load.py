@@ -15,6 +15,7 @@ from safetensors.torch import load as load_safetensors
 
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.export.metadata import ExportError, check_metadata, error_line, sha256_hex, show_value
+from foxhunt.export.symbols import coded_symbols, export_symbol_codes
 from foxhunt.export.traded import state_tensors, traded_network
 from foxhunt.lit.ensemble import EnsembleModule
 from foxhunt.lit.member import Member
@@ -34,20 +35,43 @@ class LoadedEnsemble:
     def feature_names(self) -> list[str]:
         return list(self.metadata["data"]["feature_names"])
 
+    @property
+    def symbols(self) -> list[str]:
+        """The symbols the model was trained on, in the order of their codes (``metadata.data.symbols``)."""
+        return list(self.metadata["data"]["symbols"])
+
+    @property
+    def symbol_readers(self) -> list[str]:
+        """The members whose positions depend on which symbol a bar is: the forecasters (their symbol embedding) and,
+        under ``combine: stack``, the agents too (they read the forecasts)."""
+        stacked = self.model.hparams.combine == "stack"
+        return [n for n in self.model.member_names if n in self.model.forecaster_names or stacked]
+
+    def unseen_symbols(self, split: MarketSplit) -> list[str]:
+        """The split's symbols with bars that the model was never trained on (they trade under the unseen-symbol rule
+        of :mod:`foxhunt.export.symbols`)."""
+        present = set(torch.unique(split.symbol_index).tolist())
+        return [s for i, s in enumerate(split.symbols) if i >= len(self.symbols) and i in present]
+
     def split(self, bars: pd.DataFrame, name: str = "data", oracle_mean: torch.Tensor | None = None) -> MarketSplit:
-        """A MarketSplit of new bars: features recomputed, scaled with the exported statistics (``oracle_mean``: the
-        known conditional means of simulated bars, row-aligned, for an oracle row in back-tests)."""
+        """A MarketSplit of new bars: features recomputed, scaled with the exported statistics, each symbol coded as the
+        export codes it by name (its ``symbols`` are the export's, then any unseen ones; a symbol the model never saw
+        follows :mod:`foxhunt.export.symbols`' rule) (``oracle_mean``: the known conditional means of simulated bars,
+        row-aligned, for an oracle row in back-tests)."""
         from foxhunt.data.datamodule import assemble_split
         from foxhunt.data.tensors import bars_tensors
         from foxhunt.preprocessing import next_log_returns
 
-        symbols, ts, sym, ohlcv = bars_tensors(bars)
-        out = self.feature_set.compute(ohlcv, ts, sym)
+        names, ts, local, ohlcv = bars_tensors(bars)
+        out = self.feature_set.compute(ohlcv, ts, local)
         clip = float(self.metadata["data"]["feature_clip"])
         with torch.no_grad():
             features = self.feature_normalizer(out.values).clamp(-clip, clip)
-        returns = next_log_returns(ohlcv[:, 3], segment=sym)
-        return assemble_split(name, symbols, ts, sym, ohlcv, features, out.ready, returns, self.feature_names, self.target_transform, oracle_mean)
+        returns = next_log_returns(ohlcv[:, 3], segment=local)
+        # by name, never by the file's order: row i trades as the export's symbol of its own name (foxhunt.export.symbols)
+        sym = export_symbol_codes(names, self.symbols, self.symbol_readers, where=name)[local]
+        return assemble_split(name, coded_symbols(names, self.symbols), ts, sym, ohlcv, features, out.ready, returns,
+                              self.feature_names, self.target_transform, oracle_mean)
 
     @torch.no_grad()
     def positions(self, bars: pd.DataFrame) -> dict[str, torch.Tensor]:

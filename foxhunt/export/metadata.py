@@ -58,16 +58,23 @@ def seen_span(dm: BarDataModule) -> dict[str, list[int]]:
     return out
 
 
+def seen_time_span(meta: dict[str, Any]) -> tuple[int, int] | None:
+    """The first and last timestamp (ns) of the bars training or selection used, over every symbol (None: not
+    recorded): the stretch of time the model has seen, whatever a symbol is called in another file."""
+    spans = list((meta["data"].get("seen_span") or {}).values())
+    if not spans:
+        return None
+    return min(int(s[0]) for s in spans), max(int(s[1]) for s in spans)
+
+
 def overlap_with_training(meta: dict[str, Any], split: MarketSplit) -> torch.Tensor:
-    """[T] True at the split's bars that fall inside the span of the export's training and validation bars."""
-    span = meta["data"].get("seen_span") or {}
-    out = torch.zeros(len(split), dtype=torch.bool)
-    for code, symbol in enumerate(split.symbols):
-        if symbol in span:
-            lo, hi = span[symbol]
-            rows = split.symbol_index == code
-            out |= rows & (split.timestamps >= lo) & (split.timestamps <= hi)
-    return out
+    """[T] True at the split's bars, of any symbol, whose time falls inside the span the export's training and
+    validation bars cover (:func:`seen_time_span`): keyed by time, not by symbol name, so a renamed file of the same
+    stretch is still in-sample."""
+    span = seen_time_span(meta)
+    if span is None:
+        return torch.zeros(len(split), dtype=torch.bool, device=split.timestamps.device)
+    return (split.timestamps >= span[0]) & (split.timestamps <= span[1])
 
 
 _TOP_REQUIRED = (
