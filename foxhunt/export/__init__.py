@@ -23,6 +23,7 @@ the weights the loaded member trades with: each refusal is one ``ExportError`` l
 tensor.
 
 Modules: ``metadata`` (the format, ``ExportError``, metadata.json's schema, digest and validation, the seen span),
-``traded`` (which network of a member trades, and its tensors), ``write`` (``export_ensemble``), ``load``
-(``foxhunt.load``: the verified loader and ``LoadedEnsemble``).
+``symbols`` (bars' symbols as the export's codes, by name, and the rule for a symbol it never saw), ``traded``
+(which network of a member trades, and its tensors), ``write`` (``export_ensemble``), ``load`` (``foxhunt.load``: the
+verified loader and ``LoadedEnsemble``).
 """
