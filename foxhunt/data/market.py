@@ -78,7 +78,7 @@ class MarketSplit:
         """[S, 2] start/end (exclusive) row of each symbol's contiguous block, in any order of blocks (an export's codes
         need not follow the file's order); [0, 0] for a symbol without rows."""
         sym = self.symbol_index
-        n = max(len(self.symbols), int(sym.max()) + 1 if sym.numel() else 0)
+        n = len(self.symbols)
         idx = torch.arange(sym.shape[0], device=sym.device)
         start = torch.full((n,), sym.shape[0], dtype=torch.int64, device=sym.device).scatter_reduce(0, sym, idx, "amin")
         end = torch.zeros(n, dtype=torch.int64, device=sym.device).scatter_reduce(0, sym, idx + 1, "amax")

@@ -68,10 +68,14 @@ class LoadedEnsemble:
         with torch.no_grad():
             features = self.feature_normalizer(out.values).clamp(-clip, clip)
         returns = next_log_returns(ohlcv[:, 3], segment=local)
-        # by name, never by the file's order: row i trades as the export's symbol of its own name (foxhunt.export.symbols)
-        sym = export_symbol_codes(names, self.symbols, self.symbol_readers, where=name)[local]
-        return assemble_split(name, coded_symbols(names, self.symbols), ts, sym, ohlcv, features, out.ready, returns,
-                              self.feature_names, self.target_transform, oracle_mean)
+        # by name, never by the file's order: row i trades as the export's symbol of its own name (foxhunt.export.symbols);
+        # only symbols with bars count (a categorical column may list more)
+        used = torch.unique(local).tolist()
+        present = [names[i] for i in used]
+        lookup = torch.full((len(names),), -1, dtype=torch.int64)
+        lookup[used] = export_symbol_codes(present, self.symbols, self.symbol_readers, where=name)
+        return assemble_split(name, coded_symbols(present, self.symbols), ts, lookup[local], ohlcv, features, out.ready,
+                              returns, self.feature_names, self.target_transform, oracle_mean)
 
     @torch.no_grad()
     def positions(self, bars: pd.DataFrame) -> dict[str, torch.Tensor]:
