@@ -208,8 +208,11 @@ def stubbed_forecaster(monkeypatch: pytest.MonkeyPatch) -> tuple[EnsembleModule,
     tft = TFTModule(hidden_size=8, attention_heads=2, hidden_continuous_size=4)
     monkeypatch.setattr(tft, "forecast", lambda split, batch_size=2048, net=None: torch.zeros(len(split), 1, 3))
     script: dict = {}
-    monkeypatch.setattr("foxhunt.lit.ensemble.forecast_policy", lambda *args: script["pos"])
-    return EnsembleModule(members={"tft": tft}, cost_bps=0.0), tft, script
+    model = EnsembleModule(members={"tft": tft}, cost_bps=0.0)
+    # a policy table whose every row takes the scripted position, whatever is held (index = position + 1)
+    monkeypatch.setattr(model, "forecast_table",
+                        lambda *args: (script["pos"].long() + 1)[:, None].expand(-1, 3))
+    return model, tft, script
 
 
 def long_or_flat(split: MarketSplit, q: float, seed: int) -> torch.Tensor:

@@ -20,9 +20,20 @@ def forecast_policy(lower: Tensor, median: Tensor, upper: Tensor, cost_bps: floa
     Once in a position, it is held while the median keeps its sign (exiting and re-entering would pay the cost
     twice); otherwise the policy is flat. Rows where ``decision`` is False are flat. Positions in {-1, 0, 1}.
     """
+    table = forecast_policy_table(lower, median, upper, cost_bps, decision, reset)
+    return FORECAST_ACTIONS.to(median.device)[rollout_policy_table(table, FORECAST_FLAT)]
+
+
+FORECAST_ACTIONS = torch.tensor([-1.0, 0.0, 1.0])  # the forecast policy's positions, by index
+FORECAST_FLAT = 1  # the index of flat
+
+
+def forecast_policy_table(lower: Tensor, median: Tensor, upper: Tensor, cost_bps: float, decision: Tensor,
+                          reset: Tensor) -> Tensor:
+    """[T, 3] the :func:`forecast_policy` as a table: the position index at bar t for each index held coming in (a
+    back-test rolls it out over a split; a live session applies one row a bar to the position it holds)."""
     cost = cost_bps * 1e-4
     n = median.shape[0]
-    actions = torch.tensor([-1.0, 0.0, 1.0], device=median.device)
     enter_long = lower > cost
     enter_short = upper < -cost
     table = torch.full((n, 3), 1, dtype=torch.int64, device=median.device)  # column = previous position index
@@ -33,8 +44,7 @@ def forecast_policy(lower: Tensor, median: Tensor, upper: Tensor, cost_bps: floa
         col = torch.where(enter_long, torch.full_like(col, 2), col)
         table[:, prev] = col
     table = torch.where(decision.unsqueeze(1), table, torch.ones_like(table))
-    table = torch.where(reset.unsqueeze(1), table[:, 1:2].expand_as(table), table)
-    return actions[rollout_policy_table(table, 1)]
+    return torch.where(reset.unsqueeze(1), table[:, 1:2].expand_as(table), table)
 
 
 def vote(positions: Sequence[Tensor]) -> Tensor:

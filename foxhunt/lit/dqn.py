@@ -38,7 +38,7 @@ from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.lit.member import Agent
 from foxhunt.models.qnet import EncoderKind, QNetwork
 from foxhunt.rl.batches import PresampledBatches, TDBatch
-from foxhunt.rl.env import MarketEnv, MarketTensors, RewardSource, greedy_positions, reward_scale_for
+from foxhunt.rl.env import MarketEnv, MarketTensors, RewardSource, greedy_positions, greedy_table, reward_scale_for
 from foxhunt.rl.replay import ReplayBuffer, ReplaySample
 from foxhunt.training.optim import Optimization, SchedulerKind
 
@@ -403,6 +403,9 @@ class DQNModule(Agent):
         batched forward passes, and the position path from the table p_t = argmax_a Q(s_t(p_{t-1}), a) by a parallel
         prefix composition."""
         return greedy_positions(net, market)
+
+    def decision_table(self, net: nn.Module, market: MarketTensors) -> Tensor:
+        return greedy_table(net, market)
 
     def td_loss(self, sample: ReplaySample) -> tuple[Tensor, Tensor]:
         """Huber TD loss of a replay batch and the online Q-values of its states."""

@@ -54,12 +54,21 @@ from torch import Tensor, nn
 
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.evaluation.backtest import BACKTEST_KEYS, PolicyEvaluation, oracle_split_positions, policy_metrics
-from foxhunt.evaluation.policies import Combine, forecast_policy, sharpe_weights, vote, weighted
+from foxhunt.evaluation.policies import (
+    FORECAST_ACTIONS,
+    FORECAST_FLAT,
+    Combine,
+    forecast_policy_table,
+    sharpe_weights,
+    vote,
+    weighted,
+)
 from foxhunt.evaluation.significance import null_max_sharpe, psr_from_moments, sharpe_moments
 from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
 from foxhunt.evaluation.trading import counted_log_returns
 from foxhunt.lit.member import Agent, Forecaster, Member, fit_updates
 from foxhunt.lit.member_updates import MemberUpdates, UpdatePlan
+from foxhunt.trading.policy_table import rollout_policy_table
 
 
 class EnsembleModule(MemberUpdates, pl.LightningModule):
@@ -332,6 +341,17 @@ class EnsembleModule(MemberUpdates, pl.LightningModule):
         """[T, H, Q] forecasts of every forecaster on a split."""
         return {n: self.forecaster(n).forecast(split) for n in self.forecaster_names}
 
+    def forecast_table(self, name: str, forecasts: Tensor, decision: Tensor, reset: Tensor) -> Tensor:
+        """[T, 3] forecaster ``name``'s policy table (:func:`forecast_policy_table`) from its [T, H, Q] forecasts: its
+        ``policy_interval`` quantiles and median of the next step, against the coordinator's cost."""
+        member = self.forecaster(name)
+        qs = list(member.quantiles)
+        lo, hi = (qs.index(min(qs, key=lambda x, q=q: abs(x - q))) for q in member.policy_interval)
+        mid = qs.index(min(qs, key=lambda x: abs(x - 0.5)))
+        nxt = forecasts[:, 0, :].to(decision.device)
+        ok = decision & torch.isfinite(nxt).all(1)
+        return forecast_policy_table(nxt[:, lo], nxt[:, mid], nxt[:, hi], self.hparams.cost_bps, ok, reset)
+
     @torch.no_grad()
     def positions(
         self, split: MarketSplit, forecasts: dict[str, Tensor] | None = None, choose_flat: bool = False,
@@ -346,34 +366,38 @@ class EnsembleModule(MemberUpdates, pl.LightningModule):
         forecasts = self.forecasts(split) if forecasts is None else forecasts
         pos: dict[str, Tensor] = {}
         for name, fc in forecasts.items():
-            member = self.forecaster(name)
-            qs = list(member.quantiles)
-            lo, hi = (qs.index(min(qs, key=lambda x, q=q: abs(x - q))) for q in member.policy_interval)
-            mid = qs.index(min(qs, key=lambda x: abs(x - 0.5)))
-            nxt = fc[:, 0, :].to(device)
-            ok = decision & torch.isfinite(nxt).all(1)
-            pos[name] = forecast_policy(nxt[:, lo], nxt[:, mid], nxt[:, hi], self.hparams.cost_bps, ok, reset)
-        stack = self.hparams.combine == "stack"
-        agents = [n for n in self.agent_names if not stack or self.stack_ready]
-        inputs = self.stacked(split) if stack and agents else split
+            table = self.forecast_table(name, fc, decision, reset)
+            pos[name] = FORECAST_ACTIONS.to(device)[rollout_policy_table(table, FORECAST_FLAT)]
+        agents = self.trading_agents()
+        inputs = self.stacked(split) if self.hparams.combine == "stack" and agents else split
         for name in agents:
             pos[name] = self.agent(name).positions(inputs).to(device).float()
         if choose_flat or recheck_flat:
             self._choose_flat(pos, split, new_candidate=choose_flat)
-        for i, name in enumerate(self.member_names):
-            if name in pos and bool(self.held_flat[i]):
-                pos[name] = torch.zeros_like(pos[name])
-        if stack:  # flat until the agents start
-            pos["ensemble"] = vote([pos[n] for n in agents]) if agents else torch.zeros_like(decision, dtype=torch.float32)
-        elif self.hparams.combine == "vote":
-            pos["ensemble"] = vote([pos[n] for n in self.member_names])
-        else:
-            pos["ensemble"] = weighted([pos[n] for n in self.member_names], self.weights.tolist())
+        self.combine(pos, decision)
         pos["buy_and_hold"] = decision.float()
         oracle = oracle_split_positions(split, self.hparams.cost_bps, device)
         if oracle is not None:
             pos["oracle"] = oracle
         return pos
+
+    def trading_agents(self) -> list[str]:
+        """The agents whose positions count: all of them, but none under ``combine: stack`` before the snapshots."""
+        return [n for n in self.agent_names if self.hparams.combine != "stack" or self.stack_ready]
+
+    def combine(self, pos: dict[str, Tensor], decision: Tensor) -> None:
+        """In place: members held flat (do no harm) set to 0, and ``pos["ensemble"]`` from the members' positions
+        (each [T], or [S] for one bar of a live session) by the combination rule."""
+        for i, name in enumerate(self.member_names):
+            if name in pos and bool(self.held_flat[i]):
+                pos[name] = torch.zeros_like(pos[name])
+        agents = self.trading_agents()
+        if self.hparams.combine == "stack":  # flat until the agents start
+            pos["ensemble"] = vote([pos[n] for n in agents]) if agents else torch.zeros_like(decision, dtype=torch.float32)
+        elif self.hparams.combine == "vote":
+            pos["ensemble"] = vote([pos[n] for n in self.member_names])
+        else:
+            pos["ensemble"] = weighted([pos[n] for n in self.member_names], self.weights.tolist())
 
     @torch.no_grad()
     def evaluate(

@@ -371,6 +371,18 @@ class Agent(Member):
         """[T] positions of ``net``'s deterministic policy over ``market`` (``net`` in eval mode)."""
         raise NotImplementedError
 
+    def decision_table(self, net: nn.Module, market: MarketTensors) -> Tensor | None:
+        """[T, A] the action index ``net``'s deterministic policy takes at each bar for each action index held coming
+        in (what :meth:`positions_of` rolls out; a live session applies one row a bar); None for a continuous policy,
+        which steps with :meth:`continuous_step`."""
+        raise NotImplementedError
+
+    def continuous_step(self, net: nn.Module, market: MarketTensors, bars: Tensor, decide: Tensor,
+                        held: Tensor) -> Tensor:
+        """[B] positions a continuous policy takes at ``bars`` [B] of ``market`` from the positions ``held`` [B]
+        coming in (flat where ``decide`` is False): one step of :meth:`positions_of`'s recurrence."""
+        raise NotImplementedError(f"{type(self).__name__} has no continuous policy")
+
     def init_selection(self, select_every: int) -> None:
         """The selection's state, nothing chosen yet (a subclass's constructor calls it; its ``build_networks`` makes
         ``policy_net`` when ``select_every`` > 0 and calls :meth:`freeze_policy_copy`)."""

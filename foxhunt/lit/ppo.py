@@ -48,6 +48,7 @@ from foxhunt.rl.env import (
     MarketTensors,
     RewardSource,
     greedy_positions,
+    greedy_table,
     reward_scale_for,
     sequential_positions,
 )
@@ -546,6 +547,19 @@ class PPOModule(Agent):
             lambda bars: net.actor_prepare(market.windows(bars, flat=True)),
             lambda prepared, decide, held: net.deterministic_path(prepared, decide, held, band), market,
         )
+
+    def decision_table(self, net: nn.Module, market: MarketTensors) -> Tensor | None:
+        assert isinstance(net, ActorCritic)
+        return None if self.continuous else greedy_table(net.deterministic, market)
+
+    @torch.no_grad()
+    def continuous_step(self, net: nn.Module, market: MarketTensors, bars: Tensor, decide: Tensor,
+                        held: Tensor) -> Tensor:
+        assert isinstance(net, ActorCritic)
+        safe = torch.where(decide, bars, torch.full_like(bars, market.window - 1))  # a gatherable bar, result unused
+        prepared = net.actor_prepare(market.windows(safe, flat=True))
+        band = float(self.hparams.no_trade_band)
+        return net.deterministic_path(prepared.unsqueeze(1), decide.unsqueeze(1), held, band)[:, 0].float()
 
     deterministic_positions = Agent.policy_positions  # the deterministic policy it trades over a whole split
 
