@@ -309,7 +309,7 @@ def test_backtest_refuses_bars_the_model_trained_on(tiny_run, tmp_path: Path, ca
     out = capsys.readouterr().out
     assert "split: overlap.parquet" in out and "split: overlap.parquet (bars after the training span)" in out
     other = generate_market(n_bars=3000, seed=12, start="2024-03-04", symbols=["OTHER"]).write(tmp_path / "other.parquet")
-    with pytest.raises(DataError, match=r"^other.parquet: symbol OTHER never seen by the model, which knows SYN0; members tft read"):
+    with pytest.raises(DataError, match=r"^other.parquet: symbol OTHER never seen by the model, which knows SYN0; member tft reads"):
         backtest_main(["--checkpoint", str(src / "export"), "--data", str(other), "--out", str(tmp_path)])
 
 

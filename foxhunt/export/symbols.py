@@ -44,8 +44,9 @@ def export_symbol_codes(
     if unseen and readers:
         raise UnseenSymbolError(
             f"{where}: symbol{'s' if len(unseen) > 1 else ''} {', '.join(unseen)} never seen by the model, which knows "
-            f"{', '.join(export_symbols)}; members {', '.join(readers)} read the symbol and have no parameters for "
-            "it (rename the bars' symbol to the one the model was trained on if it is the same instrument)"
+            f"{', '.join(export_symbols)}; {'members' if len(readers) > 1 else 'member'} {', '.join(readers)} "
+            f"read{'' if len(readers) > 1 else 's'} the symbol and {'have' if len(readers) > 1 else 'has'} no "
+            "parameters for it (rename the bars' symbol to the one the model was trained on if it is the same instrument)"
         )
     codes = {s: i for i, s in enumerate(coded_symbols(bar_symbols, export_symbols))}
     return torch.tensor([codes[s] for s in bar_symbols], dtype=torch.int64)
