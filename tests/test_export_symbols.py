@@ -159,3 +159,18 @@ def test_overlap_guard_is_keyed_by_time_not_symbol_name(agent_export, tmp_path: 
     main(["--checkpoint", str(root), "--data", str(path), "--out", str(out), "--allow-overlap"])
     printed = capsys.readouterr().out
     assert "symbols the model was never trained on (it knows SYN0)" in printed and "eurusd_hourly" in printed
+
+
+def test_stacked_agents_read_the_symbol_through_the_forecasts() -> None:
+    """Under ``combine: stack`` an agent's inputs are the forecasters' forecasts, so it reads the symbol too; without
+    stacking only the forecasters do."""
+    from foxhunt.export.load import LoadedEnsemble
+    from foxhunt.lit.ensemble import EnsembleModule
+
+    def readers(combine: str) -> list[str]:
+        model = EnsembleModule(members={"tft": TFTModule(hidden_size=8, attention_heads=2, hidden_continuous_size=4),
+                                        "dqn": _dqn()}, combine=combine)
+        return LoadedEnsemble(model, None, torch.nn.Identity(), torch.nn.Identity(), {"data": {"symbols": SYMBOLS}}).symbol_readers
+
+    assert readers("stack") == ["tft", "dqn"]
+    assert readers("vote") == ["tft"]
