@@ -28,16 +28,32 @@ def test_first_bar_marks_each_symbol_start() -> None:
     assert split().first_bar.tolist() == [True, False, False, False, True, False, False, False]
 
 
+def _book(row_pnl: list[float], stamp: list[int], k: int = 2) -> torch.Tensor:
+    """The equal-weight book's log return per timestamp, by hand: log(1 + Σ_s expm1(pnl_s) / K) at each stamp."""
+    stamps = sorted(set(stamp))
+    return torch.tensor([math.log1p(math.fsum(math.expm1(p) for p, t in zip(row_pnl, stamp) if t == u) / k)
+                         for u in stamps], dtype=torch.float64)
+
+
 def test_policy_metrics_by_hand() -> None:
+    """Two symbols are one equal-weight book: one P&L per timestamp, every figure on it."""
     s = split()
     long = torch.ones(8)
     m = policy_metrics({"long": long}, s, cost_bps=10.0, bars_per_year=100.0)["long"]
     # a new symbol starts flat: the position is bought twice (once per symbol), 10 bp each, i.e. log(1 - 0.001)
-    pnl = s.returns.double() + math.log1p(-1e-3) * torch.tensor([1, 0, 0, 0, 1, 0, 0, 0], dtype=torch.float64)
+    rows = s.returns.double() + math.log1p(-1e-3) * torch.tensor([1, 0, 0, 0, 1, 0, 0, 0], dtype=torch.float64)
+    pnl = _book(rows.tolist(), [0, 1, 2, 3, 0, 1, 2, 3])
+    assert m["n_symbols"] == 2 and m["symbol_weight"] == 0.5 and m["n_bars"] == 4
     assert math.isclose(m["total_log_return"], float(pnl.sum()), rel_tol=1e-12)
     assert math.isclose(m["sharpe"], float(pnl.mean() / pnl.std() * 10.0), rel_tol=1e-9)
     assert math.isclose(m["sortino"], sortino(pnl, 100.0), rel_tol=1e-12)
-    assert m["n_trades"] == 2 and m["turnover"] == 0.25
+    assert m["n_trades"] == 2 and m["turnover"] == 0.25  # two buys at half the book each, over 4 timestamps
+    gross = policy_metrics({"long": long}, s, cost_bps=10.0, bars_per_year=100.0, weighting="gross")["long"]
+    both = torch.tensor([math.log1p(math.expm1(a) + math.expm1(b)) for a, b in zip(rows[:4], rows[4:])],
+                        dtype=torch.float64)
+    assert gross["symbol_weight"] == 1.0 and math.isclose(gross["total_log_return"], float(both.sum()), rel_tol=1e-12)
+    one = policy_metrics({"long": long[:4]}, s.select(s.symbol_index == 0), cost_bps=10.0, bars_per_year=100.0)["long"]
+    assert one["n_symbols"] == 1 and one["total_log_return"] == float(rows[:4].sum())  # one symbol: its own series
 
 
 def test_policy_metrics_count_the_exits_at_excluded_bars() -> None:
@@ -53,15 +69,15 @@ def test_policy_metrics_count_the_exits_at_excluded_bars() -> None:
     short = -torch.ones(8)
     m = policy_metrics({"short": short}, s, cost_bps=10.0, bars_per_year=100.0)["short"]
     # counted bars 0, 2, 4, 5, 6; open at 0, close at 1 (hole, counted at 0), open at 2, close at 3 (counted at 2),
-    # open at 4, close at 7 (counted at 6)
+    # open at 4, close at 7 (counted at 6); the book counts timestamps 0, 1, 2 (rows 0 + 4, 5, 2 + 6)
     short_log = [math.log(2.0 - math.exp(x)) for x in r]
-    pnl = [short_log[0] + 2 * c, short_log[2] + 2 * c, short_log[4] + c, short_log[5], short_log[6] + c]
-    assert math.isclose(m["total_log_return"], math.fsum(pnl), rel_tol=1e-12)
+    rows = [short_log[0] + 2 * c, short_log[2] + 2 * c, short_log[4] + c, short_log[5], short_log[6] + c]
+    x = _book(rows, [0, 2, 0, 1, 2])
+    assert m["n_bars"] == 3
+    assert math.isclose(m["total_log_return"], float(x.sum()), rel_tol=1e-12)
     assert math.isclose(m["reward_per_bar"] * m["n_bars"], m["total_log_return"], rel_tol=1e-12)
-    assert math.isclose(m["reward_per_bar"], math.fsum(pnl) / 5, rel_tol=1e-12)
-    x = torch.tensor(pnl, dtype=torch.float64)
     assert math.isclose(m["sharpe"], float(x.mean() / x.std() * 10.0), rel_tol=1e-9)
-    assert m["n_trades"] == 6 and math.isclose(m["turnover"], 6 / 5)
+    assert m["n_trades"] == 6 and math.isclose(m["turnover"], 6 * 0.5 / 3)
 
 
 def test_sortino_uses_downside_deviation() -> None:
@@ -112,6 +128,7 @@ def table_rows(table: str) -> dict[str, dict[str, str]]:
 def test_reported_tables_carry_significance() -> None:
     """With significance on, every policy's row has its Sharpe SE, a bootstrap interval around its Sharpe and PSRs."""
     from foxhunt.data.datamodule import BarDataModule
+    from foxhunt.evaluation.backtest import policy_pnl
     from foxhunt.evaluation.significance import sharpe_summary
 
     dm = BarDataModule(synthetic_bars=4000, features=["logret_1", "rsi_14", "tod_sin"], known_future=["tod_sin"],
@@ -123,16 +140,21 @@ def test_reported_tables_carry_significance() -> None:
     row = m["long"]
     assert row["sharpe_se"] > 0 and row["sharpe_ci_low"] < row["sharpe"] < row["sharpe_ci_high"]
     assert 0 < row["psr_vs_flat"] < 1 and math.isnan(m["flat"]["psr_vs_flat"])  # a flat series has no Sharpe
-    # being buy-and-hold itself: its PSR against buy-and-hold is exactly one half
-    assert math.isclose(row["psr_vs_benchmark"], 0.5, abs_tol=1e-9)
-    direct = sharpe_summary(strategy_pnl(s), _bpy(s))
+    # being buy-and-hold itself: no difference to test (its Sharpe minus its own is 0, no standard error)
+    assert row["sharpe_diff_vs_bh"] == 0.0 or math.isnan(row["sharpe_diff_vs_bh"])
+    assert math.isnan(row["p_vs_bh"]) and math.isnan(row["p_vs_bh_boot"])
+    direct = sharpe_summary(policy_pnl(s.valid.float(), s, 1.0), _bpy(s))
     assert math.isclose(direct["sharpe_se"], row["sharpe_se"], rel_tol=1e-9)
+    assert math.isclose(direct["sharpe"], row["sharpe"], rel_tol=1e-9)
     table = format_table(m)
     printed = table_rows(table)["long"]
     assert printed["95% CI"] == f"[{row['sharpe_ci_low']:+.2f}, {row['sharpe_ci_high']:+.2f}]"
-    assert printed["SE"] == f"{row['sharpe_se']:.2f}" and printed["PSR B&H"] == "0.500"
+    assert printed["SE HAC"] == f"{row['sharpe_se']:.2f}" and printed["p B&H HAC"] == "n/a"
     assert printed["PSR flat"] == f"{row['psr_vs_flat']:.3f}" and table_rows(table)["flat"]["PSR flat"] == "n/a"
-    assert "PSR flat, PSR B&H: probabilistic Sharpe ratio vs flat and vs buy-and-hold" in " ".join(table.split())
+    assert printed["Sharpe Lo"] == f"{row['sharpe_lo']:+.2f}"
+    assert "Ledoit & Wolf's paired test" in " ".join(table.split())
+    if row["n_symbols"] > 1:
+        assert f"one book of {int(row['n_symbols'])} symbols" in table
 
 
 def strategy_pnl(s: MarketSplit) -> torch.Tensor:
@@ -232,7 +254,7 @@ def test_the_table_of_every_policy_fits_a_120_column_terminal() -> None:
     assert "\u2026" not in table and rows["oracle"]["log return"] == f"{metrics['oracle']['total_log_return']:+.4f}"
     assert rows["tft"]["ens. weight"] == "0.600" and rows["oracle"]["trades"] == f"{metrics['oracle']['n_trades']:.0f}"
     assert [header for header, figure in rows["oracle"].items() if figure == "n/a"] == ["ens. weight"]  # all shown
-    assert sum(set(line) == {"-"} for line in table.splitlines()) == 1  # in one table
+    assert sum(set(line) == {"-"} for line in table.splitlines()) == 2  # the figures, then the Sharpe's significance
 
 
 def test_figures_too_wide_for_one_table_fill_two() -> None:
@@ -240,7 +262,7 @@ def test_figures_too_wide_for_one_table_fill_two() -> None:
     a second table, each within 120 columns, every figure and name whole."""
     row = {"total_log_return": 0.0508, "sharpe": 121.4, "sortino": 188.78, "max_drawdown": 0.0047, "turnover": 0.4005,
            "hit_rate": 0.617, "n_trades": 148.0, "sharpe_se": 30.48, "sharpe_ci_low": 60.34, "sharpe_ci_high": 186.05,
-           "psr_vs_flat": 1.0, "psr_vs_benchmark": 0.998}
+           "psr_vs_flat": 1.0, "sharpe_lo": 98.7, "sharpe_diff_vs_bh": 120.9, "p_vs_bh": 0.0001, "p_vs_bh_boot": 0.001}
     table = format_table({"a_rather_long_member_name": {**row, "weight": 0.5, "updates": 0.0}, "oracle": row})
     assert max(len(line) for line in table.splitlines()) <= 120 and "\u2026" not in table
     assert sum(set(line) == {"-"} for line in table.splitlines()) == 2
@@ -249,7 +271,8 @@ def test_figures_too_wide_for_one_table_fill_two() -> None:
     assert rows["oracle"]["95% CI"] == "[+60.34, +186.05]" and rows["oracle"]["Sharpe"] == "+121.40"
     assert rows["a_rather_long_member_name (untrained)"]["ens. weight"] == "0.500"
     assert set(rows["oracle"]) == {"policy", "log return", "Sharpe", "Sortino", "max DD", "turnover", "hit rate",
-                                   "trades", "ens. weight", "SE", "95% CI", "PSR flat", "PSR B&H"}
+                                   "trades", "ens. weight", "Sharpe Lo", "SE HAC", "95% CI", "PSR flat",
+                                   "ΔSharpe vs B&H", "p B&H HAC", "p B&H boot"}
 
 
 def test_policy_metrics_refuse_non_finite_positions_at_decision_bars() -> None:

@@ -13,8 +13,11 @@ import torch
 
 from foxhunt.evaluation import significance as sig
 from foxhunt.evaluation.significance import (
+    autocorrelation_adjusted_sharpe,
     deflated_sharpe_ratio,
     expected_max_sharpe,
+    hac_psr,
+    hac_sharpe_standard_error,
     probabilistic_sharpe_ratio,
     psr_from_moments,
     psr_vs_benchmark,
@@ -280,24 +283,25 @@ def test_bootstrap_on_cuda() -> None:
 
 
 def test_summary_matches_the_parts_and_the_backtest_sharpe() -> None:
-    pnl, bench, bpy = iid_normal(600, 0.06, seed=13), iid_normal(600, 0.02, seed=14), 6260.0
-    s = sharpe_summary(pnl, bpy, benchmark_pnl=bench, n_boot=300, seed=3)
+    pnl, bpy = iid_normal(600, 0.06, seed=13), 6260.0
+    s = sharpe_summary(pnl, bpy, n_boot=300, seed=3)
     assert set(s) == {
-        "sharpe", "sharpe_se", "sharpe_ci_low", "sharpe_ci_high", "psr_vs_flat", "psr_vs_benchmark",
-        "n_bars", "skew", "kurtosis",
+        "sharpe", "sharpe_lo", "sharpe_se", "sharpe_se_iid", "sharpe_ci_low", "sharpe_ci_high", "psr_vs_flat",
+        "psr_vs_flat_iid", "n_bars", "skew", "kurtosis",
     }  # fmt: skip
     assert all(isinstance(v, float) for v in s.values())
     m = sharpe_moments(pnl)
     # The back-test's Sharpe of a position of 1 on returns ``pnl`` at zero cost is the same number.
     backtest = trading_metrics(torch.ones(600), pnl, cost_bps=0.0, bars_per_year=bpy).sharpe.item()
     assert s["sharpe"] == pytest.approx(backtest, rel=1e-12)
-    assert s["sharpe_se"] == sharpe_standard_error(pnl, bpy, "mertens")
+    assert s["sharpe_se"] == hac_sharpe_standard_error(pnl, bpy)
+    assert s["sharpe_se_iid"] == sharpe_standard_error(pnl, bpy, "mertens")
+    assert s["sharpe_se"] == pytest.approx(s["sharpe_se_iid"], rel=0.15)  # independent bars: HAC ~ Mertens
     assert (s["sharpe_ci_low"], s["sharpe_ci_high"]) == stationary_bootstrap_sharpe_ci(pnl, bpy, n_boot=300, seed=3)
-    assert s["psr_vs_flat"] == psr_vs_flat(pnl)
-    assert s["psr_vs_benchmark"] == psr_vs_benchmark(pnl, bench)
+    assert s["psr_vs_flat"] == hac_psr(pnl) and s["psr_vs_flat_iid"] == psr_vs_flat(pnl)
+    assert s["sharpe_lo"] == autocorrelation_adjusted_sharpe(pnl, bpy)
     assert (s["n_bars"], s["skew"], s["kurtosis"]) == (600.0, m.skew, m.kurtosis)
-    assert math.isnan(sharpe_summary(pnl, bpy, n_boot=50)["psr_vs_benchmark"])
-    assert sharpe_summary(pnl, bpy, n_boot=50, method="lo")["sharpe_se"] == sharpe_standard_error(pnl, bpy, "lo")
+    assert sharpe_summary(pnl, bpy, n_boot=50, method="lo")["sharpe_se_iid"] == sharpe_standard_error(pnl, bpy, "lo")
 
 
 @pytest.mark.parametrize(
@@ -313,7 +317,7 @@ def test_summary_matches_the_parts_and_the_backtest_sharpe() -> None:
     ],
 )
 def test_series_without_a_sharpe_give_nan_not_exceptions(pnl: list[float]) -> None:
-    s = sharpe_summary(torch.tensor(pnl, dtype=torch.float64), 252.0, benchmark_pnl=PNL, n_boot=20)
+    s = sharpe_summary(torch.tensor(pnl, dtype=torch.float64), 252.0, n_boot=20)
     assert s["n_bars"] == len(pnl)
     flat = not any(pnl)  # a flat book (or no bar) has the Sharpe 0 of trading_metrics, and no statistics
     assert s["sharpe"] == 0.0 if flat else math.isnan(s["sharpe"]), s

@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 
 from foxhunt.data.market import MarketSplit
+from foxhunt.evaluation.portfolio import Weighting, book, book_metrics
+from foxhunt.evaluation.sharpe_difference import sharpe_difference_test
 from foxhunt.evaluation.significance import sharpe_summary
 from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
 from foxhunt.evaluation.trading import counted_log_returns, trading_metrics
@@ -37,18 +39,28 @@ COLUMNS = (  # (metric, header: short, on two lines, so that the table fits a 12
     ("hit_rate", "hit\nrate", "{:.3f}"),
     ("n_trades", "\ntrades", "{:.0f}"),
     ("weight", "ens.\nweight", "{:.3f}"),
-    ("sharpe_se", "\nSE", "{:.2f}"),
+    ("sharpe_lo", "Sharpe\nLo", "{:+.2f}"),
+    ("sharpe_se", "SE\nHAC", "{:.2f}"),
     ("sharpe_ci", "\n95% CI", "[{:+.2f}, {:+.2f}]"),
     ("psr_vs_flat", "PSR\nflat", "{:.3f}"),
-    ("psr_vs_benchmark", "PSR\nB&H", "{:.3f}"),
+    ("sharpe_diff_vs_bh", "ΔSharpe\nvs B&H", "{:+.2f}"),
+    ("p_vs_bh", "p B&H\nHAC", "{:.3f}"),
+    ("p_vs_bh_boot", "p B&H\nboot", "{:.3f}"),
 )
-SIGNIFICANCE_KEYS = ("sharpe_se", "sharpe_ci", "psr_vs_flat", "psr_vs_benchmark")  # a second table's, when too wide
+SIGNIFICANCE_KEYS = ("sharpe_lo", "sharpe_se", "sharpe_ci", "psr_vs_flat", "sharpe_diff_vs_bh", "p_vs_bh",
+                     "p_vs_bh_boot")  # a second table's, when too wide
+SIGNIFICANCE = ("sharpe_lo", "sharpe_se", "sharpe_se_iid", "sharpe_ci_low", "sharpe_ci_high", "psr_vs_flat",
+                "psr_vs_flat_iid", "sharpe_diff_vs_bh", "sharpe_diff_vs_bh_se", "p_vs_bh", "p_vs_bh_boot")
+N_BOOT = 999  # bootstrap replicates, on any length of split (the work is chunked)
 TABLE_WIDTH = 120  # columns of the terminal the table is laid out for
 LEGEND = (
-    "log return: total after costs; Sharpe, Sortino: annualised; max DD: maximum drawdown; turnover: mean |position "
-    "change| per bar; hit rate: share of the bars in the market that gained; ens. weight: weight in the ensemble; "
-    "SE, 95% CI: the Sharpe's standard error and bootstrap interval; PSR flat, PSR B&H: probabilistic Sharpe ratio vs "
-    "flat and vs buy-and-hold"
+    "log return: total after costs; Sharpe, Sortino: annualised (sqrt of bars a year); max DD: maximum drawdown; "
+    "turnover: mean |position change| per bar; hit rate: share of the bars in the market that gained; ens. weight: "
+    "weight in the ensemble; Sharpe Lo: annual Sharpe adjusted for autocorrelation (Lo 2002); SE HAC, 95% CI: the "
+    "Sharpe's autocorrelation-robust standard error and stationary-bootstrap interval; PSR flat: probability the true "
+    "Sharpe is above 0 (HAC); ΔSharpe vs B&H, p B&H: Sharpe minus buy-and-hold's and the two-sided p-value of Ledoit & "
+    "Wolf's paired test that they are equal (HAC delta method; studentised block bootstrap); buy-and-hold is long at "
+    "every decision bar, so it exits and re-enters (and pays) at each hole in the data"
 )
 
 
@@ -86,12 +98,28 @@ def oracle_split_positions(split: MarketSplit, cost_bps: float, device: torch.de
     return best
 
 
-def policy_pnl(positions: Tensor, split: MarketSplit, cost_bps: float) -> Tensor:
-    """Per-bar log return after costs of a position series at the split's decision bars (float64); the cost of
-    closing at a bar that is not one (a symbol's last bar, a hole) counts at the decision bar before it."""
-    dev = positions.device
-    decision, reset = split.valid.to(dev), split.first_bar.to(dev)
-    return counted_log_returns(positions.double(), split.returns.to(dev).double(), cost_bps, decision, reset)[decision]
+def policy_pnl(positions: Tensor, split: MarketSplit, cost_bps: float, weighting: Weighting = "equal") -> Tensor:
+    """Per-bar log return after costs of a position series on a split (float64): one symbol's counted bars, or for
+    several symbols the book's return per timestamp (:mod:`foxhunt.evaluation.portfolio`, ``weighting``); the cost of
+    closing at a bar that is not a decision bar (a symbol's last bar, a hole) counts at the decision bar before it."""
+    return book(positions, split, cost_bps, weighting).pnl
+
+
+def significance_metrics(pnl: Tensor, benchmark: Tensor | None, bars_per_year: float, n_boot: int = N_BOOT,
+                         seed: int = 0) -> dict[str, float]:
+    """The ``SIGNIFICANCE`` figures of one policy's P&L: its Sharpe's HAC SE, bootstrap interval, PSR and Lo's annual
+    Sharpe (:func:`sharpe_summary`) and Ledoit & Wolf's paired test against ``benchmark`` (buy-and-hold) on the same
+    bars (:func:`sharpe_difference_test`; NaN without one)."""
+    stats = sharpe_summary(pnl, bars_per_year, n_boot=n_boot, seed=seed)
+    out = {k: float(stats[k]) for k in SIGNIFICANCE if k in stats}
+    test = None if benchmark is None else sharpe_difference_test(pnl, benchmark.to(pnl.device), bars_per_year,
+                                                                 n_boot=n_boot, seed=seed)
+    nan = float("nan")
+    out["sharpe_diff_vs_bh"] = nan if test is None else test.difference
+    out["sharpe_diff_vs_bh_se"] = nan if test is None else test.se
+    out["p_vs_bh"] = nan if test is None else test.p_value
+    out["p_vs_bh_boot"] = nan if test is None else test.p_value_bootstrap
+    return out
 
 
 def sortino(pnl: Tensor, bars_per_year: float) -> float:
@@ -105,13 +133,14 @@ def sortino(pnl: Tensor, bars_per_year: float) -> float:
 @torch.no_grad()
 def policy_metrics(
     positions: dict[str, Tensor], split: MarketSplit, cost_bps: float, bars_per_year: float | None = None,
-    significance: bool = False, seed: int = 0,
+    significance: bool = False, seed: int = 0, weighting: Weighting = "equal", n_boot: int = N_BOOT,
 ) -> dict[str, dict[str, float]]:
     """After-cost metrics (Sharpe, Sortino, drawdown, turnover, ...) of every policy's positions on a split.
 
-    ``significance`` adds, per policy, the Sharpe's standard error (Mertens), a stationary block bootstrap 95%
-    interval and the probabilistic Sharpe ratio against flat and against buy-and-hold (docs/STATISTICS.md); the
-    reported tables use it, validation (which runs every epoch) does not.
+    Several symbols are one book (:mod:`foxhunt.evaluation.portfolio`, ``weighting``): every figure is the book's,
+    per timestamp; ``n_symbols`` and ``symbol_weight`` say which book. ``significance`` adds, per policy, the
+    ``SIGNIFICANCE`` figures (:func:`significance_metrics`, ``n_boot`` bootstrap replicates; docs/STATISTICS.md);
+    the reported tables use it, validation (which runs every epoch) does not.
     """
     bpy = split_bars_per_year(split, bars_per_year)
     results: dict[str, dict[str, float]] = {}
@@ -123,19 +152,44 @@ def policy_metrics(
         if bool(bad.any()):
             raise ValueError(f"{who}: {int(bad.sum())} non-finite position(s) at decision bars of split {split.name!r} "
                              f"(first at row {int(bad.nonzero()[0])}); refusing to score it")
-        m = trading_metrics(p, returns, cost_bps, bpy, mask=decision, reset=reset)
+        b = book(p, split, cost_bps, weighting)
+        m = trading_metrics(p, returns, cost_bps, bpy, mask=decision, reset=reset) if b.n_symbols == 1 else \
+            book_metrics(b, bpy)
         results[who] = {k: float(v) for k, v in m.as_dict().items()}
-        pnls[who] = policy_pnl(p, split, cost_bps)
+        results[who].update(n_symbols=float(b.n_symbols), symbol_weight=b.weight)
+        pnls[who] = b.pnl
         results[who]["sortino"] = sortino(pnls[who], bpy)
     if significance:
-        decision = split.valid
-        benchmark = policy_pnl(decision.float(), split, cost_bps)  # buy-and-hold
-        n_boot = max(200, min(1000, int(2e7 // max(int(decision.sum()), 1))))  # bounded work on long splits
+        benchmark = policy_pnl(split.valid.float(), split, cost_bps, weighting)  # buy-and-hold
         for who, pnl in pnls.items():
-            stats = sharpe_summary(pnl, bpy, benchmark_pnl=benchmark.to(pnl.device), n_boot=n_boot, seed=seed)
-            results[who].update({k: stats[k] for k in ("sharpe_se", "sharpe_ci_low", "sharpe_ci_high", "psr_vs_flat",
-                                                       "psr_vs_benchmark")})
+            results[who].update(significance_metrics(pnl, benchmark, bpy, n_boot, seed))
     return results
+
+
+def symbol_metrics(positions: dict[str, Tensor], split: MarketSplit, cost_bps: float,
+                   bars_per_year: float | None = None) -> dict[str, dict[str, dict[str, float]]]:
+    """``{symbol: {policy: metrics}}``: each symbol's own back-test (:func:`policy_metrics` on its rows), the tables
+    beside a book's."""
+    bpy = split_bars_per_year(split, bars_per_year)
+    out = {}
+    for code in torch.unique(split.symbol_index).tolist():
+        rows = split.symbol_index == code
+        if bool(split.valid[rows].any()):
+            out[split.symbols[code]] = policy_metrics({w: p[rows.to(p.device)] for w, p in positions.items()},
+                                                      split.select(rows), cost_bps, bpy)
+    return out
+
+
+def format_symbols(per_symbol: dict[str, dict[str, dict[str, float]]], key: str = "sharpe") -> str:
+    """One row per policy, one column per symbol: each symbol's own ``key`` (Sharpe by default)."""
+    symbols = list(per_symbol)
+    policies = list(next(iter(per_symbol.values()))) if per_symbol else []
+    head = f"{'policy':<22}" + "".join(f"{s[:11]:>12}" for s in symbols)
+    rows = [f"{key} per symbol (each symbol traded on its own capital)", head, "-" * len(head)]
+    for who in policies:
+        rows.append(f"{who[:21]:<22}" + "".join(f"{_cell(per_symbol[s].get(who, {}), key, '{:+.2f}'):>12}"
+                                               for s in symbols))
+    return "\n".join(rows)
 
 
 @torch.no_grad()
@@ -176,6 +230,12 @@ def format_table(results: dict[str, dict[str, float]], split: str | None = None,
     for k, table in enumerate(tables):
         console.print(*([""] if k else []), table)
     rows = [f"split: {split}"] if split else []
+    first = next(iter(results.values()), {})
+    if first.get("n_symbols", 1) > 1:
+        k, w = int(first["n_symbols"]), first.get("symbol_weight", float("nan"))
+        rows.append(f"one book of {k} symbols, each position a fraction of "
+                    + ("1/{k} of the equity (equal weight)".format(k=k) if abs(w * k - 1) < 1e-12
+                       else "the whole equity (gross)") + ": every figure is the book's, per timestamp")
     rows += [line.rstrip() for line in out.getvalue().splitlines()]
     rows += _wrapped(LEGEND, width)
     flat = {who: m.get("edge_confidence", float("nan")) for who, m in results.items() if m.get("held_flat") == 1}

@@ -26,6 +26,14 @@ from statistics import NormalDist
 import torch
 from torch import Tensor
 
+from foxhunt.evaluation.hac import (
+    Kernel,
+    autocorrelation_adjusted_eta,
+    hac_sharpe_variance,
+    politis_white_block_length,
+    sharpe_influence,
+)
+
 EULER_MASCHERONI = 0.5772156649015329
 MIN_BARS = 3
 SHARPE_RTOL = 1e-12  # a spread at most this times the largest |P&L| is rounding: the series is constant, no Sharpe
@@ -96,7 +104,7 @@ def sharpe_standard_error(pnl: Tensor | Sequence[float], bars_per_year: float, m
 
     ``method="lo"``: Lo (2002), i.i.d. normal returns, ``sqrt((1 + SR²/2) / n)``. ``method="mertens"``: Mertens
     (2002), i.i.d. returns of any skewness γ3 and kurtosis γ4, ``sqrt((1 - γ3 SR + (γ4 - 1)/4 SR²) / n)`` (equal to
-    Lo's when γ3 = 0 and γ4 = 3). Neither accounts for autocorrelation: see :func:`stationary_bootstrap_sharpe_ci`.
+    Lo's when γ3 = 0 and γ4 = 3). Neither accounts for autocorrelation: see :func:`hac_sharpe_standard_error`.
     """
     _check_bars_per_year(bars_per_year)
     if method not in ("lo", "mertens"):
@@ -145,6 +153,52 @@ def psr_vs_benchmark(pnl: Tensor | Sequence[float], benchmark_pnl: Tensor | Sequ
     benchmark has no Sharpe (e.g. zero variance).
     """
     return probabilistic_sharpe_ratio(pnl, sharpe_moments(benchmark_pnl).sr_per_bar)
+
+
+def hac_sharpe_standard_error(pnl: Tensor | Sequence[float], bars_per_year: float, kernel: Kernel = "qs") -> float:
+    """Autocorrelation-robust SE of the annualised Sharpe: ``sqrt(LRV(ψ) / n) · sqrt(bars_per_year)``.
+
+    ψ is the Sharpe's influence series (Lo 2002's GMM form, :func:`~foxhunt.evaluation.hac.sharpe_influence`), LRV
+    its prewhitened kernel long-run variance at Andrews' (1991) data-chosen bandwidth; on independent bars it tends
+    to Mertens' SE, on autocorrelated or volatility-clustered P&L it widens as the Sharpe's spread does.
+    """
+    _check_bars_per_year(bars_per_year)
+    x = _series(pnl)
+    if not _has_sharpe(x):
+        return math.nan
+    return math.sqrt(float(hac_sharpe_variance(x, kernel)) / x.numel() * bars_per_year)
+
+
+def hac_psr(pnl: Tensor | Sequence[float], benchmark_sr_per_bar: float = 0.0, kernel: Kernel = "qs") -> float:
+    """PSR with the HAC standard error: ``Φ((SR - SR*) / sqrt(LRV(ψ) / n))``, the probability that the true per-bar
+    Sharpe exceeds ``benchmark_sr_per_bar`` when bars are dependent (Bailey & Lopez de Prado's PSR is its i.i.d. form)."""
+    x = _series(pnl)
+    if not _has_sharpe(x) or math.isnan(benchmark_sr_per_bar):
+        return math.nan
+    variance = float(hac_sharpe_variance(x, kernel))
+    if not variance > 0:
+        return math.nan
+    sr = float(x.mean() / x.std())
+    return normal_cdf((sr - benchmark_sr_per_bar) / math.sqrt(variance / x.numel()))
+
+
+def autocorrelation_adjusted_sharpe(pnl: Tensor | Sequence[float], bars_per_year: float) -> float:
+    """Lo's (2002) annual Sharpe of a serially correlated P&L, ``η(q) · SR`` with q = ``bars_per_year``, where the
+    plain annualisation is ``sqrt(q) · SR`` (:func:`~foxhunt.evaluation.hac.autocorrelation_adjusted_eta`)."""
+    _check_bars_per_year(bars_per_year)
+    x = _series(pnl)
+    if not _has_sharpe(x):
+        return math.nan
+    return float(x.mean() / x.std()) * float(autocorrelation_adjusted_eta(x, bars_per_year))
+
+
+def sharpe_block_length(pnl: Tensor | Sequence[float]) -> float:
+    """The stationary bootstrap's mean block for a Sharpe: Politis & White's (2004) length of its influence series
+    (the P&L and its squares: autocorrelation and volatility clustering); ``n ** (1/3)`` where there is no Sharpe."""
+    x = _series(pnl)
+    if not _has_sharpe(x):
+        return max(1.0, x.numel() ** (1.0 / 3.0))
+    return politis_white_block_length(sharpe_influence(x))
 
 
 def expected_max_sharpe(trial_srs_per_bar: Tensor | Sequence[float], n_trials: int | None = None) -> float:
@@ -221,7 +275,7 @@ def stationary_bootstrap_sharpe_ci(
 ) -> tuple[float, float]:
     """Percentile interval ``(low, high)`` of the annualised Sharpe under the stationary block bootstrap.
 
-    ``mean_block`` (bars; default ``n ** (1/3)``) is the mean block length: blocks keep the series' short-range
+    ``mean_block`` (bars; default :func:`sharpe_block_length`, Politis & White's) is the mean block length: blocks keep the series' short-range
     dependence (autocorrelation, volatility clustering) that the i.i.d. formulas ignore. Replicates whose Sharpe is
     undefined (zero variance) are left out of the percentiles. Reproducible for a given ``seed`` and device (the
     series' device draws the random numbers). NaN, NaN when the series has no Sharpe.
@@ -237,7 +291,7 @@ def stationary_bootstrap_sharpe_ci(
     if not _has_sharpe(x):
         return math.nan, math.nan
     n = x.numel()
-    mean_block = max(1.0, n ** (1.0 / 3.0)) if mean_block is None else float(mean_block)
+    mean_block = sharpe_block_length(x) if mean_block is None else float(mean_block)
     generator = torch.Generator(device=x.device).manual_seed(seed)
     chunk = max(1, _MAX_BOOTSTRAP_ELEMENTS // n)
     tol = SHARPE_RTOL * float(x.abs().max())
@@ -257,32 +311,35 @@ def stationary_bootstrap_sharpe_ci(
 def sharpe_summary(
     pnl: Tensor | Sequence[float],
     bars_per_year: float,
-    benchmark_pnl: Tensor | Sequence[float] | None = None,
     level: float = 0.95,
-    n_boot: int = 1000,
+    n_boot: int = 999,
     mean_block: float | None = None,
     seed: int = 0,
     method: str = "mertens",
 ) -> dict[str, float]:
     """One P&L series' Sharpe with its uncertainty, as the back-test table shows it.
 
-    Keys: ``sharpe`` (annualised), ``sharpe_se`` (annualised, ``method``), ``sharpe_ci_low`` / ``sharpe_ci_high``
-    (stationary bootstrap at ``level``), ``psr_vs_flat``, ``psr_vs_benchmark`` (against ``benchmark_pnl``'s Sharpe;
-    NaN without one), ``n_bars``, ``skew`` and ``kurtosis`` (non-excess). NaN where undefined; a flat book's
-    ``sharpe`` is 0, as in ``trading_metrics`` (the rest NaN: nothing to test).
+    Keys: ``sharpe`` (annualised, ``sqrt(bars_per_year)``), ``sharpe_lo`` (Lo's autocorrelation-adjusted annual
+    Sharpe), ``sharpe_se`` (HAC, annualised), ``sharpe_se_iid`` (``method``, independent bars), ``sharpe_ci_low`` /
+    ``sharpe_ci_high`` (stationary bootstrap at ``level``, mean block ``mean_block``: Politis & White's by default),
+    ``psr_vs_flat`` (HAC), ``psr_vs_flat_iid`` (Bailey & Lopez de Prado's), ``n_bars``, ``skew`` and ``kurtosis``
+    (non-excess). NaN where undefined; a flat book's ``sharpe`` is 0, as in ``trading_metrics`` (the rest NaN:
+    nothing to test). A comparison with a benchmark is :func:`foxhunt.evaluation.sharpe_difference.
+    sharpe_difference_test`.
     """
     se = sharpe_standard_error(pnl, bars_per_year, method)
     m = sharpe_moments(pnl)
     low, high = stationary_bootstrap_sharpe_ci(pnl, bars_per_year, level, n_boot, mean_block, seed)
-    benchmark_sr = math.nan if benchmark_pnl is None else sharpe_moments(benchmark_pnl).sr_per_bar
     flat = not bool(_series(pnl).ne(0).any())  # no bar with P&L: Sharpe 0, the table's and trading_metrics' figure
     return {
         "sharpe": 0.0 if flat else m.sr_per_bar * math.sqrt(bars_per_year),
-        "sharpe_se": se,
+        "sharpe_lo": autocorrelation_adjusted_sharpe(pnl, bars_per_year),
+        "sharpe_se": hac_sharpe_standard_error(pnl, bars_per_year),
+        "sharpe_se_iid": se,
         "sharpe_ci_low": low,
         "sharpe_ci_high": high,
-        "psr_vs_flat": psr_from_moments(m.sr_per_bar, m.n_bars, m.skew, m.kurtosis, 0.0),
-        "psr_vs_benchmark": psr_from_moments(m.sr_per_bar, m.n_bars, m.skew, m.kurtosis, benchmark_sr),
+        "psr_vs_flat": hac_psr(pnl, 0.0),
+        "psr_vs_flat_iid": psr_from_moments(m.sr_per_bar, m.n_bars, m.skew, m.kurtosis, 0.0),
         "n_bars": float(m.n_bars),
         "skew": m.skew,
         "kurtosis": m.kurtosis,

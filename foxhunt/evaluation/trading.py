@@ -105,6 +105,29 @@ def _prepare(
     return pos, rets, mask, reset
 
 
+def pnl_figures(
+    pnl: Tensor, mask: Tensor, bars_per_year: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(reward per bar, annualised Sharpe, total log return, max drawdown, bars) of per-bar log returns ``pnl``
+    [..., T] over the ``mask`` bars (0 at the others), one rule for a symbol's series and a book's: a flat book has
+    Sharpe 0, fewer than 3 bars or no spread beyond rounding none (NaN)."""
+    w = mask.to(torch.float64)
+    n = w.sum(-1)
+    n_safe = n.clamp_min(1.0)
+    total = pnl.sum(-1)
+    mean = total / n_safe
+    var = (((pnl - mean.unsqueeze(-1)) ** 2) * w).sum(-1) / (n_safe - 1.0).clamp_min(1.0)
+    std = var.sqrt()
+    scale = torch.where(mask, pnl.abs(), torch.zeros_like(pnl)).amax(-1) if pnl.shape[-1] else torch.zeros_like(mean)
+    has_sharpe = (n >= MIN_BARS) & (std > SHARPE_RTOL * scale)  # significance's rule: no spread beyond rounding, none
+    no_sharpe = torch.where(scale == 0, torch.zeros_like(mean), torch.full_like(mean, math.nan))  # flat: 0
+    sharpe = torch.where(has_sharpe, mean / std.clamp_min(1e-300) * math.sqrt(bars_per_year), no_sharpe)
+    equity = torch.cumsum(pnl, -1)
+    peak = torch.cummax(torch.cat([torch.zeros_like(equity[..., :1]), equity], -1), -1).values[..., 1:]
+    drawdown_log = (peak - equity).amax(-1) if equity.shape[-1] else torch.zeros_like(mean)
+    return mean, sharpe, total, 1.0 - torch.exp(-drawdown_log), n
+
+
 def trading_metrics(
     positions: Tensor,
     returns: Tensor,
@@ -135,20 +158,8 @@ def trading_metrics(
         trades = _on_counted_bars((changes > 0).to(torch.float64), counted_bar, mask)
     else:
         pnl = traded = trades = changes
-    w = mask.to(torch.float64)
-    n = w.sum(-1)
+    mean, sharpe, total, max_drawdown, n = pnl_figures(pnl, mask, bars_per_year)
     n_safe = n.clamp_min(1.0)
-    total = pnl.sum(-1)
-    mean = total / n_safe
-    var = (((pnl - mean.unsqueeze(-1)) ** 2) * w).sum(-1) / (n_safe - 1.0).clamp_min(1.0)
-    std = var.sqrt()
-    scale = torch.where(mask, pnl.abs(), torch.zeros_like(pnl)).amax(-1) if pnl.shape[-1] else torch.zeros_like(mean)
-    has_sharpe = (n >= MIN_BARS) & (std > SHARPE_RTOL * scale)  # significance's rule: no spread beyond rounding, none
-    no_sharpe = torch.where(scale == 0, torch.zeros_like(mean), torch.full_like(mean, math.nan))  # flat: 0
-    sharpe = torch.where(has_sharpe, mean / std.clamp_min(1e-300) * math.sqrt(bars_per_year), no_sharpe)
-    equity = torch.cumsum(pnl, -1)
-    peak = torch.cummax(torch.cat([torch.zeros_like(equity[..., :1]), equity], -1), -1).values[..., 1:]
-    drawdown_log = (peak - equity).amax(-1) if equity.shape[-1] else torch.zeros_like(mean)
     in_market = (pos != 0) & mask
     n_in = in_market.sum(-1).to(torch.float64)
     hits = ((gross > 0) & in_market).sum(-1).to(torch.float64)
@@ -157,7 +168,7 @@ def trading_metrics(
         reward_per_bar=mean,
         sharpe=sharpe,
         total_log_return=total,
-        max_drawdown=1.0 - torch.exp(-drawdown_log),
+        max_drawdown=max_drawdown,
         turnover=traded.sum(-1) / n_safe,
         hit_rate=hit_rate,
         n_trades=trades.sum(-1).round().to(torch.int64),

@@ -75,7 +75,7 @@ def load_out_of_sample(out: Path, layout: dict[str, Any] | None = None) -> OutOf
 def gather(out: Path, figure: bool = True, n_boot: int | None = None) -> dict[str, Any]:
     """One table (and equity figure) of the finished folds' concatenated out-of-sample positions, with per-fold
     rows; written to ``walkforward.json`` (and ``equity.png``) in ``out``, printed and returned (NaN as None)."""
-    from foxhunt.evaluation.backtest import COLUMNS, format_table
+    from foxhunt.evaluation.backtest import COLUMNS, format_symbols, format_table, symbol_metrics
 
     layout = read_layout(out)
     oos = load_out_of_sample(out, layout)
@@ -94,6 +94,8 @@ def gather(out: Path, figure: bool = True, n_boot: int | None = None) -> dict[st
         per_fold.append({**meta["cuts"], "fold": meta["fold"], "bars": len(split), "decision_bars": int(split.valid.sum()),
                          "first": iso_utc(int(split.timestamps.min())), "last": iso_utc(int(split.timestamps.max())),
                          "policies": metrics})
+    per_symbol = symbol_metrics(*own_account(oos.positions, oos.split, gap), cost, bpy) \
+        if len(torch.unique(oos.split.symbol_index)) > 1 else {}
     missing = [f.index for f in folds_of(layout) if not is_done(out, f.index)]
     table = {
         "folds": len(layout["folds"]),
@@ -107,6 +109,7 @@ def gather(out: Path, figure: bool = True, n_boot: int | None = None) -> dict[st
         "significance": significance_summary() is not None,
         "policies": overall,
         "per_fold": per_fold,
+        "per_symbol": per_symbol,
     }
     table = json_safe(table)  # NaN (no Sharpe, no hit rate) as null, in the file and the returned table alike
     write_json(out / TABLE, table)
@@ -115,6 +118,8 @@ def gather(out: Path, figure: bool = True, n_boot: int | None = None) -> dict[st
     print("\n" + format_table(overall, split=oos.split.name))
     if table["significance"] and not any(key == "sharpe_se" for key, *_ in COLUMNS):  # else the table shows it
         print("\n" + format_significance(overall))
+    if per_symbol:
+        print("\n" + format_symbols(per_symbol))
     print("\n" + format_folds(per_fold))
     if missing:
         print(f"\nnot finished yet: folds {missing}")
@@ -141,12 +146,14 @@ def _cell(v: Any, fmt: str) -> str:
 
 def format_significance(metrics: dict[str, dict[str, Any]]) -> str:
     """Each policy's Sharpe ratio with its standard error, 95% interval and probabilistic Sharpe ratios."""
-    cols = (("sharpe", "Sharpe", "{:+.2f}"), ("sharpe_se", "s.e.", "{:.2f}"), ("sharpe_ci_low", "CI low", "{:+.2f}"),
-            ("sharpe_ci_high", "CI high", "{:+.2f}"), ("psr_vs_flat", "PSR vs flat", "{:.3f}"),
-            ("psr_vs_benchmark", "PSR vs B&H", "{:.3f}"))
+    cols = (("sharpe", "Sharpe", "{:+.2f}"), ("sharpe_lo", "Sharpe Lo", "{:+.2f}"), ("sharpe_se", "s.e. HAC", "{:.2f}"),
+            ("sharpe_ci_low", "CI low", "{:+.2f}"), ("sharpe_ci_high", "CI high", "{:+.2f}"),
+            ("psr_vs_flat", "PSR vs flat", "{:.3f}"), ("sharpe_diff_vs_bh", "ΔSR vs B&H", "{:+.2f}"),
+            ("p_vs_bh", "p HAC", "{:.3f}"), ("p_vs_bh_boot", "p boot", "{:.3f}"))
     head = f"{'policy':<22}" + "".join(f"{label:>13}" for _, label, _ in cols)
-    rows = ["significance of the Sharpe ratios (95% stationary-bootstrap interval; PSR: probability the true Sharpe "
-            "exceeds flat's 0 / buy-and-hold's)", head, "-" * len(head)]
+    rows = ["significance of the Sharpe ratios (HAC standard error; 95% stationary-bootstrap interval; PSR: "
+            "probability the true Sharpe exceeds 0; Ledoit & Wolf's paired test of the Sharpe against buy-and-hold's)",
+            head, "-" * len(head)]
     for who, m in metrics.items():
         rows.append(f"{who:<22}" + "".join(f"{_cell(m.get(key), fmt):>13}" for key, _, fmt in cols))
     return "\n".join(rows)

@@ -19,27 +19,16 @@ def significance_summary() -> Any:
     return sharpe_summary
 
 
-SIGNIFICANCE = ("sharpe_se", "sharpe_ci_low", "sharpe_ci_high", "psr_vs_flat", "psr_vs_benchmark")
-
-
 def score(positions: dict[str, torch.Tensor], split: MarketSplit, cost_bps: float, bars_per_year: float,
-           significance: bool = True, n_boot: int | None = None) -> dict[str, dict[str, float]]:
-    """Back-test metrics of every policy on a split and, with ``significance`` where ``evaluation.significance``
-    exists, the significance of each Sharpe ratio (``SIGNIFICANCE``: standard error, 95% stationary-bootstrap interval
-    of ``n_boot`` replicates, PSR against flat and against buy-and-hold), under the names the back-test tables use."""
-    from foxhunt.evaluation.backtest import policy_metrics, policy_pnl
+          significance: bool = True, n_boot: int | None = None) -> dict[str, dict[str, float]]:
+    """Back-test metrics of every policy on a split (one book over its symbols) and, with ``significance``, each
+    Sharpe's significance (``evaluation.backtest.SIGNIFICANCE``: HAC standard error, stationary-bootstrap interval of
+    ``n_boot`` replicates (default 999), HAC PSR against flat, Lo's annual Sharpe, Ledoit & Wolf's paired test
+    against buy-and-hold), under the names the back-test tables use."""
+    from foxhunt.evaluation.backtest import N_BOOT, policy_metrics
 
-    metrics = policy_metrics(positions, split, cost_bps, bars_per_year)
-    summary = significance_summary()
-    if summary is None or not significance:
-        return metrics
-    benchmark = policy_pnl(positions["buy_and_hold"], split, cost_bps) if "buy_and_hold" in positions else None
-    if n_boot is None:  # 1000 replicates, fewer (not under 200) on long series: bounded work
-        n_boot = max(200, min(1000, int(2e7 // max(int(split.valid.sum()), 1))))
-    for policy, p in positions.items():
-        stats = summary(policy_pnl(p, split, cost_bps), bars_per_year, benchmark_pnl=benchmark, n_boot=n_boot, seed=0)
-        metrics[policy].update({key: float(stats[key]) for key in SIGNIFICANCE})
-    return metrics
+    return policy_metrics(positions, split, cost_bps, bars_per_year, significance=significance and
+                          significance_summary() is not None, n_boot=N_BOOT if n_boot is None else n_boot)
 
 
 def own_account(positions: dict[str, torch.Tensor], split: MarketSplit,

@@ -1,0 +1,144 @@
+"""Is one strategy's Sharpe ratio higher than another's on the same bars: Ledoit & Wolf's (2008) paired test.
+
+Both Sharpes are estimated, from P&L series that are correlated (the same market) and autocorrelated. The test of
+``H0: SR_a = SR_b`` studentises the difference with its HAC standard error (the delta method on the four moments of
+the pair, :mod:`foxhunt.evaluation.hac`) and reads its p-value either from the normal distribution or from a
+studentised circular block bootstrap that resamples both series on the same time paths (Ledoit & Wolf 2008,
+section 3.2). One implementation, for the back-test's "vs buy-and-hold" columns and for any champion/challenger
+comparison. docs/STATISTICS.md has the formulas.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from foxhunt.evaluation.hac import Kernel, long_run_variance, politis_white_block_length, sharpe_influence
+from foxhunt.evaluation.significance import SHARPE_RTOL, normal_cdf
+
+_MAX_BOOTSTRAP_ELEMENTS = 1 << 22  # bars resampled per chunk of replicates (both series)
+
+
+@dataclass(frozen=True)
+class SharpeDifference:
+    """The paired test of two Sharpe ratios on the same bars (annualised figures; NaN where undefined)."""
+
+    difference: float  # Sharpe_a - Sharpe_b, annualised
+    se: float  # HAC standard error of the difference, annualised (delta method)
+    p_value: float  # two-sided, HAC delta method against the normal
+    p_value_bootstrap: float  # two-sided, studentised circular block bootstrap
+    ci_low: float  # the bootstrap's symmetric studentised interval of the difference at ``level``
+    ci_high: float
+    block: int  # the circular bootstrap's block length (bars)
+    n_bars: int
+
+
+def _pair(pnl_a: Tensor | Sequence[float], pnl_b: Tensor | Sequence[float]) -> tuple[Tensor, Tensor]:
+    a = torch.as_tensor(pnl_a, dtype=torch.float64)
+    b = torch.as_tensor(pnl_b, dtype=torch.float64).to(a.device)
+    if a.shape != b.shape or a.dim() < 1:
+        raise ValueError(f"the two P&L series must have the same bars, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    return a, b
+
+
+def _sharpe(x: Tensor) -> Tensor:
+    """Per-bar Sharpe over the last axis (sample std), NaN where the spread is rounding."""
+    std = x.std(-1)
+    tol = SHARPE_RTOL * x.abs().amax(-1)
+    return torch.where(std > tol, x.mean(-1) / std.clamp_min(1e-300), torch.full_like(std, math.nan))
+
+
+def sharpe_difference_z(
+    pnl_a: Tensor, pnl_b: Tensor, kernel: Kernel = "qs", prewhiten: bool = True
+) -> tuple[Tensor, Tensor]:
+    """([...], [...]): the per-bar ``SR_a - SR_b`` of each pair of series (last axis: bars) and its HAC standard
+    error, ``sqrt(LRV(ψ_a - ψ_b) / n)`` with ψ the Sharpe's influence series (:func:`~foxhunt.evaluation.hac.
+    sharpe_influence`): Ledoit & Wolf's ``sqrt(∇f' Ψ ∇f / T)``, the bandwidth chosen on the linearised difference."""
+    a, b = _pair(pnl_a, pnl_b)
+    diff = _sharpe(a) - _sharpe(b)
+    d = sharpe_influence(a) - sharpe_influence(b)
+    return diff, (long_run_variance(d, kernel, None, prewhiten) / a.shape[-1]).sqrt()
+
+
+def _circular_block_paths(n: int, block: int, n_boot: int, generator: torch.Generator) -> Tensor:
+    """[n_boot, l·block] circular block bootstrap paths, l = n // block blocks of uniform start, wrapping."""
+    n_blocks = n // block
+    starts = torch.randint(0, n, (n_boot, n_blocks, 1), generator=generator, device=generator.device)
+    return ((starts + torch.arange(block, device=starts.device)) % n).reshape(n_boot, n_blocks * block)
+
+
+def sharpe_difference_test(
+    pnl_a: Tensor | Sequence[float],
+    pnl_b: Tensor | Sequence[float],
+    bars_per_year: float,
+    n_boot: int = 999,
+    block: int | None = None,
+    level: float = 0.95,
+    seed: int = 0,
+    kernel: Kernel = "qs",
+) -> SharpeDifference:
+    """Ledoit & Wolf's (2008) test of ``SR_a = SR_b`` for two P&L series on the same bars (1-D, aligned).
+
+    HAC: ``z = Δ / se``, ``p = 2 (1 - Φ(|z|))``. Bootstrap (their section 3.2.2): ``n_boot`` circular block resamples
+    of the pair on shared index paths, each studentised by its own block-sum variance ``s* = sqrt(Σ_j (Σ_{t∈j}
+    ψ*_t)² / (l b) / T')`` (l blocks of ``block`` bars, T' = l·b, ψ* the resample's own influence series);
+    ``p = (1 + #{|Δ* - Δ| / s* ≥ |Δ| / se}) / (M + 1)`` over the M resamples with a Sharpe, and the interval
+    ``Δ ± q_level(|Δ* - Δ| / s*) · se``. ``block`` defaults to Politis & White's circular block length of the
+    linearised difference. NaN where either series has no Sharpe or the two are identical (se 0).
+    """
+    if not (bars_per_year > 0 and math.isfinite(bars_per_year)):
+        raise ValueError(f"bars_per_year must be a positive number, got {bars_per_year}")
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be at least 1, got {n_boot}")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    a, b = _pair(pnl_a, pnl_b)
+    if a.dim() != 1:
+        raise ValueError(f"pnl_a and pnl_b must be 1-D series of per-bar returns, got shape {tuple(a.shape)}")
+    n = a.numel()
+    nan = SharpeDifference(math.nan, math.nan, math.nan, math.nan, math.nan, math.nan, 0, n)
+    if n < 9 or not bool(torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return nan
+    diff_t, se_t = sharpe_difference_z(a, b, kernel)
+    diff, se = float(diff_t), float(se_t)
+    if math.isnan(diff) or not se > 0:
+        return nan
+    scale = math.sqrt(bars_per_year)
+    d = sharpe_influence(a) - sharpe_influence(b)
+    block = max(1, min(n // 2, round(politis_white_block_length(d, circular=True)))) if block is None else int(block)
+    if not 1 <= block <= n:
+        raise ValueError(f"block must be between 1 and the {n} bars, got {block}")
+    generator = torch.Generator(device=a.device).manual_seed(seed)
+    pair = torch.stack([a, b])  # [2, n]: both series resampled on the same paths
+    chunk = max(1, _MAX_BOOTSTRAP_ELEMENTS // (2 * n))
+    stats = []
+    for first in range(0, n_boot, chunk):
+        idx = _circular_block_paths(n, block, min(chunk, n_boot - first), generator)
+        sample = pair[:, idx]  # [2, M, T']
+        delta = _sharpe(sample[0]) - _sharpe(sample[1])
+        psi = sharpe_influence(sample[0]) - sharpe_influence(sample[1])
+        sums = psi.reshape(psi.shape[0], -1, block).sum(-1)  # [M, l] block sums
+        s = ((sums**2).mean(-1) / block / idx.shape[1]).sqrt()
+        stats.append((delta - diff).abs() / s)
+    boot = torch.cat(stats)
+    boot = boot[torch.isfinite(boot)]
+    if boot.numel() == 0:
+        return SharpeDifference(diff * scale, se * scale, 2.0 * normal_cdf(-abs(diff) / se), math.nan, math.nan,
+                                math.nan, block, n)
+    observed = abs(diff) / se
+    p_boot = (1.0 + float((boot >= observed).sum())) / (boot.numel() + 1.0)
+    q = float(torch.quantile(boot, level))
+    return SharpeDifference(
+        difference=diff * scale,
+        se=se * scale,
+        p_value=2.0 * normal_cdf(-abs(diff) / se),
+        p_value_bootstrap=p_boot,
+        ci_low=(diff - q * se) * scale,
+        ci_high=(diff + q * se) * scale,
+        block=block,
+        n_bars=n,
+    )
