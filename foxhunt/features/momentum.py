@@ -20,12 +20,12 @@ MOM_WINDOWS = (5, 10, 20)
 
 def roc(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib ROC: 100 * (C[t] / C[t-n] - 1)."""
-    return ops.pct_change(p.close, n, out)
+    return p.op.pct_change(p.close, n, out)
 
 
 def mom(p: Panel, n: int) -> Tensor:
     """TA-Lib MOM: C[t] - C[t-n]."""
-    return ops.diff(p.close, n)
+    return p.op.diff(p.close, n)
 
 
 def _gains(p: Panel) -> tuple[Tensor, Tensor]:
@@ -44,7 +44,7 @@ def _gain_loss_averages(p: Panel, n: int) -> tuple[Tensor, Tensor]:
 
     def f():
         up, moves = _gains(p)
-        return ops.wilder(up, n, start=1), ops.wilder(moves, n, start=1)
+        return p.op.wilder(up, n, start=1), p.op.wilder(moves, n, start=1)
 
     return p.memo(("gain_move", n), f)
 
@@ -57,7 +57,7 @@ def rsi(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
 
 def hh_ll(p: Panel, n: int) -> tuple[Tensor, Tensor]:
     """Highest high and lowest low over the last n bars."""
-    return p.memo(("hh_ll", n), lambda: (ops.rolling_max(p.high, n), ops.rolling_min(p.low, n)))
+    return p.memo(("hh_ll", n), lambda: (p.op.rolling_max(p.high, n), p.op.rolling_min(p.low, n)))
 
 
 def stoch(p: Panel, fastk: int, slowk: int = 3, slowd: int = 3) -> tuple[Tensor, Tensor]:
@@ -66,10 +66,9 @@ def stoch(p: Panel, fastk: int, slowk: int = 3, slowd: int = 3) -> tuple[Tensor,
     def f():
         hh, ll = hh_ll(p, fastk)
         fk = ops.safe_div(p.close - ll, hh - ll, scale=100.0)
-        k = ops.rolling_mean(fk, slowk, start=fastk - 1)
-        d = ops.rolling_mean(k, slowd, start=fastk + slowk - 2)
-        k[:, : fastk + slowk + slowd - 3] = ops.NAN  # TA-Lib reports %K from %D's first bar
-        return k, d
+        k = p.op.rolling_mean(fk, slowk, start=fastk - 1)
+        d = p.op.rolling_mean(k, slowd, start=fastk + slowk - 2)
+        return p.op.blank(k, fastk + slowk + slowd - 3), d  # TA-Lib reports %K from %D's first bar
 
     return p.memo(("stoch", fastk, slowk, slowd), f)
 
@@ -84,11 +83,10 @@ def macd_line_signal(p: Panel, fast: int, slow: int, signal: int) -> tuple[Tenso
     """TA-Lib MACD line and signal: the fast EMA seeded at the slow EMA's first bar, signal = EMA of the line."""
 
     def f():
-        line = ops.ema(p.close, fast, start=slow - fast)
-        line -= ops.ema(p.close, slow)
-        sig = ops.ema(line, signal, start=slow - 1)
-        line[:, : slow + signal - 2] = ops.NAN  # TA-Lib reports all three from the signal's first bar
-        return line, sig
+        line = p.op.ema(p.close, fast, start=slow - fast)
+        line -= p.op.ema(p.close, slow)
+        sig = p.op.ema(line, signal, start=slow - 1)
+        return p.op.blank(line, slow + signal - 2), sig  # TA-Lib reports all three from the signal's first bar
 
     return p.memo(("macd", fast, slow, signal), f)
 
@@ -99,29 +97,16 @@ def macd(p: Panel, fast: int, slow: int, signal: int) -> tuple[Tensor, Tensor, T
     return line, sig, line - sig
 
 
-def _mean_abs_deviation(tp: Tensor, sma: Tensor, n: int) -> Tensor:
-    """Mean over the last n bars of |TP - SMA(TP)[t]| (times 0.015, CCI's constant): a loop over the window's n
-    offsets, not over bars."""
-    T, a = tp.shape[-1], n - 1
-    md = ops.nans(tp, a)
-    if a < T:
-        m, acc = sma[:, a:], md[:, a:]
-        torch.sub(tp[:, a:], m, out=acc).abs_()
-        for k in range(1, n):
-            acc += (tp[:, a - k : T - k] - m).abs_()
-    return md.mul_(0.015 / n)
-
-
 def cci(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib CCI: (TP - SMA(TP)) / (0.015 * mean |TP - SMA(TP)|) over n bars."""
     tp = p.typical_price()
-    sma = p.memo("tp_block_prefix", lambda: ops.BlockPrefix(tp, 20)).mean(n)
-    return ops.safe_div(tp - sma, _mean_abs_deviation(tp, sma, n), out=out)
+    sma = p.memo("tp_block_prefix", lambda: p.op.BlockPrefix(tp, 20)).mean(n)
+    return ops.safe_div(tp - sma, p.op.mean_abs_deviation(tp, sma, n, 0.015), out=out)  # 0.015: CCI's constant
 
 
 def _moves(p: Panel) -> tuple[Tensor, Tensor]:
     """+DM and -DM: the high's rise / the low's fall where it is positive and the larger (NaN at the first bar)."""
-    rise, fall = ops.diff(p.high, 1), ops.diff(p.low, 1).neg_()
+    rise, fall = p.op.diff(p.high, 1), p.op.diff(p.low, 1).neg_()
     plus, minus = (rise > 0) & (rise > fall), (fall > 0) & (rise < fall)
     return rise.mul_(plus), fall.mul_(minus)  # masks by multiplication, so NaN * False stays NaN at the first bar
 
@@ -131,13 +116,12 @@ def directional(p: Panel, n: int) -> tuple[Tensor, Tensor, Tensor]:
 
     def f():
         plus, minus = p.memo("directional_moves", lambda: _moves(p))
-        tr_s = ops.wilder_sum(p.true_range(), n, start=1)
-        pdi = ops.safe_div(ops.wilder_sum(plus, n, start=1), tr_s, scale=100.0)
-        mdi = ops.safe_div(ops.wilder_sum(minus, n, start=1), tr_s, scale=100.0)
+        tr_s = p.op.wilder_sum(p.true_range(), n, start=1)
+        pdi = ops.safe_div(p.op.wilder_sum(plus, n, start=1), tr_s, scale=100.0)
+        mdi = ops.safe_div(p.op.wilder_sum(minus, n, start=1), tr_s, scale=100.0)
         dx = ops.safe_div((mdi - pdi).abs_(), mdi + pdi, scale=100.0)
-        pdi[:, :n] = ops.NAN  # DX before bar n is not used: ADX starts from DX[n]
-        mdi[:, :n] = ops.NAN
-        return pdi, mdi, ops.wilder(dx, n, start=n)
+        adx = p.op.wilder(dx, n, start=n)
+        return p.op.blank(pdi, n), p.op.blank(mdi, n), adx  # DX before bar n is not used: ADX starts from DX[n]
 
     return p.memo(("directional", n), f)
 
@@ -146,7 +130,7 @@ def aroon(p: Panel, n: int) -> tuple[Tensor, Tensor]:
     """TA-Lib AROON: 100 * (n - bars since the highest high / lowest low of the last n+1 bars) / n."""
 
     def f():
-        return ops.aroon_line(p.high, n, highest=True), ops.aroon_line(p.low, n, highest=False)
+        return p.op.aroon_line(p.high, n, highest=True), p.op.aroon_line(p.low, n, highest=False)
 
     return p.memo(("aroon", n), f)
 
@@ -154,26 +138,22 @@ def aroon(p: Panel, n: int) -> tuple[Tensor, Tensor]:
 def ultosc(p: Panel, n1: int = 7, n2: int = 14, n3: int = 28, out: Tensor | None = None) -> Tensor:
     """TA-Lib ULTOSC: 100 * (4 A1 + 2 A2 + A3) / 7, A_k = sum(buying pressure) / sum(true range) over n_k, into
     ``out`` when given."""
-    bps = ops.Prefix(p.close - torch.minimum(p.low, p.prev_close()), 1)  # buying pressure C - min(L, C[t-1])
-    trs = ops.Prefix(p.true_range(), 1)
-    a = max(n1, n2, n3)
-    out = ops.nans(p.close, a, out)
-    if a < p.shape[1]:
-        acc = None
-        for w, n in zip((4.0, 2.0, 1.0), (n1, n2, n3)):
-            (bh, bl), (th, tl) = bps.parts(n, a), trs.parts(n, a)
-            t = th - tl
-            term = ops.safe_div(bh - bl, t, scale=w, out=t)
-            acc = term if acc is None else acc.add_(term)
-        torch.mul(acc, 100.0 / 7.0, out=out[:, a:])
-    return out
+    bps = p.op.Prefix(p.close - torch.minimum(p.low, p.prev_close()), 1)  # buying pressure C - min(L, C[t-1])
+    trs = p.op.Prefix(p.true_range(), 1)
+    acc = None
+    for w, n in zip((4.0, 2.0, 1.0), (n1, n2, n3)):
+        t = trs.sum(n)
+        term = ops.safe_div(bps.sum(n), t, scale=w, out=t)
+        acc = term if acc is None else acc.add_(term)
+    acc = p.op.blank(acc, max(n1, n2, n3))
+    return torch.mul(acc, 100.0 / 7.0, out=out)
 
 
 def trix(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib TRIX: 1-bar percent change of a triple EMA (each EMA seeded with the SMA of its input)."""
-    e1 = ops.ema(p.close, n)
-    e2 = ops.ema(e1, n, start=n - 1)
-    return ops.pct_change(ops.ema(e2, n, start=2 * n - 2), 1, out)
+    e1 = p.op.ema(p.close, n)
+    e2 = p.op.ema(e1, n, start=n - 1)
+    return p.op.pct_change(p.op.ema(e2, n, start=2 * n - 2), 1, out)
 
 
 def features() -> FeatureList:
@@ -183,7 +163,7 @@ def features() -> FeatureList:
     for n in (5, 10, 20):
         fl.add(f"roc_{n}", f"TA-Lib ROC({n}): 100 (C[t]/C[t-{n}] - 1)", n, lambda p, out=None, n=n: roc(p, n, out), talib="ROC")
     for n in MOM_WINDOWS:
-        fl.add(f"mom_{n}", f"TA-Lib MOM({n}) / ATR(14)", max(n, 14), lambda p, out=None, n=n: ops.lag_diff_times(p.close, n, p.inv_atr(), out), talib="MOM")
+        fl.add(f"mom_{n}", f"TA-Lib MOM({n}) / ATR(14)", max(n, 14), lambda p, out=None, n=n: p.op.lag_diff_times(p.close, n, p.inv_atr(), out), talib="MOM")
     for n in (6, 14, 21, 28):
         fl.add(f"rsi_{n}", f"TA-Lib RSI({n}), Wilder smoothing, 0..100", n, lambda p, out=None, n=n: rsi(p, n, out), talib="RSI")
     for n in (5, 14):

@@ -67,6 +67,36 @@ def blocked_cumsum(x: Tensor, block: int = 4096) -> Tensor:
     return inner.view(*lead, nb * block)[..., :T]
 
 
+def blank(x: Tensor, a: int) -> Tensor:
+    """x with each symbol's first ``a`` bars set to NaN (in place; a feature reported from a later bar than its parts)."""
+    x[..., : max(0, a)] = NAN
+    return x
+
+
+def fill_before(x: Tensor, a: int, value: Tensor) -> Tensor:
+    """x with each symbol's first ``a`` bars taken from ``value`` (a tensor shaped like x), in place."""
+    x[..., :a] = value[..., :a]
+    return x
+
+
+def first(x: Tensor) -> Tensor:
+    """Each symbol's first value of x, [S, 1] (a past value for every bar: a centre for prefix sums)."""
+    return x[..., :1]
+
+
+def mean_abs_deviation(x: Tensor, centre: Tensor, n: int, scale: float = 1.0) -> Tensor:
+    """scale times the mean over the last n bars of |x[t-k] - centre[t]| (k = 0..n-1): a loop over the window's n
+    offsets, not over bars."""
+    T, a = x.shape[-1], n - 1
+    md = nans(x, a)
+    if a < T:
+        m, acc = centre[..., a:], md[..., a:]
+        torch.sub(x[..., a:], m, out=acc).abs_()
+        for k in range(1, n):
+            acc += (x[..., a - k : T - k] - m).abs_()
+    return md.mul_(scale / n)
+
+
 def shift(x: Tensor, k: int, fill: float = NAN) -> Tensor:
     """x[t - k] (k > 0 looks back), padded with ``fill``."""
     if k <= 0:
@@ -463,7 +493,7 @@ def ema(x: Tensor, n: int | None = None, start: int = 0, alpha: float | None = N
         raise ValueError(f"unknown EMA seeding {seed!r}")
     s = start + n - 1 if seed == "sma" else start
     y0 = x[:, start : s + 1].mean(dim=1) if seed == "sma" else x[:, s].clone()
-    return _seeded_scan(x, s, y0, 1.0 - alpha, alpha)
+    return seeded_scan(x, s, y0, 1.0 - alpha, alpha)
 
 
 def wilder(x: Tensor, n: int, start: int = 0) -> Tensor:
@@ -476,15 +506,24 @@ def wilder_sum(x: Tensor, n: int, start: int = 0) -> Tensor:
     if n < 2:
         return nans(x)
     s = start + n - 2
-    return _seeded_scan(x, s, x[:, start : s + 1].sum(dim=1), 1.0 - 1.0 / n, 1.0)
+    return seeded_scan(x, s, x[:, start : s + 1].sum(dim=1), 1.0 - 1.0 / n, 1.0)
 
 
-def _seeded_scan(x: Tensor, s: int, y0: Tensor, a: float, b: float) -> Tensor:
+def seeded_scan(x: Tensor, s: int, y0: Tensor | float, a: float, b: float) -> Tensor:
     """NaN before bar s, y0 at s, then y[t] = a y[t-1] + b x[t]."""
     out = nans(x, s)
     if s < x.shape[-1]:
         out[:, s] = y0
-        out[:, s + 1 :] = first_order(x[:, s + 1 :], a, b, y0)
+        out[:, s + 1 :] = first_order(x[:, s + 1 :], a, b, rows(y0, x))
+    return out
+
+
+def seeded_recurrence(a: Tensor, b: Tensor, seed: Tensor, s: int, a_min: float) -> Tensor:
+    """NaN before bar s, seed[s] at s, then y[t] = a[t] y[t-1] + b[t] (a_min <= a <= 1: :func:`linear_recurrence`)."""
+    out = nans(b, s)
+    if s < b.shape[-1]:
+        out[:, s] = seed[:, s]
+        out[:, s + 1 :] = linear_recurrence(a[:, s + 1 :], b[:, s + 1 :], seed[:, s], a_min)
     return out
 
 

@@ -18,8 +18,9 @@ class Panel:
     panel through :meth:`memo` and dropped by :meth:`forget` after their last use.
     """
 
-    def __init__(self, ohlcv: Tensor, timestamps: Tensor, starts: Tensor, lengths: list[int]) -> None:
+    def __init__(self, ohlcv: Tensor, timestamps: Tensor, starts: Tensor, lengths: list[int], op=ops) -> None:
         self.ohlcv = ohlcv  # [5, S, T] float64
+        self.op = op  # the stateful primitives: the ops module (batch), or a stepping.StepOps (a stream's chunk)
         self.timestamps = timestamps  # [S, T] int64 ns UTC
         self.starts = starts  # [S] first flat row of each symbol
         self.lengths = [int(m) for m in lengths]  # [S] bars of each symbol (host ints: they size the output)
@@ -95,11 +96,11 @@ class Panel:
 
     def prefix(self, key: Hashable, fn: Callable[[], Tensor], start: int = 0, squares: bool = False) -> ops.Prefix:
         """Shared prefix sums of the series ``fn()`` (named ``key``): every window length is then one subtraction."""
-        return self.memo(("prefix", key, start, squares), lambda: ops.Prefix(fn(), start, squares))
+        return self.memo(("prefix", key, start, squares), lambda: self.op.Prefix(fn(), start, squares))
 
     def close_prefix(self) -> ops.BlockPrefix:
         """Block-centred prefix sums of the close and its square, shared by the SMAs and Bollinger bands."""
-        return self.memo("close_block_prefix", lambda: ops.BlockPrefix(self.close, 200, squares=True))
+        return self.memo("close_block_prefix", lambda: self.op.BlockPrefix(self.close, 200, squares=True))
 
     # shared intermediates used across families
     def log_close(self) -> Tensor:
@@ -108,16 +109,16 @@ class Panel:
     def log_return(self, k: int = 1, out: Tensor | None = None) -> Tensor:
         """ln C[t] - ln C[t-k], into ``out`` when given; only the 1-bar return is shared (memoised)."""
         if k == 1:
-            r = self.memo(("log_return", 1), lambda: ops.diff(self.log_close(), 1))
+            r = self.memo(("log_return", 1), lambda: self.op.diff(self.log_close(), 1))
             return r if out is None else out.copy_(r)
-        return ops.diff(self.log_close(), k, out)
+        return self.op.diff(self.log_close(), k, out)
 
     def close_change(self) -> Tensor:
         """C[t] - C[t-1]."""
-        return self.memo("close_change", lambda: ops.diff(self.close, 1))
+        return self.memo("close_change", lambda: self.op.diff(self.close, 1))
 
     def prev_close(self) -> Tensor:
-        return self.memo("prev_close", lambda: ops.shift(self.close, 1))
+        return self.memo("prev_close", lambda: self.op.shift(self.close, 1))
 
     def true_range(self) -> Tensor:
         """TA-Lib TRANGE: max(H, C[t-1]) - min(L, C[t-1]); undefined at the first bar."""
@@ -130,7 +131,7 @@ class Panel:
 
     def atr(self, n: int = 14) -> Tensor:
         """TA-Lib ATR: Wilder smoothing of the true range, seeded with its mean over bars 1..n."""
-        return self.memo(("atr", n), lambda: ops.wilder(self.true_range(), n, start=1))
+        return self.memo(("atr", n), lambda: self.op.wilder(self.true_range(), n, start=1))
 
     def inv_atr(self) -> Tensor:
         """1 / ATR(14), 0 where ATR(14) is 0 (a flat stretch: 0 where a denominator is 0, as elsewhere, not inf,

@@ -31,7 +31,7 @@ def _lower_wick(p: Panel) -> Tensor:
 
 def range_rel(p: Panel, n: int) -> Tensor:
     """ln(max((H - L) / SMA(n) of (H - L), 0.001)), 0 where that SMA is 0."""
-    r = O.safe_div(p.hl_range(), O.rolling_mean(p.hl_range(), n), 1.0)
+    r = O.safe_div(p.hl_range(), p.op.rolling_mean(p.hl_range(), n), 1.0)
     return r.clamp_(min=1e-3).log_()
 
 

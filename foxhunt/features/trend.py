@@ -28,7 +28,7 @@ def sma(p: Panel, n: int) -> Tensor:
 
 def ema(p: Panel, n: int) -> Tensor:
     """TA-Lib EMA of the close, seeded with the SMA of the first n closes."""
-    return p.memo(("ema", n), lambda: ops.ema(p.close, n))
+    return p.memo(("ema", n), lambda: p.op.ema(p.close, n))
 
 
 def _abs_change_prefix(p: Panel) -> ops.Prefix:
@@ -41,16 +41,13 @@ def kama(p: Panel, n: int) -> Tensor:
 
     def f():
         c = p.close
-        out = ops.nans(c, n)
-        if c.shape[1] <= n:
-            return out
-        now, (hi, lo) = c[:, n:], _abs_change_prefix(p).parts(n, n)  # the noise over the window is hi - lo
+        noise = _abs_change_prefix(p).sum(n)  # sum of |C[t] - C[t-1]| over the window
         # efficiency ratio |change| / noise <= 1, with equality exactly when TA-Lib sets ER = 1; a flat window
-        # (0 / 0) gives 1 too: min(ER, 1) with 1 for NaN
-        er = (now - c[:, :-n]).abs_().div_(hi - lo).clamp_(max=1.0).nan_to_num_(nan=1.0)
+        # (0 / 0) gives 1 too: min(ER, 1) with 1 for NaN (the warm-up too, which the seed at bar n - 1 hides)
+        er = p.op.diff(c, n).abs_().div_(noise).clamp_(max=1.0).nan_to_num_(nan=1.0)
         sc = er.mul_(_FASTEST - _SLOWEST).add_(_SLOWEST).square_()
-        out[:, n:] = ops.linear_recurrence(1.0 - sc, sc * now, c[:, n - 1], a_min=1.0 - _FASTEST**2)
-        return out
+        kama = p.op.seeded_recurrence(1.0 - sc, sc * c, c, n - 1, a_min=1.0 - _FASTEST**2)
+        return p.op.blank(kama, n)  # TA-Lib reports KAMA from bar n
 
     return p.memo(("kama", n), f)
 
@@ -60,7 +57,7 @@ def _dist(p: Panel, ma: Tensor, out: Tensor | None = None) -> Tensor:
 
 
 def _slope(p: Panel, ma: Tensor, out: Tensor | None = None) -> Tensor:
-    return ops.lag_diff_times(ma, 1, p.inv_atr(), out)
+    return p.op.lag_diff_times(ma, 1, p.inv_atr(), out)
 
 
 def features() -> FeatureList:

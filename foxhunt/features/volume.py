@@ -31,7 +31,7 @@ def _log_volume(p: Panel) -> Tensor:
 def volume_z(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """z-score of ln(1 + V) against its trailing n-bar mean and population std (0 when the std is 0)."""
     x = _log_volume(p)
-    x0 = x[:, :1]  # a past value for every bar: centring keeps the prefix sums of squares small
+    x0 = p.op.first(x)  # a past value for every bar: centring keeps the prefix sums of squares small
     mean, var = p.prefix("log1p_volume_centred", lambda: x - x0, 0, True).mean_var(n)
     dev = (x - x0).sub_(mean)
     return O.safe_div(dev, var.sqrt_(), out=out)
@@ -45,28 +45,23 @@ def rel_volume(p: Panel, n: int) -> Tensor:
 
 def _signed_volume(p: Panel) -> Tensor:
     def f() -> Tensor:
-        sv = O.diff(p.close, 1).sign_()
+        sv = p.op.diff(p.close, 1).sign_()
         sv *= p.volume
-        sv[:, 0] = p.volume[:, 0]  # TA-Lib's OBV starts at the first bar's volume
-        return sv
+        return p.op.fill_before(sv, 1, p.volume)  # TA-Lib's OBV starts at the first bar's volume
 
     return p.memo("signed_volume", f)
 
 
 def obv(p: Panel) -> Tensor:
     """TA-Lib OBV: running sum of volume signed by the close's direction, starting at V[0]."""
-    return O.cumsum(_signed_volume(p))
+    return p.op.cumsum(_signed_volume(p))
 
 
 def obv_change(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """(OBV[t] - OBV[t-n]) / sum of V over the last n bars: the net signed share of recent volume, in [-1, 1]
     (into ``out`` when given)."""
-    out = O.nans(p.close, n, out)
-    if n < p.shape[1]:
-        s_hi, s_lo = p.prefix("signed_volume", lambda: _signed_volume(p), 1).parts(n, n)
-        v_hi, v_lo = volume_prefix(p, 1).parts(n, n)
-        O.difference_ratio(s_hi, s_lo, v_hi, v_lo, out=out[:, n:])  # signed volume / volume, per window
-    return out
+    signed = p.prefix("signed_volume", lambda: _signed_volume(p), 1).sum(n)
+    return O.safe_div(signed, volume_prefix(p, 1).sum(n), out=out)  # signed volume / volume, per window
 
 
 def _money_flows(p: Panel) -> tuple[Tensor, Tensor]:
@@ -74,7 +69,7 @@ def _money_flows(p: Panel) -> tuple[Tensor, Tensor]:
 
     def f() -> tuple[Tensor, Tensor]:
         tp = p.typical_price()
-        d = O.diff(tp, 1)
+        d = p.op.diff(tp, 1)
         mf = tp * p.volume
         return mf * (d > 0), mf.mul_(d < 0)
 
@@ -85,14 +80,9 @@ def mfi(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib MFI: 100 * positive money flow / total money flow over n bars (0 when the total is below 1), into
     ``out`` when given."""
     up, down = _money_flows(p)
-    out = O.nans(p.close, n, out)
-    if n < p.shape[1]:
-        u_hi, u_lo = p.prefix("money_flow_up", lambda: up, 1).parts(n, n)
-        d_hi, d_lo = p.prefix("money_flow_down", lambda: down, 1).parts(n, n)
-        pos = u_hi - u_lo
-        tot = (d_hi - d_lo).add_(pos)
-        O.safe_div(pos, tot, scale=100.0, out=out[:, n:]).masked_fill_(tot < 1.0, 0.0)
-    return out
+    pos = p.prefix("money_flow_up", lambda: up, 1).sum(n)
+    tot = p.prefix("money_flow_down", lambda: down, 1).sum(n).add_(pos)
+    return O.safe_div(pos, tot, scale=100.0, out=out).masked_fill_(tot < 1.0, 0.0)
 
 
 def vwap_distance(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
@@ -130,7 +120,7 @@ def _clv_volume(p: Panel) -> Tensor:
 
 def ad(p: Panel) -> Tensor:
     """TA-Lib AD: Chaikin accumulation/distribution line, the running sum of CLV * V."""
-    return O.cumsum(_clv_volume(p))
+    return p.op.cumsum(_clv_volume(p))
 
 
 def adosc(p: Panel, fast: int = 3, slow: int = 10) -> Tensor:
@@ -141,25 +131,14 @@ def adosc(p: Panel, fast: int = 3, slow: int = 10) -> Tensor:
     level that grows with the series, which the EMAs' rounding would scale with) and one pass fewer.
     """
     flow = _clv_volume(p)
-    out = torch.empty_like(flow)
-    out[:, 0] = 0.0
-    if flow.shape[1] > 1:
-        a_fast, a_slow = 1.0 - 2.0 / (fast + 1), 1.0 - 2.0 / (slow + 1)
-        d_fast = O.first_order(flow[:, 1:], a_fast, a_fast, 0.0)
-        torch.sub(O.first_order(flow[:, 1:], a_slow, a_slow, 0.0), d_fast, out=out[:, 1:])
-    out[:, : slow - 1] = _NAN
-    return out
+    a_fast, a_slow = 1.0 - 2.0 / (fast + 1), 1.0 - 2.0 / (slow + 1)
+    d_fast = p.op.seeded_scan(flow, 0, 0.0, a_fast, a_fast)
+    return p.op.blank(p.op.seeded_scan(flow, 0, 0.0, a_slow, a_slow).sub_(d_fast), slow - 1)
 
 
 def adosc_per_volume(p: Panel, fast: int, slow: int, out: Tensor | None = None) -> Tensor:
     """ADOSC / SMA(slow) of V (0 where that mean is 0), into ``out`` when given (one rounding, no copy)."""
-    line = adosc(p, fast, slow)
-    a = slow - 1
-    out = O.nans(line, a, out)
-    if a < p.shape[1]:
-        hi, lo = volume_prefix(p).parts(slow, a)
-        O.safe_div(line[:, a:], (hi - lo).div_(slow), out=out[:, a:])
-    return out
+    return O.safe_div(adosc(p, fast, slow), volume_prefix(p).sum(slow).div_(slow), out=out)
 
 
 def cmf(p: Panel, n: int, out: Tensor | None = None) -> Tensor:

@@ -1,0 +1,271 @@
+"""The stepping forms of ops.py's stateful primitives: a chunk of bars in, the chunk's values out, the state carried.
+
+A stream's :class:`~foxhunt.features.panel.Panel` holds a :class:`StepOps` where a batch panel holds the ``ops`` module,
+so every feature's one piece of code (``p.op.ema``, ``p.op.shift``, ``p.op.Prefix``...) drives both. Each call of a
+stateful primitive takes the next slot of the state, in call order (fixed by the feature list and the panel's memo,
+never by the data), and every slot is created on the first pass, so the state's keys and shapes never change.
+
+Exact primitives step bit for bit as the batch form: shifts, differences, extrema, arg-extrema and window loops run the
+batch function on the last bars kept in a ring; running sums continue torch's sequential CPU sum from its total. The
+recursive filters step the recurrence itself (y = a y + u, TA-Lib's definition), which the batch form's blocked scans
+equal to rounding; so do block-centred window sums, taken here over the window itself, centred on the latest value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from foxhunt.features import ops
+
+NAN = ops.NAN
+
+
+class StepOps:
+    """The stateful primitives for one chunk [S, m] of bars: ``age`` [S, m] is each bar's index in its symbol's
+    history; ``moved`` [S] (None: all) marks the symbols whose state this chunk moves."""
+
+    def __init__(self, state: dict[str, Tensor], age: Tensor, moved: Tensor | None = None) -> None:
+        self.state, self.age, self.moved = state, age, moved
+        self.S, self.m = age.shape
+        self._calls = 0
+
+    # -- the carried state ------------------------------------------------------------------------------------------
+    def _slot(self, kind: str) -> str:
+        """The next call site's state prefix (call order; the kind guards against a changed feature list)."""
+        self._calls += 1
+        return f"op{self._calls - 1:03d}.{kind}"
+
+    def _get(self, slot: str, field: str, init: Callable[[], Tensor]) -> Tensor:
+        key = f"{slot}.{field}"
+        if key not in self.state:
+            self.state[key] = init()
+        return self.state[key]
+
+    def _put(self, slot: str, field: str, value: Tensor) -> None:
+        key = f"{slot}.{field}"
+        value = value.clone(memory_format=torch.contiguous_format)  # never a view of a tensor the caller changes
+        if self.moved is not None:
+            old = self.state[key]
+            value = torch.where(self.moved.view(-1, *([1] * (value.ndim - 1))), value, old)
+        self.state[key] = value
+
+    def _ring(self, x: Tensor, w: int, fill: float = NAN, slot: str | None = None) -> Tensor:
+        """[S, w + m]: the last w inputs before this chunk (``fill`` before a symbol's first bar), then x."""
+        if w == 0:
+            return x
+        slot = slot or self._slot("ring")
+        ring = self._get(slot, "last", lambda: x.new_full((self.S, w), fill))
+        ext = torch.cat((ring, x.expand(self.S, self.m)), dim=1)
+        self._put(slot, "last", ext[:, -w:])
+        return ext
+
+    def _before(self, a: int) -> Tensor:
+        return self.age < a
+
+    # -- warm-up and positions --------------------------------------------------------------------------------------
+    def nans(self, x: Tensor, defined_from: int | None = None, out: Tensor | None = None) -> Tensor:
+        """NaN before ``defined_from`` (everywhere when None), as ops.nans."""
+        y = x.new_full((self.S, self.m), NAN) if defined_from is None else self.blank(x.clone(), defined_from)
+        return y if out is None else out.copy_(y)
+
+    def blank(self, x: Tensor, a: int) -> Tensor:
+        """NaN on each symbol's first ``a`` bars, in place."""
+        return x.masked_fill_(self._before(a), NAN)
+
+    def fill_before(self, x: Tensor, a: int, value: Tensor) -> Tensor:
+        """``value`` on each symbol's first ``a`` bars, in place."""
+        return x.copy_(torch.where(self._before(a), value, x))
+
+    def first(self, x: Tensor) -> Tensor:
+        """Each symbol's first value of x, [S, 1]."""
+        slot = self._slot("first")
+        v = self._get(slot, "value", lambda: x.new_full((self.S, 1), NAN))
+        v = torch.where(self.age[:, :1] == 0, x[:, :1], v)
+        self._put(slot, "value", v)
+        return v
+
+    # -- shifts and differences (bit for bit) -----------------------------------------------------------------------
+    def shift(self, x: Tensor, k: int, fill: float = NAN) -> Tensor:
+        """x[t - k], ``fill`` before a symbol's bar k."""
+        if k <= 0:
+            raise ValueError(f"shift: k must be positive (a look-back), got {k}")
+        return self._ring(x, k, fill)[:, : self.m]
+
+    def diff(self, x: Tensor, k: int = 1, out: Tensor | None = None) -> Tensor:
+        y = self.blank(x - self.shift(x, k), k)
+        return y if out is None else out.copy_(y)
+
+    def lag_diff_times(self, x: Tensor, k: int, c: Tensor, out: Tensor | None = None) -> Tensor:
+        y = self.blank(torch.mul(x - self.shift(x, k), c), k)
+        return y if out is None else out.copy_(y)
+
+    def pct_change(self, x: Tensor, k: int, out: Tensor | None = None) -> Tensor:
+        y = self.blank(torch.mul(x / self.shift(x, k) - 1.0, 100.0), k)
+        return y if out is None else out.copy_(y)
+
+    # -- running and window sums (bit for bit) ----------------------------------------------------------------------
+    def cumsum(self, x: Tensor) -> Tensor:
+        """Running sum from each symbol's first bar: torch's sequential CPU sum carried on from the total."""
+        slot = self._slot("cumsum")
+        total = self._get(slot, "total", lambda: x.new_zeros((self.S, 1)))
+        cs = torch.cumsum(torch.cat((total, x), dim=1), dim=1)[:, 1:]
+        self._put(slot, "total", cs[:, -1:])
+        return cs
+
+    def _window_sum(self, cs: Tensor, n: int, a: int) -> Tensor:
+        """cs[t] - cs[t - n] (0 before the first bar), NaN before bar a."""
+        return self.blank(cs - self._ring(cs, n, 0.0)[:, : self.m], a)
+
+    def rolling_sum(self, x: Tensor, n: int, start: int = 0) -> Tensor:
+        if n < 1:
+            raise ValueError(f"window must be >= 1, got {n}")
+        return self._window_sum(self.cumsum(x.masked_fill(self._before(start), 0.0)), n, start + n - 1)
+
+    def rolling_mean(self, x: Tensor, n: int, start: int = 0) -> Tensor:
+        if n > 4:
+            return self.rolling_sum(x, n, start).div_(n)
+        ext = self._ring(x, n - 1)
+        acc = x.clone()
+        for k in range(1, n):
+            acc += ext[:, n - 1 - k : n - 1 - k + self.m]
+        acc /= n
+        return self.blank(acc, start + n - 1)
+
+    def Prefix(self, x: Tensor, start: int = 0, squares: bool = False) -> StepPrefix:  # noqa: N802 (ops.Prefix's name)
+        return StepPrefix(self, x, start, squares)
+
+    def BlockPrefix(self, x: Tensor, max_window: int, start: int = 0, squares: bool = False) -> StepBlockPrefix:  # noqa: N802
+        return StepBlockPrefix(self, x, max_window, start)
+
+    # -- extrema and window loops (bit for bit: the batch function on the ring) -------------------------------------
+    def _on_window(self, fn: Callable[[Tensor], Tensor], x: Tensor, w: int, a: int) -> Tensor:
+        """fn of the last w - 1 bars and this chunk, cut to the chunk, NaN before bar a."""
+        return self.blank(fn(self._ring(x, w - 1))[:, w - 1 :].clone(), a)
+
+    def rolling_max(self, x: Tensor, n: int) -> Tensor:
+        return self._on_window(lambda e: ops.rolling_max(e, n), x, n, n - 1)
+
+    def rolling_min(self, x: Tensor, n: int) -> Tensor:
+        return self._on_window(lambda e: ops.rolling_min(e, n), x, n, n - 1)
+
+    def bars_since_extreme(self, x: Tensor, n: int, highest: bool) -> Tensor:
+        return self._on_window(lambda e: ops.bars_since_extreme(e, n, highest), x, n + 1, n)
+
+    def aroon_line(self, x: Tensor, n: int, highest: bool) -> Tensor:
+        return self.bars_since_extreme(x, n, highest).neg_().add_(n).mul_(100.0 / n)
+
+    def mean_abs_deviation(self, x: Tensor, centre: Tensor, n: int, scale: float = 1.0) -> Tensor:
+        ext = self._ring(x, n - 1)
+        acc = torch.sub(x, centre).abs_()
+        for k in range(1, n):
+            acc += (ext[:, n - 1 - k : n - 1 - k + self.m] - centre).abs_()
+        return self.blank(acc.mul_(scale / n), n - 1)
+
+    # -- recursive filters (the recurrence, stepped) ----------------------------------------------------------------
+    def _scan(self, c: float | Tensor, u: Tensor, s: int, seed: Callable[[], Tensor | float]) -> Tensor:
+        """NaN before bar s, seed() at s, then y[t] = c[t] y[t-1] + u[t]."""
+        slot = self._slot("scan")
+        y0 = self._get(slot, "y", lambda: u.new_zeros(self.S))
+        upto = self.age <= s
+        cc = u.new_full((self.S, self.m), c) if isinstance(c, float) else c.clone()
+        cc.masked_fill_(upto, 0.0)
+        uu = u.masked_fill(upto, 0.0)
+        at = self.age == s
+        if bool(at.any()):
+            sv = seed()
+            sv = sv if isinstance(sv, Tensor) else torch.as_tensor(sv, dtype=u.dtype, device=u.device)
+            uu = torch.where(at, sv.expand_as(uu), uu)
+        if self.m == 1:
+            y = cc * y0[:, None] + uu
+        else:
+            y = ops.affine_scan(cc, uu, y0)
+        self._put(slot, "y", y[:, -1])
+        return self.blank(y, s)
+
+    def _seed_window(self, x: Tensor, w: int, reduce: Callable[[Tensor], Tensor]) -> Callable[[], Tensor]:
+        """The reduction over the last w bars at every bar of the chunk, computed only when asked (at a seeding bar)."""
+        ext = self._ring(x, w - 1)
+        return lambda: reduce(ext.unfold(1, w, 1))
+
+    def seeded_scan(self, x: Tensor, s: int, y0: Tensor | float, a: float, b: float) -> Tensor:
+        seed = y0[:, None] if isinstance(y0, Tensor) else float(y0)
+        return self._scan(a, b * x, s, lambda: seed)
+
+    def ema(self, x: Tensor, n: int | None = None, start: int = 0, alpha: float | None = None,
+            seed: str = "sma") -> Tensor:
+        if alpha is None:
+            alpha = 2.0 / (n + 1)
+        if seed not in ("sma", "first"):
+            raise ValueError(f"unknown EMA seeding {seed!r}")
+        if seed == "sma":
+            return self._scan(1.0 - alpha, alpha * x, start + n - 1, self._seed_window(x, n, lambda w: w.mean(dim=-1)))
+        return self._scan(1.0 - alpha, alpha * x, start, lambda: x)
+
+    def wilder(self, x: Tensor, n: int, start: int = 0) -> Tensor:
+        return self.ema(x, n, start, alpha=1.0 / n)
+
+    def wilder_sum(self, x: Tensor, n: int, start: int = 0) -> Tensor:
+        if n < 2:
+            return self.nans(x)
+        return self._scan(1.0 - 1.0 / n, 1.0 * x, start + n - 2, self._seed_window(x, n - 1, lambda w: w.sum(dim=-1)))
+
+    def seeded_recurrence(self, a: Tensor, b: Tensor, seed: Tensor, s: int, a_min: float) -> Tensor:
+        return self._scan(a, b, s, lambda: seed)
+
+
+class StepPrefix:
+    """ops.Prefix stepped: running sums of x (and x^2) from ``start`` carried on, and a ring of them per window."""
+
+    def __init__(self, step: StepOps, x: Tensor, start: int, squares: bool) -> None:
+        self.step, self.start = step, start
+        xs = x.masked_fill(step._before(start), 0.0)
+        self.cs = step.cumsum(xs)
+        self.cs2 = step.cumsum(xs * xs) if squares else None
+
+    def sum(self, n: int, squares: bool = False) -> Tensor:
+        cs = self.cs2 if squares else self.cs
+        if cs is None:
+            raise ValueError("Prefix built without squares")
+        return self.step._window_sum(cs, n, self.start + n - 1)
+
+    def mean_var(self, n: int) -> tuple[Tensor, Tensor]:
+        mean = self.sum(n).div_(n)
+        return mean, self.sum(n, squares=True).div_(n).sub_(mean * mean).clamp_(min=0.0)
+
+    def std(self, n: int) -> Tensor:
+        return self.mean_var(n)[1].sqrt_()
+
+
+class StepBlockPrefix:
+    """ops.BlockPrefix stepped: window sums over the last ``max_window`` bars kept in a ring, centred on the latest
+    value (rounding relative to the window's spread, as the batch form's blocks)."""
+
+    def __init__(self, step: StepOps, x: Tensor, max_window: int, start: int) -> None:
+        self.step, self.x, self.W, self.start = step, x, max_window, start
+        self.ext = step._ring(x, max_window - 1)
+
+    def _centred(self, n: int) -> Tensor:
+        """[S, m, n]: each bar's window minus the bar's value."""
+        if n > self.W:
+            raise ValueError(f"window {n} exceeds this prefix's max_window {self.W}")
+        return self.ext[:, self.W - n :].unfold(1, n, 1) - self.x[..., None]
+
+    def sum(self, n: int) -> Tensor:
+        return self.step.blank(self._centred(n).sum(dim=-1) + n * self.x, self.start + n - 1)
+
+    def mean(self, n: int) -> Tensor:
+        return self.step.blank(self._centred(n).sum(dim=-1) / n + self.x, self.start + n - 1)
+
+    def mean_var(self, n: int) -> tuple[Tensor, Tensor]:
+        d = self._centred(n)
+        m = d.sum(dim=-1) / n
+        var = torch.clamp_min((d * d).sum(dim=-1) / n - m * m, 0.0)
+        a = self.start + n - 1
+        return self.step.blank(m + self.x, a), self.step.blank(var, a)
+
+    def mean_std(self, n: int, k: float = 1.0) -> tuple[Tensor, Tensor]:
+        m, var = self.mean_var(n)
+        return m, torch.sqrt(var) * k

@@ -1,0 +1,167 @@
+"""FeatureStream: the registered features bar by bar (or chunk by chunk) for S symbols, O(1) per bar in history.
+
+The same feature code as :class:`~foxhunt.features.compute.FeatureSet` runs on a panel of the new bars whose stateful
+primitives are the stepping forms of :mod:`foxhunt.features.stepping`; the values equal ``compute``'s on the same
+per-symbol history (tests/test_features_stream.py), rounded once to float32 as it does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from foxhunt.features.catalog import REGISTRY
+from foxhunt.features.panel import Panel
+from foxhunt.features.registry import select
+from foxhunt.features.stepping import StepOps
+
+__all__ = ["FeatureStream"]
+
+_CONFIG_KEY = "config"
+
+
+class FeatureStream:
+    """Stepping features of ``names`` (FeatureSet's selection and order) for ``n_symbols`` symbols on ``device``."""
+
+    def __init__(self, names: Sequence[str], n_symbols: int, device: str | torch.device = "cpu") -> None:
+        if isinstance(names, str):
+            raise TypeError("FeatureStream: names must be a sequence of feature names, not a single string")
+        self.features = select(REGISTRY, list(names), None)
+        if not self.features:
+            raise ValueError("FeatureStream: the selection is empty")
+        if int(n_symbols) < 1:
+            raise ValueError(f"FeatureStream: n_symbols must be >= 1, got {n_symbols}")
+        self.names: list[str] = [f.name for f in self.features]
+        self.n_symbols, self.device = int(n_symbols), torch.device(device)
+        self.warmup: int = max(f.warmup for f in self.features)
+        self._warmups = torch.tensor([f.warmup for f in self.features], dtype=torch.int64, device=self.device)
+        S = self.n_symbols
+        self._state: dict[str, Tensor] = {
+            "age": torch.zeros(S, dtype=torch.int64, device=self.device),  # bars seen per symbol
+            "last_ts": torch.full((S,), torch.iinfo(torch.int64).min, dtype=torch.int64, device=self.device),
+        }
+        # one pass that moves no symbol creates every slot at its empty value: the state's keys never change
+        self._step(torch.ones((S, 1, 5), dtype=torch.float64, device=self.device),
+                   torch.zeros((S, 1), dtype=torch.int64, device=self.device),
+                   torch.zeros(S, dtype=torch.bool, device=self.device), torch.float64)
+
+    def config(self) -> dict:
+        """What the state belongs to (JSON-able): the feature names in order and the number of symbols."""
+        return {"kind": "foxhunt.features.FeatureStream", "version": 1, "names": list(self.names),
+                "n_symbols": self.n_symbols}
+
+    def update(self, ohlcv: Tensor, timestamps: Tensor, present: Tensor | None = None,
+               dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        """Values [S, k, F] (``dtype``: float32 as compute gives, float64 before its rounding) and ready [S, k] for
+        the next k bars of every symbol; a symbol absent in a slot (``present`` False) keeps its state there and
+        gets NaN, not ready."""
+        S = self.n_symbols
+        ohlcv = torch.as_tensor(ohlcv).to(self.device, torch.float64)
+        timestamps = torch.as_tensor(timestamps).to(self.device, torch.int64)
+        if ohlcv.ndim != 3 or ohlcv.shape[0] != S or ohlcv.shape[2] != 5 or ohlcv.shape[1] < 1:
+            raise ValueError(f"FeatureStream.update: ohlcv must be [{S}, k >= 1, 5] (open, high, low, close, volume), "
+                             f"got {list(ohlcv.shape)}")
+        k = ohlcv.shape[1]
+        if tuple(timestamps.shape) != (S, k):
+            raise ValueError(f"FeatureStream.update: timestamps must be [{S}, {k}], got {list(timestamps.shape)}")
+        if present is not None:
+            present = torch.as_tensor(present).to(self.device, torch.bool)
+            if tuple(present.shape) != (S, k):
+                raise ValueError(f"FeatureStream.update: present must be [{S}, {k}] bool, got {list(present.shape)}")
+            if bool(present.all()):
+                present = None
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"FeatureStream.update: dtype must be torch.float32 or torch.float64, got {dtype}")
+        self._check(ohlcv, timestamps, present)
+        with torch.no_grad():
+            if present is None:
+                return self._step(ohlcv, timestamps, None, dtype)
+            parts = [self._step(ohlcv[:, j : j + 1], timestamps[:, j : j + 1], present[:, j], dtype) for j in range(k)]
+        return torch.cat([v for v, _ in parts], dim=1), torch.cat([r for _, r in parts], dim=1)
+
+    def _check(self, ohlcv: Tensor, timestamps: Tensor, present: Tensor | None) -> None:
+        """One line naming the symbol row and slot of the first bar compute would refuse (prices > 0 and finite,
+        volume >= 0 and finite, timestamps increasing per symbol)."""
+        ok = torch.isfinite(ohlcv).all(dim=2) & (ohlcv[..., :4] > 0).all(dim=2) & (ohlcv[..., 4] >= 0)
+        prev = torch.cat((self._state["last_ts"][:, None], timestamps[:, :-1]), dim=1)
+        if present is not None:  # an absent slot is not checked and does not move the last time
+            ok |= ~present
+            last = self._state["last_ts"].clone()
+            cols = []
+            for j in range(timestamps.shape[1]):
+                cols.append(last.clone())
+                last = torch.where(present[:, j], timestamps[:, j], last)
+            prev = torch.stack(cols, dim=1)
+        late = timestamps <= prev
+        if present is not None:
+            late &= present
+        for bad, why in ((~ok, "a non-finite or non-positive price, or a negative or non-finite volume"),
+                         (late, "a timestamp not after the symbol's previous bar")):
+            if bool(bad.any()):
+                s, j = (int(i) for i in torch.nonzero(bad)[0])
+                raise ValueError(f"FeatureStream.update: symbol row {s}, bar {j} of the chunk has {why} "
+                                 f"(ohlcv {ohlcv[s, j].tolist()}, timestamp {int(timestamps[s, j])})")
+
+    def _step(self, ohlcv: Tensor, timestamps: Tensor, moved: Tensor | None,
+              dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """One chunk [S, m] through every feature; ``moved`` [S] (None: all) are the symbols with these bars."""
+        S, m = timestamps.shape
+        age = self._state["age"][:, None] + torch.arange(m, device=self.device)
+        op = StepOps(self._state, age, moved)
+        cols = ohlcv.permute(2, 0, 1).contiguous()
+        panel = Panel(cols, timestamps, torch.zeros(S, dtype=torch.int64, device=self.device), [m] * S, op=op)
+        values = torch.empty((S, m, len(self.features)), dtype=dtype, device=self.device)
+        for j, f in enumerate(self.features):
+            v = f.fn(panel)
+            if tuple(v.shape) != (S, m):
+                raise RuntimeError(f"feature {f.name!r} returned shape {tuple(v.shape)}, expected {(S, m)}")
+            values[:, :, j] = v.masked_fill(age < f.warmup, float("nan"))
+        ready = age >= self.warmup
+        if moved is None:
+            self._state["age"] = self._state["age"] + m
+            self._state["last_ts"] = timestamps[:, -1].clone()
+        else:
+            values[~moved] = float("nan")
+            ready &= moved[:, None]
+            self._state["age"] = torch.where(moved, self._state["age"] + m, self._state["age"])
+            self._state["last_ts"] = torch.where(moved, timestamps[:, -1], self._state["last_ts"])
+        return values, ready
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Every tensor of the state (copies), and the config as JSON bytes under "config": safetensors-ready."""
+        out = {k: v.detach().clone().contiguous() for k, v in self._state.items()}
+        out[_CONFIG_KEY] = torch.tensor(list(json.dumps(self.config(), sort_keys=True).encode()), dtype=torch.uint8)
+        return out
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Restore a state from :meth:`state_dict`; ValueError in one line naming the first key that does not fit."""
+        if _CONFIG_KEY not in state:
+            raise ValueError(f"FeatureStream.load_state_dict: key {_CONFIG_KEY!r} is missing")
+        try:
+            theirs = json.loads(bytes(state[_CONFIG_KEY].to(torch.uint8).tolist()).decode())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"FeatureStream.load_state_dict: key {_CONFIG_KEY!r} is not the JSON of a config ({e})") from None
+        if theirs != self.config():
+            diff = [k for k in sorted(set(theirs) | set(self.config())) if theirs.get(k) != self.config().get(k)]
+            raise ValueError(f"FeatureStream.load_state_dict: key {_CONFIG_KEY!r} differs in {diff} (the state is of "
+                             f"another stream: {theirs.get('n_symbols')} symbols, {len(theirs.get('names', []))} features)")
+        extra = sorted(set(state) - set(self._state) - {_CONFIG_KEY})
+        if extra:
+            raise ValueError(f"FeatureStream.load_state_dict: unexpected key {extra[0]!r}")
+        new = {}
+        for key, mine in self._state.items():
+            if key not in state:
+                raise ValueError(f"FeatureStream.load_state_dict: key {key!r} is missing")
+            t = state[key]
+            if not isinstance(t, Tensor) or t.dtype != mine.dtype or tuple(t.shape) != tuple(mine.shape):
+                got = f"{t.dtype} {list(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(f"FeatureStream.load_state_dict: key {key!r} is {got}, expected {mine.dtype} "
+                                 f"{list(mine.shape)}")
+            new[key] = t.detach().to(self.device).clone()
+        self._state = new
+
+    def __repr__(self) -> str:
+        return f"FeatureStream({len(self.names)} features, {self.n_symbols} symbols, warm-up {self.warmup})"
