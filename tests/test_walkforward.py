@@ -168,8 +168,11 @@ def test_significance_per_policy_when_available(uninterrupted) -> None:
                 assert m["sharpe_se"] is None and m["sharpe_ci_low"] is None, who
                 continue
             assert m["sharpe_se"] > 0 and m["sharpe_ci_low"] <= m["sharpe_ci_high"], who
-            assert 0.0 <= m["psr_vs_flat"] <= 1.0 and 0.0 <= m["psr_vs_benchmark"] <= 1.0, who
-    assert table["policies"]["buy_and_hold"]["psr_vs_benchmark"] == pytest.approx(0.5)
+            assert 0.0 <= m["psr_vs_flat"] <= 1.0 and m["sharpe_lo"] is not None, who
+            if who != "buy_and_hold":  # Ledoit & Wolf's paired test against buy-and-hold, on the same bars
+                assert 0.0 <= m["p_vs_bh"] <= 1.0 and 0.0 < m["p_vs_bh_boot"] <= 1.0, who
+                assert m["sharpe_diff_vs_bh"] == pytest.approx(m["sharpe"] - row["buy_and_hold"]["sharpe"]), who
+    assert table["policies"]["buy_and_hold"]["p_vs_bh"] is None  # no difference to itself to test
 
 
 def test_resume_skips_finished_folds_and_matches_an_uninterrupted_run(uninterrupted, resumed) -> None:

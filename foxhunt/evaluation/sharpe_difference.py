@@ -53,15 +53,16 @@ def _sharpe(x: Tensor) -> Tensor:
 
 
 def sharpe_difference_z(
-    pnl_a: Tensor, pnl_b: Tensor, kernel: Kernel = "qs", prewhiten: bool = True
+    pnl_a: Tensor, pnl_b: Tensor, kernel: Kernel = "qs", prewhiten: bool = True, bandwidth: float | None = None
 ) -> tuple[Tensor, Tensor]:
     """([...], [...]): the per-bar ``SR_a - SR_b`` of each pair of series (last axis: bars) and its HAC standard
     error, ``sqrt(LRV(ψ_a - ψ_b) / n)`` with ψ the Sharpe's influence series (:func:`~foxhunt.evaluation.hac.
-    sharpe_influence`): Ledoit & Wolf's ``sqrt(∇f' Ψ ∇f / T)``, the bandwidth chosen on the linearised difference."""
+    sharpe_influence`): Ledoit & Wolf's ``sqrt(∇f' Ψ ∇f / T)``, the bandwidth (default Andrews') chosen on the
+    linearised difference."""
     a, b = _pair(pnl_a, pnl_b)
     diff = _sharpe(a) - _sharpe(b)
     d = sharpe_influence(a) - sharpe_influence(b)
-    return diff, (long_run_variance(d, kernel, None, prewhiten) / a.shape[-1]).sqrt()
+    return diff, (long_run_variance(d, kernel, bandwidth, prewhiten) / a.shape[-1]).sqrt()
 
 
 def _circular_block_paths(n: int, block: int, n_boot: int, generator: torch.Generator) -> Tensor:
