@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
@@ -55,7 +56,26 @@ LITLOGGER_TIP = "\N{ELECTRIC LIGHT BULB} Tip: For seamless cloud logging"
 
 
 class FoxhuntCLI(LightningCLI):
-    """LightningCLI with the data-to-model links, foxhunt's default callbacks and logger, and the export step."""
+    """LightningCLI with the data-to-model links, foxhunt's default callbacks and logger, the run's plan checked
+    before training, and the export step."""
+
+    def __init__(self, *args: Any, plan_before_trainer: bool = False, **kwargs: Any) -> None:
+        """``plan_before_trainer``: load the data and check the run's plan (:meth:`check_run_plan`) before the
+        Trainer is built (``python -m foxhunt.fit``); otherwise the plan is checked when :meth:`fit` starts, so a CLI
+        built without training (a config check) loads no data."""
+        self.plan_before_trainer = plan_before_trainer
+        self._plan_failure: BaseException | None = None
+        super().__init__(*args, **kwargs)
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        """Parse, then refuse a ``data.path`` that names nothing (one line, before Lightning prints anything)."""
+        super().parse_arguments(parser, args)
+        config = self.config.get("fit") or self.config  # the fit subcommand's, or the whole config (run=False)
+        path = (config.get("data") or {}).get("path") if config is not None else None
+        if path is not None:
+            from foxhunt.data.io import resolve_paths
+
+            resolve_paths(path)
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_argument("--checkpoint_monitor", type=str, default="val/sharpe", help="metric the best checkpoint (and the export) is chosen by")
@@ -85,6 +105,14 @@ class FoxhuntCLI(LightningCLI):
         of the default one. Callbacks the config names are kept as they are."""
         config = self.config_init.get(self.subcommand) if self.subcommand else self.config_init
         settings = {**((config.get("trainer") or {}) if config else {}), **kwargs}
+        if self.plan_before_trainer and not self.config.get("ckpt_path"):  # a resume: its checkpoint is found first
+            try:
+                parsed = self.config.get(self.subcommand) if self.subcommand else self.config
+                check_members(self.model, parsed)
+                self.check_run_plan(settings)
+            except BaseException as e:  # not a constructor's refusal: instantiate_classes must not relabel it
+                self._plan_failure = e
+                raise
         named = _listed(settings.get("callbacks"))
         if settings.get("enable_checkpointing") is not False and not any(
             isinstance(cb, ModelCheckpoint) for cb in [*named, *_listed(self.trainer_defaults.get("callbacks"))]
@@ -148,17 +176,54 @@ class FoxhuntCLI(LightningCLI):
         except UserError:
             raise
         except (ValueError, TypeError) as e:
+            if e is self._plan_failure:
+                raise
             raise ConfigError(f"{config_source(config)}{constructor_key(e, config)}: {e}") from e
         check_members(self.model, config)
         seed = config.get("seed_everything")  # an int here: LightningCLI has drawn one if the config said true
         if isinstance(seed, int) and not isinstance(seed, bool) and seed:
             offset_member_seeds(self.model, seed)
 
+    def check_run_plan(self, trainer_settings: dict[str, Any]) -> None:
+        """Load the data and check, once, everything the config implies about the run's length and data before any
+        training: the training windows against the batch size, each member's start step and warm-up against its
+        updates (a run shortened from the config's own trainer limits scales them), and the members' settings that
+        outlast the run (:func:`foxhunt.lit.run_plan.check_plan`); a refusal is one ``ConfigError`` naming its key."""
+        from foxhunt.lit.run_plan import TrainerLimits, check_plan
+
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        source = config_source(config)
+        model, dm = self.model, self.datamodule
+        dm.setup("fit")
+        train = dm.splits["train"]
+        if model.hparams.combine == "stack" and model.forecaster_names:  # as the coordinator's setup will restrict it
+            dm.train_window_mask = model.forecaster_window_mask(train, dm.horizon)
+        loader = dm.windows("train", shuffle=True)
+        if len(loader) == 0:
+            raise ConfigError(
+                f"{source}data.batch_size: {dm.batch_size}, but the training split has {loader.num_windows:,} complete "
+                f"windows of lookback {dm.lookback} + horizon {dm.horizon} (of {len(train):,} bars): not one batch "
+                f"an epoch; use at most {max(1, loader.num_windows)}, or more bars"
+            )
+        limits = TrainerLimits.of(trainer_settings)
+        if limits.batches_per_epoch(len(loader)) == 0:
+            raise ConfigError(
+                f"{source}trainer.limit_train_batches: {limits.limit_train_batches} of the {len(loader):,} training "
+                f"batches an epoch is none; use at least {1 / len(loader):.3g}"
+            )
+        reference = config_file_trainer(config)
+        model.run_plan = check_plan(
+            {n: model.member(n) for n in model.member_names}, len(loader), limits,
+            None if reference is None else TrainerLimits.of(reference), source,
+        )
+
     def fit(self) -> dict[str, Any]:
         """Train, then export the best weights and back-test them on the test split."""
         cfg = self.config
         trainer, model, dm = self.trainer, self.model, self.datamodule
         ckpt_path = self._resolve_ckpt_path(cfg.get("ckpt_path"))  # before the logger writes: a refusal leaves no run
+        if model.run_plan is None:
+            self.check_run_plan((cfg.get(self.subcommand) if self.subcommand else cfg).get("trainer") or {})
         continued = self._continue_checkpoint_dirs(ckpt_path) if ckpt_path else False
         if cfg.get("hparams_tab", True):  # every hyperparameter, against the metrics filled in when the fit is over
             for lg in trainer.loggers:
@@ -255,6 +320,22 @@ class FoxhuntCLI(LightningCLI):
         print("\nBack-test after costs, on the test split (untouched by training, weights and checkpoint choice):\n"
               + format_table(table, split="test"))
         return {"export": meta, "backtest": table}
+
+
+def config_file_trainer(config: Any) -> dict[str, Any] | None:
+    """The ``trainer`` settings the config files give (the later file winning), without the command line's: the run
+    the config was sized for; None when no config file was given."""
+    files = [Path(str(c)) for c in (config.get("config") or [])] if config is not None else []
+    files = [f for f in files if f.is_file()]
+    if not files:
+        return None
+    merged: dict[str, Any] = {}
+    for f in files:
+        loaded = yaml.safe_load(f.read_text()) or {}
+        trainer = loaded.get("trainer") if isinstance(loaded, dict) else None
+        if isinstance(trainer, dict):
+            merged.update(trainer)
+    return merged
 
 
 def offset_member_seeds(model: EnsembleModule, run_seed: int) -> None:
@@ -358,9 +439,11 @@ def default_trainer_kwargs() -> dict[str, Any]:
     }
 
 
-def build_cli(args: list[str] | None = None, callbacks: list[Any] | None = None) -> FoxhuntCLI:
+def build_cli(args: list[str] | None = None, callbacks: list[Any] | None = None,
+              plan_before_trainer: bool = False) -> FoxhuntCLI:
     """Parse a config and overrides into a ready CLI (model, data, trainer) without training; ``callbacks`` are
-    added to the Trainer's (e.g. an Optuna pruning callback)."""
+    added to the Trainer's (e.g. an Optuna pruning callback); ``plan_before_trainer`` loads the data and checks the
+    run's plan before the Trainer is built (else :meth:`FoxhuntCLI.fit` checks it first)."""
     defaults = default_trainer_kwargs()
     defaults["callbacks"] = [*defaults["callbacks"], *(callbacks or [])]
     with quiet_outside_causes():  # `python -m foxhunt.fit` passes its own argv (less --debug) on purpose
@@ -375,13 +458,14 @@ def build_cli(args: list[str] | None = None, callbacks: list[Any] | None = None)
             parser_kwargs={"exit_on_error": False},  # a parse error is raised: one line (foxhunt.cli_errors), not usage
             args=args,
             run=False,
+            plan_before_trainer=plan_before_trainer,
         )
 
 
 def main(args: list[str] | None = None) -> FoxhuntCLI:
     """Parse the config and overrides, train, export and back-test."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cli = build_cli(args)
+    cli = build_cli(args, plan_before_trainer=True)
     cli.results = cli.fit()
     return cli
 

@@ -164,7 +164,8 @@ def test_a_member_that_would_never_train_is_refused_before_training(tmp_path: Pa
     late = DQNModule(window=4, hidden=(16,), n_envs=16, episode_length=32, batch_size=32, replay_capacity=2048,
                      learning_starts=128, optim={"start_step": 50})
     model = EnsembleModule(members={"tft": members["tft_small"], "dqn": late}, combine="vote")
-    with pytest.raises(ValueError, match=r"member 'dqn' has start_step=50, but this fit runs 6 coordinator steps"):
+    with pytest.raises(ValueError, match=r"model\.members\.dqn\.init_args\.optim\.start_step: 50, but this fit runs 6 "
+                                         r"coordinator steps .*member 'dqn' would never train; use at most 5"):
         fit(model, datamodule(), tmp_path, max_epochs=1)
     assert model.updates == {"tft": 0, "dqn": 0}
 

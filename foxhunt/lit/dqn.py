@@ -498,6 +498,13 @@ class DQNModule(Agent):
         c.reward_sum, c.reward_count = None, 0
         return out
 
+    def run_length_settings(self) -> dict[str, int]:
+        hp = self.hparams
+        settings = {"epsilon_steps": int(hp.epsilon_steps)}
+        if hp.target_update == "hard":
+            settings["target_update_every"] = int(hp.target_update_every)
+        return settings
+
     def check_run(self, planned_updates: int) -> list[str]:
         hp = self.hparams
         notes = []

@@ -49,7 +49,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from foxhunt.data.market import MarketSpec, MarketSplit
@@ -66,7 +65,7 @@ from foxhunt.evaluation.policies import (
 from foxhunt.evaluation.significance import null_max_sharpe, psr_from_moments, sharpe_moments
 from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
 from foxhunt.evaluation.trading import counted_log_returns
-from foxhunt.lit.member import Agent, Forecaster, Member, fit_updates
+from foxhunt.lit.member import Agent, Forecaster, Member
 from foxhunt.lit.member_updates import MemberUpdates, UpdatePlan
 from foxhunt.trading.policy_table import rollout_policy_table
 
@@ -146,6 +145,7 @@ class EnsembleModule(MemberUpdates, pl.LightningModule):
         self._plan: UpdatePlan | None = None  # looked up at the first update of a fit
         self._snapshots_loaded = False  # set when a checkpoint or an export brings taken snapshots back
         self._candidate_floor: dict[str, int] = {}  # the run's candidate counts, kept by load_weights
+        self.run_plan: Any = None  # the fit's RunPlan once checked (foxhunt.fit checks it before the Trainer)
 
     def member(self, name: str) -> Member:
         member = self.members[name]
@@ -201,7 +201,7 @@ class EnsembleModule(MemberUpdates, pl.LightningModule):
                 forecaster.target_transform = transform
             forecaster.setup(stage)
         if self.hparams.combine == "stack" and hasattr(dm, "train_window_mask"):
-            dm.train_window_mask = self._forecaster_window_mask(self._splits["train"])
+            dm.train_window_mask = self.forecaster_window_mask(self._splits["train"], dm.spec.horizon)
         if self.hparams.combine != "stack":
             for name in self.agent_names:
                 self.agent(name).attach_market(self._splits["train"], self._splits.get("val"))
@@ -593,37 +593,22 @@ class EnsembleModule(MemberUpdates, pl.LightningModule):
             raise KeyError(f"no split {name!r}: the coordinator has {sorted(self._splits)} (is it set up?)")
         return self._splits[name]
 
-    def planned_steps(self) -> int | None:
-        """Coordinator steps this fit will take by its epoch limit (None when only max_steps or time bounds it)."""
+    def _check_run(self) -> None:
+        """Before training, when no plan was checked before the Trainer (``foxhunt.fit`` checks it there): a member
+        that would never start or a warm-up that outlasts its updates is an error; settings that outlast the run are
+        warnings (:func:`foxhunt.lit.run_plan.check_plan`, with this Trainer's limits)."""
+        from foxhunt.lit.run_plan import TrainerLimits, check_plan
+
         trainer = self.trainer
         trainer.estimated_stepping_batches  # noqa: B018 - sets up the train loader, so num_training_batches is known
-        per_epoch, epochs = trainer.num_training_batches, trainer.max_epochs
-        if epochs is None or epochs < 0 or per_epoch == float("inf"):
-            return None
-        return int(per_epoch * epochs)
-
-    def _check_run(self) -> None:
-        """Before training: a member that would never start is an error; settings that outlast the run are warnings."""
-        planned = self.planned_steps()
-        paces = self._paces()
-        max_steps = self.trainer.max_steps
-        steps, updates = fit_updates(list(paces.values()), math.inf if planned is None else planned, max_steps)
-        if steps == math.inf:
+        per_epoch = trainer.num_training_batches
+        if per_epoch == float("inf"):
             return
-        bound = ("max_epochs x batches per epoch" if steps == planned
-                 else f"max_steps={max_steps} counts the updates of every member together")
-        for name, n in zip(paces, updates, strict=True):
-            member = self.member(name)
-            if member.start_step >= steps:
-                raise ValueError(
-                    f"member {name!r} has start_step={member.start_step}, but this fit runs {int(steps)} coordinator steps "
-                    f"({bound}): it would never train. Lower its optim.start_step or train longer"
-                )
-            for note in member.check_run(int(n)):
-                rank_zero_warn(f"member {name!r}: {note}")
+        limits = TrainerLimits(trainer.max_epochs, trainer.max_steps)  # per_epoch is already limited
+        self.run_plan = check_plan({n: self.member(n) for n in self.member_names}, int(per_epoch), limits)
 
     def on_train_start(self) -> None:
-        if self.updates and not any(self.updates.values()):
+        if self.updates and not any(self.updates.values()) and self.run_plan is None:
             self._check_run()
         resumed = getattr(self, "_resume_started", [])
         self._snapshots_loaded = self._snapshots_loaded or bool(resumed)  # they came back with the state dict

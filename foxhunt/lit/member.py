@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
@@ -190,6 +190,21 @@ class Member(pl.LightningModule):
     def check_run(self, planned_updates: int) -> list[str]:
         """Settings that do not fit a run of ``planned_updates`` updates (each a warning naming the setting)."""
         return []
+
+    def replace_optim(self, **changes: Any) -> None:
+        """New values of some ``optim`` fields before the fit (a shortened run's scaled start or warm-up), in the
+        settings and in the hyperparameters that checkpoints and exports record."""
+        self.init_optim(replace(self.optim, **changes))
+        self.hparams.optim = self.optim.as_dict()
+
+    def run_length_settings(self) -> dict[str, int]:
+        """The member's own settings counted in its updates and sized for its config's run (e.g. the DQN's
+        exploration decay), which a run shortened on purpose scales with its updates; none by default."""
+        return {}
+
+    def scale_run_length(self, name: str, value: int) -> None:
+        """Set one of :meth:`run_length_settings` for a shortened run (in the hyperparameters, where it is read)."""
+        self.hparams[name] = int(value)
 
     def export_state(self) -> dict[str, float | int | str | None]:
         """Values beyond parameters and hyperparameters that the member's policy needs after export (JSON)."""

@@ -1,0 +1,156 @@
+"""The run a fit config implies, worked out once before training: the coordinator steps and each member's updates
+from the Trainer's limits and the training split's windows. A setting the run cannot honour is one ``ConfigError``
+naming its dotted config key, its value and what would work; a run shortened on purpose (the config's trainer limits
+overridden, e.g. ``--trainer.max_epochs 1 --trainer.limit_train_batches 10``) scales the settings that outlast it in
+proportion to the config's own run, and says so, one line each."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_warn
+
+from foxhunt.cli_errors import ConfigError
+from foxhunt.lit.member import Member, fit_updates
+
+log = logging.getLogger("foxhunt.run_plan")
+LENGTH_SCHEDULES = ("cosine", "linear")  # schedules that span the member's updates when total_steps is None
+
+
+@dataclass(frozen=True)
+class TrainerLimits:
+    """The Trainer settings that bound a fit's length, as a config gives them (Lightning's defaults where it does not)."""
+
+    max_epochs: int | None = None
+    max_steps: int = -1
+    limit_train_batches: int | float | None = None
+    bounded_by_time: bool = False
+
+    @classmethod
+    def of(cls, settings: Mapping[str, Any]) -> TrainerLimits:
+        """From a Trainer's settings (a config's ``trainer`` mapping)."""
+        steps = settings.get("max_steps")
+        return cls(settings.get("max_epochs"), -1 if steps is None else int(steps), settings.get("limit_train_batches"),
+                   settings.get("max_time") is not None)
+
+    def batches_per_epoch(self, loader_batches: int) -> int:
+        """Training batches an epoch runs, as Lightning limits them (an int caps them, a float is a share)."""
+        limit = 1.0 if self.limit_train_batches is None else self.limit_train_batches
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            return int(loader_batches * float(limit))
+        return min(loader_batches, limit)
+
+    def epochs(self) -> float:
+        """The epoch limit, as Lightning resolves it (1,000 when nothing bounds the fit; unbounded with -1)."""
+        if self.max_epochs is None:
+            return 1000 if self.max_steps == -1 and not self.bounded_by_time else math.inf
+        return math.inf if self.max_epochs < 0 else self.max_epochs
+
+    def describe(self, batches: int) -> str:
+        limit = "" if self.limit_train_batches is None else f", limit_train_batches {self.limit_train_batches}"
+        return f"max_epochs {self.max_epochs} x {batches} training batches an epoch{limit}"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a fit will run: coordinator steps and each member's optimizer updates (``math.inf``: unbounded)."""
+
+    batches_per_epoch: int
+    steps: float
+    updates: dict[str, float]
+    bound: str  # what bounds the steps, for messages
+
+    def member_updates(self, name: str) -> float:
+        return self.updates.get(name, 0)
+
+
+def plan_run(paces: Mapping[str, tuple[int, int]], loader_batches: int, limits: TrainerLimits) -> RunPlan:
+    """The coordinator steps and updates of a fit of members at ``paces`` ((updates_per_step, start_step) each) over
+    a training loader of ``loader_batches`` batches."""
+    batches_per_epoch = limits.batches_per_epoch(loader_batches)
+    epoch_limit = batches_per_epoch * limits.epochs() if batches_per_epoch else 0
+    max_steps = limits.max_steps if limits.max_steps > 0 else None
+    steps, updates = fit_updates(list(paces.values()), epoch_limit, max_steps)
+    bound = (limits.describe(batches_per_epoch) if steps == epoch_limit
+             else f"trainer.max_steps {max_steps} counts the updates of every member together")
+    return RunPlan(batches_per_epoch, steps, dict(zip(paces, updates, strict=True)), bound)
+
+
+def member_key(name: str, field: str, optim: bool = True) -> str:
+    """The dotted config key of a member's setting."""
+    return f"model.members.{name}.init_args.{'optim.' if optim else ''}{field}"
+
+
+def _scaled(value: int, run: float, reference: float) -> int:
+    """``value`` of a ``reference`` run, kept in proportion in a run of ``run`` (rounded down)."""
+    return int(value * run // reference)
+
+
+def check_plan(
+    members: Mapping[str, Member], loader_batches: int, limits: TrainerLimits,
+    reference: TrainerLimits | None = None, source: str = "",
+) -> RunPlan:
+    """Refuse (``ConfigError``, one line) or, in a run shorter than the ``reference`` run the config's own trainer
+    limits give, scale every member setting that outlasts the run; warn about the rest that do not fit (the members'
+    ``check_run``). ``loader_batches``: the training loader's length, before ``limit_train_batches``. Returns the plan
+    with the scaled settings. ``source`` prefixes messages (the config file)."""
+    paces = {n: (m.updates_per_step, m.start_step) for n, m in members.items() if not m.finished}
+    plan = plan_run(paces, loader_batches, limits)
+    if plan.steps == math.inf:
+        return plan
+    ref = plan_run(paces, loader_batches, reference) if reference is not None and reference != limits else None
+    shortened = ref is not None and math.isfinite(ref.steps) and plan.steps < ref.steps
+    note = (f"scaled for this run of {int(plan.steps):,} of the config's {int(ref.steps):,} coordinator steps"
+            if shortened and ref is not None else "")
+    scaled: list[str] = []
+    for name, (_, start) in paces.items():
+        if start < plan.steps:
+            continue
+        key = member_key(name, "start_step")
+        if shortened and ref is not None and start < ref.steps:
+            new = _scaled(start, plan.steps, ref.steps)
+            members[name].replace_optim(start_step=new)
+            scaled.append(f"{note}: {key} {start} -> {new}")
+            continue
+        batches_per_epoch = plan.batches_per_epoch
+        needed = ("" if batches_per_epoch == 0 or plan.bound.startswith("trainer.max_steps")
+                  else f" (e.g. trainer.max_epochs {math.ceil((start + 1) / batches_per_epoch)})")
+        raise ConfigError(f"{source}{key}: {start}, but this fit runs {int(plan.steps):,} coordinator steps "
+                          f"({plan.bound}): member {name!r} would never train; use at most {int(plan.steps) - 1}, "
+                          f"or train longer{needed}")
+    if scaled:
+        paces = {n: (m.updates_per_step, m.start_step) for n, m in members.items() if not m.finished}
+        plan = plan_run(paces, loader_batches, limits)
+    for name in paces:
+        member, updates = members[name], int(plan.member_updates(name))
+        ref_updates = int(ref.member_updates(name)) if shortened and ref is not None else 0
+        o = member.optim
+        if o.scheduler in LENGTH_SCHEDULES and o.total_steps is None and o.warmup_steps >= max(1, updates):
+            key = member_key(name, "warmup_steps")
+            if shortened and o.warmup_steps < ref_updates:
+                new = _scaled(o.warmup_steps, updates, ref_updates)
+                member.replace_optim(warmup_steps=new)
+                scaled.append(f"{note}: {key} {o.warmup_steps} -> {new} (of the member's {updates:,} updates)")
+            else:
+                raise ConfigError(
+                    f"{source}{key}: {o.warmup_steps}, but member {name!r} takes {updates:,} updates in this fit "
+                    f"({plan.bound}) and its {o.scheduler} schedule must end its warm-up inside them; use at most "
+                    f"{max(0, updates - 1)}, or give optim.total_steps, or train longer"
+                )
+        if shortened:
+            for field, value in member.run_length_settings().items():
+                if value > updates and value <= ref_updates:
+                    new = max(1, _scaled(value, updates, ref_updates))
+                    member.scale_run_length(field, new)
+                    scaled.append(f"{note}: {member_key(name, field, optim=False)} {value} -> {new} (of the "
+                                  f"member's {updates:,} updates)")
+    for line in scaled:
+        log.warning("%s", line)
+    for name in paces:
+        for problem in members[name].check_run(int(plan.member_updates(name))):
+            rank_zero_warn(f"member {name!r}: {problem}")
+    return plan
