@@ -1,0 +1,158 @@
+"""The run's plan, checked once before training (foxhunt/lit/run_plan.py, foxhunt.fit): what a config implies about
+the run's length and data is refused in one line naming its dotted key, or, in a run shortened from the config's own
+trainer limits, scaled and said. Unit tests build members only (no Trainer); the smoke test runs every shipped fit
+config as ``--trainer.max_epochs 1 --trainer.limit_train_batches 10``."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from foxhunt.cli_errors import ConfigError, run_command
+from foxhunt.lit.dqn import DQNModule
+from foxhunt.lit.mamba2 import Mamba2Module
+from foxhunt.lit.run_plan import TrainerLimits, check_plan, plan_run
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "lightning_configs"
+TINY = str(Path(__file__).parent / "configs" / "tiny.yaml")
+FIT_CONFIGS = sorted(p.stem for p in CONFIGS.glob("*.yaml") if p.stem != "tune")  # tune.yaml is a study, not a fit
+
+
+def _dqn(**kwargs) -> DQNModule:
+    return DQNModule(window=4, hidden=(8,), n_envs=8, episode_length=16, batch_size=16, replay_capacity=1024,
+                     learning_starts=64, **kwargs)
+
+
+def _mamba(**optim) -> Mamba2Module:
+    return Mamba2Module(d_model=8, n_layers=1, d_state=4, headdim=4, chunk_size=4, optim=optim)
+
+
+def test_trainer_limits_count_batches_and_epochs_as_lightning_does() -> None:
+    assert TrainerLimits(limit_train_batches=10).batches_per_epoch(53) == 10
+    assert TrainerLimits(limit_train_batches=250).batches_per_epoch(53) == 53
+    assert TrainerLimits(limit_train_batches=0.5).batches_per_epoch(53) == 26
+    assert TrainerLimits().batches_per_epoch(53) == 53
+    assert TrainerLimits().epochs() == 1000  # nothing bounds it: Lightning's 1,000 epochs
+    assert TrainerLimits(max_steps=100).epochs() == float("inf")  # max_steps alone bounds it
+    assert TrainerLimits(max_epochs=-1).epochs() == float("inf")
+    assert TrainerLimits.of({"max_epochs": 3, "max_steps": None, "limit_train_batches": 7}) == TrainerLimits(3, -1, 7)
+
+
+def test_plan_counts_each_members_updates_from_its_start_and_pace() -> None:
+    plan = plan_run({"tft": (1, 0), "dqn": (16, 4)}, 53, TrainerLimits(max_epochs=1, limit_train_batches=10))
+    assert plan.steps == 10 and plan.updates == {"tft": 10, "dqn": 16 * 6}
+    by_steps = plan_run({"tft": (1, 0), "dqn": (1, 0)}, 53, TrainerLimits(max_epochs=5, max_steps=20))
+    assert by_steps.steps == 10 and by_steps.bound.startswith("trainer.max_steps 20")
+
+
+def test_a_start_step_beyond_the_run_is_one_line_naming_the_key_and_what_works() -> None:
+    dqn = _dqn(optim={"start_step": 150, "updates_per_step": 1})
+    limits = TrainerLimits(max_epochs=6, limit_train_batches=250)
+    with pytest.raises(ConfigError) as e:
+        check_plan({"dqn": dqn}, 15, limits, reference=limits, source="quickstart.yaml: ")
+    assert str(e.value) == (
+        "quickstart.yaml: model.members.dqn.init_args.optim.start_step: 150, but this fit runs 90 coordinator steps "
+        "(max_epochs 6 x 15 training batches an epoch, limit_train_batches 250): member 'dqn' would never train; use "
+        "at most 89, or train longer (e.g. trainer.max_epochs 11)")
+    assert dqn.start_step == 150  # nothing changed
+
+
+def test_a_warm_up_longer_than_the_members_updates_is_refused_unless_the_run_was_shortened(caplog) -> None:
+    config = TrainerLimits(max_epochs=4, limit_train_batches=250)
+    mamba = _mamba(scheduler="cosine", warmup_steps=50)
+    with pytest.raises(ConfigError, match=r"^model\.members\.mamba2\.init_args\.optim\.warmup_steps: 50, but member "
+                                          r"'mamba2' takes 10 updates in this fit .* use at most 9"):
+        check_plan({"mamba2": mamba}, 10, TrainerLimits(max_epochs=1), reference=None)
+    smoke = TrainerLimits(max_epochs=1, limit_train_batches=10)
+    with caplog.at_level(logging.WARNING, logger="foxhunt.run_plan"):
+        plan = check_plan({"mamba2": mamba}, 781, smoke, reference=config)
+    assert plan.steps == 10 and mamba.optim.warmup_steps == 0  # 50 of 1,000 updates: 5% of 10
+    assert mamba.hparams.optim["warmup_steps"] == 0  # what the checkpoints and the export record
+    assert caplog.messages == ["scaled for this run of 10 of the config's 1,000 coordinator steps: "
+                               "model.members.mamba2.init_args.optim.warmup_steps 50 -> 0 (of the member's 10 updates)"]
+    explicit = _mamba(scheduler="cosine", warmup_steps=50, total_steps=1000)  # its own span: the run does not matter
+    check_plan({"mamba2": explicit}, 10, TrainerLimits(max_epochs=1), reference=None)
+    assert explicit.optim.warmup_steps == 50
+
+
+def test_a_shortened_run_scales_start_steps_and_the_agents_schedules_in_proportion(caplog) -> None:
+    dqn = _dqn(optim={"start_step": 150, "updates_per_step": 1}, epsilon_steps=300, target_update="hard",
+               target_update_every=500)
+    tft_like = _mamba(scheduler="none")
+    with caplog.at_level(logging.WARNING, logger="foxhunt.run_plan"):
+        plan = check_plan({"tft": tft_like, "dqn": dqn}, 250, TrainerLimits(max_epochs=1, limit_train_batches=10),
+                          reference=TrainerLimits(max_epochs=6, limit_train_batches=250))
+    assert dqn.start_step == 1 and plan.updates == {"tft": 10, "dqn": 9}  # 150 of 1,500 steps: 1 of 10
+    assert dqn.hparams.epsilon_steps == 2 and dqn.hparams.target_update_every == 3  # of 1,350 updates, 9 here
+    assert [m.split(": ", 1)[1] for m in caplog.messages] == [
+        "model.members.dqn.init_args.optim.start_step 150 -> 1",
+        "model.members.dqn.init_args.epsilon_steps 300 -> 2 (of the member's 9 updates)",
+        "model.members.dqn.init_args.target_update_every 500 -> 3 (of the member's 9 updates)",
+    ]
+
+
+def test_a_setting_that_outlasts_the_configs_own_run_is_not_scaled_but_refused() -> None:
+    dqn = _dqn(optim={"start_step": 2000, "updates_per_step": 1})
+    with pytest.raises(ConfigError, match=r"optim\.start_step: 2000, but this fit runs 10 coordinator steps"):
+        check_plan({"dqn": dqn}, 250, TrainerLimits(max_epochs=1, limit_train_batches=10),
+                   reference=TrainerLimits(max_epochs=6, limit_train_batches=250))
+
+
+def test_a_long_run_leaves_every_setting_as_written_and_warns_about_the_ones_that_outlast_it() -> None:
+    dqn = _dqn(optim={"updates_per_step": 1}, epsilon_steps=10_000)
+    with pytest.warns(UserWarning, match=r"member 'dqn': epsilon_steps=10000 exceeds the 100 updates"):
+        check_plan({"dqn": dqn}, 100, TrainerLimits(max_epochs=1), reference=TrainerLimits(max_epochs=1))
+    assert dqn.hparams.epsilon_steps == 10_000
+
+
+def test_a_missing_data_path_fails_before_lightning_prints_anything(tmp_path: Path, capsys, caplog) -> None:
+    from foxhunt.fit import main
+
+    with caplog.at_level(logging.INFO):
+        code = run_command(main, ["--config", TINY, "--data.path", str(tmp_path / "nowhere.csv")])
+    err = capsys.readouterr()
+    assert code == 2 and err.err.strip() == f"error: {tmp_path / 'nowhere.csv'}: no such file or directory"
+    assert not caplog.messages and "GPU available" not in err.out + err.err  # no seed, no banner, no tip
+
+
+def test_a_batch_larger_than_the_training_windows_is_one_line_before_the_trainer(tmp_path: Path, monkeypatch) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    from foxhunt.fit import build_cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(LightningCLI, "instantiate_trainer", lambda *a, **k: pytest.fail("the Trainer was built"))
+    with pytest.raises(ConfigError, match=r"tiny\.yaml: data\.batch_size: 100000, but the training split has [\d,]+ "
+                                          r"complete windows of lookback 12 \+ horizon 3 .* use at most \d+"):
+        build_cli(["--config", TINY, "--data.batch_size", "100000"], plan_before_trainer=True)
+
+
+def _smoke(name: str, tmp: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    export = tmp / "export"
+    cmd = [sys.executable, "-m", "foxhunt.fit", "--config", str(CONFIGS / f"{name}.yaml"),
+           "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "10",
+           "--trainer.logger.init_args.save_dir", str(tmp / "runs"), "--export_dir", str(export)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3000), export
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FIT_CONFIGS)
+def test_every_shipped_config_runs_as_a_smoke_run_or_fails_in_one_line(name: str, tmp_path: Path) -> None:
+    """``--trainer.max_epochs 1 --trainer.limit_train_batches 10`` of every shipped fit config: it trains and exports,
+    or exits 2 with one ``error:`` line and no traceback."""
+    start = time.monotonic()
+    run, export = _smoke(name, tmp_path)
+    took = time.monotonic() - start
+    if run.returncode == 0:
+        assert (export / "metadata.json").is_file(), run.stdout[-2000:]
+        assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    else:
+        errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+        assert run.returncode == 2 and len(errors) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    print(f"{name}: exit {run.returncode} in {took:.0f} s")
