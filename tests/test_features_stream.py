@@ -24,7 +24,7 @@ DBN = Path(__file__).parent / "data" / "dbn"
 # Differences of two price-level quantities (a close and its average, two averages, a band and its centre): both
 # forms agree to rounding of the level, not of the (much smaller) difference; their tolerance is relative to the
 # level in the feature's units (see _levels).
-LEVEL_FEATURES = tuple(n for n in ALL if n.startswith(("dist_", "slope_", "macd", "ema_cross", "bb_", "cci_", "trix_")))
+LEVEL_FEATURES = tuple(n for n in ALL if n.startswith(("bb_", "trix_")))
 RTOL = 1e-12
 
 

@@ -83,8 +83,8 @@ def macd_line_signal(p: Panel, fast: int, slow: int, signal: int) -> tuple[Tenso
     """TA-Lib MACD line and signal: the fast EMA seeded at the slow EMA's first bar, signal = EMA of the line."""
 
     def f():
-        line = p.op.ema(p.close, fast, start=slow - fast)
-        line -= p.op.ema(p.close, slow)
+        dc = p.close_change()  # EMA(fast) - EMA(slow) = (C - EMA(slow)) - (C - EMA(fast)): differences, not levels
+        line = p.op.ema_distance(p.close, dc, slow) - p.op.ema_distance(p.close, dc, fast, start=slow - fast)
         sig = p.op.ema(line, signal, start=slow - 1)
         return p.op.blank(line, slow + signal - 2), sig  # TA-Lib reports all three from the signal's first bar
 
@@ -100,8 +100,8 @@ def macd(p: Panel, fast: int, slow: int, signal: int) -> tuple[Tensor, Tensor, T
 def cci(p: Panel, n: int, out: Tensor | None = None) -> Tensor:
     """TA-Lib CCI: (TP - SMA(TP)) / (0.015 * mean |TP - SMA(TP)|) over n bars."""
     tp = p.typical_price()
-    sma = p.memo("tp_block_prefix", lambda: p.op.BlockPrefix(tp, 20)).mean(n)
-    return ops.safe_div(tp - sma, p.op.mean_abs_deviation(tp, sma, n, 0.015), out=out)  # 0.015: CCI's constant
+    dev = p.memo("tp_block_prefix", lambda: p.op.BlockPrefix(tp, 20)).deviation(tp, n)  # TP - SMA(TP)
+    return ops.safe_div(dev, p.op.mean_abs_deviation(tp, dev, n, 0.015), out=out)  # 0.015: CCI's constant
 
 
 def _moves(p: Panel) -> tuple[Tensor, Tensor]:

@@ -84,16 +84,17 @@ def first(x: Tensor) -> Tensor:
     return x[..., :1]
 
 
-def mean_abs_deviation(x: Tensor, centre: Tensor, n: int, scale: float = 1.0) -> Tensor:
-    """scale times the mean over the last n bars of |x[t-k] - centre[t]| (k = 0..n-1): a loop over the window's n
+def mean_abs_deviation(x: Tensor, dev: Tensor, n: int, scale: float = 1.0) -> Tensor:
+    """scale times the mean over the last n bars of |x[t-k] - m[t]| (k = 0..n-1) for a centre m = x - dev, taken as
+    |(x[t-k] - x[t]) + dev[t]| (rounding relative to the deviations, not the level): a loop over the window's n
     offsets, not over bars."""
     T, a = x.shape[-1], n - 1
     md = nans(x, a)
     if a < T:
-        m, acc = centre[..., a:], md[..., a:]
-        torch.sub(x[..., a:], m, out=acc).abs_()
+        now, d, acc = x[..., a:], dev[..., a:], md[..., a:]
+        torch.abs(d, out=acc)
         for k in range(1, n):
-            acc += (x[..., a - k : T - k] - m).abs_()
+            acc += (x[..., a - k : T - k] - now).add_(d).abs_()
     return md.mul_(scale / n)
 
 
@@ -307,6 +308,14 @@ class BlockPrefix:
         hi, lo = self._parts(self.cs, n)
         return self._flat(hi - lo + n * self.ref, n)
 
+    def deviation(self, y: Tensor, n: int) -> Tensor:
+        """y - mean of x[t-n+1..t] as (y - r) - (the window's sum of x - r) / n: rounding relative to the window's
+        spread, not to the level (y: a series near x, e.g. x itself)."""
+        S, T = self.shape
+        hi, lo = self._parts(self.cs, n)
+        yb = pad_right(y, self.nb * self.B - T).view(S, self.nb, self.B)
+        return self._flat((yb - self.ref).sub_((hi - lo).div_(n)), n)
+
     def mean(self, n: int) -> Tensor:
         """Mean of x[t-n+1..t] (TA-Lib SMA)."""
         hi, lo = self._parts(self.cs, n)
@@ -494,6 +503,18 @@ def ema(x: Tensor, n: int | None = None, start: int = 0, alpha: float | None = N
     s = start + n - 1 if seed == "sma" else start
     y0 = x[:, start : s + 1].mean(dim=1) if seed == "sma" else x[:, s].clone()
     return seeded_scan(x, s, y0, 1.0 - alpha, alpha)
+
+
+def ema_distance(x: Tensor, dx: Tensor, n: int, start: int = 0) -> Tensor:
+    """x minus its TA-Lib EMA(n) (SMA seeding, x valid from ``start``) as a recurrence of its own on the changes dx of
+    x: d[t] = a (d[t-1] + dx[t]), a = 1 - 2 / (n + 1), from d = x - mean(x[start..s]) at s = start + n - 1, so its
+    rounding is relative to the distance, not to the level of x."""
+    s = start + n - 1
+    if s >= x.shape[-1]:
+        return nans(x)
+    a = 1.0 - 2.0 / (n + 1)
+    seed = (x[:, start : s + 1] - x[:, s : s + 1]).mean(dim=1).neg_()
+    return seeded_scan(dx, s, seed, a, a)
 
 
 def wilder(x: Tensor, n: int, start: int = 0) -> Tensor:

@@ -157,11 +157,11 @@ class StepOps:
     def aroon_line(self, x: Tensor, n: int, highest: bool) -> Tensor:
         return self.bars_since_extreme(x, n, highest).neg_().add_(n).mul_(100.0 / n)
 
-    def mean_abs_deviation(self, x: Tensor, centre: Tensor, n: int, scale: float = 1.0) -> Tensor:
+    def mean_abs_deviation(self, x: Tensor, dev: Tensor, n: int, scale: float = 1.0) -> Tensor:
         ext = self._ring(x, n - 1)
-        acc = torch.sub(x, centre).abs_()
+        acc = torch.abs(dev)
         for k in range(1, n):
-            acc += (ext[:, n - 1 - k : n - 1 - k + self.m] - centre).abs_()
+            acc += (ext[:, n - 1 - k : n - 1 - k + self.m] - x).add_(dev).abs_()
         return self.blank(acc.mul_(scale / n), n - 1)
 
     # -- recursive filters (the recurrence, stepped) ----------------------------------------------------------------
@@ -203,6 +203,11 @@ class StepOps:
         if seed == "sma":
             return self._scan(1.0 - alpha, alpha * x, start + n - 1, self._seed_window(x, n, lambda w: w.mean(dim=-1)))
         return self._scan(1.0 - alpha, alpha * x, start, lambda: x)
+
+    def ema_distance(self, x: Tensor, dx: Tensor, n: int, start: int = 0) -> Tensor:
+        a = 1.0 - 2.0 / (n + 1)
+        ext = self._ring(x, n - 1)
+        return self._scan(a, a * dx, start + n - 1, lambda: (ext.unfold(1, n, 1) - x[..., None]).mean(dim=-1).neg_())
 
     def wilder(self, x: Tensor, n: int, start: int = 0) -> Tensor:
         return self.ema(x, n, start, alpha=1.0 / n)
@@ -258,6 +263,9 @@ class StepBlockPrefix:
 
     def mean(self, n: int) -> Tensor:
         return self.step.blank(self._centred(n).sum(dim=-1) / n + self.x, self.start + n - 1)
+
+    def deviation(self, y: Tensor, n: int) -> Tensor:
+        return self.step.blank((y - self.x).sub_(self._centred(n).sum(dim=-1).div_(n)), self.start + n - 1)
 
     def mean_var(self, n: int) -> tuple[Tensor, Tensor]:
         d = self._centred(n)
