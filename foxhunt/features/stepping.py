@@ -138,7 +138,7 @@ class StepOps:
         return StepPrefix(self, x, start, squares)
 
     def BlockPrefix(self, x: Tensor, max_window: int, start: int = 0, squares: bool = False) -> StepBlockPrefix:  # noqa: N802
-        return StepBlockPrefix(self, x, max_window, start)
+        return StepBlockPrefix(self, x, max_window, start, squares)
 
     # -- extrema and window loops (bit for bit: the batch function on the ring) -------------------------------------
     def _on_window(self, fn: Callable[[Tensor], Tensor], x: Tensor, w: int, a: int) -> Tensor:
@@ -245,34 +245,78 @@ class StepPrefix:
 
 
 class StepBlockPrefix:
-    """ops.BlockPrefix stepped: window sums over the last ``max_window`` bars kept in a ring, centred on the latest
-    value (rounding relative to the window's spread, as the batch form's blocks)."""
+    """ops.BlockPrefix stepped bit for bit: the same blocks of ``block`` bars from each symbol's first bar, each
+    centred on its first value, whose running sums (over the block and the max_window - 1 bars before it) carry on
+    from a ring of their last max_window values; a new block starts them again from the raw bars kept in a ring."""
 
-    def __init__(self, step: StepOps, x: Tensor, max_window: int, start: int) -> None:
-        self.step, self.x, self.W, self.start = step, x, max_window, start
-        self.ext = step._ring(x, max_window - 1)
+    def __init__(self, step: StepOps, x: Tensor, max_window: int, start: int = 0, squares: bool = False,
+                 block: int = 512) -> None:
+        if start != 0:
+            raise ValueError("the stepping BlockPrefix takes start=0 only")
+        W, B = max_window, max(block, max_window)
+        S, m = step.S, step.m
+        self.step, self.W = step, W
+        slot = step._slot("block_prefix")
+        raw = step._get(slot, "last", lambda: x.new_full((S, W - 1), NAN))
+        ref = step._get(slot, "ref", lambda: x.new_zeros((S, 1)))
+        rings = [step._get(slot, "cs", lambda: x.new_zeros((S, W)))]
+        if squares:
+            rings.append(step._get(slot, "cs2", lambda: x.new_zeros((S, W))))
+        begins = step.age % B == 0  # a symbol's new block starts at this bar
+        cuts = [0, *(i for i in range(1, m) if bool(begins[:, i].any())), m]
+        self.parts: list[tuple[Tensor, list[Tensor]]] = []  # per piece: its centre [S, 1], its running sums [S, W + k]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            xs, new = x[:, a:b], begins[:, a]
+            if bool(new.any()):
+                ref = torch.where(new[:, None], xs[:, :1], ref)
+                d0 = raw - ref  # the bars before the block, centred on its first value (none before a first bar)
+                fresh = (step.age[:, a] == 0)[:, None]
+                for i, dd in enumerate((d0, d0 * d0)[: len(rings)]):
+                    restart = torch.cumsum(torch.cat((dd.new_zeros((S, 1)), dd), dim=1), dim=1).masked_fill_(fresh, 0.0)
+                    rings[i] = torch.where(new[:, None], restart, rings[i])
+            d = xs - ref
+            exts = []
+            for i, dd in enumerate((d, d * d)[: len(rings)]):
+                ext = torch.cat((rings[i], torch.cumsum(torch.cat((rings[i][:, -1:], dd), dim=1), dim=1)[:, 1:]), dim=1)
+                rings[i] = ext[:, -W:]
+                exts.append(ext)
+            raw = torch.cat((raw, xs), dim=1)[:, -(W - 1) :] if W > 1 else raw
+            self.parts.append((ref, exts))
+        step._put(slot, "last", raw)
+        step._put(slot, "ref", ref)
+        step._put(slot, "cs", rings[0])
+        if squares:
+            step._put(slot, "cs2", rings[1])
+        self.x = x
 
-    def _centred(self, n: int) -> Tensor:
-        """[S, m, n]: each bar's window minus the bar's value."""
+    def _each(self, n: int, fn: Callable[[Tensor, Tensor, Tensor, slice], Tensor]) -> Tensor:
+        """fn(ref, hi - lo, (hi - lo) of the squares or None, the piece's bars) over the pieces, joined, NaN before
+        bar n - 1."""
         if n > self.W:
             raise ValueError(f"window {n} exceeds this prefix's max_window {self.W}")
-        return self.ext[:, self.W - n :].unfold(1, n, 1) - self.x[..., None]
+        W, out, at = self.W, [], 0
+        for ref, exts in self.parts:
+            k = exts[0].shape[1] - W
+            sums = [e[:, W:] - e[:, W - n : W - n + k] for e in exts]
+            out.append(fn(ref, sums[0], sums[1] if len(sums) > 1 else None, slice(at, at + k)))
+            at += k
+        return self.step.blank(torch.cat(out, dim=1), n - 1)
 
     def sum(self, n: int) -> Tensor:
-        return self.step.blank(self._centred(n).sum(dim=-1) + n * self.x, self.start + n - 1)
+        return self._each(n, lambda r, s1, s2, bars: s1 + n * r)
 
     def mean(self, n: int) -> Tensor:
-        return self.step.blank(self._centred(n).sum(dim=-1) / n + self.x, self.start + n - 1)
+        return self._each(n, lambda r, s1, s2, bars: s1 / n + r)
 
     def deviation(self, y: Tensor, n: int) -> Tensor:
-        return self.step.blank((y - self.x).sub_(self._centred(n).sum(dim=-1).div_(n)), self.start + n - 1)
+        return self._each(n, lambda r, s1, s2, bars: (y[:, bars] - r).sub_(s1.div_(n)))
 
     def mean_var(self, n: int) -> tuple[Tensor, Tensor]:
-        d = self._centred(n)
-        m = d.sum(dim=-1) / n
-        var = torch.clamp_min((d * d).sum(dim=-1) / n - m * m, 0.0)
-        a = self.start + n - 1
-        return self.step.blank(m + self.x, a), self.step.blank(var, a)
+        if len(self.parts[0][1]) < 2:
+            raise ValueError("BlockPrefix built without squares")
+        mean = self._each(n, lambda r, s1, s2, bars: s1 / n + r)
+        var = self._each(n, lambda r, s1, s2, bars: torch.clamp_min(s2 / n - (s1 / n) * (s1 / n), 0.0))
+        return mean, var
 
     def mean_std(self, n: int, k: float = 1.0) -> tuple[Tensor, Tensor]:
         m, var = self.mean_var(n)
