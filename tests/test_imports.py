@@ -111,6 +111,7 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("members", ("foxhunt.lit",)),
     ("coordinator", ("foxhunt.lit.ensemble",)),
     ("export", ("foxhunt.export",)),
+    ("live", ("foxhunt.live",)),
     ("entry points", ("foxhunt", "foxhunt.fit", "foxhunt.backtest")),
     ("runs of fits", ("foxhunt.walkforward", "foxhunt.tune")),
     ("quality", ("foxhunt.quality",)),

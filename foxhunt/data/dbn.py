@@ -275,3 +275,8 @@ def _infer_schema(bars: pd.DataFrame) -> str:
     step = step[step > 0]
     seconds = int(np.median(step) // 1_000_000_000) if step.size else 60
     return BAR_SECONDS_TO_SCHEMA.get(seconds, "ohlcv-1m")
+
+
+def instrument_symbols(meta: databento_dbn.Metadata, instrument_id: np.ndarray, ts: np.ndarray) -> np.ndarray:
+    """The symbol of each record's instrument id at its time, by the metadata's symbology (a live stream's decoder)."""
+    return np.asarray(_symbols(meta, instrument_id, ts), dtype=object)

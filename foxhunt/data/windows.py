@@ -159,6 +159,10 @@ class WindowBatches(IterableDataset):
         self._served = 0  # ... and how many of its batches it has handed out
         self._resume: tuple[int, int] | None = None  # (epoch, batches to skip) from load_state_dict, for the next pass
 
+    def keep(self, rows: Tensor) -> None:
+        """Serve only the windows decided at ``rows`` (row indices; those that are not valid window starts are none)."""
+        self.starts = self.starts[torch.isin(self.starts, rows.to(self.starts.device))]
+
     @property
     def num_windows(self) -> int:
         return int(self.starts.numel())

@@ -314,14 +314,15 @@ class EnsembleModule(MemberUpdates, pl.LightningModule):
         self.stack_mean.copy_(ref.mean(0))
         self.stack_std.copy_(ref.std(0).clamp_min(1e-12))
 
-    def _raw_stack(self, split: MarketSplit) -> Tensor:
-        """[T, sum H·Q] the snapshots' forecasts, forecaster by forecaster."""
-        parts = [self.forecaster(n).forecast(split, net=self.snapshots[n]).flatten(1) for n in self.forecaster_names]
+    def _raw_stack(self, split: MarketSplit, rows: Tensor | None = None) -> Tensor:
+        """[T, sum H·Q] the snapshots' forecasts, forecaster by forecaster (at ``rows`` only when given; NaN elsewhere)."""
+        parts = [self.forecaster(n).forecast(split, net=self.snapshots[n], rows=rows).flatten(1)
+                 for n in self.forecaster_names]
         return torch.cat(parts, 1)
 
-    def stacked(self, split: MarketSplit) -> MarketSplit:
+    def stacked(self, split: MarketSplit, rows: Tensor | None = None) -> MarketSplit:
         """The split with the snapshots' standardised forecasts appended to its features (the agents' inputs)."""
-        fc = self._raw_stack(split)
+        fc = self._raw_stack(split, rows)
         z = torch.nan_to_num((fc - self.stack_mean) / self.stack_std, nan=0.0).clamp(-10, 10).float()
         names = [
             f"{n}_h{h}_q{q}" for n in self.forecaster_names
@@ -337,9 +338,9 @@ class EnsembleModule(MemberUpdates, pl.LightningModule):
 
     # ------------------------------------------------------------------------------------------------ policies
     @torch.no_grad()
-    def forecasts(self, split: MarketSplit) -> dict[str, Tensor]:
-        """[T, H, Q] forecasts of every forecaster on a split."""
-        return {n: self.forecaster(n).forecast(split) for n in self.forecaster_names}
+    def forecasts(self, split: MarketSplit, rows: Tensor | None = None) -> dict[str, Tensor]:
+        """[T, H, Q] forecasts of every forecaster on a split (at ``rows`` only when given; NaN elsewhere)."""
+        return {n: self.forecaster(n).forecast(split, rows=rows) for n in self.forecaster_names}
 
     def forecast_table(self, name: str, forecasts: Tensor, decision: Tensor, reset: Tensor) -> Tensor:
         """[T, 3] forecaster ``name``'s policy table (:func:`forecast_policy_table`) from its [T, H, Q] forecasts: its

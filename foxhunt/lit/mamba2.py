@@ -211,7 +211,8 @@ class Mamba2Module(Forecaster):
         return {k.removeprefix("val/"): v for k, v in values.items()}
 
     @torch.no_grad()
-    def forecast(self, split: MarketSplit, batch_size: int = 2048, net: nn.Module | None = None) -> Tensor:
+    def forecast(self, split: MarketSplit, batch_size: int = 2048, net: nn.Module | None = None,
+                 rows: Tensor | None = None) -> Tensor:
         """[T, H, Q] quantile forecasts (log-return scale) at every window-valid row of ``split``; NaN elsewhere.
 
         Windows are the data's (its lookback), so every forecaster of an ensemble forecasts the same rows."""
@@ -220,6 +221,8 @@ class Mamba2Module(Forecaster):
         spec = self.spec
         batches = WindowBatches(split, spec.lookback, spec.horizon, batch_size=batch_size,
                                 known_future=list(spec.known_future), device=self.device)
+        if rows is not None:
+            batches.keep(rows)
         out = torch.full((len(split), spec.horizon, len(self.quantiles)), float("nan"), device=self.device)
         was = net.training
         net.eval()

@@ -239,9 +239,11 @@ class Forecaster(Member):
     test_metrics: Any  # a torchmetrics collection of the forecast metrics, prefixed "test/"
     policy_interval: tuple[float, float]  # the quantiles whose interval must clear the cost to take a position
 
-    def forecast(self, split: MarketSplit, batch_size: int = 2048, net: nn.Module | None = None) -> Tensor:
+    def forecast(self, split: MarketSplit, batch_size: int = 2048, net: nn.Module | None = None,
+                 rows: Tensor | None = None) -> Tensor:
         """[T, H, Q] forecasts on the log-return scale at every window-valid row of ``split``; NaN elsewhere.
-        ``net`` is a frozen copy of the member's network to forecast with instead (a stacking snapshot)."""
+        ``net`` is a frozen copy of the member's network to forecast with instead (a stacking snapshot); ``rows``
+        (row indices) forecasts only those of them (a live session's latest bars)."""
         raise NotImplementedError
 
     @property

@@ -1,0 +1,311 @@
+"""A live session: an export trading bars as they arrive, one timestamp at a time, with the back-test's own decisions.
+
+Per symbol it holds the streaming features' state, the last bars' normalised feature rows (as many as a member's window,
+the target statistics and stacking need: a bounded tail, never the history), every member's held position and the
+bars seen. At each bar it builds the tail as a :class:`~foxhunt.data.market.MarketSplit` (the next bars' known-future
+calendar rows scheduled ahead, as the back-test reads them from the file), asks every member for one row of its policy
+table (:meth:`~foxhunt.lit.member.Agent.decision_table`, :meth:`~foxhunt.lit.ensemble.EnsembleModule.forecast_table`)
+and applies it to the position it holds: the very code that rolls the back-test out, one bar at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from foxhunt.data.datamodule import assemble_split
+from foxhunt.evaluation.policies import FORECAST_ACTIONS, FORECAST_FLAT
+from foxhunt.export.load import LoadedEnsemble
+from foxhunt.export.metadata import sha256_hex
+from foxhunt.export.symbols import export_symbol_codes
+from foxhunt.features import FeatureSet
+from foxhunt.live.state import StateError, load_state, save_state
+from foxhunt.preprocessing import OutlierClip, RollingZScore, next_log_returns
+
+Schedule = Callable[[Tensor, Tensor, int], Tensor]  # (symbol codes [P], timestamps [P], H) -> next timestamps [P, H]
+
+
+@dataclass
+class Decision:
+    """What the session decided at one timestamp, for the symbols that had a bar there."""
+
+    timestamp: int  # ns UTC, the bars' time
+    symbols: list[str]
+    bars: Tensor  # [P, 5] float64 OHLCV
+    positions: dict[str, Tensor]  # member names and "ensemble" -> [P] float32, held from this close to the next
+    ready: Tensor  # [P] bool: a decision could be taken (features warmed up, the members' windows full)
+    latency_us: float  # bar in to decision out
+
+
+def regular_schedule(spacing_ns: Tensor) -> Schedule:
+    """The next bars' timestamps at each symbol's regular spacing (what a live feed without a calendar can know)."""
+
+    def schedule(codes: Tensor, ts: Tensor, horizon: int) -> Tensor:
+        steps = torch.arange(1, horizon + 1, dtype=torch.int64)
+        return ts[:, None] + spacing_ns[codes][:, None] * steps
+
+    return schedule
+
+
+class LiveSession:
+    """An exported ensemble trading bars as they arrive (see the module docstring); build it with :func:`open`."""
+
+    def __init__(self, loaded: LoadedEnsemble, features: Any | None = None) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        meta = loaded.metadata
+        self.symbols = list(loaded.symbols)
+        self.feature_names = list(loaded.feature_names)
+        spec = meta["spec"]
+        self.lookback, self.horizon = int(spec["lookback"]), int(spec["horizon"])
+        self.known_future = list(spec["known_future"])
+        self.clip = float(meta["data"]["feature_clip"])
+        S, F = len(self.symbols), len(self.feature_names)
+        if features is None:
+            from foxhunt.features.stream import FeatureStream
+
+            features = FeatureStream(self.feature_names, S)
+        self.features = features
+        self.calendar = FeatureSet(self.known_future) if self.known_future else None
+        self.tail = self._tail_length()
+        K = self.tail
+        self.rows = torch.zeros(S, K, F, dtype=torch.float32)  # normalised feature rows, the latest last
+        self.ready_rows = torch.zeros(S, K, dtype=torch.bool)
+        self.ohlcv = torch.ones(S, K, 5, dtype=torch.float64)
+        self.ts = torch.zeros(S, K, dtype=torch.int64)
+        self.seen = torch.zeros(S, dtype=torch.int64)  # bars seen per symbol
+        self.held: dict[str, Tensor] = {}  # per member: the policy's held action index (discrete) or position
+        for name in self.model.member_names:
+            continuous = name in self.model.agent_names and self._continuous(name)
+            self.held[name] = torch.zeros(S, dtype=torch.float32) if continuous else self._flat_index(name).repeat(S)
+        self.spacing = torch.zeros(S, dtype=torch.int64)  # the latest bar spacing per symbol (regular schedule)
+
+    # ------------------------------------------------------------------------------------------------ structure
+    def _tail_length(self) -> int:
+        """Bars of history a decision reads: the forecasters' lookback (over every stacked agent's window), the
+        agents' windows and the target statistics' windows, with margin."""
+        agents = [int(self.model.agent(n).hparams.window) for n in self.model.agent_names]
+        window = max(agents, default=1)
+        stack = self.model.hparams.combine == "stack"
+        need = self.lookback + (window if stack else 0) + window
+        t = self.loaded.target_transform
+        for part in (t.scaler, t.clip):
+            if isinstance(part, RollingZScore):
+                need += part.window + part.lag
+            elif isinstance(part, OutlierClip) and getattr(part, "window", None):
+                need += int(part.window) + 1
+        return need + 2
+
+    def _continuous(self, name: str) -> bool:
+        return bool(getattr(self.model.agent(name), "continuous", False))
+
+    def _flat_index(self, name: str) -> Tensor:
+        if name in self.model.forecaster_names:
+            return torch.tensor([FORECAST_FLAT])
+        actions = list(self.model.agent(name).hparams.actions)
+        return torch.tensor([min(range(len(actions)), key=lambda i: abs(actions[i]))])
+
+    def codes(self, symbols: Sequence[str]) -> Tensor:
+        """The export's codes of these symbols, by name (a symbol the model never saw: one line, see
+        :mod:`foxhunt.export.symbols`; a live session refuses it even for agents, since it holds state per code)."""
+        return export_symbol_codes(list(symbols), self.symbols, self.model.member_names, where="live bars")
+
+    def history(self, symbol: str) -> tuple[Tensor, Tensor]:
+        """The latest accepted bars of a symbol this session holds: timestamps [n] and OHLCV [n, 5] (n <= its tail)."""
+        if symbol not in self.symbols:
+            return torch.zeros(0, dtype=torch.int64), torch.zeros(0, 5, dtype=torch.float64)
+        c = self.symbols.index(symbol)
+        n = int(min(int(self.seen[c]), self.tail))
+        return self.ts[c, self.tail - n :], self.ohlcv[c, self.tail - n :]
+
+    # ------------------------------------------------------------------------------------------------ stepping
+    @torch.no_grad()
+    def on_bar(self, symbols: Sequence[str], ohlcv: Tensor, timestamp: int,
+               next_timestamps: Tensor | None = None) -> Decision:
+        """Take the bars of ``symbols`` at ``timestamp`` (ohlcv [P, 5]) and decide every member's position for each.
+
+        ``next_timestamps`` [P, H]: when the next H bars of each symbol will be (the known-future inputs' times; a
+        replay knows them from its file, as the back-test does); None: each symbol's last spacing, repeated."""
+        start = time.perf_counter_ns()
+        codes = self.codes(symbols)
+        P = codes.numel()
+        bars = torch.as_tensor(ohlcv, dtype=torch.float64).reshape(P, 5)
+        ts = torch.full((P,), int(timestamp), dtype=torch.int64)
+        S = len(self.symbols)
+        full_ohlcv = torch.ones(S, 1, 5, dtype=torch.float64)
+        full_ts = torch.zeros(S, 1, dtype=torch.int64)
+        present = torch.zeros(S, 1, dtype=torch.bool)
+        full_ohlcv[codes, 0], full_ts[codes, 0], present[codes, 0] = bars, ts, True
+        values, ready = self.features.update(full_ohlcv, full_ts, present)
+        rows = self.loaded.feature_normalizer(values[codes, 0]).clamp(-self.clip, self.clip)
+        seen = self.seen[codes]
+        self.spacing[codes] = torch.where(seen > 0, ts - self.ts[codes, -1], self.spacing[codes])
+        self._push(codes, rows, ready[codes, 0], bars, ts)
+        if next_timestamps is None:
+            next_timestamps = regular_schedule(self.spacing)(codes, ts, self.horizon)
+        positions, decided = self._decide(codes, torch.as_tensor(next_timestamps, dtype=torch.int64).reshape(P, -1))
+        latency = (time.perf_counter_ns() - start) / 1e3
+        return Decision(int(timestamp), list(symbols), bars, positions, decided, latency)
+
+    def _push(self, codes: Tensor, rows: Tensor, ready: Tensor, bars: Tensor, ts: Tensor) -> None:
+        """Append one bar to each of these symbols' tails (the oldest row drops out)."""
+        for buf, new in ((self.rows, rows.float()), (self.ready_rows, ready), (self.ohlcv, bars), (self.ts, ts)):
+            buf[codes] = torch.cat((buf[codes, 1:], new.unsqueeze(1).to(buf.dtype)), 1)
+        self.seen[codes] += 1
+
+    def _tail_split(self, codes: Tensor, next_ts: Tensor) -> tuple[Any, Tensor]:
+        """The tails of these symbols as one MarketSplit (each symbol's rows, then H rows scheduled ahead that carry
+        only the known-future calendar inputs), and each symbol's row of the bar just in."""
+        H = max(self.horizon, 1)
+        n = torch.clamp(self.seen[codes], max=self.tail)
+        F = len(self.feature_names)
+        feats, readies, ohlcvs, tss, syms, last = [], [], [], [], [], []
+        offset = 0
+        future = self._future_rows(next_ts[:, :H])  # [P, H, F]
+        for i, c in enumerate(codes.tolist()):
+            k = int(n[i])
+            feats += [self.rows[c, -k:], future[i]]
+            readies += [self.ready_rows[c, -k:], torch.zeros(H, dtype=torch.bool)]
+            o = self.ohlcv[c, -k:]
+            ohlcvs += [o, o[-1:].expand(H, 5)]  # the scheduled rows repeat the last close: its return reads 0
+            tss += [self.ts[c, -k:], next_ts[i, :H]]
+            syms.append(torch.full((k + H,), c, dtype=torch.int64))
+            last.append(offset + k - 1)
+            offset += k + H
+        ohlcv = torch.cat(ohlcvs)
+        sym = torch.cat(syms)
+        returns = next_log_returns(ohlcv[:, 3], segment=sym)
+        features = torch.cat(feats).reshape(-1, F)
+        split = assemble_split("live", self.symbols, torch.cat(tss), sym, ohlcv, features, torch.cat(readies), returns,
+                               self.feature_names, self.loaded.target_transform)
+        return split, torch.tensor(last, dtype=torch.int64)
+
+    def _future_rows(self, next_ts: Tensor) -> Tensor:
+        """[P, H, F] normalised rows of the scheduled bars: the known-future columns, NaN (read as 0) elsewhere."""
+        P, H = next_ts.shape
+        F = len(self.feature_names)
+        out = torch.full((P, H, F), float("nan"), dtype=torch.float32)
+        if self.calendar is None or H == 0:
+            return torch.nan_to_num(out, nan=0.0)
+        flat = next_ts.reshape(-1)
+        sym = torch.arange(P).repeat_interleave(H)
+        cal = self.calendar.compute(torch.ones(P * H, 5, dtype=torch.float64), flat, sym).values
+        cols = [self.feature_names.index(k) for k in self.known_future]
+        raw = torch.full((P * H, F), float("nan"), dtype=torch.float32)
+        raw[:, cols] = cal.float()
+        normed = self.loaded.feature_normalizer(raw).clamp(-self.clip, self.clip)
+        return normed.reshape(P, H, F)
+
+    def _decide(self, codes: Tensor, next_ts: Tensor) -> tuple[dict[str, Tensor], Tensor]:
+        """Each member's position for these symbols from its policy table's row at the bar just in, then the
+        combination; the held positions move on."""
+        model = self.model
+        split, last = self._tail_split(codes, next_ts)
+        decision, reset = split.valid, split.first_bar
+        pos: dict[str, Tensor] = {}
+        forecasts = model.forecasts(split, rows=last)
+        for name, fc in forecasts.items():
+            table = model.forecast_table(name, fc, decision, reset)[last]
+            idx = table.gather(1, self.held[name][codes].long().unsqueeze(1)).squeeze(1)
+            self.held[name][codes] = idx
+            pos[name] = FORECAST_ACTIONS[idx]
+        agents = model.trading_agents()
+        inputs = split
+        if model.hparams.combine == "stack" and agents:  # the agents' windows read the forecasts of their rows
+            window = max(int(model.agent(n).hparams.window) for n in agents)
+            inputs = model.stacked(split, rows=(last[:, None] - torch.arange(window)).reshape(-1))
+        ready = decision[last].clone()
+        for name in agents:
+            pos[name], decided = self._agent_step(name, inputs, last, codes)
+            ready &= decided
+        for name in model.agent_names:
+            pos.setdefault(name, torch.zeros(codes.numel(), dtype=torch.float32))
+        model.combine(pos, decision[last])
+        for name in model.forecaster_names:
+            ready &= torch.isfinite(forecasts[name][last, 0]).all(1)
+        return pos, ready
+
+    def _agent_step(self, name: str, inputs: Any, last: Tensor, codes: Tensor) -> tuple[Tensor, Tensor]:
+        """Agent ``name``'s positions at the bars ``last`` of its market, from what it holds, and where it decided."""
+        agent = self.model.agent(name)
+        P = codes.numel()
+        flat = torch.zeros(P, dtype=torch.float32)
+        try:
+            market = agent.market_tensors(inputs)
+        except ValueError:  # no bar of the tail can be decided yet (warming up): flat, and flat is what it holds
+            self.held[name][codes] = 0.0 if self._continuous(name) else self._flat_index(name).to(self.held[name].dtype)
+            return flat, torch.zeros(P, dtype=torch.bool)
+        decided = market.decision[last]
+        if agent.holds_flat:
+            return flat, decided
+        net = agent.policy_network
+        net.eval()
+        table = agent.decision_table(net, market)
+        if table is None:
+            held = torch.where(market.reset_mask[last], 0.0, self.held[name][codes])
+            p = agent.continuous_step(net, market, last, decided, held)
+            self.held[name][codes] = p
+            return p, decided
+        idx = table[last].gather(1, self.held[name][codes].long().unsqueeze(1)).squeeze(1)
+        self.held[name][codes] = idx
+        return market.actions[idx].float(), decided
+
+
+    # ------------------------------------------------------------------------------------------------ state
+    @property
+    def export_digest(self) -> str:
+        """What identifies the export this session trades: its metadata's and tensor files' SHA-256, hashed."""
+        meta = self.loaded.metadata
+        return sha256_hex(json.dumps([meta.get("metadata_sha256"), meta.get("sha256")], sort_keys=True).encode())
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Every tensor a restarted session needs to decide exactly as this one would: the features' state, the
+        tails, the bars seen and each member's held position."""
+        out = {f"features.{k}": v for k, v in self.features.state_dict().items()}
+        for key in ("rows", "ready_rows", "ohlcv", "ts", "seen", "spacing"):
+            out[f"session.{key}"] = getattr(self, key)
+        out.update({f"held.{name}": held for name, held in self.held.items()})
+        return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Restore :meth:`state_dict`'s tensors; ValueError in one line naming the first that does not fit."""
+        mine = self.state_dict()
+        missing, extra = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
+        if missing or extra:
+            raise ValueError(f"live state: tensors do not match this session: missing {missing[:3]}, unexpected {extra[:3]}")
+        for key, value in mine.items():
+            if not key.startswith("features.") and (state[key].shape != value.shape or state[key].dtype != value.dtype):
+                raise ValueError(f"live state: {key} has shape {tuple(state[key].shape)} {state[key].dtype}, this "
+                                 f"session's is {tuple(value.shape)} {value.dtype}")
+        self.features.load_state_dict({k[len("features."):]: v for k, v in state.items() if k.startswith("features.")})
+        for key in ("rows", "ready_rows", "ohlcv", "ts", "seen", "spacing"):
+            getattr(self, key).copy_(state[f"session.{key}"])
+        for name in self.held:
+            self.held[name].copy_(state[f"held.{name}"])
+
+    def save(self, directory: str | Path, **info: Any) -> Path:
+        """Save the state (verified, atomic: :mod:`foxhunt.live.state`) with ``info`` (JSON-able) beside it."""
+        return save_state(directory, self.state_dict(), {"export": self.export_digest, "symbols": self.symbols, **info})
+
+    def restore(self, directory: str | Path) -> dict[str, Any]:
+        """Continue from a saved state of a session of this export; returns the info saved with it."""
+        tensors, info = load_state(directory, self.export_digest)
+        try:
+            self.load_state_dict(tensors)
+        except ValueError as e:
+            raise StateError(f"{directory}: {e}") from None
+        return info
+
+
+def open(path: str, features: Any | None = None) -> LiveSession:  # noqa: A001 - the session's verb, like io.open
+    """A live session of the export at ``path`` (verified by :func:`foxhunt.load`), flat until it is warmed up."""
+    from foxhunt.export.load import load
+
+    return LiveSession(load(path), features)

@@ -1,0 +1,187 @@
+"""The live session trades exactly what the back-test traded: replayed bar by bar, saved and restored, from the CLI,
+through bad bars and a kill -9."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from _export_helpers import small_export
+
+import foxhunt
+import foxhunt.live
+from foxhunt.data.io import write_bars
+from foxhunt.data.synthetic import generate_market
+from foxhunt.lit.dqn import DQNModule
+from foxhunt.lit.tft import TFTModule
+from foxhunt.live.gate import BarGate
+from foxhunt.live.log import read_decisions
+from foxhunt.live.replay import replay
+
+SYMBOLS = ["SYN0", "SYN1"]
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A TFT (trading its median's sign: no interval to clear) and a DQN on two symbols, voted."""
+    torch.manual_seed(0)
+    members = {"tft": TFTModule(hidden_size=8, attention_heads=2, hidden_continuous_size=4, policy_interval=[0.5, 0.5]),
+               "dqn": DQNModule(window=4, hidden=[16], n_envs=4, batch_size=8, learning_starts=8)}
+    _, root = small_export(tmp_path_factory.mktemp("live") / "export", members, n_symbols=2, n_bars=600,
+                           combine="vote", min_edge_confidence=None, cost_bps=0.0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def bars() -> pd.DataFrame:
+    """New bars of both symbols (another seed than training's), their timestamps interleaved."""
+    return generate_market(n_bars=160, n_symbols=2, seed=11, symbols=SYMBOLS).bars
+
+
+def replayed(session: foxhunt.live.LiveSession, bars: pd.DataFrame, start: int = 0, stop: int | None = None) -> dict:
+    """{(symbol, ns): positions} of the session over the timestamps [start, stop) of a replay."""
+    out = {}
+    for i, b in enumerate(replay(bars, session.horizon)):
+        if i < start:
+            continue
+        if stop is not None and i >= stop:
+            break
+        d = session.on_bar(b.symbols, b.ohlcv, b.timestamp, b.next_timestamps)
+        for j, s in enumerate(d.symbols):
+            out[(s, d.timestamp)] = {k: float(v[j]) for k, v in d.positions.items()}
+    return out
+
+
+def backtest_rows(loaded: foxhunt.LoadedEnsemble, bars: pd.DataFrame, horizon: int) -> list[tuple[int, str, int]]:
+    """(split row, symbol, ns) of every bar the back-test can decide: all but each symbol's last ``horizon``."""
+    split = loaded.split(bars)
+    sym, ts = split.symbol_index.tolist(), split.timestamps.tolist()
+    return [(r, split.symbols[sym[r]], ts[r]) for r in range(len(split) - horizon) if sym[r + horizon] == sym[r]]
+
+
+def test_a_replay_trades_exactly_what_the_backtest_traded(export: Path, bars: pd.DataFrame) -> None:
+    loaded = foxhunt.load(export)
+    session = foxhunt.live.LiveSession(loaded)
+    live = replayed(session, bars)
+    ref = loaded.positions(bars)
+    rows = backtest_rows(loaded, bars, session.horizon)
+    for name in ("tft", "dqn", "ensemble"):
+        theirs = np.array([ref[name][r].item() for r, _, _ in rows])
+        ours = np.array([live[(s, t)][name] for _, s, t in rows])
+        assert (theirs != 0).sum() > 20, f"{name} barely trades: the comparison would prove little"
+        assert np.array_equal(ours, theirs), f"{name}: {(ours != theirs).sum()} of {len(rows)} positions differ"
+
+
+def test_a_restored_session_continues_exactly(export: Path, bars: pd.DataFrame, tmp_path: Path) -> None:
+    whole = replayed(foxhunt.live.open(export), bars)
+    first = foxhunt.live.open(export)
+    replayed(first, bars, stop=137)
+    first.save(tmp_path / "state")
+    second = foxhunt.live.open(export)
+    second.restore(tmp_path / "state")
+    rest = replayed(second, bars, start=137)
+    assert rest and all(whole[k] == v for k, v in rest.items())
+
+
+def test_a_state_of_another_export_or_a_corrupt_one_is_refused(export: Path, tmp_path: Path) -> None:
+    session = foxhunt.live.open(export)
+    session.save(tmp_path / "state")
+    blob = (tmp_path / "state" / "state.safetensors").read_bytes()
+    (tmp_path / "state" / "state.safetensors").write_bytes(blob[:-1] + bytes([blob[-1] ^ 1]))
+    with pytest.raises(ValueError, match="SHA-256 differs"):
+        session.restore(tmp_path / "state")
+    session.save(tmp_path / "other")
+    meta = (tmp_path / "other" / "state.json").read_text().replace(session.export_digest, "0" * 64)
+    (tmp_path / "other" / "state.json").write_text(meta)
+    with pytest.raises(ValueError, match="another export"):
+        session.restore(tmp_path / "other")
+
+
+def test_a_symbol_the_model_never_saw_is_refused_in_one_line(export: Path) -> None:
+    session = foxhunt.live.open(export)
+    with pytest.raises(ValueError) as info:
+        session.on_bar(["XYZ"], torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0]]), 0)
+    assert "XYZ" in str(info.value) and "SYN0" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_bad_bars_are_dropped_or_repaired_with_one_line_each_and_counted(bars: pd.DataFrame) -> None:
+    one = bars[bars["symbol"] == "SYN0"].reset_index(drop=True)
+    history = (torch.tensor(pd.DatetimeIndex(one["timestamp"][:50]).as_unit("ns").asi8),
+               torch.tensor(one[["open", "high", "low", "close", "volume"]][:50].to_numpy()))
+    good = torch.tensor(one[["open", "high", "low", "close", "volume"]].iloc[50].to_numpy())[None]
+    when = int(pd.Timestamp(one["timestamp"][50]).value)
+    cases = {"below max(open, close)": good * torch.tensor([1.0, 0.5, 1.0, 1.0, 1.0]),
+             "jumped": good * torch.tensor([1.0, 80.0, 1.0, 80.0, 1.0]),
+             "non-finite": good * torch.tensor([1.0, 1.0, 1.0, float("nan"), 1.0])}
+    gate = BarGate("drop")
+    for reason, bar in cases.items():
+        names, kept, _ = gate.admit(["SYN0"], bar, when, {"SYN0": history})
+        assert names == [] and kept.shape == (0, 5)
+        (line,) = gate.take_messages()
+        assert "SYN0" in line and reason in line and "dropped" in line
+    names, _, _ = gate.admit(["SYN0"], good, int(history[0][-1]), {"SYN0": history})  # a duplicate time
+    assert names == [] and "duplicate" in gate.take_messages()[0]
+    assert gate.counts["dropped"] == 4
+    names, kept, _ = gate.admit(["SYN0"], good, when, {"SYN0": history})
+    assert names == ["SYN0"] and torch.equal(kept, good) and gate.take_messages() == []
+    with pytest.raises(ValueError, match="below max"):
+        BarGate("raise").admit(["SYN0"], cases["below max(open, close)"], when, {"SYN0": history})
+
+
+def _cli(export: Path, data: Path, out: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "foxhunt.live", "--checkpoint", str(export), "--replay", str(data),
+           "--decisions", str(out), "--flush-every", "7", "--status-every", "0", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_the_cli_logs_the_replay_and_a_kill_9_restart_decides_as_an_uninterrupted_run(
+        export: Path, bars: pd.DataFrame, tmp_path: Path) -> None:
+    data = tmp_path / "bars.parquet"
+    write_bars(bars, data)
+    whole, killed = _cli(export, data, tmp_path / "whole"), _cli(export, data, tmp_path / "killed")
+    deadline = time.time() + 120
+    while not list((tmp_path / "killed").glob("part-000003.parquet")) and time.time() < deadline:
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert killed.returncode == -signal.SIGKILL and whole.wait() == 0, whole.stderr.read()
+    restarted = _cli(export, data, tmp_path / "killed")
+    assert restarted.wait() == 0, restarted.stderr.read()
+    a, b = read_decisions(tmp_path / "whole"), read_decisions(tmp_path / "killed")
+    assert len(a) == len(bars)
+    pd.testing.assert_frame_equal(a.drop(columns="latency_us"), b.drop(columns="latency_us"))
+    loaded = foxhunt.load(export)
+    ref = loaded.positions(bars)
+    rows = backtest_rows(loaded, bars, loaded.model.member("tft").horizon)
+    split = loaded.split(bars)
+    keyed = a.set_index(["symbol", "ts_event"])
+    for name in ("tft", "dqn", "ensemble"):
+        ours = np.array([keyed.loc[(s, t), name] for _, s, t in rows])
+        assert np.array_equal(ours, np.array([ref[name][r].item() for r, _, _ in rows]))
+    assert set(split.symbols) == set(a["symbol"])
+
+
+@pytest.mark.slow
+def test_sigterm_flushes_the_log_and_saves_the_state(export: Path, bars: pd.DataFrame, tmp_path: Path) -> None:
+    data = tmp_path / "bars.parquet"
+    write_bars(bars, data)
+    proc = _cli(export, data, tmp_path / "log")
+    deadline = time.time() + 120
+    while not list((tmp_path / "log").glob("part-000001.parquet")) and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait() == 0
+    logged = read_decisions(tmp_path / "log")
+    import json
+
+    saved = json.loads((tmp_path / "log.state" / "state.json").read_text())
+    assert saved["last_timestamp"] == int(logged["ts_event"].max()) and saved["parts"] >= 2
