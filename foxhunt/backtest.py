@@ -19,7 +19,7 @@ import torch
 from foxhunt.cli_errors import ArgumentParser, run_command
 from foxhunt.data.bars import DEFAULT_JUMP_SIGMAS, DataError
 from foxhunt.data.market import MarketSplit
-from foxhunt.evaluation.backtest import format_table
+from foxhunt.evaluation.backtest import format_symbols, format_table, symbol_metrics
 from foxhunt.evaluation.figures import equity_figure
 from foxhunt.export.load import LoadedEnsemble, load
 from foxhunt.export.metadata import overlap_with_training, seen_time_span
@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         split, unseen = training_split(loaded, args.split), None
     evaluation = loaded.model.evaluate(split, significance=True)
     print(format_table(evaluation.metrics, split=split.name if args.data is not None else f"{args.split} (training data)"))
+    if len(torch.unique(split.symbol_index)) > 1:  # the table is the book's; each symbol's own Sharpe beside it
+        print("\n" + format_symbols(symbol_metrics(evaluation.positions, split, evaluation.cost_bps,
+                                                    loaded.model.hparams.bars_per_year)))
     never_seen = loaded.unseen_symbols(split)
     if never_seen:  # the unseen-symbol rule (foxhunt.export.symbols): only members that do not read the symbol
         print(f"\nsymbols the model was never trained on (it knows {', '.join(loaded.symbols)}), traded by members "

@@ -27,6 +27,7 @@ from foxhunt.evaluation.significance import (
     sharpe_summary,
     stationary_bootstrap_indices,
     stationary_bootstrap_sharpe_ci,
+    studentised_bootstrap_sharpe_ci,
 )
 from foxhunt.evaluation.trading import trading_metrics
 
@@ -297,7 +298,8 @@ def test_summary_matches_the_parts_and_the_backtest_sharpe() -> None:
     assert s["sharpe_se"] == hac_sharpe_standard_error(pnl, bpy)
     assert s["sharpe_se_iid"] == sharpe_standard_error(pnl, bpy, "mertens")
     assert s["sharpe_se"] == pytest.approx(s["sharpe_se_iid"], rel=0.15)  # independent bars: HAC ~ Mertens
-    assert (s["sharpe_ci_low"], s["sharpe_ci_high"]) == stationary_bootstrap_sharpe_ci(pnl, bpy, n_boot=300, seed=3)
+    assert (s["sharpe_ci_low"], s["sharpe_ci_high"]) == studentised_bootstrap_sharpe_ci(pnl, bpy, n_boot=300, seed=3)
+    assert s["sharpe_ci_low"] < s["sharpe"] < s["sharpe_ci_high"]
     assert s["psr_vs_flat"] == hac_psr(pnl) and s["psr_vs_flat_iid"] == psr_vs_flat(pnl)
     assert s["sharpe_lo"] == autocorrelation_adjusted_sharpe(pnl, bpy)
     assert (s["n_bars"], s["skew"], s["kurtosis"]) == (600.0, m.skew, m.kurtosis)

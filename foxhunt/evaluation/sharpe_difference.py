@@ -17,10 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from foxhunt.evaluation.hac import Kernel, long_run_variance, politis_white_block_length, sharpe_influence
+from foxhunt.evaluation.block_bootstrap import studentised_block_bootstrap
+from foxhunt.evaluation.hac import Kernel, long_run_variance, sharpe_influence
 from foxhunt.evaluation.significance import SHARPE_RTOL, normal_cdf
-
-_MAX_BOOTSTRAP_ELEMENTS = 1 << 22  # bars resampled per chunk of replicates (both series)
 
 
 @dataclass(frozen=True)
@@ -45,6 +44,10 @@ def _pair(pnl_a: Tensor | Sequence[float], pnl_b: Tensor | Sequence[float]) -> t
     return a, b
 
 
+def _has_spread(x: Tensor) -> bool:
+    return float(x.std()) > SHARPE_RTOL * float(x.abs().max())
+
+
 def _sharpe(x: Tensor) -> Tensor:
     """Per-bar Sharpe over the last axis (sample std), NaN where the spread is rounding."""
     std = x.std(-1)
@@ -65,13 +68,6 @@ def sharpe_difference_z(
     return diff, (long_run_variance(d, kernel, bandwidth, prewhiten) / a.shape[-1]).sqrt()
 
 
-def _circular_block_paths(n: int, block: int, n_boot: int, generator: torch.Generator) -> Tensor:
-    """[n_boot, l·block] circular block bootstrap paths, l = n // block blocks of uniform start, wrapping."""
-    n_blocks = n // block
-    starts = torch.randint(0, n, (n_boot, n_blocks, 1), generator=generator, device=generator.device)
-    return ((starts + torch.arange(block, device=starts.device)) % n).reshape(n_boot, n_blocks * block)
-
-
 def sharpe_difference_test(
     pnl_a: Tensor | Sequence[float],
     pnl_b: Tensor | Sequence[float],
@@ -80,7 +76,6 @@ def sharpe_difference_test(
     block: int | None = None,
     level: float = 0.95,
     seed: int = 0,
-    kernel: Kernel = "qs",
 ) -> SharpeDifference:
     """Ledoit & Wolf's (2008) test of ``SR_a = SR_b`` for two P&L series on the same bars (1-D, aligned).
 
@@ -104,29 +99,14 @@ def sharpe_difference_test(
     nan = SharpeDifference(math.nan, math.nan, math.nan, math.nan, math.nan, math.nan, 0, n)
     if n < 9 or not bool(torch.isfinite(a).all() and torch.isfinite(b).all()):
         return nan
-    diff_t, se_t = sharpe_difference_z(a, b, kernel)
-    diff, se = float(diff_t), float(se_t)
+    if not (_has_spread(a) and _has_spread(b)) or torch.equal(a, b):  # no Sharpe, or nothing to compare
+        return nan
+    diff, se, boot, block = studentised_block_bootstrap(torch.stack([a, b]), (1.0, -1.0), n_boot, seed, SHARPE_RTOL,
+                                                        block)
+    scale = math.sqrt(bars_per_year)
     if math.isnan(diff) or not se > 0:
         return nan
-    scale = math.sqrt(bars_per_year)
-    d = sharpe_influence(a) - sharpe_influence(b)
-    block = max(1, min(n // 2, round(politis_white_block_length(d, circular=True)))) if block is None else int(block)
-    if not 1 <= block <= n:
-        raise ValueError(f"block must be between 1 and the {n} bars, got {block}")
-    generator = torch.Generator(device=a.device).manual_seed(seed)
-    pair = torch.stack([a, b])  # [2, n]: both series resampled on the same paths
-    chunk = max(1, _MAX_BOOTSTRAP_ELEMENTS // (2 * n))
-    stats = []
-    for first in range(0, n_boot, chunk):
-        idx = _circular_block_paths(n, block, min(chunk, n_boot - first), generator)
-        sample = pair[:, idx]  # [2, M, T']
-        delta = _sharpe(sample[0]) - _sharpe(sample[1])
-        psi = sharpe_influence(sample[0]) - sharpe_influence(sample[1])
-        sums = psi.reshape(psi.shape[0], -1, block).sum(-1)  # [M, l] block sums
-        s = ((sums**2).mean(-1) / block / idx.shape[1]).sqrt()
-        stats.append((delta - diff).abs() / s)
-    boot = torch.cat(stats)
-    boot = boot[torch.isfinite(boot)]
+    boot = boot.abs()
     if boot.numel() == 0:
         return SharpeDifference(diff * scale, se * scale, 2.0 * normal_cdf(-abs(diff) / se), math.nan, math.nan,
                                 math.nan, block, n)
