@@ -30,6 +30,7 @@ class StepOps:
     def __init__(self, state: dict[str, Tensor], age: Tensor, moved: Tensor | None = None) -> None:
         self.state, self.age, self.moved = state, age, moved
         self.S, self.m = age.shape
+        self.youngest = int(age[:, 0].min()) if age.numel() else 0  # past every warm-up: masks are skipped
         self._calls = 0
 
     # -- the carried state ------------------------------------------------------------------------------------------
@@ -65,6 +66,10 @@ class StepOps:
     def _before(self, a: int) -> Tensor:
         return self.age < a
 
+    def _all_past(self, a: int) -> bool:
+        """Whether every bar of the chunk is at or after each symbol's bar a (no warm-up mask to apply)."""
+        return self.youngest >= a
+
     # -- warm-up and positions --------------------------------------------------------------------------------------
     def nans(self, x: Tensor, defined_from: int | None = None, out: Tensor | None = None) -> Tensor:
         """NaN before ``defined_from`` (everywhere when None), as ops.nans."""
@@ -73,11 +78,11 @@ class StepOps:
 
     def blank(self, x: Tensor, a: int) -> Tensor:
         """NaN on each symbol's first ``a`` bars, in place."""
-        return x.masked_fill_(self._before(a), NAN)
+        return x if self._all_past(a) else x.masked_fill_(self._before(a), NAN)
 
     def fill_before(self, x: Tensor, a: int, value: Tensor) -> Tensor:
         """``value`` on each symbol's first ``a`` bars, in place."""
-        return x.copy_(torch.where(self._before(a), value, x))
+        return x if self._all_past(a) else x.copy_(torch.where(self._before(a), value, x))
 
     def first(self, x: Tensor) -> Tensor:
         """Each symbol's first value of x, [S, 1]."""
@@ -122,7 +127,8 @@ class StepOps:
     def rolling_sum(self, x: Tensor, n: int, start: int = 0) -> Tensor:
         if n < 1:
             raise ValueError(f"window must be >= 1, got {n}")
-        return self._window_sum(self.cumsum(x.masked_fill(self._before(start), 0.0)), n, start + n - 1)
+        xs = x if self._all_past(start) else x.masked_fill(self._before(start), 0.0)
+        return self._window_sum(self.cumsum(xs), n, start + n - 1)
 
     def rolling_mean(self, x: Tensor, n: int, start: int = 0) -> Tensor:
         if n > 4:
@@ -169,6 +175,11 @@ class StepOps:
         """NaN before bar s, seed() at s, then y[t] = c[t] y[t-1] + u[t]."""
         slot = self._slot("scan")
         y0 = self._get(slot, "y", lambda: u.new_zeros(self.S))
+        if self._all_past(s + 1):  # past the seed everywhere: the recurrence alone
+            y = c * y0[:, None] + u if self.m == 1 else ops.affine_scan(
+                u.new_full((self.S, self.m), c) if isinstance(c, float) else c, u, y0)
+            self._put(slot, "y", y[:, -1])
+            return y
         upto = self.age <= s
         cc = u.new_full((self.S, self.m), c) if isinstance(c, float) else c.clone()
         cc.masked_fill_(upto, 0.0)
@@ -185,9 +196,20 @@ class StepOps:
         self._put(slot, "y", y[:, -1])
         return self.blank(y, s)
 
-    def _seed_window(self, x: Tensor, w: int, reduce: Callable[[Tensor], Tensor]) -> Callable[[], Tensor]:
+    def _seed_ring(self, x: Tensor, w: int, s: int) -> Tensor:
+        """The last w - 1 bars and the chunk, for a seed at bar s; once every symbol is past s the ring no longer
+        moves (it is never read again: a restored stream skips it alike)."""
+        slot = self._slot("seed")
+        if w <= 1:
+            return x
+        if self._all_past(s + 1):
+            self._get(slot, "last", lambda: x.new_full((self.S, w - 1), NAN))
+            return x  # never read
+        return self._ring(x, w - 1, slot=slot)
+
+    def _seed_window(self, x: Tensor, w: int, s: int, reduce: Callable[[Tensor], Tensor]) -> Callable[[], Tensor]:
         """The reduction over the last w bars at every bar of the chunk, computed only when asked (at a seeding bar)."""
-        ext = self._ring(x, w - 1)
+        ext = self._seed_ring(x, w, s)
         return lambda: reduce(ext.unfold(1, w, 1))
 
     def seeded_scan(self, x: Tensor, s: int, y0: Tensor | float, a: float, b: float) -> Tensor:
@@ -201,13 +223,14 @@ class StepOps:
         if seed not in ("sma", "first"):
             raise ValueError(f"unknown EMA seeding {seed!r}")
         if seed == "sma":
-            return self._scan(1.0 - alpha, alpha * x, start + n - 1, self._seed_window(x, n, lambda w: w.mean(dim=-1)))
+            s = start + n - 1
+            return self._scan(1.0 - alpha, alpha * x, s, self._seed_window(x, n, s, lambda w: w.mean(dim=-1)))
         return self._scan(1.0 - alpha, alpha * x, start, lambda: x)
 
     def ema_distance(self, x: Tensor, dx: Tensor, n: int, start: int = 0) -> Tensor:
-        a = 1.0 - 2.0 / (n + 1)
-        ext = self._ring(x, n - 1)
-        return self._scan(a, a * dx, start + n - 1, lambda: (ext.unfold(1, n, 1) - x[..., None]).mean(dim=-1).neg_())
+        a, s = 1.0 - 2.0 / (n + 1), start + n - 1
+        ext = self._seed_ring(x, n, s)
+        return self._scan(a, a * dx, s, lambda: (ext.unfold(1, n, 1) - x[..., None]).mean(dim=-1).neg_())
 
     def wilder(self, x: Tensor, n: int, start: int = 0) -> Tensor:
         return self.ema(x, n, start, alpha=1.0 / n)
@@ -215,7 +238,8 @@ class StepOps:
     def wilder_sum(self, x: Tensor, n: int, start: int = 0) -> Tensor:
         if n < 2:
             return self.nans(x)
-        return self._scan(1.0 - 1.0 / n, 1.0 * x, start + n - 2, self._seed_window(x, n - 1, lambda w: w.sum(dim=-1)))
+        s = start + n - 2
+        return self._scan(1.0 - 1.0 / n, 1.0 * x, s, self._seed_window(x, n - 1, s, lambda w: w.sum(dim=-1)))
 
     def seeded_recurrence(self, a: Tensor, b: Tensor, seed: Tensor, s: int, a_min: float) -> Tensor:
         return self._scan(a, b, s, lambda: seed)
@@ -226,7 +250,7 @@ class StepPrefix:
 
     def __init__(self, step: StepOps, x: Tensor, start: int, squares: bool) -> None:
         self.step, self.start = step, start
-        xs = x.masked_fill(step._before(start), 0.0)
+        xs = x if step._all_past(start) else x.masked_fill(step._before(start), 0.0)
         self.cs = step.cumsum(xs)
         self.cs2 = step.cumsum(xs * xs) if squares else None
 

@@ -118,7 +118,7 @@ class FeatureStream:
             v = f.fn(panel)
             if tuple(v.shape) != (S, m):
                 raise RuntimeError(f"feature {f.name!r} returned shape {tuple(v.shape)}, expected {(S, m)}")
-            values[:, :, j] = v.masked_fill(age < f.warmup, float("nan"))
+            values[:, :, j] = v if op.youngest >= f.warmup else v.masked_fill(age < f.warmup, float("nan"))
         ready = age >= self.warmup
         if moved is None:
             self._state["age"] = self._state["age"] + m
