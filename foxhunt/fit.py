@@ -189,12 +189,13 @@ class FoxhuntCLI(LightningCLI):
         training: the training windows against the batch size, each member's start step and warm-up against its
         updates (a run shortened from the config's own trainer limits scales them), and the members' settings that
         outlast the run (:func:`foxhunt.lit.run_plan.check_plan`); a refusal is one ``ConfigError`` naming its key."""
-        from foxhunt.lit.run_plan import TrainerLimits, check_plan
+        from foxhunt.lit.run_plan import TrainerLimits, check_data, check_plan
 
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         source = config_source(config)
         model, dm = self.model, self.datamodule
         dm.setup("fit")
+        check_data(model, dm, source)
         train = dm.splits["train"]
         if model.hparams.combine == "stack" and model.forecaster_names:  # as the coordinator's setup will restrict it
             dm.train_window_mask = model.forecaster_window_mask(train, dm.horizon)

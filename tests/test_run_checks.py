@@ -133,6 +133,19 @@ def test_a_batch_larger_than_the_training_windows_is_one_line_before_the_trainer
         build_cli(["--config", TINY, "--data.batch_size", "100000"], plan_before_trainer=True)
 
 
+def test_an_agents_episodes_longer_than_its_training_bars_are_one_line_before_the_trainer(tmp_path: Path,
+                                                                                         monkeypatch) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    from foxhunt.fit import build_cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(LightningCLI, "instantiate_trainer", lambda *a, **k: pytest.fail("the Trainer was built"))
+    with pytest.raises(ConfigError, match=r"tiny\.yaml: model\.members\.dqn\.init_args\.episode_length: 9000: "
+                                          r"MarketSplit 'train': no run of 9001 consecutive decision bars"):
+        build_cli(["--config", TINY, "--model.members.dqn.init_args.episode_length", "9000"], plan_before_trainer=True)
+
+
 def _smoke(name: str, tmp: Path) -> tuple[subprocess.CompletedProcess, Path]:
     export = tmp / "export"
     cmd = [sys.executable, "-m", "foxhunt.fit", "--config", str(CONFIGS / f"{name}.yaml"),

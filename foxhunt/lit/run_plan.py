@@ -154,3 +154,30 @@ def check_plan(
         for problem in members[name].check_run(int(plan.member_updates(name))):
             rank_zero_warn(f"member {name!r}: {problem}")
     return plan
+
+
+def check_data(model: Any, dm: Any, source: str = "") -> None:
+    """What the members need of the loaded data, before training (``model`` an ``EnsembleModule``, ``dm`` its data
+    module, set up; ``ConfigError``, one line, naming the member's key): a forecaster's own lookback within the data's
+    windows, and each agent's window and episode length within the training bars it acts on (with stacking, those
+    after the cut)."""
+    from foxhunt.rl.env import MarketTensors, episode_starts
+
+    train = dm.splits["train"]
+    for name in model.forecaster_names:
+        lookback = model.member(name).hparams.get("lookback")
+        if lookback is not None and lookback > dm.lookback:
+            raise ConfigError(f"{source}{member_key(name, 'lookback', optim=False)}: {lookback}, but the data's windows "
+                              f"have {dm.lookback} past bars; use at most {dm.lookback}, or raise data.lookback")
+    acted_on = train.select(~model._stack_cut(train)) if model.hparams.combine == "stack" else train
+    for name in model.agent_names:
+        hp = model.member(name).hparams
+        try:
+            market = MarketTensors(acted_on, hp.window, tuple(hp.actions), 0.0, hp.reward_source, 1.0, device="cpu")
+        except ValueError as e:
+            raise ConfigError(f"{source}{member_key(name, 'window', optim=False)}: {hp.window}: {e}") from e
+        try:
+            episode_starts(market, hp.episode_length)
+        except ValueError as e:
+            raise ConfigError(f"{source}{member_key(name, 'episode_length', optim=False)}: {hp.episode_length}: {e}; "
+                              f"use a shorter episode_length, or more bars") from e

@@ -288,6 +288,25 @@ class Transition:
     last: Tensor  # the episode ended (time limit) after this step; the next state (bar+1, action) is still valid
 
 
+def episode_starts(market: MarketTensors, episode_length: int) -> Tensor:
+    """The bars an episode may start at: the first of ``episode_length`` + 1 consecutive decision bars of one symbol;
+    a ValueError when there are none (the episodes are too long for the split)."""
+    dev = market.device
+    span = int(episode_length) + 1
+    ok = market.decision.to(torch.int64)
+    csum = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), torch.cumsum(ok, 0)])
+    t = torch.arange(max(0, market.n_bars - span + 1), device=dev)
+    full = (csum[t + span] - csum[t]) == span
+    same = market.symbol_index[t] == market.symbol_index[t + span - 1]
+    starts = t[full & same]
+    if starts.numel() == 0:
+        raise ValueError(
+            f"MarketSplit {market.name!r}: no run of {span} consecutive decision bars of one symbol: "
+            f"episode_length={episode_length} is too long for this split (or too few valid bars)"
+        )
+    return starts
+
+
 class MarketEnv:
     """N agents, each in its own episode of ``episode_length`` decisions starting at a random bar of the split.
 
@@ -305,18 +324,7 @@ class MarketEnv:
         self.n_envs = int(n_envs)
         self.episode_length = int(episode_length)
         dev = market.device
-        span = self.episode_length + 1
-        ok = market.decision.to(torch.int64)
-        csum = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), torch.cumsum(ok, 0)])
-        t = torch.arange(market.n_bars - span + 1, device=dev)
-        full = (csum[t + span] - csum[t]) == span
-        same = market.symbol_index[t] == market.symbol_index[t + span - 1]
-        self.starts = t[full & same]
-        if self.starts.numel() == 0:
-            raise ValueError(
-                f"MarketSplit {market.name!r}: no run of {span} consecutive decision bars of one symbol: "
-                f"episode_length={episode_length} is too long for this split (or too few valid bars)"
-            )
+        self.starts = episode_starts(market, self.episode_length)
         self.generator = torch.Generator(device=dev)
         self.generator.manual_seed(int(seed))
         self.bars = torch.zeros(self.n_envs, dtype=torch.int64, device=dev)
