@@ -10,6 +10,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from foxhunt.data.io import load_bars
 from foxhunt.data.synthetic import generate_market
@@ -148,6 +150,27 @@ def test_random_chunkings_and_restores_at_random_bars(market):
         got = torch.cat(parts, dim=1)
         assert torch.equal(got.nan_to_num(1e300), torch.cat(ref_parts, dim=1).nan_to_num(1e300))
         _assert_match(got, batch, levels)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(sizes=st.lists(st.integers(3, 97), min_size=1, max_size=12), reopen=st.integers(0, 11))  # 1: above
+def test_any_chunking_property(market, sizes, reopen):
+    """Hypothesis draws the chunk sizes (cycled over the series) and the chunk after which the stream is reopened
+    from its saved state: every feature still equals compute's."""
+    ohlcv, ts, present, batch, levels = market
+    T = ohlcv.shape[1]
+    bounds, i = [0], 0
+    while bounds[-1] < T:
+        bounds.append(min(T, bounds[-1] + sizes[i % len(sizes)]))
+        i += 1
+    fs, parts = FeatureStream(ALL, 3), []
+    for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if j == reopen:
+            saved = fs.state_dict()
+            fs = FeatureStream(ALL, 3)
+            fs.load_state_dict(saved)
+        parts.append(fs.update(ohlcv[:, a:b], ts[:, a:b], dtype=torch.float64)[0])
+    _assert_match(torch.cat(parts, dim=1), batch, levels)
 
 
 def test_float32_values_and_ready_are_computes(market):
