@@ -169,3 +169,13 @@ def test_every_shipped_config_runs_as_a_smoke_run_or_fails_in_one_line(name: str
         errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
         assert run.returncode == 2 and len(errors) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
     print(f"{name}: exit {run.returncode} in {took:.0f} s")
+
+
+@pytest.mark.parametrize("optim, message", [
+    ({"scheduler": "cosine", "warmup_steps": 100, "total_steps": 50}, r"warmup_steps \(100\) must be < total_steps \(50\)"),
+    ({"scheduler": "plateau", "warmup_steps": 10}, "warmup_steps is not supported with the plateau scheduler"),
+    ({"scheduler": "step", "step_size": 0}, "step_size must be > 0"),
+])
+def test_a_schedule_that_cannot_work_in_any_run_is_refused_when_the_member_is_built(optim, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        _mamba(**optim)

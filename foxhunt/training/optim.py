@@ -93,6 +93,17 @@ class Optimization:
                              f"{self.start_step}")
         if self.gradient_clip_val is not None and not self.gradient_clip_val >= 0:
             raise ValueError(f"gradient_clip_val must be >= 0 or None, got {self.gradient_clip_val}")
+        # the schedule's own settings, refused here rather than when the fit builds the optimizers (the run's length,
+        # which the warm-up must also fit in, is checked before training: foxhunt.lit.run_plan)
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.total_steps is not None and self.scheduler in ("cosine", "linear") and not (
+                0 <= self.warmup_steps < self.total_steps):
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be < total_steps ({self.total_steps})")
+        if self.scheduler == "plateau" and self.warmup_steps:
+            raise ValueError("warmup_steps is not supported with the plateau scheduler")
+        if self.scheduler == "step" and self.step_size <= 0:
+            raise ValueError(f"step_size must be > 0, got {self.step_size}")
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values, as hyperparameters hold them (checkpoints load with weights_only=True; exports write JSON)."""
