@@ -30,7 +30,11 @@ log = logging.getLogger("foxhunt.backtest")
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser = ArgumentParser(prog="python -m foxhunt.backtest", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="export directory (or its metadata.json) written by foxhunt.fit")
+    parser.add_argument("--checkpoint", default=None, help="export directory (or its metadata.json) written by foxhunt.fit")
+    parser.add_argument("--decisions", default=None,
+                        help="a decision log of python -m foxhunt.live to score against --data (the bars it traded)")
+    parser.add_argument("--cost-bps", type=float, default=None,
+                        help="cost per unit of turnover for --decisions (default: the --checkpoint's)")
     parser.add_argument("--data", default=None, help="bars file, directory or glob to trade (default: the training data)")
     parser.add_argument("--split", default="test", choices=["train", "val", "test", "all"], help="split of the training data (without --data)")
     parser.add_argument("--on-bad-bar", default="raise", choices=["raise", "drop", "repair"])
@@ -41,6 +45,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                         help="back-test --data bars that overlap the training/validation span (a second table shows the unseen bars)")
     parser.add_argument("--out", default=None, help="output directory for backtest.json and equity.png (default: the export directory)")
     args = parser.parse_args(argv)
+    if args.decisions is not None:
+        return _score_log(args)
+    if args.checkpoint is None:
+        parser.error("--checkpoint is required (or --decisions with --data)")
 
     loaded = load(args.checkpoint)
     root = Path(args.checkpoint)
@@ -71,6 +79,27 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     write_json(out / "backtest.json", evaluation.metrics)  # strict JSON: a figure without a value is null
     print(f"\nwrote {out / 'backtest.json'} and {out / 'equity.png'}")
     return evaluation.metrics
+
+
+def _score_log(args) -> dict[str, dict[str, float]]:
+    """``--decisions LOG --data FILE``: the logged positions' after-cost table on the bars they traded."""
+    from foxhunt.data import load_bars
+    from foxhunt.live.log import read_decisions
+    from foxhunt.live.score import score_decisions
+
+    if args.data is None:
+        raise DataError("--decisions needs --data: the bars the log traded")
+    cost = args.cost_bps
+    if cost is None:
+        if args.checkpoint is None:
+            raise DataError("--decisions needs --cost-bps or --checkpoint (whose cost it then uses)")
+        cost = float(load(args.checkpoint).model.hparams.cost_bps)
+    metrics = score_decisions(read_decisions(args.decisions), load_bars(args.data, on_bad_bar=args.on_bad_bar), cost)
+    print(format_table(metrics, split=f"decision log {Path(args.decisions).name}"))
+    out = Path(args.out) if args.out else Path(args.decisions).parent
+    write_json(out / "decisions_backtest.json", metrics)
+    print(f"\nwrote {out / 'decisions_backtest.json'}")
+    return metrics
 
 
 def _guard_overlap(loaded: LoadedEnsemble, split: MarketSplit, allow: bool) -> MarketSplit | None:

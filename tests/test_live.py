@@ -248,3 +248,57 @@ def _assert_parity(root: Path, bars: pd.DataFrame, continuous: bool = False) -> 
         else:
             assert np.array_equal(ours, theirs), f"{name}: {(ours != theirs).sum()} of {len(rows)} positions differ"
     assert traded >= 1, "nothing trades: the comparison would prove little"
+
+
+@pytest.fixture(scope="module")
+def dqn_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DQN alone on two symbols, with costs (it decides at every decision bar, so every bar's P&L is comparable)."""
+    torch.manual_seed(3)
+    members = {"dqn": DQNModule(window=4, hidden=[16], n_envs=4, batch_size=8, learning_starts=8)}
+    _, root = small_export(tmp_path_factory.mktemp("live_dqn") / "export", members, n_symbols=2, n_bars=600,
+                           combine="vote", min_edge_confidence=None, cost_bps=2.0)
+    return root
+
+
+def test_the_logs_after_cost_pnl_is_the_backtests(dqn_export: Path, bars: pd.DataFrame, tmp_path: Path) -> None:
+    from foxhunt.live.run import main
+    from foxhunt.live.score import score_decisions
+
+    data = tmp_path / "bars.csv"
+    write_bars(bars, data)
+    threads = torch.get_num_threads()
+    assert main(["--checkpoint", str(dqn_export), "--replay", str(data), "--decisions", str(tmp_path / "log"),
+                 "--status-every", "0", "--torch-threads", str(threads)]) == 0
+    log = read_decisions(tmp_path / "log")
+    loaded = foxhunt.load(dqn_export)
+    theirs = loaded.backtest(bars)
+    ours = score_decisions(log, bars, cost_bps=2.0, significance=False)
+    assert theirs["dqn"]["n_trades"] > 10
+    for who in ("dqn", "ensemble", "buy_and_hold"):
+        assert ours[who]["total_log_return"] == pytest.approx(theirs[who]["total_log_return"], abs=1e-9)
+        assert ours[who]["sharpe"] == pytest.approx(theirs[who]["sharpe"], abs=1e-9)
+    from foxhunt.backtest import main as backtest
+
+    table = backtest(["--decisions", str(tmp_path / "log"), "--data", str(data), "--cost-bps", "2"])
+    assert table["dqn"]["total_log_return"] == pytest.approx(theirs["dqn"]["total_log_return"], abs=1e-9)
+
+
+def test_a_csv_feed_on_stdin_trades_as_the_replay(dqn_export: Path, bars: pd.DataFrame, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from foxhunt.live.run import main
+
+    csv = io.StringIO()
+    frame = bars.sort_values(["timestamp", "symbol"])
+    frame[["timestamp", "symbol", "open", "high", "low", "close", "volume"]].to_csv(csv, index=False)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(csv.getvalue()))
+    threads = str(torch.get_num_threads())
+    assert main(["--checkpoint", str(dqn_export), "--source", "stdin", "--decisions", str(tmp_path / "stdin"),
+                 "--status-every", "0", "--torch-threads", threads]) == 0
+    data = tmp_path / "bars.parquet"
+    write_bars(bars, data)
+    assert main(["--checkpoint", str(dqn_export), "--replay", str(data), "--decisions", str(tmp_path / "replay"),
+                 "--status-every", "0", "--torch-threads", threads]) == 0
+    a, b = read_decisions(tmp_path / "stdin"), read_decisions(tmp_path / "replay")
+    pd.testing.assert_frame_equal(a.drop(columns="latency_us"), b.drop(columns="latency_us"))

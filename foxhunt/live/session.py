@@ -40,7 +40,7 @@ class Decision:
     symbols: list[str]
     bars: Tensor  # [P, 5] float64 OHLCV
     positions: dict[str, Tensor]  # member names and "ensemble" -> [P] float32, held from this close to the next
-    ready: Tensor  # [P] bool: a decision could be taken (features warmed up, the members' windows full)
+    ready: Tensor  # [P] bool: a decision bar (features and target statistics defined), as the back-test counts them
     latency_us: float  # bar in to decision out
 
 
@@ -149,7 +149,7 @@ class LiveSession:
         self.spacing[codes] = torch.where(seen > 0, ts - self.ts[codes, -1], self.spacing[codes])
         self._push(codes, rows, ready[codes, 0], bars, ts)
         if next_timestamps is None:
-            next_timestamps = regular_schedule(self.spacing)(codes, ts, self.horizon)
+            next_timestamps = regular_schedule(self.spacing.clamp_min(1))(codes, ts, self.horizon)
         positions, decided = self._decide(codes, torch.as_tensor(next_timestamps, dtype=torch.int64).reshape(P, -1))
         latency = (time.perf_counter_ns() - start) / 1e3
         return Decision(int(timestamp), list(symbols), bars, positions, decided, latency)
@@ -221,19 +221,15 @@ class LiveSession:
         if model.hparams.combine == "stack" and agents:  # the agents' windows read the forecasts of their rows
             window = max(int(model.agent(n).hparams.window) for n in agents)
             inputs = model.stacked(split, rows=(last[:, None] - torch.arange(window)).reshape(-1))
-        ready = decision[last].clone()
         for name in agents:
-            pos[name], decided = self._agent_step(name, inputs, last, codes)
-            ready &= decided
+            pos[name] = self._agent_step(name, inputs, last, codes)
         for name in model.agent_names:
             pos.setdefault(name, torch.zeros(codes.numel(), dtype=torch.float32))
         model.combine(pos, decision[last])
-        for name in model.forecaster_names:
-            ready &= torch.isfinite(forecasts[name][last, 0]).all(1)
-        return pos, ready
+        return pos, decision[last]
 
-    def _agent_step(self, name: str, inputs: Any, last: Tensor, codes: Tensor) -> tuple[Tensor, Tensor]:
-        """Agent ``name``'s positions at the bars ``last`` of its market, from what it holds, and where it decided."""
+    def _agent_step(self, name: str, inputs: Any, last: Tensor, codes: Tensor) -> Tensor:
+        """Agent ``name``'s positions at the bars ``last`` of its market, from what it holds."""
         agent = self.model.agent(name)
         P = codes.numel()
         flat = torch.zeros(P, dtype=torch.float32)
@@ -241,10 +237,10 @@ class LiveSession:
             market = agent.market_tensors(inputs)
         except ValueError:  # no bar of the tail can be decided yet (warming up): flat, and flat is what it holds
             self.held[name][codes] = 0.0 if self._continuous(name) else self._flat_index(name).to(self.held[name].dtype)
-            return flat, torch.zeros(P, dtype=torch.bool)
+            return flat
         decided = market.decision[last]
         if agent.holds_flat:
-            return flat, decided
+            return flat
         net = agent.policy_network
         net.eval()
         table = agent.decision_table(net, market)
@@ -252,10 +248,10 @@ class LiveSession:
             held = torch.where(market.reset_mask[last], 0.0, self.held[name][codes])
             p = agent.continuous_step(net, market, last, decided, held)
             self.held[name][codes] = p
-            return p, decided
+            return p
         idx = table[last].gather(1, self.held[name][codes].long().unsqueeze(1)).squeeze(1)
         self.held[name][codes] = idx
-        return market.actions[idx].float(), decided
+        return market.actions[idx].float()
 
 
     # ------------------------------------------------------------------------------------------------ state
