@@ -568,3 +568,21 @@ def test_held_flat_best_trial_prints_the_reason_not_nan() -> None:
     mixed = _fixed_study([0.1, math.nan, 0.02])
     d = deflated_sharpe(mixed, mixed.best_trial)
     assert d["n_trials"] == 3 and d["n_sharpes"] == 2 and 0.0 < d["value"] < 1.0
+
+
+def test_deflated_sharpe_with_one_complete_trial_of_many_uses_the_nulls_spread() -> None:
+    """Issue 45: one complete trial among 50 (49 pruned) gave SR0 = 0 (no spread to estimate) and a DSR of ~0.99; the
+    null's own sampling variance 1/(T - 1) bounds SR0 from below (the issue's T = 1,000, SR 0.07: 0.986 -> 0.475)."""
+    from foxhunt.evaluation.significance import null_max_sharpe, psr_from_moments
+    from foxhunt.tune.report import deflated_sharpe
+
+    assert psr_from_moments(0.07, 1000, 0.0, 3.0, null_max_sharpe(50, 1000)) == pytest.approx(0.475, abs=0.005)
+    study = _fixed_study([0.07], pruned=4)
+    for i in range(45):  # 45 more pruned trials, each at its own point of the search space
+        study.add_trial(optuna.trial.create_trial(params={"x": 0.01 * i}, distributions=_X, state=TrialState.PRUNED,
+                                                  intermediate_values={0: -1.0}))
+    d = deflated_sharpe(study, study.best_trial)
+    assert d["n_trials"] == 50 and d["n_sharpes"] == 1
+    assert d["sr0_per_bar"] == pytest.approx(null_max_sharpe(50, 400), rel=1e-12)
+    assert d["value"] == pytest.approx(psr_from_moments(0.07, 400, -0.2, 4.0, null_max_sharpe(50, 400)), rel=1e-12)
+    assert d["value"] < 0.5 < psr_from_moments(0.07, 400, -0.2, 4.0, 0.0)

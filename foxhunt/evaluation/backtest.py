@@ -234,7 +234,7 @@ def format_table(results: dict[str, dict[str, float]], split: str | None = None,
     if first.get("n_symbols", 1) > 1:
         k, w = int(first["n_symbols"]), first.get("symbol_weight", float("nan"))
         rows.append(f"one book of {k} symbols, each position a fraction of "
-                    + ("1/{k} of the equity (equal weight)".format(k=k) if abs(w * k - 1) < 1e-12
+                    + (f"1/{k} of the equity (equal weight)" if abs(w * k - 1) < 1e-12
                        else "the whole equity (gross)") + ": every figure is the book's, per timestamp")
     rows += [line.rstrip() for line in out.getvalue().splitlines()]
     rows += _wrapped(LEGEND, width)

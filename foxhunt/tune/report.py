@@ -124,8 +124,8 @@ def deflated_sharpe(study: optuna.Study, best: FrozenTrial) -> dict[str, Any] | 
 
     N counts every trial of :func:`dsr_trials`; the spread of the trials' Sharpes comes from those that have one (the
     complete trials' validation moments: a pruned trial's intermediate values are its objective, not a per-bar
-    Sharpe). ``value`` is None, with ``reason`` saying why, when the best trial has no Sharpe to deflate."""
-    from foxhunt.evaluation.significance import deflated_sharpe_ratio
+    Sharpe), floored at the null's own sampling spread (``null_max_sharpe``). ``value`` is None, with ``reason`` saying why, when the best trial has no Sharpe to deflate."""
+    from foxhunt.evaluation.significance import expected_max_sharpe, null_max_sharpe, psr_from_moments
 
     mine = best.user_attrs.get("validation_moments")
     if mine is None:
@@ -144,9 +144,12 @@ def deflated_sharpe(study: optuna.Study, best: FrozenTrial) -> dict[str, Any] | 
                          "is no Sharpe to deflate" if mine.get("held_flat") else
                          "its validation P&L has no Sharpe (constant or non-finite), so there is none to deflate")
         return out
-    value = deflated_sharpe_ratio(mine["sr_per_bar"], int(mine["n_bars"]), mine["skew"], mine["kurtosis"], srs,
-                                  n_trials=max(len(tried), len(srs)))
-    out["value"] = float(value)
+    n_trials, n_bars = max(len(tried), len(srs)), int(mine["n_bars"])
+    # SR0 is at least what N trials of no skill show from sampling noise alone (variance 1/(T-1)): the trials' own
+    # spread is missing with fewer than two Sharpes and shrunk by pruning, which drops the worst trials' Sharpes
+    sr0 = max(expected_max_sharpe(srs, n_trials) if srs else 0.0, null_max_sharpe(n_trials, n_bars))
+    out["value"] = float(psr_from_moments(mine["sr_per_bar"], n_bars, mine["skew"], mine["kurtosis"], sr0))
+    out["sr0_per_bar"] = float(sr0)
     return out
 
 
