@@ -12,7 +12,10 @@ and back-tested on the test split.
 
 A mistake in the config, the data or a path is one line, ``error: <file/field>: <reason>``, and exit status 2
 (:mod:`foxhunt.cli_errors`; ``--debug`` for the traceback); every constructor argument is checked when the classes are
-built, before any data is loaded.
+built, before any data is loaded; a ``data.path`` that names nothing is refused when the command line is parsed. Then,
+before the Trainer is built, the data is loaded and what the config implies about the run's length and data is
+checked once (:mod:`foxhunt.lit.run_plan`): refused in one line naming the key, or, in a run shortened from the config
+files' own trainer limits (a smoke run), scaled, one line each.
 """
 
 from __future__ import annotations

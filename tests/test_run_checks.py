@@ -70,7 +70,7 @@ def test_a_warm_up_longer_than_the_members_updates_is_refused_unless_the_run_was
                                           r"'mamba2' takes 10 updates in this fit .* use at most 9"):
         check_plan({"mamba2": mamba}, 10, TrainerLimits(max_epochs=1), reference=None)
     smoke = TrainerLimits(max_epochs=1, limit_train_batches=10)
-    with caplog.at_level(logging.WARNING, logger="foxhunt.run_plan"):
+    with caplog.at_level(logging.WARNING, logger="foxhunt.lit.run_plan"):
         plan = check_plan({"mamba2": mamba}, 781, smoke, reference=config)
     assert plan.steps == 10 and mamba.optim.warmup_steps == 0  # 50 of 1,000 updates: 5% of 10
     assert mamba.hparams.optim["warmup_steps"] == 0  # what the checkpoints and the export record
@@ -85,7 +85,7 @@ def test_a_shortened_run_scales_start_steps_and_the_agents_schedules_in_proporti
     dqn = _dqn(optim={"start_step": 150, "updates_per_step": 1}, epsilon_steps=300, target_update="hard",
                target_update_every=500)
     tft_like = _mamba(scheduler="none")
-    with caplog.at_level(logging.WARNING, logger="foxhunt.run_plan"):
+    with caplog.at_level(logging.WARNING, logger="foxhunt.lit.run_plan"):
         plan = check_plan({"tft": tft_like, "dqn": dqn}, 250, TrainerLimits(max_epochs=1, limit_train_batches=10),
                           reference=TrainerLimits(max_epochs=6, limit_train_batches=250))
     assert dqn.start_step == 1 and plan.updates == {"tft": 10, "dqn": 9}  # 150 of 1,500 steps: 1 of 10

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from foxhunt.cli_errors import ConfigError
 from foxhunt.lit.member import Member, fit_updates
 
-log = logging.getLogger("foxhunt.run_plan")
+log = logging.getLogger(__name__)
 LENGTH_SCHEDULES = ("cosine", "linear")  # schedules that span the member's updates when total_steps is None
 
 
