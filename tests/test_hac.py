@@ -169,3 +169,14 @@ def test_paired_test_basic_properties() -> None:
         sharpe_difference_test(a, b[:-1], 252.0)
     with pytest.raises(ValueError, match="block"):
         sharpe_difference_test(a, b, 252.0, block=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_hac_and_the_paired_test_on_cuda() -> None:
+    """The same figures on the series' device (the bootstrap draws differ: its interval agrees only roughly)."""
+    a, b = ar1(2000, 0.3, mean=0.1, seed=11), ar1(2000, 0.3, mean=0.02, seed=12)
+    assert hac_sharpe_standard_error(a.cuda(), 252.0) == pytest.approx(hac_sharpe_standard_error(a, 252.0), rel=1e-9)
+    assert politis_white_block_length(a.cuda()) == pytest.approx(politis_white_block_length(a), rel=1e-9)
+    cpu, gpu = sharpe_difference_test(a, b, 252.0, n_boot=499), sharpe_difference_test(a.cuda(), b.cuda(), 252.0, n_boot=499)
+    assert gpu.difference == pytest.approx(cpu.difference, rel=1e-9) and gpu.p_value == pytest.approx(cpu.p_value, rel=1e-6)
+    assert gpu.p_value_bootstrap == pytest.approx(cpu.p_value_bootstrap, abs=0.05)

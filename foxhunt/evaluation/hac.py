@@ -171,7 +171,7 @@ def politis_white_block_length(x: Tensor, circular: bool = False) -> float:
             m_hat = m
             break
     big_m = min(2 * max(m_hat, 1), m_max)
-    k = torch.arange(1, big_m + 1, dtype=torch.float64)
+    k = torch.arange(1, big_m + 1, dtype=torch.float64, device=gamma.device)
     t = k / big_m
     lam = torch.where(t <= 0.5, torch.ones_like(t), 2.0 * (1.0 - t))
     g = 2.0 * float((lam * k * gamma[1 : big_m + 1]).sum())
