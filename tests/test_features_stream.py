@@ -100,7 +100,7 @@ def _run(fs: FeatureStream, ohlcv, ts, present, bounds: list[int], dtype=torch.f
          ready: list | None = None) -> torch.Tensor:
     """The stream's values over the chunks between bounds (its ready masks appended to ``ready`` when given)."""
     parts = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
         v, r = fs.update(ohlcv[:, a:b], ts[:, a:b], present[:, a:b], dtype=dtype)
         assert v.shape == (ohlcv.shape[0], b - a, len(fs.names)) and r.shape == (ohlcv.shape[0], b - a)
         parts.append(v)
@@ -140,7 +140,7 @@ def test_random_chunkings_and_restores_at_random_bars(market):
         bounds = [0, *cuts, *range(T - 40, T), T] if trial == 0 else [0, *cuts, T]
         fs, ref = FeatureStream(ALL, 3), FeatureStream(ALL, 3)
         parts, ref_parts = [], []
-        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
             if i % 5 == 3:  # reopen: a fresh stream from the saved state
                 saved = {k: v.clone() for k, v in fs.state_dict().items()}
                 fs = FeatureStream(ALL, 3)
@@ -164,7 +164,7 @@ def test_any_chunking_property(market, sizes, reopen):
         bounds.append(min(T, bounds[-1] + sizes[i % len(sizes)]))
         i += 1
     fs, parts = FeatureStream(ALL, 3), []
-    for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         if j == reopen:
             saved = fs.state_dict()
             fs = FeatureStream(ALL, 3)
@@ -263,7 +263,7 @@ def _stepped(fn, xs: list[torch.Tensor], bounds: list[int]) -> torch.Tensor:
     """fn(op, *chunks) over the chunks of xs [S, T] between bounds, one state carried."""
     state: dict[str, torch.Tensor] = {}
     out = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
         age = torch.arange(a, b).expand(xs[0].shape[0], b - a)
         out.append(fn(StepOps(state, age), *(x[:, a:b] for x in xs)))
     return torch.cat(out, dim=1)
@@ -337,7 +337,28 @@ def test_block_prefix_steps_bit_for_bit():
     for bounds in ([0, 1300], [0, 1, 2, 300, 511, 512, 513, 700, 1023, 1025, 1300], [0, *range(500, 530), 1300]):
         parts = []
         state: dict[str, torch.Tensor] = {}
-        for a, b in zip(bounds[:-1], bounds[1:]):
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             parts.append(step(StepOps(state, torch.arange(a, b).expand(3, b - a)), x[:, a:b]).view(3, 5, b - a))
         got = torch.cat(parts, dim=2).reshape(3, -1)
         assert torch.equal(got.nan_to_num(1e300), want.view(3, 5, 1300).reshape(3, -1).nan_to_num(1e300)), bounds
+
+
+def test_a_selection_and_a_safetensors_round_trip(market, tmp_path):
+    """A few features (each one's own state slots), saved to and restored from a safetensors file mid-stream."""
+    from safetensors.torch import load_file, save_file
+
+    ohlcv, ts, _, batch, _ = market
+    names = ["tod_sin", "rsi_14", "bb_pctb_20", "trix_15"]
+    fs, ref = FeatureStream(names, 3), FeatureStream(names, 3)
+    assert fs.names == FeatureSet(names).names and fs.warmup == FeatureSet(names).max_warmup == 43
+    for a, b in ((0, 50), (50, 51)):
+        fs.update(ohlcv[:, a:b], ts[:, a:b])
+        ref.update(ohlcv[:, a:b], ts[:, a:b])
+    save_file(fs.state_dict(), tmp_path / "stream.safetensors")
+    back = FeatureStream(names, 3)
+    back.load_state_dict(load_file(tmp_path / "stream.safetensors"))
+    got = back.update(ohlcv[:, 51:], ts[:, 51:], dtype=torch.float64)[0]
+    want = ref.update(ohlcv[:, 51:], ts[:, 51:], dtype=torch.float64)[0]
+    assert torch.equal(got.nan_to_num(1e300), want.nan_to_num(1e300))
+    cols = [ALL.index(n) for n in fs.names]
+    assert torch.allclose(got, batch[:, 51:, cols], rtol=1e-10, atol=1e-10, equal_nan=True)

@@ -143,7 +143,9 @@ class StepOps:
     def Prefix(self, x: Tensor, start: int = 0, squares: bool = False) -> StepPrefix:  # noqa: N802 (ops.Prefix's name)
         return StepPrefix(self, x, start, squares)
 
-    def BlockPrefix(self, x: Tensor, max_window: int, start: int = 0, squares: bool = False) -> StepBlockPrefix:  # noqa: N802
+    def BlockPrefix(  # noqa: N802 (ops.BlockPrefix's name)
+        self, x: Tensor, max_window: int, start: int = 0, squares: bool = False
+    ) -> StepBlockPrefix:
         return StepBlockPrefix(self, x, max_window, start, squares)
 
     # -- extrema and window loops (bit for bit: the batch function on the ring) -------------------------------------
@@ -289,7 +291,7 @@ class StepBlockPrefix:
         begins = step.age % B == 0  # a symbol's new block starts at this bar
         cuts = [0, *(i for i in range(1, m) if bool(begins[:, i].any())), m]
         self.parts: list[tuple[Tensor, list[Tensor]]] = []  # per piece: its centre [S, 1], its running sums [S, W + k]
-        for a, b in zip(cuts[:-1], cuts[1:]):
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True):
             xs, new = x[:, a:b], begins[:, a]
             if bool(new.any()):
                 ref = torch.where(new[:, None], xs[:, :1], ref)

@@ -143,11 +143,13 @@ class FeatureStream:
         try:
             theirs = json.loads(bytes(state[_CONFIG_KEY].to(torch.uint8).tolist()).decode())
         except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"FeatureStream.load_state_dict: key {_CONFIG_KEY!r} is not the JSON of a config ({e})") from None
+            raise ValueError(f"FeatureStream.load_state_dict: key {_CONFIG_KEY!r} is not the JSON of a config "
+                             f"({e})") from None
         if theirs != self.config():
             diff = [k for k in sorted(set(theirs) | set(self.config())) if theirs.get(k) != self.config().get(k)]
             raise ValueError(f"FeatureStream.load_state_dict: key {_CONFIG_KEY!r} differs in {diff} (the state is of "
-                             f"another stream: {theirs.get('n_symbols')} symbols, {len(theirs.get('names', []))} features)")
+                             f"another stream: {theirs.get('n_symbols')} symbols, "
+                             f"{len(theirs.get('names', []))} features)")
         extra = sorted(set(state) - set(self._state) - {_CONFIG_KEY})
         if extra:
             raise ValueError(f"FeatureStream.load_state_dict: unexpected key {extra[0]!r}")
