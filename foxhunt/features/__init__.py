@@ -1,7 +1,8 @@
 """Causal, vectorised bar features (122, in six families) checked against TA-Lib.
 
-Entry points: :func:`compute_features` (DataFrame in, DataFrame out) for users and notebooks, and
-:class:`FeatureSet` (tensors in, :class:`FeatureOutput` out) for the DataModule. ``REGISTRY`` maps
+Entry points: :func:`compute_features` (DataFrame in, DataFrame out) for users and notebooks,
+:class:`FeatureSet` (tensors in, :class:`FeatureOutput` out) for the DataModule, and :class:`FeatureStream` (the same
+features bar by bar, with a state to save and restore) for live use. ``REGISTRY`` maps
 every name to its family, definition, warm-up and function; docs/FEATURES.md is generated from it.
 """
 
@@ -14,6 +15,7 @@ from foxhunt.features.compute import (
     known_future_features,
 )
 from foxhunt.features.registry import FAMILIES, Feature
+from foxhunt.features.stream import FeatureStream
 
 __all__ = [
     "FAMILIES",
@@ -22,6 +24,7 @@ __all__ = [
     "Feature",
     "FeatureOutput",
     "FeatureSet",
+    "FeatureStream",
     "compute_features",
     "known_future_features",
 ]
