@@ -207,7 +207,7 @@ def stubbed_forecaster(monkeypatch: pytest.MonkeyPatch) -> tuple[EnsembleModule,
     """A coordinator with one forecaster whose policy's positions are ``script["pos"]`` (no costs), so each
     validation's P&L is the test's to choose."""
     tft = TFTModule(hidden_size=8, attention_heads=2, hidden_continuous_size=4)
-    monkeypatch.setattr(tft, "forecast", lambda split, batch_size=2048, net=None: torch.zeros(len(split), 1, 3))
+    monkeypatch.setattr(tft, "forecast", lambda split, batch_size=2048, net=None, rows=None: torch.zeros(len(split), 1, 3))
     script: dict = {}
     model = EnsembleModule(members={"tft": tft}, cost_bps=0.0)
     # a policy table whose every row takes the scripted position, whatever is held (index = position + 1)

@@ -32,7 +32,7 @@ from torchmetrics import MinMetric
 from foxhunt.data.market import MarketSpec, MarketSplit
 from foxhunt.data.windows import WindowBatches
 from foxhunt.evaluation.forecast_metrics import forecast_metrics, validate_quantiles
-from foxhunt.lit.member import Forecaster
+from foxhunt.lit.member import Forecaster, eval_mode
 from foxhunt.models.mamba2 import Mamba2Forecaster, Mamba2Output
 from foxhunt.training.gradnorm import grad_norms
 from foxhunt.training.optim import Optimization
@@ -224,13 +224,9 @@ class Mamba2Module(Forecaster):
         if rows is not None:
             batches.keep(rows)
         out = torch.full((len(split), spec.horizon, len(self.quantiles)), float("nan"), device=self.device)
-        was = net.training
-        net.eval()
-        try:
+        with eval_mode(net):
             for batch in batches:
                 out[batch["t"]] = self.to_return_scale(self._run(net, batch).prediction.float(), batch)
-        finally:
-            net.train(was)
         return out
 
     # ----------------------------------------------------------------------------------------------------------- steps

@@ -20,8 +20,9 @@ One coordinator step calls, for every member whose ``start_step`` has passed, ``
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
@@ -40,6 +41,20 @@ from foxhunt.training.guard import NonFiniteGuard
 from foxhunt.training.optim import Optimization, configure_adamw, prefer_fused
 
 MemberKind = Literal["forecaster", "agent"]
+
+
+@contextlib.contextmanager
+def eval_mode(net: nn.Module) -> Iterator[nn.Module]:
+    """``net`` in eval mode for the block, then in the mode it had (no walk over its modules when it is in eval
+    already: a live session's forecasts call this every bar)."""
+    was = net.training
+    if was:
+        net.eval()
+    try:
+        yield net
+    finally:
+        if was:
+            net.train()
 
 
 def fit_updates(
@@ -448,12 +463,8 @@ class Agent(Member):
         if self.holds_flat:
             return torch.zeros(market.n_bars, dtype=torch.float32, device=market.returns.device), market
         net = self.policy_network
-        was_training = net.training
-        net.eval()
-        try:
+        with eval_mode(net):
             return self.positions_of(net, market), market
-        finally:
-            net.train(was_training)
 
     def maybe_select(self, update: int) -> None:
         """After update number ``update`` (0-based): score and choose on validation when ``select_every`` says so."""
@@ -476,12 +487,8 @@ class Agent(Member):
 
     def policy_score(self, net: nn.Module, market: MarketTensors) -> tuple[float, float, float]:
         """(reward per bar after costs, per-bar Sharpe, turnover) of ``net``'s deterministic policy on ``market``."""
-        was_training = net.training
-        net.eval()
-        try:
+        with eval_mode(net):
             pos = self.positions_of(net, market)
-        finally:
-            net.train(was_training)
         pnl = counted_log_returns(pos, market.returns, market.cost_bps, market.decision, market.reset_mask)[market.decision]
         changes = counted_position_changes(pos, market.decision, market.reset_mask)[market.decision]
         return float(pnl.mean()), sharpe_moments(pnl).sr_per_bar, float(changes.mean())

@@ -26,7 +26,7 @@ from foxhunt.evaluation.forecast_metrics import (
     forecast_metrics,
     validate_quantiles,
 )
-from foxhunt.lit.member import Forecaster
+from foxhunt.lit.member import Forecaster, eval_mode
 from foxhunt.models.tft import TemporalFusionTransformer, TFTOutput
 from foxhunt.training.gradnorm import grad_norms
 from foxhunt.training.optim import Optimization
@@ -206,14 +206,10 @@ class TFTModule(Forecaster):
         if rows is not None:
             batches.keep(rows)
         out = torch.full((len(split), spec.horizon, len(self.quantiles)), float("nan"), device=self.device)
-        was = net.training
-        net.eval()
-        try:
+        with eval_mode(net):
             for batch in batches:
                 pred = net(batch["x_past"], batch["x_future"], batch["symbol"]).prediction.float()
                 out[batch["t"]] = self.to_return_scale(pred, batch)
-        finally:
-            net.train(was)
         return out
 
     # ----------------------------------------------------------------------------------------------------------- steps

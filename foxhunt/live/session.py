@@ -25,7 +25,8 @@ from foxhunt.evaluation.policies import FORECAST_ACTIONS, FORECAST_FLAT
 from foxhunt.export.load import LoadedEnsemble
 from foxhunt.export.metadata import sha256_hex
 from foxhunt.export.symbols import export_symbol_codes
-from foxhunt.features import FeatureSet
+from foxhunt.features.calendar import calendar_values, phases
+from foxhunt.lit.member import eval_mode
 from foxhunt.live.state import StateError, load_state, save_state
 from foxhunt.preprocessing import OutlierClip, RollingZScore, next_log_returns
 
@@ -73,7 +74,6 @@ class LiveSession:
 
             features = FeatureStream(self.feature_names, S)
         self.features = features
-        self.calendar = FeatureSet(self.known_future) if self.known_future else None
         self.tail = self._tail_length()
         K = self.tail
         self.rows = torch.zeros(S, K, F, dtype=torch.float32)  # normalised feature rows, the latest last
@@ -192,14 +192,12 @@ class LiveSession:
         P, H = next_ts.shape
         F = len(self.feature_names)
         out = torch.full((P, H, F), float("nan"), dtype=torch.float32)
-        if self.calendar is None or H == 0:
+        if not self.known_future or H == 0:
             return torch.nan_to_num(out, nan=0.0)
-        flat = next_ts.reshape(-1)
-        sym = torch.arange(P).repeat_interleave(H)
-        cal = self.calendar.compute(torch.ones(P * H, 5, dtype=torch.float64), flat, sym).values
-        cols = [self.feature_names.index(k) for k in self.known_future]
+        ph = phases(next_ts.reshape(-1))  # the calendar features' own code: a function of the timestamp alone
         raw = torch.full((P * H, F), float("nan"), dtype=torch.float32)
-        raw[:, cols] = cal.float()
+        for k in self.known_future:
+            raw[:, self.feature_names.index(k)] = calendar_values(k, ph)
         normed = self.loaded.feature_normalizer(raw).clamp(-self.clip, self.clip)
         return normed.reshape(P, H, F)
 
@@ -242,13 +240,13 @@ class LiveSession:
         if agent.holds_flat:
             return flat
         net = agent.policy_network
-        net.eval()
-        table = agent.decision_table(net, market)
-        if table is None:
-            held = torch.where(market.reset_mask[last], 0.0, self.held[name][codes])
-            p = agent.continuous_step(net, market, last, decided, held)
-            self.held[name][codes] = p
-            return p
+        with eval_mode(net):
+            table = agent.decision_table(net, market)
+            if table is None:
+                held = torch.where(market.reset_mask[last], 0.0, self.held[name][codes])
+                p = agent.continuous_step(net, market, last, decided, held)
+                self.held[name][codes] = p
+                return p
         idx = table[last].gather(1, self.held[name][codes].long().unsqueeze(1)).squeeze(1)
         self.held[name][codes] = idx
         return market.actions[idx].float()
