@@ -57,8 +57,8 @@ LEGEND = (
     "log return: total after costs; Sharpe, Sortino: annualised (sqrt of bars a year); max DD: maximum drawdown; "
     "turnover: mean |position change| per bar; hit rate: share of the bars in the market that gained; ens. weight: "
     "weight in the ensemble; Sharpe Lo: annual Sharpe adjusted for autocorrelation (Lo 2002); SE HAC, 95% CI: the "
-    "Sharpe's autocorrelation-robust standard error and stationary-bootstrap interval; PSR flat: probability the true "
-    "Sharpe is above 0 (HAC); ΔSharpe vs B&H, p B&H: Sharpe minus buy-and-hold's and the two-sided p-value of Ledoit & "
+    "Sharpe's autocorrelation-robust standard error and studentised block-bootstrap interval; PSR flat: probability "
+    "the true Sharpe is above 0 (HAC); ΔSharpe vs B&H, p B&H: Sharpe minus buy-and-hold's and the two-sided p-value of Ledoit & "
     "Wolf's paired test that they are equal (HAC delta method; studentised block bootstrap); buy-and-hold is long at "
     "every decision bar, so it exits and re-enters (and pays) at each hole in the data"
 )
