@@ -1,4 +1,4 @@
-"""A callback that kills its own process, for the exact-resume test (imported by the fit subprocess)."""
+"""Callbacks that kill their own process or log its batches, and the forked fit command, for the exact-resume tests."""
 
 from __future__ import annotations
 
@@ -45,3 +45,16 @@ class BatchLog(Callback):
         rows = ",".join(str(t) for t in batch["t"].tolist())
         with open(self.path, "a") as f:
             f.write(f"{trainer.current_epoch} {batch_idx} {rows}\n")
+
+
+def fit_command(argv: list[str], stdout: str, stderr: str) -> None:
+    """``python -m foxhunt.fit argv`` as a process forked from a server that imported Lightning once (each fit of the
+    drills is still a fresh process, without paying ~6 s of CPU for that import): its output goes to two files."""
+    import sys
+
+    from foxhunt.cli_errors import run_command
+    from foxhunt.fit import main
+
+    for fd, path in ((1, stdout), (2, stderr)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    sys.exit(run_command(main, argv))

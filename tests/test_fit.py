@@ -363,26 +363,52 @@ def test_bf16_mixed_on_cpu_runs_without_nan(tmp_path: Path) -> None:
     assert cli.model.updates["tft"] > 0 and cli.model.updates["dqn"] > 0
 
 
+def _fit_argv(tmp: Path, extra: tuple[str, ...], version: bool) -> list[str]:
+    """``python -m foxhunt.fit``'s arguments for a fit of the tiny config in ``tmp``; ``version``: log to version_0
+    always (else a new version a run)."""
+    return ["--config", TINY, "--trainer.max_epochs", "2", "--trainer.logger.init_args.save_dir", str(tmp / "runs"),
+            *(("--trainer.logger.init_args.version", "0") if version else ()),
+            "--trainer.default_root_dir", str(tmp), "--export_dir", str(tmp / "export"), "--backtest", "false",
+            "--trainer.enable_progress_bar", "false", "--torch_threads", "1", *extra]
+
+
 def _fit_subprocess(tmp: Path, *extra: str, version: bool = True) -> subprocess.CompletedProcess:
-    """``python -m foxhunt.fit`` on the tiny config; ``version``: log to version_0 always (else a new version a run)."""
-    return _fit_subprocesses((tmp, extra, version))[0]
-
-
-def _fit_subprocesses(*runs: tuple[Path, tuple[str, ...], bool]) -> list[subprocess.CompletedProcess]:
-    """Independent fits (``(tmp, extra, version)`` as :func:`_fit_subprocess` takes them) run side by side, each in its
-    own folder on one thread: on two cores two fits take the time of one, and what each writes depends on nothing
-    the other does."""
+    """``python -m foxhunt.fit`` on the tiny config, as a command (its own interpreter: a DDP launch re-runs it)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(ROOT)]))
-    calls = [[sys.executable, "-m", "foxhunt.fit", "--config", TINY, "--trainer.max_epochs", "2",
-              "--trainer.logger.init_args.save_dir", str(tmp / "runs"),
-              *(("--trainer.logger.init_args.version", "0") if version else ()),
-              "--trainer.default_root_dir", str(tmp), "--export_dir", str(tmp / "export"), "--backtest", "false",
-              "--trainer.enable_progress_bar", "false", "--torch_threads", "1", *extra] for tmp, extra, version in runs]
-    procs = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in calls]
+    return subprocess.run([sys.executable, "-m", "foxhunt.fit", *_fit_argv(tmp, extra, version)], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+
+
+def _fit_process(tmp: Path, *extra: str, version: bool = True) -> subprocess.CompletedProcess:
+    """One fit as :func:`_fit_processes` runs them."""
+    return _fit_processes((tmp, extra, version))[0]
+
+
+def _fit_processes(*runs: tuple[Path, tuple[str, ...], bool]) -> list[subprocess.CompletedProcess]:
+    """Independent fits (``(tmp, extra, version)`` as :func:`_fit_argv` takes them) run side by side, each a fresh
+    process on one thread in its own folder, forked from a server that imported foxhunt.fit once (a fresh interpreter
+    pays ~6 s of CPU for Lightning's import, more than the fit): on two cores two fits take the time of one, and what
+    each writes depends on nothing the other does. Returns each one's exit status (-9: killed) and output."""
+    import multiprocessing
+
+    from _resume_helpers import fit_command
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["foxhunt.fit", "foxhunt.tune"])  # as test_tune: the session has one server
+    procs = []
+    for i, (tmp, extra, version) in enumerate(runs):
+        tmp.mkdir(parents=True, exist_ok=True)
+        argv, out = _fit_argv(tmp, extra, version), (tmp / f"fit-{i}.stdout", tmp / f"fit-{i}.stderr")
+        proc = ctx.Process(target=fit_command, args=(argv, str(out[0]), str(out[1])))
+        proc.start()
+        procs.append((argv, proc, out))
     done = []
-    for args, proc in zip(calls, procs, strict=True):
-        out, err = proc.communicate(timeout=600)
-        done.append(subprocess.CompletedProcess(args, proc.returncode, out, err))
+    for argv, proc, (stdout, stderr) in procs:
+        proc.join(timeout=600)
+        if proc.exitcode is None:
+            proc.kill()
+            raise subprocess.TimeoutExpired(argv, 600, stdout.read_text(), stderr.read_text())
+        done.append(subprocess.CompletedProcess(argv, proc.exitcode, stdout.read_text(), stderr.read_text()))
     return done
 
 
@@ -417,7 +443,7 @@ def _assert_same_final_tensors(tmp_path: Path, a: str, b: str) -> None:
 def test_resume_after_kill_is_exact(tmp_path: Path) -> None:
     """A run killed after its first epoch (of two) and resumed from last.ckpt sees the batches of an uninterrupted
     run's second epoch and ends with its weights, bit for bit."""
-    whole, killed = _fit_subprocesses(
+    whole, killed = _fit_processes(
         (tmp_path / "whole", _batch_log(tmp_path / "whole.batches"), True),
         (tmp_path / "cut", ("--trainer.callbacks+=_resume_helpers.KillAfterEpoch", "--trainer.callbacks.epoch=0",
                             *_batch_log(tmp_path / "killed.batches")), True))
@@ -425,7 +451,7 @@ def test_resume_after_kill_is_exact(tmp_path: Path) -> None:
     assert killed.returncode == -9, killed.stderr[-3000:]
     last = tmp_path / "cut" / "runs" / "foxhunt" / "version_0" / "checkpoints" / "last.ckpt"
     assert last.exists()
-    resumed = _fit_subprocess(tmp_path / "cut", "--ckpt_path", str(last), *_batch_log(tmp_path / "resumed.batches"))
+    resumed = _fit_process(tmp_path / "cut", "--ckpt_path", str(last), *_batch_log(tmp_path / "resumed.batches"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     seen = _batches(tmp_path / "whole.batches")
     assert len(seen) == 12 and _batches(tmp_path / "killed.batches") == seen[:6]
@@ -444,13 +470,13 @@ def test_a_resumed_run_exports_the_best_checkpoint_of_the_whole_run(tmp_path: Pa
         return Path(line.split("loaded the best checkpoint ")[1].split(" for export")[0])
 
     common = ("--trainer.max_epochs", "4", "--log_figures", "false", "--hparams_tab", "false")
-    whole, killed = _fit_subprocesses(
+    whole, killed = _fit_processes(
         (tmp_path / "whole", common, False),
         (tmp_path / "cut", (*common, "--trainer.callbacks+=_resume_helpers.KillAfterEpoch", "--trainer.callbacks.epoch=1"),
          False))
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert killed.returncode == -9, killed.stderr[-3000:]
-    resumed = _fit_subprocess(tmp_path / "cut", *common, "--ckpt_path", "last", version=False)
+    resumed = _fit_process(tmp_path / "cut", *common, "--ckpt_path", "last", version=False)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     runs = tmp_path / "cut" / "runs" / "foxhunt"
     assert f"resuming from {runs / 'version_0' / 'checkpoints' / 'last.ckpt'}" in resumed.stderr
@@ -477,7 +503,7 @@ def test_periodic_checkpoints_inside_an_epoch_and_ckpt_path_last_resumes_from_th
     the batches an uninterrupted run sees from there (none replayed, none skipped: the training loader's position
     is in the checkpoint) and ends with its weights and export, bit for bit."""
     periodic_every = ("--checkpoint_every_n_steps", "2")
-    whole, killed = _fit_subprocesses(
+    whole, killed = _fit_processes(
         (tmp_path / "whole", (*periodic_every, *_batch_log(tmp_path / "whole.batches")), True),
         (tmp_path / "cut", (*periodic_every, "--trainer.callbacks+=_resume_helpers.KillAtBatch",
                             "--trainer.callbacks.epoch=1", "--trainer.callbacks.batch=2",
@@ -490,7 +516,7 @@ def test_periodic_checkpoints_inside_an_epoch_and_ckpt_path_last_resumes_from_th
     assert epoch_end["epoch"] == 0 and periodic["epoch"] == 1 and periodic["global_step"] > epoch_end["global_step"]
     assert periodic["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["processed"] == 2  # 2 steps in
     assert not list(ckpts.glob(".*.tmp"))  # written atomically: no temporary file left beside them
-    resumed = _fit_subprocess(tmp_path / "cut", "--ckpt_path", "last", *periodic_every,
+    resumed = _fit_process(tmp_path / "cut", "--ckpt_path", "last", *periodic_every,
                               *_batch_log(tmp_path / "resumed.batches"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {ckpts / 'last-steps.ckpt'}" in resumed.stderr
