@@ -1,0 +1,581 @@
+"""Live latency (issue 44 section 6): bar in to decision out, 1 thread, p50/p99/p99.9 of interleaved repeats, each
+section's peers timed beside ours in the same run, and the issue's goals marked met or not.
+
+(a) the streaming features (all registered ones) at 1, 100 and 1,000 symbols a timestamp, after short and long
+    histories, against TA-Lib 0.8's O(1) stream handles (``talib.stream.X(history)`` opens one, ``.update(bar)`` steps
+    it) and talipp's incremental indicators (``.add``) on the indicators they have;
+(b) ``LiveSession.on_bar`` of one-member exports (ensemble.yaml's TFT, Mamba-2, DQN, PPO), of the quickstart ensemble
+    and of ensemble.yaml's four members, and each member's network forward on one decision;
+(c) Stable-Baselines3 ``model.predict(obs, deterministic=True)`` on an MLP policy of the agents' layer sizes against
+    the agent network's own forward at batch 1;
+(d) the naive way: ``LoadedEnsemble.positions`` over a trailing window of 512 bars, recomputed at every bar.
+
+The exports are built here from the configs' members, bound to a short synthetic market and not trained (latency does
+not depend on the weights). Peers: TA-Lib (``dev`` extra), talipp and Stable-Baselines3 (``bench`` extra); a peer that
+is not installed is left out with a line saying so.
+
+    python scripts/bench_live.py --repeats 5          # the full run (about 10 minutes on 2 shared cores)
+    python scripts/bench_live.py --quick              # a smoke run, under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART, ENSEMBLE = ROOT / "lightning_configs" / "quickstart.yaml", ROOT / "lightning_configs" / "ensemble.yaml"
+
+
+# ---------------------------------------------------------------------------------------------------- timing
+@dataclass
+class Case:
+    """One timed thing: ``step()`` does one bar (or decision) and returns nothing; ``per`` divides a sample into units."""
+
+    section: str
+    name: str
+    step: Callable[[], None]
+    per: int = 1  # symbols per bar: a per symbol-bar figure is the sample / per
+    note: str = ""
+    runs: list[np.ndarray] = field(default_factory=list)  # µs samples of each repeat
+
+
+def _sample(case: Case, n: int, budget_s: float) -> np.ndarray:
+    """Up to ``n`` timed steps (at least 5), stopping once ``budget_s`` is spent: µs per step."""
+    out = []
+    deadline = time.perf_counter() + budget_s
+    while len(out) < n and (len(out) < 5 or time.perf_counter() < deadline):
+        t0 = time.perf_counter_ns()
+        case.step()
+        out.append((time.perf_counter_ns() - t0) / 1e3)
+    return np.asarray(out)
+
+
+def run_interleaved(cases: list[Case], repeats: int, n: int, budget_s: float) -> None:
+    """Each repeat times every case once, in an order rotated by the repeat (so load drifts touch them alike)."""
+    for case in cases:  # one untimed step each: first-call allocations out of the figures
+        case.step()
+    for r in range(repeats):
+        for case in cases[r % len(cases):] + cases[: r % len(cases)]:
+            case.runs.append(_sample(case, n, budget_s))
+
+
+def stats(case: Case) -> dict[str, float]:
+    """Medians over the repeats of each repeat's p50, p99 and p99.9 (µs), and the samples in all."""
+    q = np.array([np.percentile(r, [50, 99, 99.9]) for r in case.runs])
+    med = np.median(q, axis=0)
+    return {"p50": med[0], "p99": med[1], "p999": med[2], "n": int(sum(len(r) for r in case.runs))}
+
+
+def _us(x: float) -> str:
+    return f"{x:,.1f}" if x < 100 else f"{x:,.0f}"
+
+
+def print_table(title: str, cases: list[Case], per_unit: bool = False) -> None:
+    """One section's table: p50/p99/p99.9 per step (and per symbol-bar when ``per_unit``), samples, notes."""
+    print(f"\n## {title}\n")
+    head = "| case | p50 µs | p99 µs | p99.9 µs |" + (" p50 µs / symbol-bar |" if per_unit else "") + " samples | note |"
+    print(head)
+    print("|" + " --- |" * (head.count("|") - 1))
+    for c in cases:
+        s = stats(c)
+        unit = f" {_us(s['p50'] / c.per)} |" if per_unit else ""
+        print(f"| {c.name} | {_us(s['p50'])} | {_us(s['p99'])} | {_us(s['p999'])} |{unit} {s['n']} | {c.note} |")
+
+
+# ---------------------------------------------------------------------------------------------------- bars
+def market_bars(n_bars: int, n_symbols: int, seed: int) -> Any:
+    """The embedded synthetic market's bars (a validated frame) of ``n_symbols`` symbols."""
+    from foxhunt.data.synthetic import generate_market
+
+    return generate_market(n_bars=n_bars, n_symbols=n_symbols, seed=seed, signal_strength=0.1).bars
+
+
+def series(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """One symbol's OHLCV [n, 5] float64 and timestamps [n] ns."""
+    from foxhunt.quality.talib_reference import make_bars
+
+    ohlcv, ts, _ = make_bars(n, seed)
+    return ohlcv.numpy(), ts.numpy()
+
+
+# ---------------------------------------------------------------------------------------------------- (a) features
+def feature_case(names: list[str], S: int, history: int, ohlcv: np.ndarray, ts: np.ndarray, chunk: int) -> Case:
+    """FeatureStream of ``names`` for S symbols, warmed on ``history`` bars in chunks, then timed one bar at a time."""
+    from foxhunt.features.stream import FeatureStream
+
+    fs = FeatureStream(names, S)
+    scale = torch.linspace(0.5, 2.0, S, dtype=torch.float64)[:, None, None]  # S distinct series of one shape
+    price = torch.from_numpy(ohlcv)
+    tst = torch.from_numpy(ts)
+    pos = 0
+    while pos < history:
+        k = min(chunk, history - pos)
+        o = price[pos : pos + k].unsqueeze(0) * scale
+        o[..., 4] = price[pos : pos + k, 4]
+        fs.update(o, tst[pos : pos + k].unsqueeze(0).expand(S, k))
+        pos += k
+    state = {"i": history}
+
+    def step() -> None:
+        i = state["i"]
+        o = price[i : i + 1].unsqueeze(0) * scale
+        o[..., 4] = price[i, 4]
+        fs.update(o, tst[i : i + 1].unsqueeze(0).expand(S, 1))
+        state["i"] = i + 1
+
+    return Case("features", f"foxhunt FeatureStream, {len(names)} features, {S} sym, {history:,} bars", step, S,
+                f"{fs.warmup} warm-up bars")
+
+
+def _talib_handles(history: dict[str, np.ndarray]) -> list[tuple[Any, str]]:
+    """TA-Lib 0.8 stream handles of the indicators of ``foxhunt.quality.talib_reference.talib_calls``, opened on a
+    history: (handle, which inputs ``update`` takes)."""
+    import talib.stream as st
+
+    from foxhunt.quality.talib_reference import WINDOWS
+
+    o, h, lo, c, v, r = (history[k] for k in ("o", "h", "l", "c", "v", "r"))
+    hs: list[tuple[Any, str]] = []
+    hs += [(st.ROCR(c, k), "c") for k in (1, 2, 3, 5, 10, 20, 50, 100)]
+    hs += [(st.ROC(c, k), "c") for k in (5, 10, 20)] + [(st.MOM(c, k), "c") for k in (5, 10, 20)]
+    hs += [(st.ATR(h, lo, c, k), "hlc") for k in (7, 14, 28)] + [(st.NATR(h, lo, c, k), "hlc") for k in (7, 14, 28)]
+    hs += [(st.RSI(c, k), "c") for k in (6, 14, 21, 28)]
+    hs += [(st.STOCH(h, lo, c, k, 3, 0, 3, 0), "hlc") for k in (5, 14)]
+    hs += [(st.WILLR(h, lo, c, k), "hlc") for k in (14, 28)]
+    hs += [(st.MACD(c, *a), "c") for a in ((12, 26, 9), (5, 35, 5))]
+    hs += [(st.CCI(h, lo, c, k), "hlc") for k in (14, 20)]
+    for k in (14, 28):
+        hs += [(st.ADX(h, lo, c, k), "hlc"), (st.PLUS_DI(h, lo, c, k), "hlc"), (st.MINUS_DI(h, lo, c, k), "hlc")]
+    hs += [(st.AROON(h, lo, 25), "hl"), (st.AROONOSC(h, lo, 25), "hl"), (st.ULTOSC(h, lo, c, 7, 14, 28), "hlc"),
+           (st.TRIX(c, 15), "c")]
+    hs += [(st.SMA(c, k), "c") for k in WINDOWS] + [(st.EMA(c, k), "c") for k in WINDOWS]
+    hs += [(st.KAMA(c, k), "c") for k in (10, 30)]
+    hs += [(st.STDDEV(r, k, 1.0), "r") for k in (5, 10, 20, 50, 100)]
+    hs += [(st.BBANDS(c, k, 2.0, 2.0, 0), "c") for k in (20, 50)]
+    hs += [(st.OBV(c, v), "cv")] + [(st.MFI(h, lo, c, v, k), "hlcv") for k in (14, 28)]
+    hs += [(st.ADOSC(h, lo, c, v, 3, 10), "hlcv"), (st.BOP(o, h, lo, c), "ohlc")]
+    return hs
+
+
+def _history_arrays(ohlcv: np.ndarray, lo: int, hi: int, scale: float) -> dict[str, np.ndarray]:
+    o, h, l_, c = (np.ascontiguousarray(ohlcv[lo:hi, i] * scale) for i in range(4))
+    v = np.ascontiguousarray(ohlcv[lo:hi, 4])
+    return {"o": o, "h": h, "l": l_, "c": c, "v": v, "r": np.diff(np.log(c), prepend=np.nan)}
+
+
+def talib_case(S: int, history: int, ohlcv: np.ndarray) -> Case | None:
+    """TA-Lib's stream handles for S symbols (a Python loop over symbols and handles: TA-Lib has no panel form)."""
+    try:
+        import talib  # noqa: F401
+    except ImportError:
+        print("(TA-Lib is not installed: its rows are left out; pip install ta-lib)")
+        return None
+    scales = np.linspace(0.5, 2.0, S)
+    books = [_talib_handles(_history_arrays(ohlcv, 0, history, float(scales[s]))) for s in range(S)]
+    state = {"i": history}
+    n_handles = len(books[0])
+
+    def step() -> None:
+        i = state["i"]
+        bar = ohlcv[i]
+        for s in range(S):
+            k = float(scales[s])
+            o, h, lo, c, v = bar[0] * k, bar[1] * k, bar[2] * k, bar[3] * k, float(bar[4])
+            r = math.log(bar[3] / ohlcv[i - 1, 3])
+            args = {"c": (c,), "hlc": (h, lo, c), "hl": (h, lo), "r": (r,), "cv": (c, v), "hlcv": (h, lo, c, v),
+                    "ohlc": (o, h, lo, c)}
+            for handle, kind in books[s]:
+                handle.update(*args[kind])
+        state["i"] = i + 1
+
+    return Case("features", f"TA-Lib 0.8 stream handles, {n_handles} indicators, {S} sym, {history:,} bars", step, S,
+                "O(1) handles (.update); covers the TA-Lib-derived features only")
+
+
+def talipp_case(S: int, history: int, ohlcv: np.ndarray) -> Case | None:
+    """talipp's incremental indicators (``.add``) for S symbols, on the indicators talipp has."""
+    try:
+        import talipp.indicators as ti
+        from talipp.ohlcv import OHLCV
+    except ImportError:
+        print("(talipp is not installed: its rows are left out; pip install talipp)")
+        return None
+    from foxhunt.quality.talib_reference import WINDOWS
+
+    def book() -> tuple[list[Any], list[Any]]:
+        close = [ti.ROC(k) for k in (1, 2, 3, 5, 10, 20, 50, 100)] + [ti.RSI(k) for k in (6, 14, 21, 28)]
+        close += [ti.MACD(12, 26, 9), ti.MACD(5, 35, 5), ti.TRIX(15)]
+        close += [ti.SMA(k) for k in WINDOWS] + [ti.EMA(k) for k in WINDOWS]
+        close += [ti.KAMA(k, 2, 30) for k in (10, 30)] + [ti.StdDev(k) for k in (5, 10, 20, 50, 100)]
+        close += [ti.BB(k, 2.0) for k in (20, 50)]
+        bars = [ti.ATR(k) for k in (7, 14, 28)] + [ti.NATR(k) for k in (7, 14, 28)]
+        bars += [ti.Stoch(k, 3) for k in (5, 14)] + [ti.Williams(k) for k in (14, 28)] + [ti.CCI(k) for k in (14, 20)]
+        bars += [ti.ADX(k, k) for k in (14, 28)] + [ti.Aroon(25), ti.UO(7, 14, 28), ti.OBV(), ti.ChaikinOsc(3, 10),
+                                                     ti.BOP()]
+        return close, bars
+
+    scales = np.linspace(0.5, 2.0, S)
+    books = [book() for _ in range(S)]
+    for s, (close, bars) in enumerate(books):
+        k = float(scales[s])
+        for i in range(history):
+            b = ohlcv[i]
+            bar = OHLCV(b[0] * k, b[1] * k, b[2] * k, b[3] * k, float(b[4]))
+            for ind in close:
+                ind.add(b[3] * k)
+            for ind in bars:
+                ind.add(bar)
+    n_ind = len(books[0][0]) + len(books[0][1])
+    state = {"i": history}
+
+    def step() -> None:
+        i = state["i"]
+        b = ohlcv[i]
+        for s, (close, bars) in enumerate(books):
+            k = float(scales[s])
+            bar = OHLCV(b[0] * k, b[1] * k, b[2] * k, b[3] * k, float(b[4]))
+            for ind in close:
+                ind.add(b[3] * k)
+            for ind in bars:
+                ind.add(bar)
+        state["i"] = i + 1
+
+    return Case("features", f"talipp {importlib.metadata.version('talipp')} .add, {n_ind} indicators, {S} sym, "
+                f"{history:,} bars", step, S, "pure Python; keeps every output in lists (memory grows per bar)")
+
+
+# ---------------------------------------------------------------------------------------------------- exports
+def _members(cfg: dict, names: list[str]) -> dict[str, Any]:
+    """The config's members ``names``, built from their class_path and init_args (untrained)."""
+    out = {}
+    for n in names:
+        entry = cfg["model"]["members"][n]
+        module, _, cls = entry["class_path"].rpartition(".")
+        out[n] = getattr(importlib.import_module(module), cls)(**entry.get("init_args", {}))
+    return out
+
+
+def build_export(config: Path, names: list[str], root: Path, n_symbols: int, n_bars: int,
+                 combine: str | None = None) -> Path:
+    """An untrained export of the config's members ``names`` on a short synthetic market of its data section.
+
+    Members are not held flat (``min_edge_confidence: None``: an untrained member would be, and its network would
+    never run); under ``combine: stack`` the forecasters' snapshots are taken as they are, so the agents trade."""
+    from foxhunt.data.datamodule import BarDataModule
+    from foxhunt.export.write import export_ensemble
+    from foxhunt.lit.ensemble import EnsembleModule
+
+    cfg = yaml.safe_load(config.read_text())
+    data = {k: v for k, v in cfg["data"].items() if k != "path"}
+    data.update(synthetic_bars=n_bars, synthetic_symbols=n_symbols, cache_dir=None)
+    dm = BarDataModule(**data)
+    dm.setup()
+    torch.manual_seed(0)
+    ens = {k: v for k, v in cfg["model"].items() if k != "members"}
+    ens["min_edge_confidence"] = None
+    if combine is not None:
+        ens["combine"] = combine
+    model = EnsembleModule(members=_members(cfg, names), **ens)
+    model.bind(dm.spec)
+    if model.hparams.combine == "stack":  # as tests/test_live.py does: the snapshots an export of a fit carries
+        for name in model.forecaster_names:
+            model.snapshots[name].load_state_dict(model.member(name).network.state_dict())
+        model.stack_std.fill_(1e-4)
+        model._snapshots_loaded = True
+    export_ensemble(model, dm, root)
+    return root
+
+
+def _feed(n_symbols: int, n_bars: int, horizon: int) -> Iterator[Any]:
+    from foxhunt.live.replay import replay
+
+    return replay(market_bars(n_bars, n_symbols, seed=1), horizon)
+
+
+def session_case(label: str, root: Path, n_symbols: int, warm: int, n_bars: int) -> tuple[Case, Any]:
+    """``on_bar`` of a live session of the export, warmed on ``warm`` bars (past every member's warm-up)."""
+    import foxhunt.live
+
+    session = foxhunt.live.open(str(root))
+    feed = _feed(n_symbols, n_bars, session.horizon)
+    for _ in range(max(warm, session.tail + session.features.warmup + 8)):
+        b = next(feed)
+        d = session.on_bar(b.symbols, b.ohlcv, b.timestamp, b.next_timestamps)
+    if not bool(d.ready.all()):
+        raise SystemExit(f"bench_live: {label}: the session is not ready after its warm-up")
+
+    def step() -> None:
+        b = next(feed)
+        session.on_bar(b.symbols, b.ohlcv, b.timestamp, b.next_timestamps)
+
+    return Case("session", f"{label}, {n_symbols} sym", step, n_symbols, f"tail {session.tail} bars"), session
+
+
+def capture_forward(session: Any, name: str, feed_step: Callable[[], None]) -> tuple[Callable, tuple, int]:
+    """What member ``name``'s network computes in one ``on_bar`` (a forecaster's or a DQN's ``forward``, PPO's
+    ``deterministic`` actor), the arguments of its first call there and the rows that call carried (the agents
+    evaluate every decision bar of the tail under every held position, then read one row)."""
+    member = session.model.member(name)
+    agent = name in session.model.agent_names
+    net = member.policy_network if agent else member.network
+    method = "deterministic" if agent and callable(getattr(net, "deterministic", None)) else "forward"
+    original = getattr(net, method)
+    got: list[tuple] = []
+
+    def record(*args: Any) -> Any:
+        if not got:
+            got.append(args)
+        return original(*args)
+
+    setattr(net, method, record)  # an instance attribute, deleted below: the class's method is untouched
+    try:
+        feed_step()
+    finally:
+        delattr(net, method)
+    if not got:
+        raise SystemExit(f"bench_live: {name}'s network did not run in on_bar (held flat?)")
+    rows = next((a.shape[0] for a in got[0] if isinstance(a, torch.Tensor) and a.ndim), 1)
+    net.eval()
+    return getattr(net, method), got[0], int(rows)
+
+
+def first_rows(args: tuple) -> tuple:
+    """The arguments of one decision: every batched tensor's first row."""
+    return tuple(a[:1].clone() if isinstance(a, torch.Tensor) and a.ndim >= 1 and a.shape[0] > 1 else a for a in args)
+
+
+def forward_case(label: str, fn: Callable, args: tuple, section: str = "forward") -> Case:
+    def step() -> None:
+        with torch.no_grad():
+            fn(*args)
+
+    return Case(section, label, step)
+
+
+# ---------------------------------------------------------------------------------------------------- (c) SB3
+def sb3_case(algo: str, obs_dim: int, n_actions: int, hidden: list[int]) -> Case | None:
+    """SB3 ``predict(obs, deterministic=True)`` of a DQN or PPO with an MLP of ``hidden`` on ``obs_dim`` inputs."""
+    try:
+        import gymnasium as gym
+        import stable_baselines3 as sb3
+    except ImportError:
+        print("(stable-baselines3 is not installed: its rows are left out; pip install stable-baselines3)")
+        return None
+
+    class Env(gym.Env):
+        """The shape of the agents' task only: predict never steps it."""
+
+        observation_space = gym.spaces.Box(-10.0, 10.0, (obs_dim,), np.float32)
+        action_space = gym.spaces.Discrete(n_actions)
+
+        def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+            return np.zeros(obs_dim, np.float32), {}
+
+        def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
+            return np.zeros(obs_dim, np.float32), 0.0, True, False, {}
+
+    if algo == "dqn":
+        model = sb3.DQN("MlpPolicy", Env(), policy_kwargs={"net_arch": list(hidden)}, device="cpu", buffer_size=1,
+                        learning_starts=0)
+    else:
+        model = sb3.PPO("MlpPolicy", Env(), policy_kwargs={"net_arch": {"pi": list(hidden), "vf": list(hidden)}},
+                        device="cpu", n_steps=8, batch_size=8)
+    obs = np.random.default_rng(0).standard_normal(obs_dim).astype(np.float32)
+
+    def step() -> None:
+        model.predict(obs, deterministic=True)
+
+    return Case("sb3", f"SB3 {sb3.__version__} {algo.upper()} predict, MLP {obs_dim}-{'-'.join(map(str, hidden))}-"
+                f"{n_actions}, batch 1", step)
+
+
+# ---------------------------------------------------------------------------------------------------- (d) naive
+def naive_case(root: Path, window: int, n_bars: int) -> Case:
+    """``LoadedEnsemble.positions`` on the trailing ``window`` bars, recomputed at every new bar."""
+    import foxhunt
+
+    loaded = foxhunt.load(root)
+    bars = market_bars(n_bars, 1, seed=1)
+    state = {"i": window}
+
+    def step() -> None:
+        i = state["i"]
+        loaded.positions(bars.iloc[i - window : i].reset_index(drop=True))
+        state["i"] = i + 1
+
+    return Case("naive", f"LoadedEnsemble.positions over the last {window} bars, 1 sym", step, 1,
+                "the whole window recomputed per bar")
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def goal(label: str, measured: str, target: str, met: bool | None) -> str:
+    verdict = "n/a" if met is None else ("met" if met else "NOT met")
+    return f"| {label} | {measured} | {target} | {verdict} |"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=5, help="interleaved repeats (medians of their percentiles)")
+    p.add_argument("--samples", type=int, default=400, help="most timed steps per case and repeat")
+    p.add_argument("--budget", type=float, default=1.5, help="seconds per case and repeat (at least 5 steps)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: small histories and few samples (< 60 s)")
+    p.add_argument("--no-100", action="store_true", help="skip the 100-symbol sessions")
+    a = p.parse_args(argv)
+    if a.repeats < 1 or a.samples < 5 or a.budget <= 0:
+        print("bench_live: --repeats must be >= 1, --samples >= 5 and --budget > 0", file=sys.stderr)
+        return 2
+    if a.quick:
+        a.repeats, a.samples, a.budget = min(a.repeats, 2), min(a.samples, 20), min(a.budget, 0.2)
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    started = time.perf_counter()
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(f"# bench_live: torch {torch.__version__}, 1 thread, {os.cpu_count()} cores; load at start: {load}")
+    print(f"# {a.repeats} interleaved repeats, up to {a.samples} samples or {a.budget} s per case and repeat; "
+          "figures are the medians over repeats of each repeat's percentiles")
+
+    from foxhunt.features import REGISTRY
+
+    names = list(REGISTRY)
+    # (a) ------------------------------------------------------------------------------------------------------
+    if a.quick:
+        histories = {1: [1_000, 20_000], 100: [600]}
+        talipp_history = 300
+    else:
+        # 1M bars is reached at 1 symbol (the O(1) check); the panels are warmed on 10k (100 symbols) and 2,048
+        # (1,000 symbols: 2M symbol-bars) bars, well past every feature's warm-up, to keep the run in minutes
+        histories = {1: [10_000, 1_000_000], 100: [10_000], 1000: [2_048]}
+        talipp_history = 400
+    longest = max(max(h) for h in histories.values())
+    ohlcv, ts = series(longest + a.repeats * a.samples + 64)
+    feats, peers = [], []
+    for S, hs in histories.items():
+        for h in hs:
+            t0 = time.perf_counter()
+            feats.append(feature_case(names, S, h, ohlcv, ts, chunk=4096))
+            print(f"# warmed {feats[-1].name} in {time.perf_counter() - t0:.1f} s", flush=True)
+        tl = talib_case(S, min(hs), ohlcv)
+        tp = talipp_case(S, min(talipp_history, min(hs)), ohlcv) if S <= 100 or a.quick else None
+        peers += [c for c in (tl, tp) if c is not None]
+    run_interleaved(feats + peers, a.repeats, a.samples, a.budget)
+    print_table("(a) features: one bar of every symbol in, values out", feats + peers, per_unit=True)
+
+    # (b) ------------------------------------------------------------------------------------------------------
+    tmp = Path(tempfile.mkdtemp(prefix="bench_live_"))
+    n_export = 3000
+    need = 600 + a.repeats * a.samples + 200
+    exports = {
+        "quickstart ensemble (tft, dqn)": (QUICKSTART, ["tft", "dqn"], None),
+        "ensemble.yaml (tft, dqn, ppo, mamba2; stack)": (ENSEMBLE, ["tft", "dqn", "ppo", "mamba2"], None),
+    }
+    for m in ("tft", "mamba2", "dqn", "ppo"):
+        exports[f"{m} alone (ensemble.yaml)"] = (ENSEMBLE, [m], "vote")
+    if a.quick:  # ensemble.yaml's 122 features and 64-bar lookback take ~10 s an export to warm: the full run only
+        exports = {k: v for k, v in exports.items() if v[0] == QUICKSTART}
+    exports["dqn alone (quickstart.yaml)"] = (QUICKSTART, ["dqn"], "vote")
+    sessions: dict[str, Any] = {}
+    cases: list[Case] = []
+    roots: dict[str, Path] = {}
+    for i, (label, (cfg, members, combine)) in enumerate(exports.items()):
+        t0 = time.perf_counter()
+        roots[label] = build_export(cfg, members, tmp / f"e{i}", 1, n_export, combine)
+        case, sessions[label] = session_case(label, roots[label], 1, 0, need)
+        cases.append(case)
+        print(f"# built and warmed {label} in {time.perf_counter() - t0:.1f} s", flush=True)
+    if not a.no_100 and not a.quick:
+        label = "quickstart ensemble (tft, dqn)"
+        root = build_export(QUICKSTART, ["tft", "dqn"], tmp / "q100", 100, n_export, None)
+        case, _ = session_case(label, root, 100, 0, need)
+        cases.append(case)
+    forwards: list[Case] = []
+    agent_nets: dict[str, tuple[Callable, tuple]] = {}
+    for label, session in sessions.items():
+        if "alone" not in label:
+            continue
+        member = session.model.member_names[0]
+        step = next(c.step for c in cases if c.name == f"{label}, 1 sym")
+        fn, args, rows = capture_forward(session, member, step)
+        what = f"{type(fn.__self__).__name__}.{fn.__name__}"
+        forwards.append(forward_case(f"{label}: {what}, one decision (batch 1)", fn, first_rows(args)))
+        if rows > 1:
+            forwards.append(forward_case(f"{label}: {what} as on_bar calls it ({rows} rows)", fn, args))
+        if member in session.model.agent_names:
+            agent_nets[label] = (fn, first_rows(args))
+    run_interleaved(cases + forwards, a.repeats, a.samples, a.budget)
+    print_table("(b) decisions: LiveSession.on_bar, bar in to every member's position out", cases, per_unit=True)
+    print_table("(b) each member's network on one decision (torch.no_grad, eval), and as on_bar calls it", forwards)
+
+    # (c) ------------------------------------------------------------------------------------------------------
+    sb3_cases: list[Case] = []
+    pairs: list[tuple[Case, Case]] = []
+    for label, (fn, args) in agent_nets.items():
+        agent = sessions[label].model.member(sessions[label].model.member_names[0])
+        window, position = args  # [1, W, F] (or [1, W*F]) and [1, position features]
+        obs_dim = int(window[0].numel() + position.shape[1])
+        hidden = [int(x) for x in agent.hparams.hidden]
+        algo = "dqn" if "dqn" in label else "ppo"
+        twin = sb3_case(algo, obs_dim, len(agent.hparams.actions), hidden)
+        ours = forward_case(f"{label}: {type(fn.__self__).__name__}.{fn.__name__}, batch 1", fn, args, "sb3")
+        if twin is not None:
+            sb3_cases += [ours, twin]
+            pairs.append((ours, twin))
+    if sb3_cases:
+        run_interleaved(sb3_cases, a.repeats, a.samples, a.budget)
+        print_table("(c) agent network vs Stable-Baselines3 predict on an equal MLP, batch 1", sb3_cases)
+
+    # (d) ------------------------------------------------------------------------------------------------------
+    quick_label = "quickstart ensemble (tft, dqn)"
+    naive = naive_case(roots[quick_label], 512, 512 + a.repeats * a.samples + 64)
+    live_again = next(c for c in cases if c.name == f"{quick_label}, 1 sym")
+    again = Case("naive", f"{live_again.name}: LiveSession.on_bar (again, beside it)", live_again.step)
+    run_interleaved([naive, again], a.repeats, min(a.samples, 100), a.budget)
+    print_table("(d) the naive way: the whole trailing window recomputed per bar", [naive, again])
+
+    # goals ------------------------------------------------------------------------------------------------------
+    print("\n## Goals of issue 44\n")
+    print("| goal | measured | target | verdict |")
+    print("| --- | --- | --- | --- |")
+    by = {c.name: stats(c) for c in feats + peers + cases + forwards + sb3_cases}
+    big = max(histories)
+    ours_big = next(c for c in feats if f", {big} sym," in c.name)
+    talib_big = next((c for c in peers if c.name.startswith("TA-Lib") and f", {big} sym," in c.name), None)
+    if talib_big is not None:
+        r = (by[talib_big.name]["p50"] / talib_big.per) / (by[ours_big.name]["p50"] / ours_big.per)
+        print(goal(f"features vs TA-Lib stream per symbol-bar, {big} sym", f"{r:.2f}x faster", ">= 10x", r >= 10))
+    one = [c for c in feats if ", 1 sym," in c.name]
+    worst = max(by[c.name]["p50"] for c in one)
+    print(goal("features per bar, 1 sym (p50, worst history)", f"{_us(worst)} µs", "<= 1,000 µs", worst <= 1000))
+    flat = [by[c.name]["p50"] for c in one]
+    print(goal("features flat in history, 1 sym (p50 longest / shortest)", f"{flat[-1] / flat[0]:.2f}",
+               "about 1 (O(1))", abs(flat[-1] / flat[0] - 1) <= 0.2))
+    q = by[f"{quick_label}, 1 sym"]
+    print(goal("quickstart ensemble on_bar p99, 1 sym", f"{_us(q['p99'])} µs", "<= 2,000 µs", q["p99"] <= 2000))
+    for c in forwards:
+        if "batch 1" in c.name and any(k in c.name for k in ("dqn", "ppo")):
+            print(goal(f"agent network p50: {c.name}", f"{_us(by[c.name]['p50'])} µs", "<= 20 µs",
+                       by[c.name]["p50"] <= 20))
+    for ours, twin in pairs:
+        r = by[twin.name]["p50"] / by[ours.name]["p50"]
+        print(goal(f"vs SB3 predict: {ours.name.split(':')[0]}", f"{r:.1f}x faster", ">= 5x", r >= 5))
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(f"\n# load at end: {load}; wall {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
