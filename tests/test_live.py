@@ -67,10 +67,16 @@ def backtest_rows(loaded: foxhunt.LoadedEnsemble, bars: pd.DataFrame, horizon: i
     return [(r, split.symbols[sym[r]], ts[r]) for r in range(len(split) - horizon) if sym[r + horizon] == sym[r]]
 
 
-def test_a_replay_trades_exactly_what_the_backtest_traded(export: Path, bars: pd.DataFrame) -> None:
+@pytest.fixture(scope="module")
+def whole_replay(export: Path, bars: pd.DataFrame) -> dict:
+    """The session's positions over the whole replay, uninterrupted."""
+    return replayed(foxhunt.live.open(export), bars)
+
+
+def test_a_replay_trades_exactly_what_the_backtest_traded(export: Path, bars: pd.DataFrame, whole_replay: dict) -> None:
     loaded = foxhunt.load(export)
     session = foxhunt.live.LiveSession(loaded)
-    live = replayed(session, bars)
+    live = whole_replay
     ref = loaded.positions(bars)
     rows = backtest_rows(loaded, bars, session.horizon)
     for name in ("tft", "dqn", "ensemble"):
@@ -80,8 +86,9 @@ def test_a_replay_trades_exactly_what_the_backtest_traded(export: Path, bars: pd
         assert np.array_equal(ours, theirs), f"{name}: {(ours != theirs).sum()} of {len(rows)} positions differ"
 
 
-def test_a_restored_session_continues_exactly(export: Path, bars: pd.DataFrame, tmp_path: Path) -> None:
-    whole = replayed(foxhunt.live.open(export), bars)
+def test_a_restored_session_continues_exactly(export: Path, bars: pd.DataFrame, whole_replay: dict,
+                                             tmp_path: Path) -> None:
+    whole = whole_replay
     first = foxhunt.live.open(export)
     replayed(first, bars, stop=137)
     first.save(tmp_path / "state")
