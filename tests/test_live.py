@@ -309,3 +309,21 @@ def test_a_csv_feed_on_stdin_trades_as_the_replay(dqn_export: Path, bars: pd.Dat
                  "--status-every", "0", "--torch-threads", threads]) == 0
     a, b = read_decisions(tmp_path / "stdin"), read_decisions(tmp_path / "replay")
     pd.testing.assert_frame_equal(a.drop(columns="latency_us"), b.drop(columns="latency_us"))
+
+
+def test_logged_features_are_the_backtests_normalised_features(dqn_export: Path, bars: pd.DataFrame,
+                                                               tmp_path: Path) -> None:
+    from foxhunt.live.run import main
+
+    data = tmp_path / "bars.parquet"
+    write_bars(bars, data)
+    assert main(["--checkpoint", str(dqn_export), "--replay", str(data), "--decisions", str(tmp_path / "log"),
+                 "--status-every", "0", "--log-features", "--torch-threads", str(torch.get_num_threads())]) == 0
+    log = read_decisions(tmp_path / "log").set_index(["symbol", "ts_event"])
+    loaded = foxhunt.load(dqn_export)
+    split = loaded.split(bars)
+    rows = [(split.symbols[int(s)], int(t)) for s, t in zip(split.symbol_index, split.timestamps, strict=True)]
+    logged = log.loc[rows, [f"feature.{f}" for f in loaded.feature_names]].to_numpy(np.float32)
+    ready = split.valid.numpy()
+    assert ready.sum() > 100
+    np.testing.assert_array_equal(np.nan_to_num(logged[ready]), split.features.numpy()[ready])
