@@ -166,9 +166,21 @@ class LiveSession:
         H = max(self.horizon, 1)
         n = torch.clamp(self.seen[codes], max=self.tail)
         F = len(self.feature_names)
+        future = self._future_rows(next_ts[:, :H])  # [P, H, F]
+        K, P = self.tail, codes.numel()
+        if bool((n == K).all()):  # every tail full (past the first bars): one gather, no loop over symbols
+            o = self.ohlcv[codes]
+            ohlcv = torch.cat((o, o[:, -1:].expand(P, H, 5)), 1).reshape(-1, 5)
+            sym = codes[:, None].expand(P, K + H).reshape(-1)
+            features = torch.cat((self.rows[codes], future), 1).reshape(-1, F)
+            ready = torch.cat((self.ready_rows[codes], torch.zeros(P, H, dtype=torch.bool)), 1).reshape(-1)
+            ts = torch.cat((self.ts[codes], next_ts[:, :H]), 1).reshape(-1)
+            returns = next_log_returns(ohlcv[:, 3], segment=sym)
+            split = assemble_split("live", self.symbols, ts, sym, ohlcv, features, ready, returns, self.feature_names,
+                                   self.loaded.target_transform)
+            return split, torch.arange(P) * (K + H) + K - 1
         feats, readies, ohlcvs, tss, syms, last = [], [], [], [], [], []
         offset = 0
-        future = self._future_rows(next_ts[:, :H])  # [P, H, F]
         for i, c in enumerate(codes.tolist()):
             k = int(n[i])
             feats += [self.rows[c, -k:], future[i]]
