@@ -5,6 +5,7 @@ at full size.
     python scripts/bench_features.py                 # 1,000,000 bars, one thread
     python scripts/bench_features.py --bars 200000 --repeat 1
     python scripts/bench_features.py --device cuda --no-exactness   # the same code on a GPU
+    python scripts/bench_features.py --stream        # FeatureStream.update of one bar: p50/p99 at 1, 100, 1,000 symbols
 
 One implementation serves every device: the plain torch primitives of foxhunt.features.ops.
 Targets (issue 19): the whole set in <= 1.5 s on one core, <= 1.5x TA-Lib's time per feature on the TA-Lib-derived
@@ -139,8 +140,38 @@ def exactness(ohlcv: np.ndarray) -> list[tuple[str, float]]:
         ]
 
 
+def stream_latency(symbols: list[int], history: int, bars: int, seed: int) -> None:
+    """p50/p99 of FeatureStream.update of one bar (all features) after ``history`` bars, per symbol count."""
+    from foxhunt.features.stream import FeatureStream
+
+    ohlcv, ts, _ = make_bars(history + bars, seed)
+    names = FeatureSet().names
+    print(f"FeatureStream.update of 1 bar: {len(names)} features, {torch.get_num_threads()} thread(s), after {history} "
+          f"bars, {bars} timed bars (foxhunt from {Path(foxhunt.__file__).parent.parent})")
+    for S in symbols:
+        fs = FeatureStream(names, S)
+        scale = torch.linspace(0.5, 2.0, S, dtype=torch.float64)[:, None, None]  # S distinct series of one shape
+        x = ohlcv[None] * scale
+        x[..., 4] = ohlcv[:, 4]
+        t = ts[None].expand(S, -1)
+        fs.update(x[:, :history], t[:, :history])
+        lat = []
+        for j in range(history, history + bars):
+            xj, tj = x[:, j : j + 1].contiguous(), t[:, j : j + 1].contiguous()
+            t0 = time.perf_counter()
+            fs.update(xj, tj)
+            lat.append(time.perf_counter() - t0)
+        p50, p99 = np.percentile(lat, 50) * 1e3, np.percentile(lat, 99) * 1e3
+        print(f"  {S:>5} symbols: p50 {p50:8.3f} ms  p99 {p99:8.3f} ms per bar  ({p50 * 1e3 / S:8.2f} us per "
+              f"symbol-bar at p50)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stream", action="store_true", help="time FeatureStream.update of one bar instead (p50/p99)")
+    ap.add_argument("--symbols", default="1,100,1000", help="--stream: symbol counts, comma-separated")
+    ap.add_argument("--history", type=int, default=300, help="--stream: bars streamed before timing")
+    ap.add_argument("--stream-bars", type=int, default=200, help="--stream: bars timed per symbol count")
     ap.add_argument("--bars", type=int, default=1_000_000)
     ap.add_argument("--threads", type=int, default=1, help="torch/BLAS threads (the target is one core)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per measurement; the best is reported")
@@ -149,6 +180,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="where the bars live (cpu, cuda): times include the device's work")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.stream:
+        stream_latency([int(s) for s in args.symbols.split(",")], args.history, args.stream_bars, args.seed)
+        return
     n, dev = args.bars, args.device
     cuda = torch.device(dev).type == "cuda"
     ohlcv_cpu, ts_cpu, sym_cpu = make_bars(n, args.seed)

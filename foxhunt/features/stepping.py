@@ -32,6 +32,7 @@ class StepOps:
         self.S, self.m = age.shape
         self.youngest = int(age[:, 0].min()) if age.numel() else 0  # past every warm-up: masks are skipped
         self._calls = 0
+        self._columns: dict[tuple, Tensor] = {}  # ring columns per (width, offset), shared by the call sites
 
     # -- the carried state ------------------------------------------------------------------------------------------
     def _slot(self, kind: str) -> str:
@@ -53,15 +54,47 @@ class StepOps:
             value = torch.where(self.moved.view(-1, *([1] * (value.ndim - 1))), value, old)
         self.state[key] = value
 
+    def _column(self, w: int, offset: int = 0) -> Tensor:
+        """[S, 1]: each symbol's ring column of its bar age + offset (a ring of w keeps bar b at column b % w)."""
+        key = (w, offset)
+        if key not in self._columns:
+            self._columns[key] = torch.remainder(self.age[:, :1] + offset, w)
+        return self._columns[key]
+
     def _ring(self, x: Tensor, w: int, fill: float = NAN, slot: str | None = None) -> Tensor:
-        """[S, w + m]: the last w inputs before this chunk (``fill`` before a symbol's first bar), then x."""
+        """[S, w + m]: the last w inputs before this chunk (``fill`` before a symbol's first bar), then x.
+
+        The ring is circular (bar b at column b % w): one bar moves one column in place, not the whole ring."""
         if w == 0:
             return x
         slot = slot or self._slot("ring")
         ring = self._get(slot, "last", lambda: x.new_full((self.S, w), fill))
-        ext = torch.cat((ring, x.expand(self.S, self.m)), dim=1)
-        self._put(slot, "last", ext[:, -w:])
+        order = self._columns.get((w, "order"))
+        if order is None:  # the columns of bars age - w ... age - 1
+            order = self._columns[(w, "order")] = torch.remainder(
+                self.age[:, :1] + torch.arange(w, device=self.age.device), w)
+        ext = torch.cat((ring.gather(1, order), x.expand(self.S, self.m)), dim=1)
+        self._store(ring, w, ext[:, -min(w, self.m):])
         return ext
+
+    def _lag(self, x: Tensor, w: int, fill: float = NAN) -> Tensor:
+        """x[t - w] over the chunk (``fill`` before a symbol's bar w): one column of the ring read, one written."""
+        if self.m > 1:
+            return self._ring(x, w, fill)[:, : self.m]
+        ring = self._get(self._slot("ring"), "last", lambda: x.new_full((self.S, w), fill))
+        col = self._column(w)
+        old = ring.gather(1, col)
+        self._store(ring, w, x.expand(self.S, 1), old)
+        return old
+
+    def _store(self, ring: Tensor, w: int, new: Tensor, old: Tensor | None = None) -> None:
+        """Write the chunk's last bars ``new`` [S, j] (j <= w) into the ring in place, where ``moved``."""
+        j = new.shape[1]
+        cols = self._column(w) if j == 1 else torch.remainder(
+            self.age[:, :1] + (self.m - j) + torch.arange(j, device=self.age.device), w)
+        if self.moved is not None:
+            new = torch.where(self.moved[:, None], new, ring.gather(1, cols) if old is None else old)
+        ring.scatter_(1, cols, new)
 
     def _before(self, a: int) -> Tensor:
         return self.age < a
@@ -97,7 +130,7 @@ class StepOps:
         """x[t - k], ``fill`` before a symbol's bar k."""
         if k <= 0:
             raise ValueError(f"shift: k must be positive (a look-back), got {k}")
-        return self._ring(x, k, fill)[:, : self.m]
+        return self._lag(x, k, fill)
 
     def diff(self, x: Tensor, k: int = 1, out: Tensor | None = None) -> Tensor:
         y = self.blank(x - self.shift(x, k), k)
@@ -116,13 +149,13 @@ class StepOps:
         """Running sum from each symbol's first bar: torch's sequential CPU sum carried on from the total."""
         slot = self._slot("cumsum")
         total = self._get(slot, "total", lambda: x.new_zeros((self.S, 1)))
-        cs = torch.cumsum(torch.cat((total, x), dim=1), dim=1)[:, 1:]
+        cs = total + x if self.m == 1 else torch.cumsum(torch.cat((total, x), dim=1), dim=1)[:, 1:]
         self._put(slot, "total", cs[:, -1:])
         return cs
 
     def _window_sum(self, cs: Tensor, n: int, a: int) -> Tensor:
         """cs[t] - cs[t - n] (0 before the first bar), NaN before bar a."""
-        return self.blank(cs - self._ring(cs, n, 0.0)[:, : self.m], a)
+        return self.blank(cs - self._lag(cs, n, 0.0), a)
 
     def rolling_sum(self, x: Tensor, n: int, start: int = 0) -> Tensor:
         if n < 1:
