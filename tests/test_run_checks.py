@@ -179,3 +179,12 @@ def test_every_shipped_config_runs_as_a_smoke_run_or_fails_in_one_line(name: str
 def test_a_schedule_that_cannot_work_in_any_run_is_refused_when_the_member_is_built(optim, message) -> None:
     with pytest.raises(ValueError, match=message):
         _mamba(**optim)
+
+
+def test_a_scaled_start_step_stays_after_the_first_step() -> None:
+    """ensemble.yaml's agents start at 4,000 of 60,000 steps: in a 10-step run at step 1, still after the forecasters'
+    first update (0 would start them on untrained forecasts, as no run of the config does)."""
+    dqn = _dqn(optim={"start_step": 4000, "updates_per_step": 1})
+    check_plan({"dqn": dqn, "tft": _mamba(scheduler="none")}, 2000, TrainerLimits(max_epochs=1, limit_train_batches=10),
+               reference=TrainerLimits(max_epochs=30, limit_train_batches=2000))
+    assert dqn.start_step == 1

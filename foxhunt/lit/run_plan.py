@@ -112,7 +112,7 @@ def check_plan(
             continue
         key = member_key(name, "start_step")
         if shortened and ref is not None and start < ref.steps:
-            new = _scaled(start, plan.steps, ref.steps)
+            new = min(max(1, _scaled(start, plan.steps, ref.steps)), int(plan.steps) - 1)  # still after step 0
             members[name].replace_optim(start_step=new)
             scaled.append(f"{note}: {key} {start} -> {new}")
             continue
