@@ -280,6 +280,7 @@ EXACT = {  # the stepping forms bit for bit equal to the batch forms
     "rolling_min": lambda o, x: o.rolling_min(x, 5),
     "bars_since_extreme": lambda o, x: o.bars_since_extreme(x, 7, True),
     "aroon_line": lambda o, x: o.aroon_line(x, 4, False),
+    "mean_abs_deviation": lambda o, x: o.mean_abs_deviation(x, torch.sin(x), 6, 0.015),
     "prefix_std": lambda o, x: o.Prefix(x, 1, True).std(6),
     "first": lambda o, x: o.first(x).expand_as(x),
     "blank": lambda o, x: o.blank(x.clone(), 4),
@@ -295,7 +296,8 @@ def test_exact_primitives_step_bit_for_bit(name):
         assert torch.equal(_stepped(EXACT[name], [x], bounds).nan_to_num(1e300), batch.nan_to_num(1e300)), bounds
     want = {"shift": ops.shift(x, 3), "diff": ops.diff(x, 5), "cumsum": ops.cumsum(x),
             "rolling_sum": ops.rolling_sum(x, 9, 2), "rolling_max": ops.rolling_max(x, 6),
-            "bars_since_extreme": ops.bars_since_extreme(x, 7, True), "prefix_std": ops.Prefix(x, 1, True).std(6)}
+            "bars_since_extreme": ops.bars_since_extreme(x, 7, True), "prefix_std": ops.Prefix(x, 1, True).std(6),
+            "mean_abs_deviation": ops.mean_abs_deviation(x, torch.sin(x), 6, 0.015)}
     if name in want:  # one chunk from the empty state is the batch form itself
         assert torch.equal(batch.nan_to_num(1e300), want[name].nan_to_num(1e300))
 

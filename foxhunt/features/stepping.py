@@ -73,7 +73,7 @@ class StepOps:
         if order is None:  # the columns of bars age - w ... age - 1
             order = self._columns[(w, "order")] = torch.remainder(
                 self.age[:, :1] + torch.arange(w, device=self.age.device), w)
-        ext = torch.cat((ring.gather(1, order), x.expand(self.S, self.m)), dim=1)
+        ext = torch.cat((ring.gather(1, order), x if x.shape[0] == self.S else x.expand(self.S, self.m)), dim=1)
         self._store(ring, w, ext[:, -min(w, self.m):])
         return ext
 
@@ -84,7 +84,7 @@ class StepOps:
         ring = self._get(self._slot("ring"), "last", lambda: x.new_full((self.S, w), fill))
         col = self._column(w)
         old = ring.gather(1, col)
-        self._store(ring, w, x.expand(self.S, 1), old)
+        self._store(ring, w, x if x.shape[0] == self.S else x.expand(self.S, 1), old)
         return old
 
     def _store(self, ring: Tensor, w: int, new: Tensor, old: Tensor | None = None) -> None:
@@ -187,12 +187,19 @@ class StepOps:
         return self.blank(fn(self._ring(x, w - 1))[:, w - 1 :].clone(), a)
 
     def rolling_max(self, x: Tensor, n: int) -> Tensor:
+        if self.m == 1:  # one bar: the extreme of its window itself (exact, as the doubling)
+            return self.blank(self._ring(x, n - 1).amax(dim=1, keepdim=True), n - 1)
         return self._on_window(lambda e: ops.rolling_max(e, n), x, n, n - 1)
 
     def rolling_min(self, x: Tensor, n: int) -> Tensor:
+        if self.m == 1:
+            return self.blank(self._ring(x, n - 1).amin(dim=1, keepdim=True), n - 1)
         return self._on_window(lambda e: ops.rolling_min(e, n), x, n, n - 1)
 
     def bars_since_extreme(self, x: Tensor, n: int, highest: bool) -> Tensor:
+        if self.m == 1:  # one bar: the first extreme counted back from it (ties to the latest bar, as the doubling)
+            back = self._ring(x, n).flip(1)
+            return self.blank((back.argmax if highest else back.argmin)(dim=1, keepdim=True).to(x.dtype), n)
         return self._on_window(lambda e: ops.bars_since_extreme(e, n, highest), x, n + 1, n)
 
     def aroon_line(self, x: Tensor, n: int, highest: bool) -> Tensor:
@@ -200,6 +207,9 @@ class StepOps:
 
     def mean_abs_deviation(self, x: Tensor, dev: Tensor, n: int, scale: float = 1.0) -> Tensor:
         ext = self._ring(x, n - 1)
+        if self.m == 1 and n > 1:  # one bar: the n terms at once, summed in the batch loop's order (k = 0, 1, ...)
+            terms = torch.cat((torch.abs(dev), (ext[:, : n - 1] - x).add_(dev).abs_().flip(1)), dim=1)
+            return self.blank(torch.cumsum(terms, dim=1)[:, -1:].mul_(scale / n), n - 1)
         acc = torch.abs(dev)
         for k in range(1, n):
             acc += (ext[:, n - 1 - k : n - 1 - k + self.m] - x).add_(dev).abs_()

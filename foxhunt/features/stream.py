@@ -50,7 +50,7 @@ class FeatureStream:
 
     def config(self) -> dict:
         """What the state belongs to (JSON-able): the feature names in order and the number of symbols."""
-        return {"kind": "foxhunt.features.FeatureStream", "version": 1, "names": list(self.names),
+        return {"kind": "foxhunt.features.FeatureStream", "version": 2, "names": list(self.names),
                 "n_symbols": self.n_symbols}
 
     def update(self, ohlcv: Tensor, timestamps: Tensor, present: Tensor | None = None,
@@ -113,12 +113,15 @@ class FeatureStream:
         op = StepOps(self._state, age, moved)
         cols = ohlcv.permute(2, 0, 1).contiguous()
         panel = Panel(cols, timestamps, torch.zeros(S, dtype=torch.int64, device=self.device), [m] * S, op=op)
-        values = torch.empty((S, m, len(self.features)), dtype=dtype, device=self.device)
-        for j, f in enumerate(self.features):
+        out = []
+        for f in self.features:
             v = f.fn(panel)
             if tuple(v.shape) != (S, m):
                 raise RuntimeError(f"feature {f.name!r} returned shape {tuple(v.shape)}, expected {(S, m)}")
-            values[:, :, j] = v if op.youngest >= f.warmup else v.masked_fill(age < f.warmup, float("nan"))
+            out.append(v)
+        values = (torch.cat(out, dim=1)[:, None] if m == 1 else torch.stack(out, dim=2)).to(dtype)  # rounded once
+        if op.youngest < self.warmup:
+            values.masked_fill_(age[:, :, None] < self._warmups, float("nan"))
         ready = age >= self.warmup
         if moved is None:
             self._state["age"] = self._state["age"] + m
