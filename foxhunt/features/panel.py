@@ -26,12 +26,8 @@ class Panel:
         self.lengths = [int(m) for m in lengths]  # [S] bars of each symbol (host ints: they size the output)
         self._memo: dict[Hashable, object] = {}
         self.trace: set | None = None  # when a set, records every memo key touched (for release plans)
-
-    open = property(lambda self: self.ohlcv[0])
-    high = property(lambda self: self.ohlcv[1])
-    low = property(lambda self: self.ohlcv[2])
-    close = property(lambda self: self.ohlcv[3])
-    volume = property(lambda self: self.ohlcv[4])
+        # views of the columns, taken once (a stream's bar reads them ~100 times)
+        self.open, self.high, self.low, self.close, self.volume = ohlcv.unbind(0)
 
     @classmethod
     def from_flat(cls, ohlcv: Tensor, timestamps: Tensor, symbol_index: Tensor) -> Panel:

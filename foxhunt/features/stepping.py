@@ -32,7 +32,8 @@ class StepOps:
         self.S, self.m = age.shape
         self.youngest = int(age[:, 0].min()) if age.numel() else 0  # past every warm-up: masks are skipped
         self._calls = 0
-        self._columns: dict[tuple, Tensor] = {}  # ring columns per (width, offset), shared by the call sites
+        self._columns: dict[tuple, Tensor] = {}  # ring columns per width, shared by the call sites
+        self._age0 = age[:, :1]
 
     # -- the carried state ------------------------------------------------------------------------------------------
     def _slot(self, kind: str) -> str:
@@ -54,12 +55,12 @@ class StepOps:
             value = torch.where(self.moved.view(-1, *([1] * (value.ndim - 1))), value, old)
         self.state[key] = value
 
-    def _column(self, w: int, offset: int = 0) -> Tensor:
-        """[S, 1]: each symbol's ring column of its bar age + offset (a ring of w keeps bar b at column b % w)."""
-        key = (w, offset)
-        if key not in self._columns:
-            self._columns[key] = torch.remainder(self.age[:, :1] + offset, w)
-        return self._columns[key]
+    def _column(self, w: int) -> Tensor:
+        """[S, 1]: each symbol's ring column of its bar ``age`` (a ring of w keeps bar b at column b % w)."""
+        col = self._columns.get(w)
+        if col is None:
+            col = self._columns[w] = torch.remainder(self._age0, w)
+        return col
 
     def _ring(self, x: Tensor, w: int, fill: float = NAN, slot: str | None = None) -> Tensor:
         """[S, w + m]: the last w inputs before this chunk (``fill`` before a symbol's first bar), then x.
@@ -72,7 +73,7 @@ class StepOps:
         order = self._columns.get((w, "order"))
         if order is None:  # the columns of bars age - w ... age - 1
             order = self._columns[(w, "order")] = torch.remainder(
-                self.age[:, :1] + torch.arange(w, device=self.age.device), w)
+                self._age0 + torch.arange(w, device=self.age.device), w)
         ext = torch.cat((ring.gather(1, order), x if x.shape[0] == self.S else x.expand(self.S, self.m)), dim=1)
         self._store(ring, w, ext[:, -min(w, self.m):])
         return ext
@@ -91,7 +92,7 @@ class StepOps:
         """Write the chunk's last bars ``new`` [S, j] (j <= w) into the ring in place, where ``moved``."""
         j = new.shape[1]
         cols = self._column(w) if j == 1 else torch.remainder(
-            self.age[:, :1] + (self.m - j) + torch.arange(j, device=self.age.device), w)
+            self._age0 + (self.m - j) + torch.arange(j, device=self.age.device), w)
         if self.moved is not None:
             new = torch.where(self.moved[:, None], new, ring.gather(1, cols) if old is None else old)
         ring.scatter_(1, cols, new)
@@ -369,7 +370,7 @@ class StepBlockPrefix:
             sums = [e[:, W:] - e[:, W - n : W - n + k] for e in exts]
             out.append(fn(ref, sums[0], sums[1] if len(sums) > 1 else None, slice(at, at + k)))
             at += k
-        return self.step.blank(torch.cat(out, dim=1), n - 1)
+        return self.step.blank(out[0] if len(out) == 1 else torch.cat(out, dim=1), n - 1)
 
     def sum(self, n: int) -> Tensor:
         return self._each(n, lambda r, s1, s2, bars: s1 + n * r)
