@@ -452,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     from foxhunt.features import REGISTRY
 
     names = list(REGISTRY)
+    talib_names = [n for n, f in REGISTRY.items() if f.talib]
     # (a) ------------------------------------------------------------------------------------------------------
     if a.quick:
         histories = {1: [1_000, 20_000], 100: [600]}
@@ -469,6 +470,9 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             feats.append(feature_case(names, S, h, ohlcv, ts, chunk=4096))
             print(f"# warmed {feats[-1].name} in {time.perf_counter() - t0:.1f} s", flush=True)
+        if S == max(histories):  # the same indicators as the peers: the features TA-Lib also computes
+            feats.append(feature_case(talib_names, S, min(hs), ohlcv, ts, chunk=4096))
+            feats[-1].name += " (those TA-Lib also computes)"
         tl = talib_case(S, min(hs), ohlcv)
         tp = talipp_case(S, min(talipp_history, min(hs)), ohlcv) if S <= 100 or a.quick else None
         peers += [c for c in (tl, tp) if c is not None]
@@ -553,10 +557,15 @@ def main(argv: list[str] | None = None) -> int:
     by = {c.name: stats(c) for c in feats + peers + cases + forwards + sb3_cases}
     big = max(histories)
     ours_big = next(c for c in feats if f", {big} sym," in c.name)
+    same_big = next(c for c in feats if f", {big} sym," in c.name and "TA-Lib also" in c.name)
     talib_big = next((c for c in peers if c.name.startswith("TA-Lib") and f", {big} sym," in c.name), None)
     if talib_big is not None:
         r = (by[talib_big.name]["p50"] / talib_big.per) / (by[ours_big.name]["p50"] / ours_big.per)
-        print(goal(f"features vs TA-Lib stream per symbol-bar, {big} sym", f"{r:.2f}x faster", ">= 10x", r >= 10))
+        print(goal(f"all {len(names)} features vs TA-Lib stream per symbol-bar, {big} sym", f"{r:.2f}x faster",
+                   ">= 10x", r >= 10))
+        r = (by[talib_big.name]["p50"] / talib_big.per) / (by[same_big.name]["p50"] / same_big.per)
+        print(goal(f"the {len(talib_names)} TA-Lib-derived features vs TA-Lib stream per symbol-bar, {big} sym",
+                   f"{r:.2f}x faster", "(same indicators)", None))
     one = [c for c in feats if ", 1 sym," in c.name]
     worst = max(by[c.name]["p50"] for c in one)
     print(goal("features per bar, 1 sym (p50, worst history)", f"{_us(worst)} µs", "<= 1,000 µs", worst <= 1000))
