@@ -188,17 +188,16 @@ def test_equity_figure_shows_every_policy_when_curves_coincide() -> None:
 
 def test_the_position_panel_of_30000_bars_shows_rolling_mean_positions() -> None:
     """Over 30,000 bars the position panel draws, per line of the equity panel, the mean position over the last 300
-    bars (1%) of the same symbol, not the positions themselves (which would fill it as a solid band)."""
+    bars (1%), not the positions themselves (which would fill it as a solid band)."""
     import io
 
     from foxhunt.evaluation.figures import equity_figure, rolling_mean
 
     n = 30_000
-    sym = (torch.arange(n) >= 20_000).long()  # two symbols, drawn one after the other
     ts = torch.arange(n) * 3_600_000_000_000 + 1_700_000_000_000_000_000
     returns = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 1e-3
-    s = MarketSplit("test", ["A", "B"], ts, sym, torch.zeros(n, 1, dtype=torch.float64), returns, returns,
-                    torch.ones(n, dtype=torch.bool))
+    s = MarketSplit("test", ["A"], ts, torch.zeros(n, dtype=torch.long), torch.zeros(n, 1, dtype=torch.float64),
+                    returns, returns, torch.ones(n, dtype=torch.bool))
     flip = torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0)  # changes every bar
     pos = {"tft": flip, "dqn": torch.where(torch.arange(n) < 15_000, 1.0, -0.5), "ensemble": flip.clone(),
            "buy_and_hold": torch.ones(n)}
@@ -208,13 +207,46 @@ def test_the_position_panel_of_30000_bars_shows_rolling_mean_positions() -> None
     lines = ax_pos.get_lines()
     assert [line.get_label() for line in lines] == ["tft = ensemble", "dqn", "buy_and_hold"]
     tft, dqn, hold = (torch.from_numpy(line.get_ydata()) for line in lines)
-    settled = torch.ones(n, dtype=torch.bool)
-    settled[:299], settled[20_000:20_299] = False, False  # each symbol's first 299 bars average fewer bars
+    settled = torch.arange(n) >= 299  # the first 299 bars average fewer bars
     assert len(tft) == n and float(tft[settled].abs().max()) < 0.01 and float(hold.min()) == 1.0  # flips average out
     assert dqn[14_999] == 1.0 and dqn[15_299] == -0.5 and math.isclose(float(dqn[15_149]), 0.25, abs_tol=1e-12)
-    assert dqn[20_000] == -0.5  # a new symbol's window starts afresh: no other symbol's positions blur into it
     torch.testing.assert_close(rolling_mean(pos["dqn"], 300, s.first_bar), dqn, rtol=0, atol=0)
+    reset = torch.arange(n) % 20_000 == 0  # a series that starts afresh at row 20,000: no earlier value blurs into it
+    assert float(rolling_mean(pos["dqn"], 300, reset)[20_000]) == -0.5
     fig.savefig(io.BytesIO(), format="png", dpi=50)  # it renders
+
+
+def test_the_equity_figure_of_several_symbols_draws_the_book() -> None:
+    """Issue 45: a two-symbol policy is drawn as the book its table scores, one point per timestamp (not each
+    symbol's bars in turn): the book's cumulative log return after costs, the drawdown of that and its net exposure
+    Σ w_s position_s, with the table's weighting. One symbol is still drawn bar by bar."""
+    from foxhunt.evaluation.figures import equity_figure, figure_x
+    from foxhunt.evaluation.portfolio import book
+
+    s = split()  # two symbols at the same four timestamps
+    pos = {"tft": torch.tensor([1.0, 1, 0, -1, 1, 0, 0, 1]), "buy_and_hold": torch.ones(8)}
+    for weighting in ("equal", "gross"):
+        fig = equity_figure(pos, s, cost_bps=1.0, weighting=weighting)
+        ax_eq, ax_dd, ax_pos = fig.axes[:3]
+        table = policy_metrics(pos, s, 1.0, weighting=weighting)
+        for who, eq, dd, held in zip(pos, ax_eq.get_lines(), ax_dd.get_lines(), ax_pos.get_lines(), strict=True):
+            b = book(pos[who], s, 1.0, weighting)
+            curve = torch.from_numpy(eq.get_ydata())
+            assert len(curve) == 4 and eq.get_label() == who
+            torch.testing.assert_close(curve, torch.cumsum(b.pnl, 0), rtol=0, atol=0)
+            assert float(curve[-1]) == pytest.approx(table[who]["total_log_return"], abs=1e-12)
+            assert -float(dd.get_ydata().min()) == pytest.approx(table[who]["max_drawdown"], abs=1e-12)
+            w = 0.5 if weighting == "equal" else 1.0
+            torch.testing.assert_close(torch.from_numpy(held.get_ydata()), w * (pos[who][:4] + pos[who][4:]).double())
+        assert ax_eq.get_ylabel() == "book's cumulative log\nreturn after costs"
+        assert ax_pos.get_xlabel().endswith(f"the book of 2 symbols (S0, S1), {weighting} weight "
+                                            f"{0.5 if weighting == 'equal' else 1} each")
+    assert figure_x(s).tolist() == [0, 1, 2, 3, 0, 1, 2, 3]  # where the walk-forward draws a row's fold boundary
+    one = split(symbols=1)
+    fig = equity_figure({"tft": pos["tft"]}, one, cost_bps=1.0)
+    torch.testing.assert_close(torch.from_numpy(fig.axes[0].get_lines()[0].get_ydata()),
+                               equity_curves({"tft": pos["tft"]}, one, 1.0)["tft"], rtol=0, atol=0)
+    assert fig.axes[0].get_ylabel() == "cumulative log return\nafter costs" and figure_x(one).tolist() == list(range(8))
 
 
 def test_table_says_what_the_oracle_is_and_which_members_are_held_flat() -> None:

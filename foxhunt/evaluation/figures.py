@@ -19,6 +19,7 @@ from torch import Tensor
 
 from foxhunt.data.market import MarketSplit
 from foxhunt.evaluation.backtest import PolicyEvaluation, equity_curves
+from foxhunt.evaluation.portfolio import Weighting, book
 
 
 @dataclass
@@ -37,22 +38,37 @@ class Interpretation:
 _STYLES = ("-", "--", "-.", ":")
 
 
-def equity_figure(positions: dict[str, Tensor], split: MarketSplit, cost_bps: float) -> Figure:
+def equity_figure(positions: dict[str, Tensor], split: MarketSplit, cost_bps: float,
+                  weighting: Weighting = "equal") -> Figure:
     """Equity (cumulative log return after costs), drawdown and rolling mean position of every policy on a split,
     against dates.
 
-    Bars of several symbols are drawn one symbol after another (the x-axis shows each bar's own date). Policies with
-    identical positions share one line whose legend names all of them ("tft = ensemble"), so no member hides behind
-    another; the other lines differ in style, so curves that only nearly coincide stay distinguishable. The position
-    panel shows each policy's mean position over the last ~1% of the bars (``position_window``): over tens of
-    thousands of bars the positions themselves, flipping every few bars, would fill the panel as a solid band.
+    Several symbols are drawn as the book the tables score (:mod:`foxhunt.evaluation.portfolio`, ``weighting``): its
+    cumulative log return per timestamp, the drawdown of that, and its net exposure Σ_s w_s position_s; one symbol is
+    drawn bar by bar. Policies with identical positions share one line whose legend names all of them ("tft =
+    ensemble"), so no member hides behind another; the other lines differ in style, so curves that only nearly
+    coincide stay distinguishable. The position panel shows each policy's mean position over the last ~1% of the
+    points (``position_window``): over tens of thousands of bars the positions themselves, flipping every few bars,
+    would fill the panel as a solid band.
     """
     groups = coinciding_policies(positions)
-    curves = equity_curves({names[0]: positions[names[0]] for names in groups}, split, cost_bps)
+    lead = {names[0]: positions[names[0]] for names in groups}
+    books = {who: book(p, split, cost_bps, weighting) for who, p in lead.items()}
+    k = next(iter(books.values())).n_symbols if books else 1
+    if k == 1:  # bar by bar, every row of the split
+        curves = equity_curves(lead, split, cost_bps)
+        held = {who: p.cpu() for who, p in lead.items()}
+        stamps, reset = split.timestamps.cpu(), split.first_bar.cpu()
+    else:
+        curves = {who: torch.cumsum(b.pnl, 0).cpu() for who, b in books.items()}
+        held = {who: b.position.cpu() for who, b in books.items()}
+        stamps = next(iter(books.values())).timestamps.cpu()
+        reset = torch.arange(stamps.numel()) == 0
+    n = stamps.numel()
     fig = Figure(figsize=(11, 7.5), layout="constrained")
     ax_eq, ax_dd, ax_pos = fig.subplots(3, 1, sharex=True, height_ratios=[3, 1.3, 1.3])
-    x = torch.arange(len(split)).numpy()
-    window = position_window(len(split))
+    x = torch.arange(n).numpy()
+    window = position_window(n)
     for i, names in enumerate(groups):
         curve = curves[names[0]]
         label = " = ".join(names)
@@ -60,21 +76,36 @@ def equity_figure(positions: dict[str, Tensor], split: MarketSplit, cost_bps: fl
         ax_eq.plot(x, curve.numpy(), **style)
         peak = torch.cummax(torch.cat([torch.zeros(1, dtype=curve.dtype), curve]), 0).values[1:]
         ax_dd.plot(x, (1 - torch.exp(curve - peak)).neg().numpy(), **style)
-        ax_pos.step(x, rolling_mean(positions[names[0]].cpu(), window, split.first_bar).numpy(), where="post", **style)
-    ax_eq.set_ylabel("cumulative log return\nafter costs")
+        ax_pos.step(x, rolling_mean(held[names[0]], window, reset).numpy(), where="post", **style)
+    what = "position" if k == 1 else "net exposure"
+    ax_eq.set_ylabel("cumulative log return\nafter costs" if k == 1 else "book's cumulative log\nreturn after costs")
     ax_eq.legend(ncol=3, fontsize=8)
-    ax_dd.set_ylabel("drawdown")
-    ax_pos.set_ylabel("position" if window == 1 else f"position, mean\nof {window:,} bars")
-    ax_pos.set_ylim(-1.1, 1.1)
+    ax_dd.set_ylabel("drawdown" if k == 1 else "book's drawdown")
+    ax_pos.set_ylabel(what if window == 1 else f"{what}, mean\nof {window:,} {'bars' if k == 1 else 'timestamps'}")
+    ax_pos.set_ylim(-1.1, 1.1 if k == 1 or weighting == "equal" else k + 0.1)
     for ax in (ax_eq, ax_dd, ax_pos):
         ax.grid(alpha=0.3)
-    ticks = torch.linspace(0, max(len(split) - 1, 0), 6).round().long().unique()
+    ticks = torch.linspace(0, max(n - 1, 0), 6).round().long().unique()
     ax_pos.set_xticks(ticks.numpy())
-    ax_pos.set_xticklabels([_date_label(split, int(t)) for t in ticks], fontsize=8)
+    ax_pos.set_xticklabels([_date_label(stamps, int(t)) for t in ticks], fontsize=8)
     present = [split.symbols[i] for i in torch.unique_consecutive(split.symbol_index).tolist()]  # in row order
-    names = f"symbols {', '.join(present)} in turn" if len(present) > 1 else present[0] if present else ""
-    ax_pos.set_xlabel(f"bar date (UTC), split {split.name!r}, {names}")
+    if k == 1:
+        names = f"symbols {', '.join(present)} in turn" if len(present) > 1 else present[0] if present else ""
+        ax_pos.set_xlabel(f"bar date (UTC), split {split.name!r}, {names}")
+    else:
+        b = next(iter(books.values()))
+        ax_pos.set_xlabel(f"timestamp (UTC), split {split.name!r}: the book of {k} symbols ({', '.join(present)}), "
+                          f"{weighting} weight {b.weight:.3g} each")
     return fig
+
+
+def figure_x(split: MarketSplit, weighting: Weighting = "equal") -> Tensor:
+    """[T] the x coordinate of each row of ``split`` in :func:`equity_figure`: its row, or for several symbols the
+    index of its timestamp among the book's (a row between the book's timestamps at the next one)."""
+    b = book(torch.zeros(len(split)), split, 0.0, weighting)
+    if b.n_symbols == 1:
+        return torch.arange(len(split))
+    return torch.searchsorted(b.timestamps.cpu(), split.timestamps.cpu())
 
 
 def position_window(n_bars: int) -> int:
@@ -107,12 +138,12 @@ def coinciding_policies(positions: dict[str, Tensor]) -> list[list[str]]:
     return groups
 
 
-def _date_label(split: MarketSplit, row: int) -> str:
+def _date_label(timestamps: Tensor, i: int) -> str:
     import pandas as pd
 
-    if len(split) == 0:
+    if timestamps.numel() == 0:
         return ""
-    return f"{pd.Timestamp(int(split.timestamps[row]), tz='UTC'):%Y-%m-%d\n%H:%M}"
+    return f"{pd.Timestamp(int(timestamps[i]), tz='UTC'):%Y-%m-%d\n%H:%M}"
 
 
 def fan_chart(forecasts: Tensor, split: MarketSplit, start: int | None = None, length: int = 300) -> Figure:

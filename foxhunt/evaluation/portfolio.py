@@ -37,6 +37,7 @@ class Book:
     gross: Tensor  # [N] float64: the book's simple return before costs
     traded: Tensor  # [N] float64: Σ_s w_s |Δposition_s| (each exit counted at its symbol's bar before it)
     in_market: Tensor  # [N] bool: some symbol holds a position
+    position: Tensor  # [N] float64: Σ_s w_s position_s, the book's net exposure (a fraction of its equity)
     n_trades: int  # position changes over all symbols
     n_symbols: int  # K, the symbols traded on the split
     weight: float  # w_s of every symbol: 1/K (equal) or 1 (gross)
@@ -70,10 +71,11 @@ def book(positions: Tensor, split: MarketSplit, cost_bps: float, weighting: Weig
 
     in_market = per_stamp((pos[decision] != 0).double()) > 0
     if k == 1:  # one symbol: the book is its own series, bit for bit
-        return Book(stamps, rows[decision], gross_rows[decision], traded_rows[decision], in_market, n_trades, 1, 1.0)
+        return Book(stamps, rows[decision], gross_rows[decision], traded_rows[decision], in_market, pos[decision],
+                    n_trades, 1, 1.0)
     pnl = log_growth(per_stamp(w * torch.expm1(rows[decision])))
     return Book(stamps, pnl, per_stamp(w * gross_rows[decision]), per_stamp(w * traded_rows[decision]), in_market,
-                n_trades, k, w)
+                per_stamp(w * pos[decision]), n_trades, k, w)
 
 
 def book_metrics(b: Book, bars_per_year: float) -> TradingMetrics:

@@ -128,13 +128,14 @@ def gather(out: Path, figure: bool = True, n_boot: int | None = None) -> dict[st
 
 
 def _equity_figure(oos: OutOfSample, cost_bps: float) -> Any:
-    from foxhunt.evaluation.figures import equity_figure
+    from foxhunt.evaluation.figures import equity_figure, figure_x
 
     fig = equity_figure(oos.positions, oos.split, cost_bps)
     starts = torch.nonzero((oos.fold[1:] != oos.fold[:-1]) & (oos.split.symbol_index[1:] == oos.split.symbol_index[:-1]))
+    at = torch.unique(figure_x(oos.split)[starts.squeeze(1) + 1])  # the book's timestamp where several symbols
     for ax in fig.axes:
-        for row in (starts.squeeze(1) + 1).tolist():
-            ax.axvline(row, color="0.4", lw=0.8, ls=":")
+        for x in at.tolist():
+            ax.axvline(x, color="0.4", lw=0.8, ls=":")
     fig.axes[0].set_title("walk-forward: each fold's export trades its own test stretch (dotted: fold boundaries)",
                           fontsize=9)
     return fig
