@@ -14,7 +14,7 @@ import torch
 import foxhunt
 from foxhunt.data.datamodule import BarDataModule
 from foxhunt.data.market import MarketSpec, MarketSplit
-from foxhunt.evaluation.significance import null_max_sharpe, psr_from_moments, sharpe_moments
+from foxhunt.evaluation.significance import hac_psr, null_max_sharpe, psr_from_moments, sharpe_moments
 from foxhunt.export.write import export_ensemble
 from foxhunt.lit.dqn import DQNModule
 from foxhunt.lit.ensemble import EnsembleModule
@@ -224,9 +224,23 @@ def long_or_flat(split: MarketSplit, q: float, seed: int) -> torch.Tensor:
 
 
 def confidence(split: MarketSplit, pos: torch.Tensor, n_candidates: int) -> float:
-    pnl = strategy_log_returns(pos, split.returns, 0.0, split.first_bar)
-    m = sharpe_moments(pnl[split.valid & torch.isfinite(split.returns)])
+    """The rule's confidence, by hand, for one symbol: the HAC PSR of its counted P&L against the null's best."""
+    pnl = strategy_log_returns(pos, split.returns, 0.0, split.first_bar)[split.valid & torch.isfinite(split.returns)]
+    return hac_psr(pnl, null_max_sharpe(n_candidates, pnl.numel()))
+
+
+def stacked_confidence(pnl: torch.Tensor, n_candidates: int) -> float:
+    """The rule before issue 45: the i.i.d. PSR of the bars of every symbol stacked one after another."""
+    m = sharpe_moments(pnl)
     return psr_from_moments(m.sr_per_bar, m.n_bars, m.skew, m.kurtosis, null_max_sharpe(n_candidates, m.n_bars))
+
+
+def twice(split: MarketSplit) -> MarketSplit:
+    """Two symbols with the same bars at the same times (correlation 1): a book of two is the one symbol again."""
+    n = len(split)
+    symbol = torch.cat([torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.long)])
+    return MarketSplit(split.name, ["A", "B"], split.timestamps.repeat(2), symbol, split.ohlcv.repeat(2, 1),
+                       split.returns.repeat(2), split.targets.repeat(2), split.valid.repeat(2))
 
 
 @pytest.fixture(scope="module")
@@ -260,6 +274,30 @@ def test_a_forecasters_candidates_are_its_validations(monkeypatch, martingale_va
     model.evaluate(martingale_val)  # a report (or the sanity check) compares nothing
     model.evaluate(martingale_val, recheck_flat=True)  # nor does the rule applied again
     assert len(tft.selection_sharpes()) == 10 and tft.run_state()["validation_sharpes"] == tft.selection_sharpes()
+
+
+def test_do_no_harm_judges_the_book_not_the_stacked_bars(monkeypatch, martingale_val) -> None:
+    """Issue 45: on two symbols whose bars are the same (correlation 1) the book is the one symbol's P&L; stacking
+    them doubles the bars and, read as independent, clears an edge that one symbol does not. The rule now judges the
+    book's per-timestamp P&L with the HAC PSR: the same decision and confidence as on one symbol."""
+    both = twice(martingale_val)
+    for k in range(40):
+        pos = long_or_flat(martingale_val, 0.5 + 0.001 * k, seed=1)
+        pnl = strategy_log_returns(pos, martingale_val.returns, 0.0, martingale_val.first_bar)[martingale_val.valid]
+        if confidence(martingale_val, pos, 1) < 0.94 and stacked_confidence(torch.cat([pnl, pnl]), 1) > 0.97:
+            break
+    else:
+        raise AssertionError("no q in the grid gives the edge the test needs")
+    model, _, script = stubbed_forecaster(monkeypatch)
+    script["pos"] = torch.cat([pos, pos])
+    model.evaluate(both, choose_weights=True)
+    assert bool(model.held_flat[0])  # the stacked bars would have passed it (> 0.97)
+    assert float(model.edge_confidence[0]) == pytest.approx(confidence(martingale_val, pos, 1), rel=1e-6)  # float32
+    alone, _, script = stubbed_forecaster(monkeypatch)
+    script["pos"] = pos
+    alone.evaluate(martingale_val, choose_weights=True)
+    assert float(alone.edge_confidence[0]) == pytest.approx(float(model.edge_confidence[0]), rel=1e-6)
+    assert bool(alone.held_flat[0])
 
 
 def test_the_export_of_the_best_validation_is_held_to_the_runs_candidates(monkeypatch, martingale_val, lucky) -> None:

@@ -23,7 +23,8 @@ Combinations (``combine``), for any set of members:
   train on those later bars only. The ensemble's position is the agents' vote.
 
 Do no harm (``min_edge_confidence``, any member, on by default): at each validation a member whose validation
-edge after costs is not significant (PSR against :func:`foxhunt.evaluation.significance.null_max_sharpe` of the candidates it was compared on) is
+edge after costs is not significant (the HAC PSR of its book's P&L per timestamp against
+:func:`foxhunt.evaluation.significance.null_max_sharpe` of the candidates it was compared on) is
 held flat until a later validation clears it. A member's candidates are every policy of it compared on validation
 over the fit (``Member.selection_sharpes``): an agent's own validation scores when it chooses its weights, else its
 policy at each validation (the export takes the epoch of the best validation). The export loads the best
@@ -52,7 +53,13 @@ import torch
 from torch import Tensor, nn
 
 from foxhunt.data.market import MarketSpec, MarketSplit
-from foxhunt.evaluation.backtest import BACKTEST_KEYS, PolicyEvaluation, oracle_split_positions, policy_metrics
+from foxhunt.evaluation.backtest import (
+    BACKTEST_KEYS,
+    PolicyEvaluation,
+    oracle_split_positions,
+    policy_metrics,
+    policy_pnl,
+)
 from foxhunt.evaluation.policies import (
     FORECAST_ACTIONS,
     FORECAST_FLAT,
@@ -62,9 +69,8 @@ from foxhunt.evaluation.policies import (
     vote,
     weighted,
 )
-from foxhunt.evaluation.significance import null_max_sharpe, psr_from_moments, sharpe_moments
+from foxhunt.evaluation.significance import hac_psr, null_max_sharpe, sharpe_moments
 from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
-from foxhunt.evaluation.trading import counted_log_returns
 from foxhunt.lit.member import Agent, Forecaster, Member
 from foxhunt.lit.member_updates import MemberUpdates, UpdatePlan
 from foxhunt.trading.policy_table import rollout_policy_table
@@ -434,19 +440,18 @@ class EnsembleModule(MemberUpdates, pl.LightningModule):
 
     def _choose_flat(self, pos: dict[str, Tensor], split: MarketSplit, new_candidate: bool = True) -> None:
         """Do no harm: each member's confidence that its edge on ``split`` (validation) after costs is real; members
-        below ``min_edge_confidence`` are held flat. The PSR of its validation P&L against the Sharpe the best of the
-        candidates it was compared on over the fit would show with no edge at all (:func:`null_max_sharpe`; 0 for a
+        below ``min_edge_confidence`` are held flat. The HAC PSR (:func:`hac_psr`: dependent bars) of its validation
+        book's P&L per timestamp (:func:`policy_pnl`, the tables' equal weighting: same-time bars of several symbols
+        are one bar of the book, not independent ones) against the Sharpe the best of the candidates it was compared
+        on over the fit would show with no edge at all (:func:`null_max_sharpe` on the book's timestamps; 0 for a
         single candidate), since choosing the best of N on the same bars inflates its Sharpe. ``new_candidate`` (a
         validation of the fit): each member's policy here is one more candidate (``Member.record_validation_sharpe``;
         an agent choosing its own weights has already counted it)."""
         threshold = self.hparams.min_edge_confidence
-        returns = split.returns.to(self.weights.device)
-        counted = split.valid.to(returns.device) & torch.isfinite(returns)
-        reset = split.first_bar.to(returns.device)
         for i, name in enumerate(self.member_names):
             if name not in pos:
                 continue
-            pnl = counted_log_returns(pos[name], returns, self.hparams.cost_bps, counted, reset)[counted]
+            pnl = policy_pnl(pos[name].to(self.weights.device), split, self.hparams.cost_bps)
             m = sharpe_moments(pnl)
             self._own_val_reward[name] = float(pnl.mean()) if pnl.numel() else math.nan
             if new_candidate:
@@ -454,7 +459,7 @@ class EnsembleModule(MemberUpdates, pl.LightningModule):
             if threshold is None:
                 continue
             sr0 = null_max_sharpe(self.candidate_counts()[name], m.n_bars)
-            conf = psr_from_moments(m.sr_per_bar, m.n_bars, m.skew, m.kurtosis, sr0)
+            conf = hac_psr(pnl, sr0)
             conf = 0.0 if math.isnan(conf) else conf  # no variance (e.g. a flat member): no evidence of an edge
             self.edge_confidence[i] = conf
             self.held_flat[i] = conf < threshold
