@@ -70,13 +70,16 @@ class StepOps:
             return x
         slot = slot or self._slot("ring")
         ring = self._get(slot, "last", lambda: x.new_full((self.S, w), fill))
-        order = self._columns.get((w, "order"))
-        if order is None:  # the columns of bars age - w ... age - 1
-            order = self._columns[(w, "order")] = torch.remainder(
-                self._age0 + torch.arange(w, device=self.age.device), w)
-        ext = torch.cat((ring.gather(1, order), x if x.shape[0] == self.S else x.expand(self.S, self.m)), dim=1)
+        ext = torch.cat((ring.gather(1, self._order(w)), x if x.shape[0] == self.S else x.expand(self.S, self.m)), dim=1)
         self._store(ring, w, ext[:, -min(w, self.m):])
         return ext
+
+    def _order(self, w: int) -> Tensor:
+        """[S, w]: the ring columns of bars age - w ... age - 1, in time order."""
+        order = self._columns.get((w, "order"))
+        if order is None:
+            order = self._columns[(w, "order")] = torch.remainder(self._age0 + torch.arange(w, device=self.age.device), w)
+        return order
 
     def _lag(self, x: Tensor, w: int, fill: float = NAN) -> Tensor:
         """x[t - w] over the chunk (``fill`` before a symbol's bar w): one column of the ring read, one written."""
@@ -220,11 +223,11 @@ class StepOps:
     def _scan(self, c: float | Tensor, u: Tensor, s: int, seed: Callable[[], Tensor | float]) -> Tensor:
         """NaN before bar s, seed() at s, then y[t] = c[t] y[t-1] + u[t]."""
         slot = self._slot("scan")
-        y0 = self._get(slot, "y", lambda: u.new_zeros(self.S))
+        y0 = self._get(slot, "y", lambda: u.new_zeros((self.S, 1)))
         if self._all_past(s + 1):  # past the seed everywhere: the recurrence alone
-            y = c * y0[:, None] + u if self.m == 1 else ops.affine_scan(
-                u.new_full((self.S, self.m), c) if isinstance(c, float) else c, u, y0)
-            self._put(slot, "y", y[:, -1])
+            y = c * y0 + u if self.m == 1 else ops.affine_scan(
+                u.new_full((self.S, self.m), c) if isinstance(c, float) else c, u, y0[:, 0])
+            self._put(slot, "y", y if self.m == 1 else y[:, -1:])
             return y
         upto = self.age <= s
         cc = u.new_full((self.S, self.m), c) if isinstance(c, float) else c.clone()
@@ -235,11 +238,8 @@ class StepOps:
             sv = seed()
             sv = sv if isinstance(sv, Tensor) else torch.as_tensor(sv, dtype=u.dtype, device=u.device)
             uu = torch.where(at, sv.expand_as(uu), uu)
-        if self.m == 1:
-            y = cc * y0[:, None] + uu
-        else:
-            y = ops.affine_scan(cc, uu, y0)
-        self._put(slot, "y", y[:, -1])
+        y = cc * y0 + uu if self.m == 1 else ops.affine_scan(cc, uu, y0[:, 0])
+        self._put(slot, "y", y[:, -1:])
         return self.blank(y, s)
 
     def _seed_ring(self, x: Tensor, w: int, s: int) -> Tensor:
@@ -317,7 +317,8 @@ class StepPrefix:
 class StepBlockPrefix:
     """ops.BlockPrefix stepped bit for bit: the same blocks of ``block`` bars from each symbol's first bar, each
     centred on its first value, whose running sums (over the block and the max_window - 1 bars before it) carry on
-    from a ring of their last max_window values; a new block starts them again from the raw bars kept in a ring."""
+    from a circular ring of their last max_window + 1 values; a new block starts them again from the raw bars kept in
+    a ring. One bar inside a block reads and writes one column of each ring."""
 
     def __init__(self, step: StepOps, x: Tensor, max_window: int, start: int = 0, squares: bool = False,
                  block: int = 512) -> None:
@@ -325,21 +326,36 @@ class StepBlockPrefix:
             raise ValueError("the stepping BlockPrefix takes start=0 only")
         W, B = max_window, max(block, max_window)
         S, m = step.S, step.m
-        self.step, self.W = step, W
+        self.step, self.W, self.x = step, W, x
         slot = step._slot("block_prefix")
         raw = step._get(slot, "last", lambda: x.new_full((S, W - 1), NAN))
         ref = step._get(slot, "ref", lambda: x.new_zeros((S, 1)))
-        rings = [step._get(slot, "cs", lambda: x.new_zeros((S, W)))]
+        self.rings = [step._get(slot, "cs", lambda: x.new_zeros((S, W + 1)))]
         if squares:
-            rings.append(step._get(slot, "cs2", lambda: x.new_zeros((S, W))))
+            self.rings.append(step._get(slot, "cs2", lambda: x.new_zeros((S, W + 1))))
         begins = step.age % B == 0  # a symbol's new block starts at this bar
+        self._lo: dict[int, Tensor] = {}
+        if m == 1 and not bool(begins.any()):  # one bar inside every symbol's block: running sums carried on
+            d = x - ref
+            last = torch.remainder(step._age0 - 1, W + 1)
+            self.ref, self.news = ref, []
+            for ring, dd in zip(self.rings, (d, d * d), strict=False):
+                new = ring.gather(1, last) + dd
+                step._store(ring, W + 1, new)
+                self.news.append(new)
+            if W > 1:
+                step._store(raw, W - 1, x)
+            self.parts = None
+            return
+        raw_c = raw.gather(1, step._order(W - 1)) if W > 1 else raw  # in time order
+        rings = [r.gather(1, step._order(W + 1))[:, 1:] for r in self.rings]
         cuts = [0, *(i for i in range(1, m) if bool(begins[:, i].any())), m]
-        self.parts: list[tuple[Tensor, list[Tensor]]] = []  # per piece: its centre [S, 1], its running sums [S, W + k]
+        self.parts: list[tuple[Tensor, list[Tensor]]] | None = []  # per piece: its centre [S, 1], its sums [S, W + k]
         for a, b in zip(cuts[:-1], cuts[1:], strict=True):
             xs, new = x[:, a:b], begins[:, a]
             if bool(new.any()):
                 ref = torch.where(new[:, None], xs[:, :1], ref)
-                d0 = raw - ref  # the bars before the block, centred on its first value (none before a first bar)
+                d0 = raw_c - ref  # the bars before the block, centred on its first value (none before a first bar)
                 fresh = (step.age[:, a] == 0)[:, None]
                 for i, dd in enumerate((d0, d0 * d0)[: len(rings)]):
                     restart = torch.cumsum(torch.cat((dd.new_zeros((S, 1)), dd), dim=1), dim=1).masked_fill_(fresh, 0.0)
@@ -350,20 +366,25 @@ class StepBlockPrefix:
                 ext = torch.cat((rings[i], torch.cumsum(torch.cat((rings[i][:, -1:], dd), dim=1), dim=1)[:, 1:]), dim=1)
                 rings[i] = ext[:, -W:]
                 exts.append(ext)
-            raw = torch.cat((raw, xs), dim=1)[:, -(W - 1) :] if W > 1 else raw
+            raw_c = torch.cat((raw_c, xs), dim=1)[:, -(W - 1) :] if W > 1 else raw_c
             self.parts.append((ref, exts))
-        step._put(slot, "last", raw)
+        if W > 1:
+            step._store(raw, W - 1, raw_c)
         step._put(slot, "ref", ref)
-        step._put(slot, "cs", rings[0])
-        if squares:
-            step._put(slot, "cs2", rings[1])
-        self.x = x
+        for ring, ext in zip(self.rings, self.parts[-1][1], strict=True):
+            step._store(ring, W + 1, ext[:, -(W + 1) :])
 
     def _each(self, n: int, fn: Callable[[Tensor, Tensor, Tensor, slice], Tensor]) -> Tensor:
         """fn(ref, hi - lo, (hi - lo) of the squares or None, the piece's bars) over the pieces, joined, NaN before
         bar n - 1."""
         if n > self.W:
             raise ValueError(f"window {n} exceeds this prefix's max_window {self.W}")
+        if self.parts is None:  # one bar: lo is the ring's column of bar t - n (bar t's own was just written)
+            lo = self._lo.get(n)
+            if lo is None:
+                lo = self._lo[n] = torch.remainder(self.step._age0 - n, self.W + 1)
+            sums = [new - ring.gather(1, lo) for new, ring in zip(self.news, self.rings, strict=True)]
+            return self.step.blank(fn(self.ref, sums[0], sums[1] if len(sums) > 1 else None, slice(0, 1)), n - 1)
         W, out, at = self.W, [], 0
         for ref, exts in self.parts:
             k = exts[0].shape[1] - W
@@ -382,7 +403,7 @@ class StepBlockPrefix:
         return self._each(n, lambda r, s1, s2, bars: (y[:, bars] - r).sub_(s1.div_(n)))
 
     def mean_var(self, n: int) -> tuple[Tensor, Tensor]:
-        if len(self.parts[0][1]) < 2:
+        if len(self.rings) < 2:
             raise ValueError("BlockPrefix built without squares")
         mean = self._each(n, lambda r, s1, s2, bars: s1 / n + r)
         var = self._each(n, lambda r, s1, s2, bars: torch.clamp_min(s2 / n - (s1 / n) * (s1 / n), 0.0))
