@@ -117,6 +117,10 @@ def test_study_prunes_the_bad_region_logs_each_trial_and_summarises(tiny_study) 
     else:
         assert 0.0 <= deflated["value"] <= 1.0
     assert all("validation_moments" in t.user_attrs for t in complete)
+    # a pruned trial's moments at the validation it was pruned on: a trial of the spread too (issue 45)
+    assert all("validation_moments" in t.user_attrs for t in trials if t.state == TrialState.PRUNED)
+    finite = [t for t in trials if math.isfinite(t.user_attrs["validation_moments"]["sr_per_bar"])]
+    assert deflated["n_sharpes"] == len(finite)
     for name in ("optimization_history.png", "param_importances.png"):
         assert (best / name).stat().st_size > 5000
     if len(complete) >= 2:
@@ -568,6 +572,25 @@ def test_held_flat_best_trial_prints_the_reason_not_nan() -> None:
     mixed = _fixed_study([0.1, math.nan, 0.02])
     d = deflated_sharpe(mixed, mixed.best_trial)
     assert d["n_trials"] == 3 and d["n_sharpes"] == 2 and 0.0 < d["value"] < 1.0
+
+
+def test_deflated_sharpe_counts_the_pruned_trials_sharpes_in_the_spread() -> None:
+    """Issue 45: pruning stops the worst trials, so a spread of the complete trials' Sharpes alone is too narrow (SR0
+    too low, DSR too high). A pruned trial's Sharpe at the validation it was pruned on counts in V as in N; one
+    without recorded moments (a study run before) counts in N only."""
+    from foxhunt.evaluation.significance import deflated_sharpe_ratio
+    from foxhunt.tune.report import deflated_sharpe
+
+    srs, pruned_srs = [0.12, 0.02, -0.03], [-0.15, -0.11]
+    study = _fixed_study(srs, pruned=1)  # one pruned trial without moments
+    for i, sr in enumerate(pruned_srs):
+        study.add_trial(optuna.trial.create_trial(params={"x": 0.05 + i / 10}, distributions=_X, state=TrialState.PRUNED,
+                                                  intermediate_values={0: sr}, user_attrs=_moments(sr)))
+    d = deflated_sharpe(study, study.best_trial)
+    assert d["n_trials"] == 6 and d["n_sharpes"] == 5 and d["trials"] == {"complete": 3, "pruned": 3}
+    assert d["value"] == pytest.approx(deflated_sharpe_ratio(0.12, 400, -0.2, 4.0, srs + pruned_srs, n_trials=6),
+                                       rel=1e-12)
+    assert d["value"] < deflated_sharpe_ratio(0.12, 400, -0.2, 4.0, srs, n_trials=6)  # the wider spread deflates more
 
 
 def test_deflated_sharpe_with_one_complete_trial_of_many_uses_the_nulls_spread() -> None:

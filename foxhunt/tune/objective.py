@@ -107,8 +107,9 @@ def _scalar_params(params: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _record_validation_moments(trial: optuna.Trial, model: Any) -> None:
-    """The moments of the ensemble's validation P&L with the exported weights: what the study's deflated Sharpe
-    ratio needs of each trial (per-bar Sharpe, bars, skewness, kurtosis), and whether it was held flat throughout."""
+    """The moments of the ensemble's validation P&L with the exported weights (a pruned trial: at the validation it
+    was pruned on): what the study's deflated Sharpe ratio needs of each trial (per-bar Sharpe, bars, skewness,
+    kurtosis), and whether it was held flat throughout."""
     evaluation = getattr(model, "last_evaluation", None)
     if evaluation is None or "ensemble" not in evaluation.positions:
         return
@@ -216,6 +217,8 @@ class FitObjective:
         except optuna.TrialPruned as e:
             trial.set_user_attr("pruned_reason", str(e) or "pruned")
             self._record_history(trial, recorder)
+            if cli is not None:  # its last validation, the one pruned on: a trial of the study's deflated Sharpe
+                _record_validation_moments(trial, cli.model)
             raise
         except TrialError:
             raise

@@ -122,9 +122,11 @@ def deflated_sharpe(study: optuna.Study, best: FrozenTrial) -> dict[str, Any] | 
     """The deflated Sharpe ratio (Bailey and Lopez de Prado 2014) of the best trial's validation Sharpe: the
     probability that it beats the best Sharpe expected from that many trials of no skill.
 
-    N counts every trial of :func:`dsr_trials`; the spread of the trials' Sharpes comes from those that have one (the
-    complete trials' validation moments: a pruned trial's intermediate values are its objective, not a per-bar
-    Sharpe), floored at the null's own sampling spread (``null_max_sharpe``). ``value`` is None, with ``reason`` saying why, when the best trial has no Sharpe to deflate."""
+    N counts every trial of :func:`dsr_trials`; the spread V of the trials' Sharpes comes from those that have one:
+    the complete trials' validation moments and a pruned trial's at the validation it was pruned on (its last
+    reported value; pruning stops the worst trials, so leaving them out shrinks V), floored at the null's own
+    sampling spread (``null_max_sharpe``). A failed trial counts in N but not in V (no moments recorded). ``value``
+    is None, with ``reason`` saying why, when the best trial has no Sharpe to deflate."""
     from foxhunt.evaluation.significance import expected_max_sharpe, null_max_sharpe, psr_from_moments
 
     mine = best.user_attrs.get("validation_moments")
@@ -135,7 +137,7 @@ def deflated_sharpe(study: optuna.Study, best: FrozenTrial) -> dict[str, Any] | 
     for t in tried:
         kinds[_kind(t)] = kinds.get(_kind(t), 0) + 1
     srs = [float(t.user_attrs["validation_moments"]["sr_per_bar"]) for t in tried
-           if t.state == TrialState.COMPLETE and "validation_moments" in t.user_attrs]
+           if t.state in (TrialState.COMPLETE, TrialState.PRUNED) and "validation_moments" in t.user_attrs]
     srs = [sr for sr in srs if math.isfinite(sr)]
     out: dict[str, Any] = {"value": None, "n_trials": len(tried), "trials": kinds, "n_sharpes": len(srs),
                            "reason": None}
