@@ -200,7 +200,8 @@ def test_holes_keep_the_state_still(market):
     ohlcv, ts, holes = ohlcv[:, :T], ts[:, :T], holes[:, :T]
     batch = _batch(ohlcv, ts, holes)
     fs = FeatureStream(ALL, 3)
-    bounds = [0, 1, 5, 60, 100, 110, T]  # chunks with holes go slot by slot
+    bounds = [0, 1, 5, 60, 100, 110, *range(111, 140), T]  # chunks with holes go slot by slot; then single bars at
+    # ages that differ between the symbols (ring columns per symbol)
     readies: list[torch.Tensor] = []
     got = _run(fs, ohlcv, ts, holes, bounds, ready=readies)
     _assert_match(got, batch, _levels(ohlcv, holes, batch))

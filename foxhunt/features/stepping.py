@@ -27,12 +27,15 @@ class StepOps:
     """The stateful primitives for one chunk [S, m] of bars: ``age`` [S, m] is each bar's index in its symbol's
     history; ``moved`` [S] (None: all) marks the symbols whose state this chunk moves."""
 
-    def __init__(self, state: dict[str, Tensor], age: Tensor, moved: Tensor | None = None) -> None:
+    def __init__(self, state: dict[str, Tensor], age: Tensor, moved: Tensor | None = None,
+                 columns: dict[tuple[int, int], Tensor] | None = None) -> None:
         self.state, self.age, self.moved = state, age, moved
         self.S, self.m = age.shape
         self.youngest = int(age[:, 0].min()) if age.numel() else 0  # past every warm-up: masks are skipped
+        self.common = age.numel() > 0 and int(age[:, 0].max()) == self.youngest  # one age: ring columns are ints
         self._calls = 0
-        self._columns: dict[tuple, Tensor] = {}  # ring columns per width, shared by the call sites
+        self._columns: dict[tuple, Tensor] = {}  # ring columns per (width, offset), shared by the call sites
+        self._common_columns = {} if columns is None else columns  # per (width, column): a stream keeps them
         self._age0 = age[:, :1]
 
     # -- the carried state ------------------------------------------------------------------------------------------
@@ -55,11 +58,18 @@ class StepOps:
             value = torch.where(self.moved.view(-1, *([1] * (value.ndim - 1))), value, old)
         self.state[key] = value
 
-    def _column(self, w: int) -> Tensor:
-        """[S, 1]: each symbol's ring column of its bar ``age`` (a ring of w keeps bar b at column b % w)."""
-        col = self._columns.get(w)
+    def _column(self, w: int, offset: int = 0) -> Tensor:
+        """[S, 1]: each symbol's ring column of its bar age + offset (a ring of w keeps bar b at column b % w)."""
+        if self.common:  # every symbol at one age: one column, an index built once per stream
+            c = (self.youngest + offset) % w
+            col = self._common_columns.get((w, c))
+            if col is None:
+                col = self._common_columns[(w, c)] = torch.full(
+                    (1, 1), c, dtype=torch.int64, device=self.age.device).expand(self.S, 1)
+            return col
+        col = self._columns.get((w, offset))
         if col is None:
-            col = self._columns[w] = torch.remainder(self._age0, w)
+            col = self._columns[(w, offset)] = torch.remainder(self._age0 + offset, w)
         return col
 
     def _ring(self, x: Tensor, w: int, fill: float = NAN, slot: str | None = None) -> Tensor:
@@ -70,7 +80,12 @@ class StepOps:
             return x
         slot = slot or self._slot("ring")
         ring = self._get(slot, "last", lambda: x.new_full((self.S, w), fill))
-        ext = torch.cat((ring.gather(1, self._order(w)), x if x.shape[0] == self.S else x.expand(self.S, self.m)), dim=1)
+        xx = x if x.shape[0] == self.S else x.expand(self.S, self.m)
+        if self.common:  # the ring from its oldest column (bar age - w), in two slices
+            c = self.youngest % w
+            ext = torch.cat((ring[:, c:], ring[:, :c], xx) if c else (ring, xx), dim=1)
+        else:
+            ext = torch.cat((ring.gather(1, self._order(w)), xx), dim=1)
         self._store(ring, w, ext[:, -min(w, self.m):])
         return ext
 
@@ -334,10 +349,9 @@ class StepBlockPrefix:
         if squares:
             self.rings.append(step._get(slot, "cs2", lambda: x.new_zeros((S, W + 1))))
         begins = step.age % B == 0  # a symbol's new block starts at this bar
-        self._lo: dict[int, Tensor] = {}
         if m == 1 and not bool(begins.any()):  # one bar inside every symbol's block: running sums carried on
             d = x - ref
-            last = torch.remainder(step._age0 - 1, W + 1)
+            last = step._column(W + 1, -1)
             self.ref, self.news = ref, []
             for ring, dd in zip(self.rings, (d, d * d), strict=False):
                 new = ring.gather(1, last) + dd
@@ -380,9 +394,7 @@ class StepBlockPrefix:
         if n > self.W:
             raise ValueError(f"window {n} exceeds this prefix's max_window {self.W}")
         if self.parts is None:  # one bar: lo is the ring's column of bar t - n (bar t's own was just written)
-            lo = self._lo.get(n)
-            if lo is None:
-                lo = self._lo[n] = torch.remainder(self.step._age0 - n, self.W + 1)
+            lo = self.step._column(self.W + 1, -n)
             sums = [new - ring.gather(1, lo) for new, ring in zip(self.news, self.rings, strict=True)]
             return self.step.blank(fn(self.ref, sums[0], sums[1] if len(sums) > 1 else None, slice(0, 1)), n - 1)
         W, out, at = self.W, [], 0

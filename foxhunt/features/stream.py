@@ -39,6 +39,7 @@ class FeatureStream:
         self.warmup: int = max(f.warmup for f in self.features)
         self._warmups = torch.tensor([f.warmup for f in self.features], dtype=torch.int64, device=self.device)
         S = self.n_symbols
+        self._columns: dict[tuple[int, int], Tensor] = {}  # the rings' column indices, built once (not state)
         self._state: dict[str, Tensor] = {
             "age": torch.zeros(S, dtype=torch.int64, device=self.device),  # bars seen per symbol
             "last_ts": torch.full((S,), torch.iinfo(torch.int64).min, dtype=torch.int64, device=self.device),
@@ -110,7 +111,7 @@ class FeatureStream:
         """One chunk [S, m] through every feature; ``moved`` [S] (None: all) are the symbols with these bars."""
         S, m = timestamps.shape
         age = self._state["age"][:, None] + torch.arange(m, device=self.device)
-        op = StepOps(self._state, age, moved)
+        op = StepOps(self._state, age, moved, self._columns)
         cols = ohlcv.permute(2, 0, 1).contiguous()
         panel = Panel(cols, timestamps, torch.zeros(S, dtype=torch.int64, device=self.device), [m] * S, op=op)
         out = []
