@@ -445,7 +445,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     started = time.perf_counter()
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    print(f"# bench_live: torch {torch.__version__}, 1 thread, {os.cpu_count()} cores; load at start: {load}")
+    head = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h %cd", "--date=format:%H:%M"],
+                          capture_output=True, text=True).stdout.strip() or "unknown"
+    print(f"# bench_live: commit {head}, torch {torch.__version__}, 1 thread, {os.cpu_count()} cores; "
+          f"load at start: {load}")
     print(f"# {a.repeats} interleaved repeats, up to {a.samples} samples or {a.budget} s per case and repeat; "
           "figures are the medians over repeats of each repeat's percentiles")
 
