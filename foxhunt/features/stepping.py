@@ -58,6 +58,11 @@ class StepOps:
             value = torch.where(self.moved.view(-1, *([1] * (value.ndim - 1))), value, old)
         self.state[key] = value
 
+    def _new_ring(self, x: Tensor, w: int, fill: float) -> Tensor:
+        """[S, w] stored time-major (one bar's column of all symbols contiguous): a bar reads and writes S adjacent
+        numbers, not one per symbol's row across the whole state."""
+        return x.new_full((w, self.S), fill).T
+
     def _column(self, w: int, offset: int = 0) -> Tensor:
         """[S, 1]: each symbol's ring column of its bar age + offset (a ring of w keeps bar b at column b % w)."""
         if self.common:  # every symbol at one age: one column, an index built once per stream
@@ -79,7 +84,7 @@ class StepOps:
         if w == 0:
             return x
         slot = slot or self._slot("ring")
-        ring = self._get(slot, "last", lambda: x.new_full((self.S, w), fill))
+        ring = self._get(slot, "last", lambda: self._new_ring(x, w, fill))
         xx = x if x.shape[0] == self.S else x.expand(self.S, self.m)
         if self.common:  # the ring from its oldest column (bar age - w), in two slices
             c = self.youngest % w
@@ -100,7 +105,7 @@ class StepOps:
         """x[t - w] over the chunk (``fill`` before a symbol's bar w): one column of the ring read, one written."""
         if self.m > 1:
             return self._ring(x, w, fill)[:, : self.m]
-        ring = self._get(self._slot("ring"), "last", lambda: x.new_full((self.S, w), fill))
+        ring = self._get(self._slot("ring"), "last", lambda: self._new_ring(x, w, fill))
         col = self._column(w)
         old = ring.gather(1, col)
         self._store(ring, w, x if x.shape[0] == self.S else x.expand(self.S, 1), old)
@@ -264,7 +269,7 @@ class StepOps:
         if w <= 1:
             return x
         if self._all_past(s + 1):
-            self._get(slot, "last", lambda: x.new_full((self.S, w - 1), NAN))
+            self._get(slot, "last", lambda: self._new_ring(x, w - 1, NAN))
             return x  # never read
         return self._ring(x, w - 1, slot=slot)
 
@@ -343,11 +348,11 @@ class StepBlockPrefix:
         S, m = step.S, step.m
         self.step, self.W, self.x = step, W, x
         slot = step._slot("block_prefix")
-        raw = step._get(slot, "last", lambda: x.new_full((S, W - 1), NAN))
+        raw = step._get(slot, "last", lambda: step._new_ring(x, W - 1, NAN))
         ref = step._get(slot, "ref", lambda: x.new_zeros((S, 1)))
-        self.rings = [step._get(slot, "cs", lambda: x.new_zeros((S, W + 1)))]
+        self.rings = [step._get(slot, "cs", lambda: step._new_ring(x, W + 1, 0.0))]
         if squares:
-            self.rings.append(step._get(slot, "cs2", lambda: x.new_zeros((S, W + 1))))
+            self.rings.append(step._get(slot, "cs2", lambda: step._new_ring(x, W + 1, 0.0)))
         begins = step.age % B == 0  # a symbol's new block starts at this bar
         if m == 1 and not bool(begins.any()):  # one bar inside every symbol's block: running sums carried on
             d = x - ref

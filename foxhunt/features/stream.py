@@ -166,7 +166,7 @@ class FeatureStream:
                 got = f"{t.dtype} {list(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
                 raise ValueError(f"FeatureStream.load_state_dict: key {key!r} is {got}, expected {mine.dtype} "
                                  f"{list(mine.shape)}")
-            new[key] = t.detach().to(self.device).clone()
+            new[key] = torch.empty_like(mine).copy_(t.detach())  # the layout of a fresh stream's (time-major rings)
         self._state = new
 
     def __repr__(self) -> str:
