@@ -210,14 +210,23 @@ class StepOps:
         """fn of the last w - 1 bars and this chunk, cut to the chunk, NaN before bar a."""
         return self.blank(fn(self._ring(x, w - 1))[:, w - 1 :].clone(), a)
 
+    def _extreme(self, x: Tensor, n: int, highest: bool) -> Tensor:
+        """One bar's extreme of its window: the ring's (in any order) and the bar's own (exact, as the doubling)."""
+        ring = self._get(self._slot("ring"), "last", lambda: self._new_ring(x, n - 1, NAN))
+        xx = x if x.shape[0] == self.S else x.expand(self.S, 1)
+        y = (torch.maximum if highest else torch.minimum)(
+            (ring.amax if highest else ring.amin)(dim=1, keepdim=True), xx)
+        self._store(ring, n - 1, xx)
+        return self.blank(y, n - 1)
+
     def rolling_max(self, x: Tensor, n: int) -> Tensor:
-        if self.m == 1:  # one bar: the extreme of its window itself (exact, as the doubling)
-            return self.blank(self._ring(x, n - 1).amax(dim=1, keepdim=True), n - 1)
+        if self.m == 1 and n > 1:
+            return self._extreme(x, n, True)
         return self._on_window(lambda e: ops.rolling_max(e, n), x, n, n - 1)
 
     def rolling_min(self, x: Tensor, n: int) -> Tensor:
-        if self.m == 1:
-            return self.blank(self._ring(x, n - 1).amin(dim=1, keepdim=True), n - 1)
+        if self.m == 1 and n > 1:
+            return self._extreme(x, n, False)
         return self._on_window(lambda e: ops.rolling_min(e, n), x, n, n - 1)
 
     def bars_since_extreme(self, x: Tensor, n: int, highest: bool) -> Tensor:
