@@ -168,7 +168,8 @@ def test_every_shipped_config_runs_as_a_smoke_run_or_fails_in_one_line(name: str
     else:
         errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
         assert run.returncode == 2 and len(errors) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
-    print(f"{name}: exit {run.returncode} in {took:.0f} s")
+    scaled = [line.split(": ", 1)[1] for line in run.stderr.splitlines() if "scaled for this run" in line]
+    print(f"{name}: exit {run.returncode} in {took:.0f} s", *scaled, sep="\n  ")
 
 
 @pytest.mark.parametrize("optim, message", [
