@@ -6,7 +6,10 @@ stateful primitive takes the next slot of the state, in call order (fixed by the
 never by the data), and every slot is created on the first pass, so the state's keys and shapes never change.
 
 Exact primitives step bit for bit as the batch form: shifts, differences, extrema, arg-extrema and window loops run the
-batch function on the last bars kept in a ring; running sums continue torch's sequential CPU sum from its total. The
+batch function on the last bars kept in a ring (one bar: the same reduction of its window, in the batch loop's order
+where order matters); running sums continue torch's sequential CPU sum from its total. Rings are circular (bar b at
+column b % w) and stored time-major, so one bar reads and writes one column of S adjacent numbers; when every symbol
+is at one age the columns are host integers. The
 recursive filters step the recurrence itself (y = a y + u, TA-Lib's definition), which the batch form's blocked scans
 equal to rounding; so do block-centred window sums, taken here over the window itself, centred on the latest value.
 """
