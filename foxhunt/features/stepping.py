@@ -31,14 +31,14 @@ class StepOps:
     history; ``moved`` [S] (None: all) marks the symbols whose state this chunk moves."""
 
     def __init__(self, state: dict[str, Tensor], age: Tensor, moved: Tensor | None = None,
-                 columns: dict[tuple[int, int], Tensor] | None = None) -> None:
+                 columns: dict[tuple, Tensor] | None = None) -> None:
         self.state, self.age, self.moved = state, age, moved
         self.S, self.m = age.shape
         self.youngest = int(age[:, 0].min()) if age.numel() else 0  # past every warm-up: masks are skipped
         self.common = age.numel() > 0 and int(age[:, 0].max()) == self.youngest  # one age: ring columns are ints
         self._calls = 0
         self._columns: dict[tuple, Tensor] = {}  # ring columns per (width, offset), shared by the call sites
-        self._common_columns = {} if columns is None else columns  # per (width, column): a stream keeps them
+        self._common_columns = {} if columns is None else columns  # index tensors by (width, column): a stream keeps them
         self._age0 = age[:, :1]
 
     # -- the carried state ------------------------------------------------------------------------------------------
@@ -95,6 +95,19 @@ class StepOps:
         else:
             ext = torch.cat((ring.gather(1, self._order(w)), xx), dim=1)
         self._store(ring, w, ext[:, -min(w, self.m):])
+        return ext
+
+    def _ring_t(self, x: Tensor, w: int) -> Tensor:
+        """One bar (m == 1): [w + 1, S], the last w inputs and x, time along the first axis (the rings' own layout:
+        unrolled by contiguous blocks)."""
+        ring = self._get(self._slot("ring"), "last", lambda: self._new_ring(x, w, NAN))
+        xx = x if x.shape[0] == self.S else x.expand(self.S, 1)
+        if self.common:
+            c, stored = self.youngest % w, ring.T
+            ext = torch.cat((stored[c:], stored[:c], xx.T) if c else (stored, xx.T), dim=0)
+        else:
+            ext = torch.cat((ring.gather(1, self._order(w)).T, xx.T), dim=0)
+        self._store(ring, w, xx)
         return ext
 
     def _order(self, w: int) -> Tensor:
@@ -233,19 +246,27 @@ class StepOps:
         return self._on_window(lambda e: ops.rolling_min(e, n), x, n, n - 1)
 
     def bars_since_extreme(self, x: Tensor, n: int, highest: bool) -> Tensor:
-        if self.m == 1:  # one bar: the first extreme counted back from it (ties to the latest bar, as the doubling)
-            back = self._ring(x, n).flip(1)
-            return self.blank((back.argmax if highest else back.argmin)(dim=1, keepdim=True).to(x.dtype), n)
+        if self.m == 1:  # one bar: the latest bar holding the window's extreme (ties to the latest, as the doubling;
+            # a NaN counts as the extreme, as argmax's); reductions over time, not an argmax across the rings' layout
+            ext = self._ring_t(x, n)  # [n + 1, S]: bars t - n ... t
+            hit = (ext == (ext.amax if highest else ext.amin)(dim=0, keepdim=True)).logical_or_(ext != ext)
+            rows = self._common_columns.get(("rows", n + 1))
+            if rows is None:
+                rows = self._common_columns[("rows", n + 1)] = torch.arange(
+                    n + 1, dtype=x.dtype, device=x.device)[:, None]
+            latest = torch.where(hit, rows, -1.0).amax(dim=0, keepdim=True)
+            return self.blank(latest.T.neg_().add_(n), n)
         return self._on_window(lambda e: ops.bars_since_extreme(e, n, highest), x, n + 1, n)
 
     def aroon_line(self, x: Tensor, n: int, highest: bool) -> Tensor:
         return self.bars_since_extreme(x, n, highest).neg_().add_(n).mul_(100.0 / n)
 
     def mean_abs_deviation(self, x: Tensor, dev: Tensor, n: int, scale: float = 1.0) -> Tensor:
-        ext = self._ring(x, n - 1)
         if self.m == 1 and n > 1:  # one bar: the n terms at once, summed in the batch loop's order (k = 0, 1, ...)
-            terms = torch.cat((torch.abs(dev), (ext[:, : n - 1] - x).add_(dev).abs_().flip(1)), dim=1)
-            return self.blank(torch.cumsum(terms, dim=1)[:, -1:].mul_(scale / n), n - 1)
+            ext, dt = self._ring_t(x, n - 1), dev.T
+            terms = torch.cat((torch.abs(dt), (ext[: n - 1] - x.T).add_(dt).abs_().flip(0)), dim=0)
+            return self.blank(torch.cumsum(terms, dim=0)[-1:].T.mul_(scale / n), n - 1)
+        ext = self._ring(x, n - 1)
         acc = torch.abs(dev)
         for k in range(1, n):
             acc += (ext[:, n - 1 - k : n - 1 - k + self.m] - x).add_(dev).abs_()

@@ -39,7 +39,7 @@ class FeatureStream:
         self.warmup: int = max(f.warmup for f in self.features)
         self._warmups = torch.tensor([f.warmup for f in self.features], dtype=torch.int64, device=self.device)
         S = self.n_symbols
-        self._columns: dict[tuple[int, int], Tensor] = {}  # the rings' column indices, built once (not state)
+        self._columns: dict[tuple, Tensor] = {}  # the rings' column indices, built once (not state)
         self._state: dict[str, Tensor] = {
             "age": torch.zeros(S, dtype=torch.int64, device=self.device),  # bars seen per symbol
             "last_ts": torch.full((S,), torch.iinfo(torch.int64).min, dtype=torch.int64, device=self.device),
