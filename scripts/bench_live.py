@@ -14,7 +14,7 @@ The exports are built here from the configs' members, bound to a short synthetic
 not depend on the weights). Peers: TA-Lib (``dev`` extra), talipp and Stable-Baselines3 (``bench`` extra); a peer that
 is not installed is left out with a line saying so.
 
-    python scripts/bench_live.py --repeats 5          # the full run (about 10 minutes on 2 shared cores)
+    python scripts/bench_live.py --repeats 5          # the full run (5-8 minutes on 2 shared cores)
     python scripts/bench_live.py --quick              # a smoke run, under a minute
 """
 
