@@ -404,8 +404,8 @@ class DQNModule(Agent):
         prefix composition."""
         return greedy_positions(net, market)
 
-    def decision_table(self, net: nn.Module, market: MarketTensors) -> Tensor:
-        return greedy_table(net, market)
+    def decision_table(self, net: nn.Module, market: MarketTensors, bars: Tensor | None = None) -> Tensor:
+        return greedy_table(net, market, bars=bars)
 
     def td_loss(self, sample: ReplaySample) -> tuple[Tensor, Tensor]:
         """Huber TD loss of a replay batch and the online Q-values of its states."""

@@ -403,10 +403,10 @@ class Agent(Member):
         """[T] positions of ``net``'s deterministic policy over ``market`` (``net`` in eval mode)."""
         raise NotImplementedError
 
-    def decision_table(self, net: nn.Module, market: MarketTensors) -> Tensor | None:
+    def decision_table(self, net: nn.Module, market: MarketTensors, bars: Tensor | None = None) -> Tensor | None:
         """[T, A] the action index ``net``'s deterministic policy takes at each bar for each action index held coming
-        in (what :meth:`positions_of` rolls out; a live session applies one row a bar); None for a continuous policy,
-        which steps with :meth:`continuous_step`."""
+        in (what :meth:`positions_of` rolls out; a live session applies one row a bar: ``bars`` evaluates only those
+        rows, the others flat); None for a continuous policy, which steps with :meth:`continuous_step`."""
         raise NotImplementedError
 
     def continuous_step(self, net: nn.Module, market: MarketTensors, bars: Tensor, decide: Tensor,

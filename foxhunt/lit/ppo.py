@@ -548,9 +548,9 @@ class PPOModule(Agent):
             lambda prepared, decide, held: net.deterministic_path(prepared, decide, held, band), market,
         )
 
-    def decision_table(self, net: nn.Module, market: MarketTensors) -> Tensor | None:
+    def decision_table(self, net: nn.Module, market: MarketTensors, bars: Tensor | None = None) -> Tensor | None:
         assert isinstance(net, ActorCritic)
-        return None if self.continuous else greedy_table(net.deterministic, market)
+        return None if self.continuous else greedy_table(net.deterministic, market, bars=bars)
 
     @torch.no_grad()
     def continuous_step(self, net: nn.Module, market: MarketTensors, bars: Tensor, decide: Tensor,

@@ -253,7 +253,7 @@ class LiveSession:
             return flat
         net = agent.policy_network
         with eval_mode(net):
-            table = agent.decision_table(net, market)
+            table = agent.decision_table(net, market, bars=last)
             if table is None:
                 held = torch.where(market.reset_mask[last], 0.0, self.held[name][codes])
                 p = agent.continuous_step(net, market, last, decided, held)

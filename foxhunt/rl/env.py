@@ -212,17 +212,18 @@ def reward_scale_for(market: MarketTensors, configured: float | None = None) -> 
 
 @torch.no_grad()
 def greedy_table(
-    q_fn: Callable[[Tensor, Tensor], Tensor], market: MarketTensors, chunk: int = 65_536
+    q_fn: Callable[[Tensor, Tensor], Tensor], market: MarketTensors, chunk: int = 65_536, bars: Tensor | None = None
 ) -> Tensor:
     """[T, A] greedy action index for every bar and every held position (flat rows where no decision is possible).
 
     ``q_fn(windows [B, W, F], position_features [B, A]) -> Q [B, A]``. The market is exogenous, so every state a
     policy could reach is known in advance and evaluated in batched forward passes; rows of symbol starts are made
-    constant (a flat position comes in).
+    constant (a flat position comes in). ``bars`` (row indices): only those rows are evaluated, the others are flat
+    (a live session reads the latest bar's row alone).
     """
     n_act, flat = market.n_actions, market.flat_index
     table = torch.full((market.n_bars, n_act), flat, dtype=torch.int64, device=market.device)
-    bars = torch.nonzero(market.decision).squeeze(1)
+    bars = torch.nonzero(market.decision).squeeze(1) if bars is None else bars[market.decision[bars]]
     pos_ids = torch.arange(n_act, device=market.device)
     per = max(1, chunk // n_act)
     for i in range(0, bars.numel(), per):
