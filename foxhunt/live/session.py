@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,12 @@ class Decision:
     positions: dict[str, Tensor]  # member names and "ensemble" -> [P] float32, held from this close to the next
     ready: Tensor  # [P] bool: a decision bar (features and target statistics defined), as the back-test counts them
     latency_us: float  # bar in to decision out
+
+
+def model_horizon_quantiles(model: Any, name: str) -> int:
+    """How many stacked columns forecaster ``name`` gives the agents: its horizon times its quantiles."""
+    member = model.forecaster(name)
+    return int(member.horizon) * len(member.quantiles)
 
 
 def regular_schedule(spacing_ns: Tensor) -> Schedule:
@@ -86,6 +92,8 @@ class LiveSession:
             continuous = name in self.model.agent_names and self._continuous(name)
             self.held[name] = torch.zeros(S, dtype=torch.float32) if continuous else self._flat_index(name).repeat(S)
         self.spacing = torch.zeros(S, dtype=torch.int64)  # the latest bar spacing per symbol (regular schedule)
+        stacked = sum(model_horizon_quantiles(self.model, n) for n in self.model.forecaster_names)
+        self.stack = torch.zeros(S, K, stacked if self.model.hparams.combine == "stack" else 0)  # agents' forecast rows
 
     # ------------------------------------------------------------------------------------------------ structure
     def _tail_length(self) -> int:
@@ -156,7 +164,9 @@ class LiveSession:
 
     def _push(self, codes: Tensor, rows: Tensor, ready: Tensor, bars: Tensor, ts: Tensor) -> None:
         """Append one bar to each of these symbols' tails (the oldest row drops out)."""
-        for buf, new in ((self.rows, rows.float()), (self.ready_rows, ready), (self.ohlcv, bars), (self.ts, ts)):
+        zero = torch.zeros(codes.numel(), self.stack.shape[-1])
+        for buf, new in ((self.rows, rows.float()), (self.ready_rows, ready), (self.ohlcv, bars), (self.ts, ts),
+                         (self.stack, zero)):
             buf[codes] = torch.cat((buf[codes, 1:], new.unsqueeze(1).to(buf.dtype)), 1)
         self.seen[codes] += 1
 
@@ -199,6 +209,15 @@ class LiveSession:
                                self.feature_names, self.loaded.target_transform)
         return split, torch.tensor(last, dtype=torch.int64)
 
+    def _tail_rows(self, buf: Tensor, codes: Tensor, split: Any, last: Tensor) -> Tensor:
+        """[T, Z] a per-symbol tail buffer [S, K, Z] laid out as the tail split's rows (0 on the scheduled rows)."""
+        out = torch.zeros(len(split), buf.shape[-1], dtype=buf.dtype)
+        n = torch.clamp(self.seen[codes], max=self.tail)
+        for i, c in enumerate(codes.tolist()):
+            k, end = int(n[i]), int(last[i]) + 1
+            out[end - k : end] = buf[c, -k:]
+        return out
+
     def _future_rows(self, next_ts: Tensor) -> Tensor:
         """[P, H, F] normalised rows of the scheduled bars: the known-future columns, NaN (read as 0) elsewhere."""
         P, H = next_ts.shape
@@ -228,9 +247,13 @@ class LiveSession:
             pos[name] = FORECAST_ACTIONS[idx]
         agents = model.trading_agents()
         inputs = split
-        if model.hparams.combine == "stack" and agents:  # the agents' windows read the forecasts of their rows
-            window = max(int(model.agent(n).hparams.window) for n in agents)
-            inputs = model.stacked(split, rows=(last[:, None] - torch.arange(window)).reshape(-1))
+        if model.hparams.combine == "stack" and agents:  # the agents' windows read the forecasts of their rows: the
+            # latest row's are forecast now, the earlier ones were at their own bars (kept in the tail)
+            now = model.stacked(split, rows=last)
+            F = split.n_features
+            self.stack[codes, -1] = now.features[last, F:]
+            z = self._tail_rows(self.stack, codes, split, last)
+            inputs = replace(now, features=torch.cat((split.features, z), 1))
         for name in agents:
             pos[name] = self._agent_step(name, inputs, last, codes)
         for name in model.agent_names:
@@ -275,7 +298,7 @@ class LiveSession:
         """Every tensor a restarted session needs to decide exactly as this one would: the features' state, the
         tails, the bars seen and each member's held position."""
         out = {f"features.{k}": v for k, v in self.features.state_dict().items()}
-        for key in ("rows", "ready_rows", "ohlcv", "ts", "seen", "spacing"):
+        for key in ("rows", "ready_rows", "ohlcv", "ts", "seen", "spacing", "stack"):
             out[f"session.{key}"] = getattr(self, key)
         out.update({f"held.{name}": held for name, held in self.held.items()})
         return {k: v.detach().clone().contiguous() for k, v in out.items()}
@@ -291,7 +314,7 @@ class LiveSession:
                 raise ValueError(f"live state: {key} has shape {tuple(state[key].shape)} {state[key].dtype}, this "
                                  f"session's is {tuple(value.shape)} {value.dtype}")
         self.features.load_state_dict({k[len("features."):]: v for k, v in state.items() if k.startswith("features.")})
-        for key in ("rows", "ready_rows", "ohlcv", "ts", "seen", "spacing"):
+        for key in ("rows", "ready_rows", "ohlcv", "ts", "seen", "spacing", "stack"):
             getattr(self, key).copy_(state[f"session.{key}"])
         for name in self.held:
             self.held[name].copy_(state[f"held.{name}"])
