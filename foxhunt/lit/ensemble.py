@@ -217,10 +217,10 @@ class EnsembleModule(MemberUpdates, pl.LightningModule):
         cut_time = torch.quantile(split.timestamps.unique().double(), self.hparams.stack_fraction)
         return split.timestamps.double() < cut_time
 
-    def _forecaster_window_mask(self, split: MarketSplit) -> Tensor:
-        """Decision rows whose H targets all lie before the stacking cut, so no forecaster sees the agents' bars."""
+    def forecaster_window_mask(self, split: MarketSplit, h: int) -> Tensor:
+        """Decision rows whose ``h`` targets (the data's horizon, every forecaster's) all lie before the stacking cut,
+        so no forecaster sees the agents' bars."""
         before = self._stack_cut(split)
-        h = max(self.forecaster(n).horizon for n in self.forecaster_names)
         ok = torch.zeros_like(before)
         if len(split) > h:
             ok[:-h] = before[h:] & (split.symbol_index[h:] == split.symbol_index[:-h])
