@@ -146,6 +146,25 @@ def test_an_agents_episodes_longer_than_its_training_bars_are_one_line_before_th
         build_cli(["--config", TINY, "--model.members.dqn.init_args.episode_length", "9000"], plan_before_trainer=True)
 
 
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("horizon", 2, r"model\.members\.tft\.init_args\.horizon: 2, but the data forecasts 3 steps \(data\.horizon\)"),
+    ("lookback", 8, r"model\.members\.tft\.init_args\.lookback: 8, but the data's windows have 12 past bars, which "
+                    r"TFTModule reads whole"),
+])
+def test_a_forecaster_sized_for_other_windows_is_one_line_before_the_trainer(key: str, value: int, message: str,
+                                                                              tmp_path: Path, monkeypatch) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    from foxhunt.fit import build_cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(LightningCLI, "instantiate_trainer", lambda *a, **k: pytest.fail("the Trainer was built"))
+    sizes = {"n_features": 9, "n_known_future": 2, "lookback": 12, "horizon": 3, key: value}
+    args = [a for k, v in sizes.items() for a in (f"--model.members.tft.init_args.{k}", str(v))]
+    with pytest.raises(ConfigError, match=message):
+        build_cli(["--config", TINY, *args], plan_before_trainer=True)
+
+
 def _smoke(name: str, tmp: Path) -> tuple[subprocess.CompletedProcess, Path]:
     export = tmp / "export"
     cmd = [sys.executable, "-m", "foxhunt.fit", "--config", str(CONFIGS / f"{name}.yaml"),

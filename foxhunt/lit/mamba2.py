@@ -49,6 +49,8 @@ class Mamba2Optimization(Optimization):
 class Mamba2Module(Forecaster):
     """Quantile forecasts of the next ``horizon`` bar returns from a window of features, by a Mamba-2 stack."""
 
+    reads_shorter_lookback = True
+
     def __init__(
         self,
         d_model: int = 32,

@@ -249,6 +249,7 @@ class Forecaster(Member):
 
     kind: ClassVar[MemberKind] = "forecaster"
     monitor: ClassVar[str] = "val/loss"
+    reads_shorter_lookback: ClassVar[bool] = False  # its own ``lookback`` may be below the data's (it reads the tail)
     quantiles: tuple[float, ...]
     quantile_levels: Tensor  # the quantiles as a buffer, for the pinball loss
     test_metrics: Any  # a torchmetrics collection of the forecast metrics, prefixed "test/"

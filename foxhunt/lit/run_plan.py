@@ -165,10 +165,19 @@ def check_data(model: Any, dm: Any, source: str = "") -> None:
 
     train = dm.splits["train"]
     for name in model.forecaster_names:
-        lookback = model.member(name).hparams.get("lookback")
+        member = model.member(name)
+        lookback = member.hparams.get("lookback")
         if lookback is not None and lookback > dm.lookback:
             raise ConfigError(f"{source}{member_key(name, 'lookback', optim=False)}: {lookback}, but the data's windows "
                               f"have {dm.lookback} past bars; use at most {dm.lookback}, or raise data.lookback")
+        if lookback is not None and lookback != dm.lookback and not member.reads_shorter_lookback:
+            raise ConfigError(f"{source}{member_key(name, 'lookback', optim=False)}: {lookback}, but the data's windows "
+                              f"have {dm.lookback} past bars, which {type(member).__name__} reads whole; leave it "
+                              f"unset or set data.lookback {lookback}")
+        horizon = member.hparams.get("horizon")
+        if horizon is not None and horizon != dm.horizon:
+            raise ConfigError(f"{source}{member_key(name, 'horizon', optim=False)}: {horizon}, but the data forecasts "
+                              f"{dm.horizon} steps (data.horizon); leave it unset or set data.horizon {horizon}")
     acted_on = train.select(~model._stack_cut(train)) if model.hparams.combine == "stack" else train
     for name in model.agent_names:
         hp = model.member(name).hparams
