@@ -197,8 +197,9 @@ def test_a_member_max_steps_leaves_no_step_is_refused_before_training(tmp_path: 
     late = DQNModule(window=4, hidden=(16,), n_envs=16, episode_length=32, batch_size=32, replay_capacity=2048,
                      learning_starts=128, optim={"start_step": 12})
     model = EnsembleModule(members={"tft": four_members()["tft_small"], "dqn": late}, combine="vote")
-    with pytest.raises(ValueError, match=r"member 'dqn' has start_step=12, but this fit runs 10 coordinator steps "
-                                         r"\(max_steps=10 counts the updates of every member together\)"):
+    with pytest.raises(ValueError, match=r"model\.members\.dqn\.init_args\.optim\.start_step: 12, but this fit runs 10 "
+                                         r"coordinator steps \(trainer\.max_steps 10 counts the updates of every member "
+                                         r"together\): member 'dqn' would never train; use at most 9"):
         fit(model, datamodule(), tmp_path, max_steps=10, max_epochs=-1)
 
 
