@@ -266,6 +266,15 @@ def stationary_bootstrap_indices(n: int, n_boot: int, mean_block: float, generat
     return (starts.gather(1, block_start) + bar - block_start) % n
 
 
+def _check_interval(bars_per_year: float, level: float, n_boot: int) -> None:
+    """The arguments every bootstrap interval of the Sharpe takes, refused in one line when they cannot work."""
+    _check_bars_per_year(bars_per_year)
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be at least 1, got {n_boot}")
+
+
 def stationary_bootstrap_sharpe_ci(
     pnl: Tensor | Sequence[float],
     bars_per_year: float,
@@ -281,11 +290,7 @@ def stationary_bootstrap_sharpe_ci(
     undefined (zero variance) are left out of the percentiles. Reproducible for a given ``seed`` and device (the
     series' device draws the random numbers). NaN, NaN when the series has no Sharpe.
     """
-    _check_bars_per_year(bars_per_year)
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must be in (0, 1), got {level}")
-    if n_boot < 1:
-        raise ValueError(f"n_boot must be at least 1, got {n_boot}")
+    _check_interval(bars_per_year, level, n_boot)
     if mean_block is not None and not mean_block >= 1.0:
         raise ValueError(f"mean_block must be at least 1 bar, got {mean_block}")
     x = _series(pnl)
@@ -322,11 +327,7 @@ def studentised_bootstrap_sharpe_ci(
     series; :mod:`foxhunt.evaluation.block_bootstrap`); ``block`` defaults to Politis & White's. The percentile
     interval of :func:`stationary_bootstrap_sharpe_ci` ignores that the Sharpe's spread varies with the resample and
     undercovers on dependent P&L (0.92 on AR(1) φ = 0.5); this one covers. NaN, NaN without a Sharpe."""
-    _check_bars_per_year(bars_per_year)
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must be in (0, 1), got {level}")
-    if n_boot < 1:
-        raise ValueError(f"n_boot must be at least 1, got {n_boot}")
+    _check_interval(bars_per_year, level, n_boot)
     x = _series(pnl)
     if not _has_sharpe(x) or x.numel() < 9:
         return math.nan, math.nan
