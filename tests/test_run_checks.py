@@ -111,6 +111,15 @@ def test_a_long_run_leaves_every_setting_as_written_and_warns_about_the_ones_tha
     assert dqn.hparams.epsilon_steps == 10_000
 
 
+def test_an_agent_whose_validation_choices_outlast_the_run_is_warned_before_training() -> None:
+    """select_every beyond the run: no validation choice, so the last weights trade (a silent surprise before)."""
+    dqn = _dqn(optim={"updates_per_step": 1}, select_every=500)
+    with pytest.warns(UserWarning, match=r"member 'dqn': select_every=500 exceeds the 100 updates of this run: no "
+                                         r"validation choice is made, so the last weights trade"):
+        check_plan({"dqn": dqn}, 100, TrainerLimits(max_epochs=1), reference=TrainerLimits(max_epochs=1))
+    assert not any("select_every" in note for note in _dqn(select_every=50).check_run(100))
+
+
 def test_a_missing_data_path_fails_before_lightning_prints_anything(tmp_path: Path, capsys, caplog) -> None:
     from foxhunt.fit import main
 

@@ -507,7 +507,7 @@ class DQNModule(Agent):
 
     def check_run(self, planned_updates: int) -> list[str]:
         hp = self.hparams
-        notes = []
+        notes = super().check_run(planned_updates)
         if hp.epsilon_steps > planned_updates:
             notes.append(f"epsilon_steps={hp.epsilon_steps} exceeds the {planned_updates} updates of this run: exploration "
                          f"ends at epsilon {self.epsilon(planned_updates):.3f}, not epsilon_end={hp.epsilon_end}")

@@ -404,6 +404,13 @@ class Agent(Member):
         """[T] positions of ``net``'s deterministic policy over ``market`` (``net`` in eval mode)."""
         raise NotImplementedError
 
+    def check_run(self, planned_updates: int) -> list[str]:
+        every = self.select_every
+        if every and every > planned_updates:
+            return [f"select_every={every} exceeds the {planned_updates} updates of this run: no validation choice is "
+                    "made, so the last weights trade and no candidate counts for the do-no-harm rule"]
+        return []
+
     def decision_table(self, net: nn.Module, market: MarketTensors, bars: Tensor | None = None) -> Tensor | None:
         """[T, A] the action index ``net``'s deterministic policy takes at each bar for each action index held coming
         in (what :meth:`positions_of` rolls out; a live session applies one row a bar: ``bars`` evaluates only those

@@ -524,11 +524,12 @@ class PPOModule(Agent):
 
     def check_run(self, planned_updates: int) -> list[str]:
         hp = self.hparams
+        notes = super().check_run(planned_updates)
         per_rollout = hp.n_epochs * hp.n_minibatches
         if per_rollout > planned_updates:
-            return [f"n_epochs x n_minibatches = {per_rollout} updates per rollout exceeds the {planned_updates} updates "
-                    "of this run: it ends inside its first rollout"]
-        return []
+            notes.append(f"n_epochs x n_minibatches = {per_rollout} updates per rollout exceeds the {planned_updates} "
+                         "updates of this run: it ends inside its first rollout")
+        return notes
 
     # ----------------------------------------------------------------------------------------------- evaluation
     @torch.no_grad()
