@@ -327,3 +327,23 @@ def test_logged_features_are_the_backtests_normalised_features(dqn_export: Path,
     ready = split.valid.numpy()
     assert ready.sum() > 100
     np.testing.assert_array_equal(np.nan_to_num(logged[ready]), split.features.numpy()[ready])
+
+
+def test_a_session_warmed_from_history_decides_as_one_that_saw_it_live(dqn_export: Path, bars: pd.DataFrame,
+                                                                       tmp_path: Path) -> None:
+    from foxhunt.live.run import main
+
+    ts = pd.DatetimeIndex(bars["timestamp"])
+    cut = ts.sort_values()[len(ts) // 2]
+    write_bars(bars, tmp_path / "all.parquet")
+    write_bars(bars[ts < cut].reset_index(drop=True), tmp_path / "history.parquet")
+    write_bars(bars[ts >= cut].reset_index(drop=True), tmp_path / "later.parquet")
+    threads = str(torch.get_num_threads())
+    common = ["--checkpoint", str(dqn_export), "--status-every", "0", "--torch-threads", threads]
+    assert main([*common, "--replay", str(tmp_path / "all.parquet"), "--decisions", str(tmp_path / "whole")]) == 0
+    assert main([*common, "--warmup", str(tmp_path / "history.parquet"), "--replay", str(tmp_path / "later.parquet"),
+                 "--decisions", str(tmp_path / "warmed")]) == 0
+    whole, warmed = read_decisions(tmp_path / "whole"), read_decisions(tmp_path / "warmed")
+    later = whole[whole["ts_event"] >= cut.value].reset_index(drop=True)
+    assert len(warmed) == len(later) > 100 and warmed["ready"].all()
+    pd.testing.assert_frame_equal(warmed.drop(columns="latency_us"), later.drop(columns="latency_us"))
