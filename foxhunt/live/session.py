@@ -170,53 +170,34 @@ class LiveSession:
             buf[codes] = torch.cat((buf[codes, 1:], new.unsqueeze(1).to(buf.dtype)), 1)
         self.seen[codes] += 1
 
-    def _tail_split(self, codes: Tensor, next_ts: Tensor) -> tuple[Any, Tensor]:
+    def _tail_split(self, codes: Tensor, next_ts: Tensor) -> tuple[Any, Tensor, Tensor]:
         """The tails of these symbols as one MarketSplit (each symbol's rows, then H rows scheduled ahead that carry
-        only the known-future calendar inputs), and each symbol's row of the bar just in."""
-        H = max(self.horizon, 1)
-        n = torch.clamp(self.seen[codes], max=self.tail)
-        F = len(self.feature_names)
-        future = self._future_rows(next_ts[:, :H])  # [P, H, F]
-        K, P = self.tail, codes.numel()
-        if bool((n == K).all()):  # every tail full (past the first bars): one gather, no loop over symbols
-            o = self.ohlcv[codes]
-            ohlcv = torch.cat((o, o[:, -1:].expand(P, H, 5)), 1).reshape(-1, 5)
-            sym = codes[:, None].expand(P, K + H).reshape(-1)
-            features = torch.cat((self.rows[codes], future), 1).reshape(-1, F)
-            ready = torch.cat((self.ready_rows[codes], torch.zeros(P, H, dtype=torch.bool)), 1).reshape(-1)
-            ts = torch.cat((self.ts[codes], next_ts[:, :H]), 1).reshape(-1)
-            returns = next_log_returns(ohlcv[:, 3], segment=sym)
-            split = assemble_split("live", self.symbols, ts, sym, ohlcv, features, ready, returns, self.feature_names,
-                                   self.loaded.target_transform)
-            return split, torch.arange(P) * (K + H) + K - 1
-        feats, readies, ohlcvs, tss, syms, last = [], [], [], [], [], []
-        offset = 0
-        for i, c in enumerate(codes.tolist()):
-            k = int(n[i])
-            feats += [self.rows[c, -k:], future[i]]
-            readies += [self.ready_rows[c, -k:], torch.zeros(H, dtype=torch.bool)]
-            o = self.ohlcv[c, -k:]
-            ohlcvs += [o, o[-1:].expand(H, 5)]  # the scheduled rows repeat the last close: its return reads 0
-            tss += [self.ts[c, -k:], next_ts[i, :H]]
-            syms.append(torch.full((k + H,), c, dtype=torch.int64))
-            last.append(offset + k - 1)
-            offset += k + H
-        ohlcv = torch.cat(ohlcvs)
-        sym = torch.cat(syms)
-        returns = next_log_returns(ohlcv[:, 3], segment=sym)
-        features = torch.cat(feats).reshape(-1, F)
-        split = assemble_split("live", self.symbols, torch.cat(tss), sym, ohlcv, features, torch.cat(readies), returns,
-                               self.feature_names, self.loaded.target_transform)
-        return split, torch.tensor(last, dtype=torch.int64)
+        only the known-future calendar inputs), each symbol's row of the bar just in, and the mask [P, K + H] of the
+        tail slots the split holds (:meth:`_tail_rows` lays other per-symbol buffers out the same way)."""
+        H, K, P = max(self.horizon, 1), self.tail, codes.numel()
+        n = torch.clamp(self.seen[codes], max=K)
+        keep = torch.cat((torch.arange(K) >= K - n[:, None], torch.ones(P, H, dtype=torch.bool)), 1)  # filled slots
 
-    def _tail_rows(self, buf: Tensor, codes: Tensor, split: Any, last: Tensor) -> Tensor:
+        def laid_out(tail: Tensor, ahead: Tensor) -> Tensor:  # [P, K, ...] and [P, H, ...] -> the split's rows
+            return torch.cat((tail, ahead), 1)[keep]
+
+        o = self.ohlcv[codes]
+        ohlcv = laid_out(o, o[:, -1:].expand(P, H, 5))  # the scheduled rows repeat the last close: its return reads 0
+        sym = laid_out(codes[:, None].expand(P, K), codes[:, None].expand(P, H))
+        features = laid_out(self.rows[codes], self._future_rows(next_ts[:, :H]))
+        ready = laid_out(self.ready_rows[codes], torch.zeros(P, H, dtype=torch.bool))
+        ts = laid_out(self.ts[codes], next_ts[:, :H])
+        returns = next_log_returns(ohlcv[:, 3], segment=sym)
+        split = assemble_split("live", self.symbols, ts, sym, ohlcv, features, ready, returns, self.feature_names,
+                               self.loaded.target_transform)
+        last = torch.cumsum(n + H, 0) - H - 1
+        return split, last, keep
+
+    def _tail_rows(self, buf: Tensor, codes: Tensor, keep: Tensor) -> Tensor:
         """[T, Z] a per-symbol tail buffer [S, K, Z] laid out as the tail split's rows (0 on the scheduled rows)."""
-        out = torch.zeros(len(split), buf.shape[-1], dtype=buf.dtype)
-        n = torch.clamp(self.seen[codes], max=self.tail)
-        for i, c in enumerate(codes.tolist()):
-            k, end = int(n[i]), int(last[i]) + 1
-            out[end - k : end] = buf[c, -k:]
-        return out
+        tail = buf[codes]
+        ahead = tail.new_zeros(tail.shape[0], keep.shape[1] - tail.shape[1], tail.shape[2])
+        return torch.cat((tail, ahead), 1)[keep]
 
     def _future_rows(self, next_ts: Tensor) -> Tensor:
         """[P, H, F] normalised rows of the scheduled bars: the known-future columns, NaN (read as 0) elsewhere."""
@@ -236,7 +217,7 @@ class LiveSession:
         """Each member's position for these symbols from its policy table's row at the bar just in, then the
         combination; the held positions move on."""
         model = self.model
-        split, last = self._tail_split(codes, next_ts)
+        split, last, keep = self._tail_split(codes, next_ts)
         decision, reset = split.valid, split.first_bar
         pos: dict[str, Tensor] = {}
         forecasts = model.forecasts(split, rows=last)
@@ -252,7 +233,7 @@ class LiveSession:
             now = model.stacked(split, rows=last)
             F = split.n_features
             self.stack[codes, -1] = now.features[last, F:]
-            z = self._tail_rows(self.stack, codes, split, last)
+            z = self._tail_rows(self.stack, codes, keep)
             inputs = replace(now, features=torch.cat((split.features, z), 1))
         for name in agents:
             pos[name] = self._agent_step(name, inputs, last, codes)
