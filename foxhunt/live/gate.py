@@ -34,30 +34,34 @@ class BarGate:
               ) -> tuple[list[str], Tensor, list[int]]:
         """The bars to trade at ``timestamp``: (symbols, OHLCV [P', 5], their indices in the input), after the checks
         against ``history`` (per symbol: its accepted timestamps [n] and OHLCV [n, 5], the latest last)."""
-        frames = []
-        for i, name in enumerate(symbols):
-            ts, past = history.get(name, (torch.zeros(0, dtype=torch.int64), torch.zeros(0, 5, dtype=torch.float64)))
-            ts, past = ts[-CONTEXT:], past[-CONTEXT:]
-            rows = np.concatenate([past.numpy(), ohlcv[i : i + 1].numpy()])
-            frame = pd.DataFrame(rows, columns=["open", "high", "low", "close", "volume"])
-            frame.insert(0, "timestamp", pd.to_datetime(np.append(ts.numpy(), timestamp), utc=True))
-            frame["symbol"] = name
-            frame["_row"] = np.arange(len(frame))
-            frame["_new"] = -1
-            frame.loc[len(frame) - 1, "_new"] = i
-            frames.append(frame)
-        if not frames:
+        if not symbols:
             return [], ohlcv[:0], []
-        frame = pd.concat(frames, ignore_index=True)
+        empty = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, 5, dtype=torch.float64))
+        parts = [tuple(t[-CONTEXT:] for t in history.get(name, empty)) for name in symbols]
+        sizes = np.array([len(ts) + 1 for ts, _ in parts])
+        stamps = np.concatenate([np.append(ts.numpy(), timestamp) for ts, _ in parts])
+        values = np.concatenate([np.concatenate([past.numpy(), ohlcv[i : i + 1].numpy()]) for i, (_, past) in
+                                 enumerate(parts)])
+        frame = pd.DataFrame(values, columns=["open", "high", "low", "close", "volume"])  # one frame, every symbol
+        frame.insert(0, "timestamp", pd.to_datetime(stamps, utc=True))
+        frame["symbol"] = np.repeat(np.asarray(list(symbols), dtype=object), sizes)
         frame["_row"] = np.arange(len(frame))
         when = pd.Timestamp(timestamp, unit="ns", tz="UTC").isoformat()
         try:
-            validate_bars(frame.drop(columns="_new"), self.source, "raise", self.jump_sigmas)
+            validate_bars(frame, self.source, "raise", self.jump_sigmas)
             return list(symbols), ohlcv, list(range(len(symbols)))
         except BadBarError:
             pass
+        ends = np.cumsum(sizes)
+        frames = []  # something is wrong: each symbol's bar on its own, with its own reason
+        for i, end in enumerate(ends):
+            one = frame.iloc[end - sizes[i] : end].reset_index(drop=True)
+            one["_row"] = np.arange(len(one))
+            one["_new"] = -1
+            one.loc[len(one) - 1, "_new"] = i
+            frames.append(one)
         names, values, kept_idx = [], [], []
-        for i, one in enumerate(frames):  # something is wrong: each symbol's bar on its own, with its own reason
+        for i, one in enumerate(frames):
             try:
                 validate_bars(one.drop(columns="_new"), self.source, "raise", self.jump_sigmas)
                 names.append(symbols[i])
