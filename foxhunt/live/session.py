@@ -142,20 +142,38 @@ class LiveSession:
         ``next_timestamps`` [P, H]: when the next H bars of each symbol will be (the known-future inputs' times; a
         replay knows them from its file, as the back-test does); None: each symbol's last spacing, repeated."""
         start = time.perf_counter_ns()
+        values, ready = self.feature_step(symbols, ohlcv, timestamp)
+        return self.decide_on(symbols, ohlcv, timestamp, values, ready, next_timestamps, started_ns=start)
+
+    @torch.no_grad()
+    def feature_step(self, symbols: Sequence[str], ohlcv: Tensor, timestamp: int) -> tuple[Tensor, Tensor]:
+        """Step this session's feature state by the bars of ``symbols``: their raw feature values [P, F] and whether
+        each is defined [P] (another session with the same feature names and symbols can decide on them too)."""
         codes = self.codes(symbols)
         P = codes.numel()
         bars = torch.as_tensor(ohlcv, dtype=torch.float64).reshape(P, 5)
-        ts = torch.full((P,), int(timestamp), dtype=torch.int64)
         S = len(self.symbols)
         full_ohlcv = torch.ones(S, 1, 5, dtype=torch.float64)
         full_ts = torch.zeros(S, 1, dtype=torch.int64)
         present = torch.zeros(S, 1, dtype=torch.bool)
-        full_ohlcv[codes, 0], full_ts[codes, 0], present[codes, 0] = bars, ts, True
+        full_ohlcv[codes, 0], full_ts[codes, 0], present[codes, 0] = bars, int(timestamp), True
         values, ready = self.features.update(full_ohlcv, full_ts, present)
-        rows = self.loaded.feature_normalizer(values[codes, 0]).clamp(-self.clip, self.clip)
+        return values[codes, 0], ready[codes, 0]
+
+    @torch.no_grad()
+    def decide_on(self, symbols: Sequence[str], ohlcv: Tensor, timestamp: int, values: Tensor, ready: Tensor,
+                  next_timestamps: Tensor | None = None, started_ns: int | None = None) -> Decision:
+        """Decide at ``timestamp`` from the raw feature values [P, F] and readiness [P] of :meth:`feature_step`
+        (this session's, or a session's with the same feature set); the tails and held positions move on."""
+        start = time.perf_counter_ns() if started_ns is None else started_ns
+        codes = self.codes(symbols)
+        P = codes.numel()
+        bars = torch.as_tensor(ohlcv, dtype=torch.float64).reshape(P, 5)
+        ts = torch.full((P,), int(timestamp), dtype=torch.int64)
+        rows = self.loaded.feature_normalizer(values).clamp(-self.clip, self.clip)
         seen = self.seen[codes]
         self.spacing[codes] = torch.where(seen > 0, ts - self.ts[codes, -1], self.spacing[codes])
-        self._push(codes, rows, ready[codes, 0], bars, ts)
+        self._push(codes, rows, ready, bars, ts)
         if next_timestamps is None:
             next_timestamps = regular_schedule(self.spacing.clamp_min(1))(codes, ts, self.horizon)
         positions, decided = self._decide(codes, torch.as_tensor(next_timestamps, dtype=torch.int64).reshape(P, -1))
