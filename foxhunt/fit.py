@@ -192,7 +192,7 @@ class FoxhuntCLI(LightningCLI):
         training: the training windows against the batch size, each member's start step and warm-up against its
         updates (a run shortened from the config's own trainer limits scales them), and the members' settings that
         outlast the run (:func:`foxhunt.lit.run_plan.check_plan`); a refusal is one ``ConfigError`` naming its key."""
-        from foxhunt.lit.run_plan import TrainerLimits, check_data, check_plan
+        from foxhunt.lit.run_plan import TrainerLimits, check_data, check_plan, check_trainer
 
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         source = config_source(config)
@@ -220,6 +220,8 @@ class FoxhuntCLI(LightningCLI):
             {n: model.member(n) for n in model.member_names}, len(loader), limits,
             None if reference is None else TrainerLimits.of(reference), source,
         )
+        check_trainer(trainer_settings, limits.batches_per_epoch(len(loader)), model.run_plan,
+                      {n: model.member(n).start_step for n in model.member_names}, source)
 
     def fit(self) -> dict[str, Any]:
         """Train, then export the best weights and back-test them on the test split."""

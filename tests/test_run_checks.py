@@ -223,3 +223,66 @@ def test_a_scaled_start_step_stays_after_the_first_step() -> None:
     check_plan({"dqn": dqn, "tft": _mamba(scheduler="none")}, 2000, TrainerLimits(max_epochs=1, limit_train_batches=10),
                reference=TrainerLimits(max_epochs=30, limit_train_batches=2000))
     assert dqn.start_step == 1
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"val_check_interval": 50}, r"^q\.yaml: trainer\.val_check_interval: 50, but an epoch runs 10 training batches "
+                                 r"and validation would never run; use at most 10"),
+    ({"val_check_interval": 1.5}, r"^q\.yaml: trainer\.val_check_interval: 1\.5, but a float is the share of an "
+                                  r"epoch's 10 training batches .* use a value in \(0, 1\]"),
+    ({"min_epochs": 3, "max_epochs": 1}, r"^q\.yaml: trainer\.min_epochs: 3, but trainer\.max_epochs is 1, which stops "
+                                         r"the fit first \(Lightning ignores min_epochs then\); use at most 1"),
+    ({"min_steps": 30, "max_steps": 20}, r"^q\.yaml: trainer\.min_steps: 30, but trainer\.max_steps is 20"),
+])
+def test_trainer_settings_lightning_would_refuse_in_fit_or_ignore_are_one_line_before_it(settings, message) -> None:
+    from foxhunt.lit.run_plan import check_trainer
+
+    with pytest.raises(ConfigError, match=message):
+        check_trainer({"check_val_every_n_epoch": 1, **settings}, 10, source="q.yaml: ")
+
+
+def test_trainer_settings_that_fit_pass_and_a_time_bound_run_warns_about_late_members() -> None:
+    from foxhunt.lit.run_plan import check_trainer
+
+    check_trainer({"check_val_every_n_epoch": 1, "val_check_interval": 10, "min_epochs": 1, "max_epochs": 1}, 10)
+    check_trainer({"check_val_every_n_epoch": None, "val_check_interval": 50}, 10)  # counted across epochs
+    check_trainer({"max_epochs": -1, "min_epochs": 3}, 10)  # unbounded epochs
+    with pytest.warns(UserWarning, match=r"trainer\.max_time 00:00:10:00 may stop this fit before a member starts "
+                                         r"\('dqn' at step 150\)"):
+        check_trainer({"max_time": "00:00:10:00"}, 10, paces={"tft": 0, "dqn": 150})
+
+
+def test_a_dqn_batch_larger_than_its_replay_is_refused_when_it_is_built() -> None:
+    with pytest.raises(ValueError, match=r"^batch_size=2048 exceeds replay_capacity=1024: .* use at most 1024"):
+        DQNModule(window=4, hidden=(8,), n_envs=8, episode_length=16, batch_size=2048, replay_capacity=1024,
+                  learning_starts=64)
+
+
+def test_a_val_check_interval_beyond_the_epoch_fails_before_the_trainer(tmp_path: Path, monkeypatch) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    from foxhunt.fit import build_cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(LightningCLI, "instantiate_trainer", lambda *a, **k: pytest.fail("the Trainer was built"))
+    with pytest.raises(ConfigError, match=r"tiny\.yaml: trainer\.val_check_interval: 100000, but an epoch runs \d+ "):
+        build_cli(["--config", TINY, "--trainer.val_check_interval", "100000"], plan_before_trainer=True)
+
+
+def test_a_tune_trials_trainer_keys_go_on_the_command_line_so_a_shortened_trial_scales(tmp_path: Path) -> None:
+    import yaml
+
+    from foxhunt.tune.space import compose_fit_config, load_tune_config, trainer_overrides
+
+    base = yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())
+    study = tmp_path / "tune.yaml"
+    study.write_text(yaml.safe_dump({
+        "base_config": str(CONFIGS / "quickstart.yaml"), "fixed": {"trainer.max_epochs": 1},
+        "search_space": {"model.members.dqn.optim.lr": {"type": "float", "low": 1e-4, "high": 1e-3, "log": True}}}))
+    cfg = load_tune_config(study)
+    params = {"model.members.dqn.optim.lr": 3e-4}
+    written = compose_fit_config(cfg, params, trainer=False)
+    assert written["trainer"] == base["trainer"]  # the run the config was sized for: the plan's reference
+    assert written["model"]["members"]["dqn"]["init_args"]["optim"]["lr"] == 3e-4
+    assert trainer_overrides(cfg, params) == ["--trainer.max_epochs", "1"]
+    assert compose_fit_config(cfg, params)["trainer"]["max_epochs"] == 1  # the best config written in full

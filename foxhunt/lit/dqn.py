@@ -233,6 +233,9 @@ class DQNModule(Agent):
             raise ValueError(f"n_envs must be >= 1, got {n_envs}")
         if replay_capacity < n_envs * max(2, n_step):
             raise ValueError(f"replay_capacity ({replay_capacity}) must hold at least {max(2, n_step)} steps of {n_envs} agents")
+        if batch_size > replay_capacity:
+            raise ValueError(f"batch_size={batch_size} exceeds replay_capacity={replay_capacity}: every batch would draw "
+                             f"the same transitions many times over; use at most {replay_capacity}, or raise replay_capacity")
         _check_warm_up(learning_starts, replay_capacity, n_envs, n_step)
         self.obs_noise = float(obs_noise)  # read every update: a plain attribute
         # derived from the data and the coordinator at bind time (plain attributes, never hyperparameters)

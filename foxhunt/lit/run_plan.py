@@ -156,6 +156,39 @@ def check_plan(
     return plan
 
 
+def check_trainer(settings: Mapping[str, Any], batches_per_epoch: int, plan: RunPlan | None = None,
+                  paces: Mapping[str, int] | None = None, source: str = "") -> None:
+    """The Trainer settings that bound or pace a fit, against each other and the batches an epoch runs, before the
+    Trainer is built (``ConfigError``, one line naming the key; Lightning would raise inside ``fit`` or ignore them):
+    ``val_check_interval``, ``min_epochs``/``min_steps`` beyond ``max_epochs``/``max_steps``; with ``max_time``, a
+    warning naming the members whose start step (``paces``: name -> start step) the time may never reach."""
+    vci = settings.get("val_check_interval")
+    every_epoch = settings.get("check_val_every_n_epoch", 1)
+    if isinstance(vci, bool):
+        raise ConfigError(f"{source}trainer.val_check_interval: {vci}, but it is a share of an epoch (a float in "
+                          "(0, 1]) or a number of training batches (an int)")
+    if isinstance(vci, float) and not 0.0 < vci <= 1.0:
+        raise ConfigError(f"{source}trainer.val_check_interval: {vci}, but a float is the share of an epoch's "
+                          f"{batches_per_epoch:,} training batches between validations; use a value in (0, 1], or an "
+                          f"int number of batches")
+    if isinstance(vci, int) and every_epoch is not None and vci > batches_per_epoch:
+        raise ConfigError(f"{source}trainer.val_check_interval: {vci}, but an epoch runs {batches_per_epoch:,} training "
+                          f"batches and validation would never run; use at most {batches_per_epoch}, a float share of "
+                          f"the epoch, or trainer.check_val_every_n_epoch null to count batches across epochs")
+    for low, high in (("min_epochs", "max_epochs"), ("min_steps", "max_steps")):
+        lo, hi = settings.get(low), settings.get(high)
+        if lo is not None and hi is not None and hi >= 0 and lo > hi:
+            raise ConfigError(f"{source}trainer.{low}: {lo}, but trainer.{high} is {hi}, which stops the fit first "
+                              f"(Lightning ignores {low} then); use at most {hi}, or raise trainer.{high}")
+    if settings.get("max_time") is not None and paces:
+        late = {n: s for n, s in paces.items() if s > 0}
+        if late:
+            starts = ", ".join(f"{n!r} at step {s:,}" for n, s in late.items())
+            rank_zero_warn(f"trainer.max_time {settings['max_time']} may stop this fit before a member starts ({starts}"
+                           f"{'' if plan is None else f' of {int(plan.steps):,} planned'}): a member that never "
+                           "trained is exported with its initial weights; bound the run by epochs or steps to be sure")
+
+
 def check_data(model: Any, dm: Any, source: str = "") -> None:
     """What the members need of the loaded data, before training (``model`` an ``EnsembleModule``, ``dm`` its data
     module, set up; ``ConfigError``, one line, naming the member's key): a forecaster's own lookback within the data's

@@ -27,6 +27,7 @@ from foxhunt.tune.space import (
     TuneConfigError,
     _check_search_space,
     compose_fit_config,
+    trainer_overrides,
     write_fit_config,
 )
 from foxhunt.tune.study import _budget_used, counts_toward_budget, default_storage_url, open_study
@@ -167,9 +168,11 @@ class FitObjective:
             raise TrialError("surplus trial: the study's budget is already taken")
         params = {p.key: p.suggest(trial) for p in self.cfg.search_space}
         out = self.trial_dir(trial.number)
+        overrides = trainer_overrides(self.cfg, params)
         config_path = write_fit_config(
-            compose_fit_config(self.cfg, params), out / "fit_config.yaml",
-            f"trial {trial.number} of study {self.study_name} (foxhunt.tune)\nparams: {json.dumps(params)}",
+            compose_fit_config(self.cfg, params, trainer=False), out / "fit_config.yaml",
+            f"trial {trial.number} of study {self.study_name} (foxhunt.tune)\nparams: {json.dumps(params)}"
+            + (f"\ntrainer on the command line: {' '.join(overrides)}" if overrides else ""),
         )
         trial.set_user_attr("log_dir", str(out))
         trial.set_user_attr("fit_config", str(config_path))
@@ -199,7 +202,8 @@ class FitObjective:
                                 "version": f"trial_{trial.number}", "default_hp_metric": False}}
         args = ["--config", str(config_path), "--trainer.logger", json.dumps(logger),
                 "--trainer.default_root_dir", str(out), "--export_dir", str(out / "export"), "--backtest", "false",
-                "--hparams_tab", "false"]  # the trial's hparams tab is the study's (its parameters against the objective)
+                "--hparams_tab", "false",  # the trial's hparams tab is the study's (its parameters against the objective)
+                *trainer_overrides(self.cfg, params)]
         if not self.cfg.progress_bar:
             args += ["--trainer.enable_progress_bar", "false"]
         sigint = signal.getsignal(signal.SIGINT)

@@ -337,12 +337,22 @@ def set_dotted(config: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def compose_fit_config(cfg: TuneConfig, params: Mapping[str, Any]) -> dict[str, Any]:
-    """The base fit config with the fixed keys and a trial's (decoded) parameters set."""
+def compose_fit_config(cfg: TuneConfig, params: Mapping[str, Any], trainer: bool = True) -> dict[str, Any]:
+    """The base fit config with the fixed keys and a trial's (decoded) parameters set; ``trainer=False`` leaves the
+    base config's ``trainer`` as it is (:func:`trainer_overrides` are then given on the command line)."""
     config = yaml.safe_load(cfg.base_config.read_text()) or {}
     for key, value in {**cfg.fixed, **params}.items():
-        set_dotted(config, key, value)
+        if trainer or not key.startswith("trainer."):
+            set_dotted(config, key, value)
     return config
+
+
+def trainer_overrides(cfg: TuneConfig, params: Mapping[str, Any]) -> list[str]:
+    """The fixed keys' and parameters' ``trainer.*`` settings as foxhunt.fit arguments: given on the command line,
+    not in the trial's config file, so that a trial shortened from the base config's run (e.g. ``fixed:
+    {trainer.max_epochs: 1}``) scales the settings that outlast it, as a shortened fit does (foxhunt.lit.run_plan)."""
+    return [arg for key, value in {**cfg.fixed, **params}.items() if key.startswith("trainer.")
+            for arg in (f"--{key}", json.dumps(value))]
 
 
 def decoded_params(cfg: TuneConfig, trial: FrozenTrial) -> dict[str, Any]:
