@@ -19,10 +19,11 @@ import torch
 from foxhunt.cli_errors import ArgumentParser, run_command
 from foxhunt.data.bars import DEFAULT_JUMP_SIGMAS, DataError
 from foxhunt.data.market import MarketSplit
-from foxhunt.evaluation.backtest import format_symbols, format_table, symbol_metrics
+from foxhunt.evaluation.backtest import PolicyEvaluation, format_symbols, format_table, symbol_metrics
 from foxhunt.evaluation.figures import equity_figure
 from foxhunt.export.load import LoadedEnsemble, load
 from foxhunt.export.metadata import overlap_with_training, seen_time_span
+from foxhunt.export.splits import training_split  # the back-test's own splits (also foxhunt.backtest.training_split)
 from foxhunt.files import write_json
 
 log = logging.getLogger("foxhunt.backtest")
@@ -43,6 +44,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--debug", action="store_true", help="a traceback for data and path errors too")
     parser.add_argument("--allow-overlap", action="store_true",
                         help="back-test --data bars that overlap the training/validation span (a second table shows the unseen bars)")
+    parser.add_argument("--backend", default="torch", choices=["torch", "onnxruntime", "onnxruntime-int8"],
+                        help="what the members compute on: torch, or ONNX Runtime on the export's float or int8 graphs "
+                        "(python -m foxhunt.export --onnx [--int8]); other than torch, a second table compares what "
+                        "it trades with the float export's trading")
     parser.add_argument("--out", default=None, help="output directory for backtest.json and equity.png (default: the export directory)")
     args = parser.parse_args(argv)
     if args.decisions is not None:
@@ -51,6 +56,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         parser.error("--checkpoint is required (or --decisions with --data)")
 
     loaded = load(args.checkpoint)
+    reference = None
+    if args.backend != "torch":  # the served model trades; the float torch export is what it is held against
+        from foxhunt.live.backend import use_backend
+
+        reference = load(args.checkpoint)
+        use_backend(loaded, args.checkpoint, args.backend)
     root = Path(args.checkpoint)
     root = root.parent if root.is_file() else root
     out = Path(args.out) if args.out else root
@@ -67,6 +78,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     if len(torch.unique(split.symbol_index)) > 1:  # the table is the book's; each symbol's own Sharpe beside it
         print("\n" + format_symbols(symbol_metrics(evaluation.positions, split, evaluation.cost_bps,
                                                     loaded.model.hparams.bars_per_year)))
+    if reference is not None:
+        _compare_served(reference, evaluation, args.backend)
     never_seen = loaded.unseen_symbols(split)
     if never_seen:  # the unseen-symbol rule (foxhunt.export.symbols): only members that do not read the symbol
         print(f"\nsymbols the model was never trained on (it knows {', '.join(loaded.symbols)}), traded by members "
@@ -79,6 +92,21 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     write_json(out / "backtest.json", evaluation.metrics)  # strict JSON: a figure without a value is null
     print(f"\nwrote {out / 'backtest.json'} and {out / 'equity.png'}")
     return evaluation.metrics
+
+
+def _compare_served(reference: LoadedEnsemble, evaluation: PolicyEvaluation, backend: str) -> None:
+    """Print what the served model trades against the float export on the same split, and add it to each policy's
+    metrics (``vs_float_changed_share``, ``vs_float_sharpe_change`` and its ``_se``: backtest.json has them)."""
+    from foxhunt.export.quantise import format_served_vs_float, served_vs_float
+
+    split = evaluation.split
+    rows = served_vs_float(reference.model.positions(split), evaluation.positions, split, evaluation.cost_bps,
+                           reference.model.hparams.bars_per_year)
+    print("\n" + format_served_vs_float(rows, backend))
+    for who, r in rows.items():
+        evaluation.metrics[who].update(vs_float_changed_share=r["changed_share"],
+                                       vs_float_sharpe_change=r["sharpe_change"],
+                                       vs_float_sharpe_change_se=r["sharpe_change_se"])
 
 
 def _score_log(args) -> dict[str, dict[str, float]]:
@@ -139,33 +167,6 @@ def _date(ns: int) -> str:
     import pandas as pd
 
     return f"{pd.Timestamp(ns, tz='UTC'):%Y-%m-%d %H:%M}"
-
-
-def training_split(loaded: LoadedEnsemble, name: str) -> MarketSplit:
-    """The named split of the training data, rebuilt from the export's data config with the exported statistics."""
-    import yaml
-
-    from foxhunt.data.datamodule import BarDataModule, split_returns
-
-    config = loaded.metadata.get("config")
-    cfg = yaml.safe_load(config) if isinstance(config, str) else (config or {})
-    data_args = dict(cfg.get("data", {}))
-    data_args["cache_dir"] = data_args.get("cache_dir")
-    dm = BarDataModule(**data_args)
-    bars = dm.load()
-    oracle = dm.oracle_mean
-    split = loaded.split(bars, name, oracle_mean=oracle)
-    if name == "all":
-        return split
-    dm.bars = bars
-    dm.setup()
-    mask = torch.zeros(len(split), dtype=torch.bool)
-    mask[torch.from_numpy(dm.split_rows[name])] = True
-    picked = split.select(mask)
-    # as the fit built it: a symbol's last row has no next return inside the split (it would run into a purged bar,
-    # the next split or past data.end), so it is no decision bar and every position is closed there
-    returns = split_returns(picked.returns, picked.symbol_index)
-    return replace(picked, returns=returns, valid=picked.valid & torch.isfinite(returns))
 
 
 if __name__ == "__main__":

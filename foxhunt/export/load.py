@@ -14,7 +14,14 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from foxhunt.data.market import MarketSpec, MarketSplit
-from foxhunt.export.metadata import ExportError, check_metadata, error_line, sha256_hex, show_value
+from foxhunt.export.metadata import (
+    ExportError,
+    check_metadata,
+    check_serving_files,
+    error_line,
+    sha256_hex,
+    show_value,
+)
 from foxhunt.export.symbols import coded_symbols, export_symbol_codes
 from foxhunt.export.traded import state_tensors, traded_network
 from foxhunt.lit.ensemble import EnsembleModule
@@ -106,6 +113,7 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> LoadedEn
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ExportError(f"{meta_path}: not valid JSON ({e})") from None
     check_metadata(meta, meta_path)
+    check_serving_files(root, meta)  # the ONNX graphs it lists (foxhunt.export.onnx), by their SHA-256
     data = meta["data"]
     feature_set = FeatureSet(data["feature_names"])
     files = _verified_tensors(root, meta, meta_path)

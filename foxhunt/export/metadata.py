@@ -81,7 +81,7 @@ _TOP_REQUIRED = (
     "format", "format_version", "versions", "ensemble", "members", "stack_ready", "spec", "data", "files", "sha256",
     "metadata_sha256",
 )
-_TOP_OPTIONAL = ("metrics", "config")
+_TOP_OPTIONAL = ("metrics", "config", "serving")
 _MEMBER_REQUIRED, _MEMBER_OPTIONAL = ("class_path", "init_args", "traded"), ("run", "updates")
 _SPEC_FIELDS = ("feature_names", "known_future", "symbols", "lookback", "horizon")
 _DATA_REQUIRED = (*_SPEC_FIELDS, "feature_clip", "target_transform")
@@ -261,6 +261,9 @@ def check_metadata(meta: Any, meta_path: Path) -> None:
             if not (ok and span[0] <= span[1]):
                 raise f.error(f"data.seen_span.{symbol}", f"must be [first, last] integer times, got {show_value(span)}")
 
+    if "serving" in meta:
+        _check_serving(f, meta["serving"], members)
+
     files = f.get(meta, "files", "", "object")
     expected = ["ensemble", *members]
     if sorted(files) != sorted(expected):
@@ -274,3 +277,77 @@ def check_metadata(meta: Any, meta_path: Path) -> None:
         raise f.error("sha256", f"has entries {sorted(sha256)}, files lists {sorted(files)}: each file needs one")
     for key in files:
         f.get(sha256, key, "sha256", "sha256")
+
+
+# serving: the members' networks in other formats (foxhunt.export.onnx, foxhunt.export.quantise), each file hashed
+SERVING_FORMATS = ("onnx", "onnx_int8")
+_SERVING_FIELDS = ("opset", "exporter", "checked_with", "members")
+_SERVING_OPTIONAL = ("quantisation",)
+_GRAPH_FIELDS = ("file", "sha256", "kind", "inputs", "outputs")
+_GRAPH_OPTIONAL = ("max_abs_diff_vs_torch",)
+_GRAPH_KINDS = ("forecaster", "dqn", "ppo_discrete", "ppo_continuous")
+
+
+def _check_serving(f: _Fields, serving: Any, members: dict[str, Any]) -> None:
+    """``serving.<format>.members.<name>``: a plain ``.onnx`` file name, its SHA-256, its kind and its named inputs and
+    outputs, for members of this export only."""
+    if not isinstance(serving, dict):
+        raise f.error("serving", f"must be a JSON object, got {show_value(serving)}")
+    f.keys(serving, "serving", (), SERVING_FORMATS)
+    for key, record in serving.items():
+        where = f"serving.{key}"
+        f.get(serving, key, "serving", "object")
+        f.keys(record, where, _SERVING_FIELDS, _SERVING_OPTIONAL)
+        f.get(record, "opset", where, "count")
+        for name, graph in f.get(record, "members", where, "object").items():
+            at = f"{where}.members.{name}"
+            if name not in members:
+                raise f.error(at, f"is not a member of this export (members: {', '.join(members)})")
+            f.get(record["members"], name, f"{where}.members", "object")
+            if "max_abs_diff_vs_torch" in graph:
+                f.get(graph, "max_abs_diff_vs_torch", at, "nonnegative")
+            f.keys(graph, at, _GRAPH_FIELDS, _GRAPH_OPTIONAL)
+            file = f.get(graph, "file", at, "str")
+            if not (file == Path(file).name and not file.startswith(".") and file.endswith(".onnx")):
+                raise f.error(f"{at}.file", f"must be a .onnx file name in the export folder, got {show_value(file)}")
+            f.get(graph, "sha256", at, "sha256")
+            if graph["kind"] not in _GRAPH_KINDS:
+                raise f.error(f"{at}.kind", f"must be one of {', '.join(_GRAPH_KINDS)}, got {show_value(graph['kind'])}")
+            for side in ("inputs", "outputs"):
+                ports = graph[side]
+                ok = isinstance(ports, list) and ports and all(
+                    isinstance(p, dict) and isinstance(p.get("name"), str) and isinstance(p.get("shape"), list)
+                    and isinstance(p.get("dtype"), str) for p in ports)
+                if not ok:
+                    raise f.error(f"{at}.{side}", f"must list {{name, shape, dtype}} objects, got {show_value(ports)}")
+
+
+def serving_bytes(root: Path, meta: dict[str, Any], key: str, member: str) -> bytes:
+    """The bytes of member ``member``'s ``serving.<key>`` graph, read once and checked against the SHA-256
+    metadata.json records (ExportError naming the file otherwise)."""
+    meta_path = root / "metadata.json"
+    record = (meta.get("serving") or {}).get(key)
+    if record is None:
+        raise ExportError(f"{meta_path}: serving.{key}: is missing (write it with python -m foxhunt.export "
+                          f"{'--onnx' if key == 'onnx' else '--onnx --int8'} {root})")
+    graph = record["members"].get(member)
+    if graph is None:
+        raise ExportError(f"{meta_path}: serving.{key}.members.{member}: is missing")
+    file = root / graph["file"]
+    if not file.is_file():
+        raise ExportError(f"{file}: missing, but {meta_path.name} serving.{key}.members.{member} lists it")
+    blob = file.read_bytes()
+    actual = sha256_hex(blob)
+    if actual != graph["sha256"]:
+        raise ExportError(
+            f"{file}: SHA-256 {actual[:16]}... differs from {graph['sha256'][:16]}... recorded in {meta_path.name} "
+            f"serving.{key}.members.{member}.sha256: the file is corrupt or was changed after export"
+        )
+    return blob
+
+
+def check_serving_files(root: Path, meta: dict[str, Any]) -> None:
+    """Every graph ``serving`` lists is present and has its recorded SHA-256 (what :func:`foxhunt.load` checks)."""
+    for key, record in (meta.get("serving") or {}).items():
+        for member in record["members"]:
+            serving_bytes(root, meta, key, member)
