@@ -332,8 +332,15 @@ class LiveSession:
         return info
 
 
-def open(path: str, features: Any | None = None) -> LiveSession:  # noqa: A001 - the session's verb, like io.open
-    """A live session of the export at ``path`` (verified by :func:`foxhunt.load`), flat until it is warmed up."""
+def open(path: str, features: Any | None = None, backend: str = "torch") -> LiveSession:  # noqa: A001 - like io.open
+    """A live session of the export at ``path`` (verified by :func:`foxhunt.load`), flat until it is warmed up;
+    ``backend``: what its members compute on (:data:`foxhunt.live.backend.BACKENDS`: torch, or ONNX Runtime on the
+    export's float or int8 graphs, :mod:`foxhunt.live.backend`)."""
     from foxhunt.export.load import load
 
-    return LiveSession(load(path), features)
+    loaded = load(path)
+    if backend != "torch":
+        from foxhunt.live.backend import use_backend
+
+        use_backend(loaded, path, backend)
+    return LiveSession(loaded, features)
