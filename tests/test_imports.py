@@ -112,7 +112,7 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("coordinator", ("foxhunt.lit.ensemble",)),
     ("export", ("foxhunt.export",)),
     ("live", ("foxhunt.live",)),
-    ("entry points", ("foxhunt", "foxhunt.fit", "foxhunt.backtest")),
+    ("entry points", ("foxhunt", "foxhunt.fit", "foxhunt.backtest", "foxhunt.compare")),
     ("runs of fits", ("foxhunt.walkforward", "foxhunt.tune")),
     ("quality", ("foxhunt.quality",)),
 )

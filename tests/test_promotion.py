@@ -22,7 +22,7 @@ from foxhunt.evaluation.promotion import (
     mixture_rho2,
     running_newey_west,
 )
-from foxhunt.quality.promotion_streams import paired_streams
+from foxhunt.quality.promotion_streams import paired_streams, promotion_rate
 
 STREAMS = 200
 
@@ -142,13 +142,8 @@ RULES = {
 
 
 def promotion_rates(rule: PromotionRule, n_streams: int, edge: float, n_challengers: int, seed: int) -> float:
-    """Share of the streams in which the rule promotes some challenger (after all their bars)."""
-    s = paired_streams(n_streams, 2_000, edge=edge, n_challengers=n_challengers, seed=seed)
-    hits = 0
-    for i in range(n_streams):
-        verdicts = rule.check(s.champion[i], {f"c{j}": s.challengers[i, j] for j in range(n_challengers)})
-        hits += any(v.decision == "promote" for v in verdicts.values())
-    return hits / n_streams
+    """Share of 2,000-bar streams in which the rule promotes some challenger."""
+    return promotion_rate(rule, n_streams, 2_000, edge, n_challengers, seed)
 
 
 def binomial_bound(n: int, p: float = 0.05, level: float = 0.99) -> float:

@@ -12,6 +12,7 @@ are :mod:`arch.bootstrap`'s, fed losses ``-returns``. The Sharpe-ratio differenc
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -21,6 +22,8 @@ import torch
 from scipy import stats
 
 from foxhunt.evaluation.hac import long_run_variance, politis_white_block_length
+from foxhunt.evaluation.sharpe_difference import sharpe_difference_test
+from foxhunt.evaluation.trading import pnl_figures
 
 Alternative = Literal["two-sided", "greater", "less"]
 ALTERNATIVES = ("two-sided", "greater", "less")
@@ -213,3 +216,84 @@ def model_confidence_set(
     p_values = {names[int(i)]: float(v) for i, v in pv.items()}
     included = tuple(names[int(i)] for i in mcs.included)
     return ModelConfidenceSet(included, p_values, size, block, reps)
+
+
+TABLE_WIDTH = 120  # the terminal the legend lines are wrapped for
+PAIRED_COLUMNS = (  # (key, header, format) of the paired table
+    ("sharpe", "Sharpe", "{:+.2f}"),
+    ("total_log_return", "log return", "{:+.4f}"),
+    ("sharpe_diff", "ΔSharpe", "{:+.2f}"),
+    ("sharpe_diff_se", "s.e. HAC", "{:.2f}"),
+    ("p_hac", "p HAC", "{:.3f}"),
+    ("p_boot", "p boot", "{:.3f}"),
+    ("dm", "DM", "{:+.2f}"),
+    ("dm_p", "p DM", "{:.3f}"),
+    ("mcs_p", "p MCS", "{:.3f}"),
+)
+
+
+def paired_report(returns: Mapping[str, torch.Tensor | np.ndarray], bars_per_year: float, n_boot: int = 999,
+                  seed: int = 0, mcs_size: float = 0.10) -> dict[str, object]:
+    """The paired table of strategies on the same bars, each against the first: Sharpe and total log return, the
+    Sharpe difference with its HAC s.e. and Ledoit & Wolf's two p-values, Diebold-Mariano (Newey-West, HLN,
+    two-sided); with three or more, Hansen's SPA of the others against the first and the model confidence set.
+    Annualised by ``bars_per_year``. JSON-able but for NaN (``foxhunt.files.json_safe``)."""
+    names = list(returns)
+    if len(names) < 2:
+        raise ValueError("a paired table needs at least two strategies")
+    series = {k: torch.as_tensor(np.asarray(returns[k], dtype=np.float64) if not isinstance(returns[k], torch.Tensor)
+                                 else returns[k].double().cpu()) for k in names}
+    _matrix(series)  # same bars, finite
+    first = names[0]
+    rows: dict[str, dict[str, float]] = {}
+    for name in names:
+        x = series[name]
+        _, sharpe, total, _, _ = pnl_figures(x, torch.ones_like(x, dtype=torch.bool), bars_per_year)
+        row = {"sharpe": float(sharpe), "total_log_return": float(total), "mean_per_bar": float(x.mean())}
+        if name != first:
+            test = sharpe_difference_test(x, series[first], bars_per_year, n_boot=n_boot, seed=seed)
+            dm = diebold_mariano(x, series[first])
+            row.update({"sharpe_diff": test.difference, "sharpe_diff_se": test.se, "p_hac": test.p_value,
+                        "p_boot": test.p_value_bootstrap, "dm": dm.statistic, "dm_p": dm.p_value, "dm_lags": dm.lags})
+        rows[name] = row
+    report: dict[str, object] = {"reference": first, "bars": int(series[first].numel()),
+                                 "bars_per_year": float(bars_per_year), "rows": rows, "spa": None, "mcs": None}
+    if len(names) >= 3:
+        others = {k: series[k].numpy() for k in names[1:]}
+        report["spa"] = superior_predictive_ability(series[first].numpy(), others, reps=n_boot, seed=seed).to_dict()
+        mcs = model_confidence_set({k: series[k].numpy() for k in names}, size=mcs_size, reps=n_boot, seed=seed)
+        report["mcs"] = mcs.to_dict()
+        for name in names:
+            rows[name]["mcs_p"] = mcs.p_values[name]
+    return report
+
+
+def format_paired_report(report: Mapping[str, object], title: str) -> str:
+    """The paired table as text: one row per strategy, the first the reference, then SPA and the MCS if present."""
+    rows: dict[str, dict[str, float]] = report["rows"]  # type: ignore[assignment]
+    cols = [c for c in PAIRED_COLUMNS if any(c[0] in r for r in rows.values())]
+    width = max(12, *(len(n) + 2 for n in rows))
+
+    def cell(v: object, fmt: str) -> str:
+        return fmt.format(v) if isinstance(v, int | float) and math.isfinite(v) else ("" if v is None else "n/a")
+
+    head = f"{'':<{width}}" + "".join(f"{label:>11}" for _, label, _ in cols)
+    lines = [f"{title}: {report['bars']:,} bars every strategy decides on, after costs; each against "
+             f"{report['reference']}", head, "-" * len(head)]
+    for name, r in rows.items():
+        lines.append(f"{name:<{width}}" + "".join(f"{cell(r.get(k), fmt):>11}" for k, _, fmt in cols))
+    lines.append(textwrap.fill(
+        "ΔSharpe: annualised Sharpe minus the reference's, its HAC s.e. and Ledoit & Wolf's (2008) two-sided p-values "
+        "(HAC delta method; studentised block bootstrap); DM: Diebold-Mariano on the per-bar return difference "
+        "(Newey-West, Harvey-Leybourne-Newbold, t), two-sided", TABLE_WIDTH))
+    spa, mcs = report.get("spa"), report.get("mcs")
+    if isinstance(spa, Mapping):
+        better = ", ".join(spa["spa_better"]) or "none"
+        lines.append(textwrap.fill(
+            f"Hansen's SPA, H0 no strategy beats {report['reference']}: p = {spa['spa_p_value']:.3f} (consistent; "
+            f"lower {spa['spa_p_value_lower']:.3f}, upper {spa['spa_p_value_upper']:.3f}); better at 5%: {better}",
+            TABLE_WIDTH))
+    if isinstance(mcs, Mapping):
+        lines.append(textwrap.fill(f"model confidence set at {1 - mcs['mcs_size']:.0%} (Hansen, Lunde & Nason 2011): "
+                                   + ", ".join(mcs["mcs_included"]) + "; p MCS: each one's MCS p-value", TABLE_WIDTH))
+    return "\n".join(lines)

@@ -1,5 +1,5 @@
 """Paired champion/challenger return streams with a known edge: the yardstick of the promotion rule's false-promotion
-rate and power (tests/test_promotion.py, scripts/bench_promotion.py).
+rate and power (``promotion_rate``; tests/test_promotion.py, scripts/bench_promotion.py).
 
 Every strategy's per-bar return is ``μ_i + β_i f_t + u_i,t``: a common market factor f with GARCH(1,1) volatility and
 Student-t innovations, plus the strategy's own AR(1) noise scaled by the same volatility (so the paired difference is
@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from foxhunt.evaluation.promotion import PromotionRule
 
 GARCH = (0.05, 0.10, 0.85)  # (ω, a, b) of the factor's variance: unconditional 1, persistent
 DAILY_VOL = 0.01  # the scale of the factor's return per bar
@@ -69,3 +71,15 @@ def paired_streams(n_streams: int, n_bars: int, edge: float | list[float] = 0.0,
     returns[..., 1:] += mean_edge
     returns = np.moveaxis(returns, 0, -1)  # [S, k+1, n]
     return PairedStreams(returns[:, 0], returns[:, 1:], mean_edge)
+
+
+def promotion_rate(rule: PromotionRule, n_streams: int, n_bars: int, edge: float = 0.0, n_challengers: int = 1,
+                   seed: int = 0) -> float:
+    """The share of ``n_streams`` simulated streams in which ``rule`` promotes some challenger, checked on all their
+    bars (a verdict depends only on the bars, so this is the share promoted when checked at every bar)."""
+    s = paired_streams(n_streams, n_bars, edge=edge, n_challengers=n_challengers, seed=seed)
+    hits = 0
+    for i in range(n_streams):
+        verdicts = rule.check(s.champion[i], {f"c{j}": s.challengers[i, j] for j in range(n_challengers)})
+        hits += any(v.decision == "promote" for v in verdicts.values())
+    return hits / n_streams
