@@ -234,6 +234,25 @@ class LiveSession:
     def _decide(self, codes: Tensor, next_ts: Tensor) -> tuple[dict[str, Tensor], Tensor]:
         """Each member's position for these symbols from its policy table's row at the bar just in, then the
         combination; the held positions move on."""
+        nets = self._forecaster_networks()
+        for net in nets:
+            net.cache_inference = True
+        try:
+            return self._decide_cached(codes, next_ts)
+        finally:
+            for net in nets:
+                net.cache_inference = False
+
+    def _forecaster_networks(self) -> list[Any]:
+        """The forecasters' networks (and stacking's snapshots) that keep an inference form between bars (the TFT's:
+        :class:`~foxhunt.models.tft_inference.TFTInference`), on only while this session decides."""
+        model = self.model
+        nets = [model.forecaster(n).network for n in model.forecaster_names]
+        if model.hparams.combine == "stack":
+            nets += [model.snapshots[n] for n in model.forecaster_names]
+        return [net for net in nets if hasattr(net, "cache_inference")]
+
+    def _decide_cached(self, codes: Tensor, next_ts: Tensor) -> tuple[dict[str, Tensor], Tensor]:
         model = self.model
         split, last, keep = self._tail_split(codes, next_ts)
         decision, reset = split.valid, split.first_bar

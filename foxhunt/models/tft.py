@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from foxhunt.models.tft_inference import TFTInference
 from foxhunt.models.variable_selection_fused import dropout_drops, fused_variable_selection
 
 
@@ -364,6 +365,12 @@ class TemporalFusionTransformer(nn.Module):
         self.quantile_head = nn.Linear(d, n_quantiles)
         self.register_buffer("causal_mask", _decoder_causal_mask(lookback, horizon), persistent=False)
         self.fused = fused  # every variable selection and dropout of the network
+        # an eval forward under torch.no_grad runs the inference form (TFTInference, built from the parameters once
+        # and kept until train()/eval()/load_state_dict; turning this off only stops using it): a live session turns
+        # it on around its decisions, its weights never changing; off by default, so fits and back-tests are as ever
+        self.cache_inference = False
+        self._inference: TFTInference | None = None
+        self.register_load_state_dict_post_hook(_drop_inference_form)
 
     @property
     def fused(self) -> bool:
@@ -375,6 +382,25 @@ class TemporalFusionTransformer(nn.Module):
         for module in self.modules():
             if isinstance(module, (VariableSelectionNetwork, GapDropout)):
                 module.fused = value
+
+    def drop_inference_form(self) -> None:
+        """Forget the built inference form (the next cached eval forward builds it from the parameters again)."""
+        self._inference = None
+
+    def train(self, mode: bool = True) -> TemporalFusionTransformer:
+        self._inference = None
+        return super().train(mode)
+
+    def _inference_form(self, like: Tensor) -> TFTInference | None:
+        """The inference form when this forward may use it (``cache_inference`` on, eval, no grad, no autocast, not
+        traced or compiled), built if it is not yet."""
+        if not self.cache_inference or self.training or torch.is_grad_enabled():
+            return None
+        if torch.is_autocast_enabled(like.device.type) or torch.jit.is_tracing() or torch.compiler.is_compiling():
+            return None
+        if self._inference is None or not self._inference.matches(like):
+            self._inference = TFTInference(self)
+        return self._inference
 
     def relative_time(self, steps: int, start: int, like: Tensor) -> Tensor:
         """Known time index (t - t0) / lookback for ``steps`` positions from ``start``, broadcast to [B, steps, 1]."""
@@ -394,6 +420,9 @@ class TemporalFusionTransformer(nn.Module):
             )
         if symbol is None:
             symbol = torch.zeros(b, dtype=torch.long, device=x_past.device)
+        form = self._inference_form(x_past)
+        if form is not None:
+            return form(x_past, x_future, symbol)
         if self.add_relative_time:
             x_past = torch.cat([x_past, self.relative_time(self.lookback, 1 - self.lookback, x_past)], dim=-1)
             x_future = torch.cat([x_future, self.relative_time(self.horizon, 1, x_past)], dim=-1)
@@ -428,6 +457,11 @@ class TemporalFusionTransformer(nn.Module):
         decoded = self.pre_output_gate(decoded, temporal[:, self.lookback :])
         prediction = self.quantile_head(decoded)
         return TFTOutput(prediction, static_weights, encoder_weights, decoder_weights, attention)
+
+
+def _drop_inference_form(module: TemporalFusionTransformer, incompatible_keys: object) -> None:
+    """load_state_dict's post-hook: new parameters, so the inference form built from the old ones goes."""
+    module.drop_inference_form()
 
 
 def _decoder_causal_mask(lookback: int, horizon: int) -> Tensor:

@@ -1,0 +1,181 @@
+"""The TFT's eval forward with everything that does not depend on the inputs computed once (its inference form).
+
+A live session forecasts one window a bar, where a :class:`~foxhunt.models.tft.TemporalFusionTransformer` forward
+is ~100 module calls on [1, L, *] tensors: dispatch, not arithmetic. :class:`TFTInference` is the same function of
+the same parameters (eval mode: no dropout), written for that case:
+
+- what depends on the symbol alone is computed once for every symbol: the static selection, the four static contexts,
+  the LSTM's initial state and the contexts' projections inside the selection and enrichment GRNs (folded into their
+  first layers' biases);
+- each variable selection's embeddings composed into the layers that read them once (the fused path's maths,
+  :mod:`foxhunt.models.variable_selection_fused`), its per-variable GRNs as a few grouped products on a variable-major
+  layout, in row chunks of ``pairs_per_chunk`` (row, variable) pairs like the fused path on CPU;
+- the attention's query, key and value projections as one product; layers called as functions, not modules.
+
+It reads its network's parameters when built and never again: :attr:`TemporalFusionTransformer.cache_inference`
+builds it on the first eval forward under ``torch.no_grad``, and ``train()``, ``eval()`` or ``load_state_dict``
+drop it. Tests hold it equal (float32 rounding) to the reference and fused paths; the live parity tests hold a
+session's positions identical to the back-test's, which runs the fused path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from foxhunt.models.tft import (
+        GateAddNorm,
+        GatedResidualNetwork,
+        TemporalFusionTransformer,
+        TFTOutput,
+        VariableSelectionNetwork,
+    )
+
+
+def _gate(g: GateAddNorm, x: Tensor, residual: Tensor) -> Tensor:
+    """GateAddNorm in eval mode: LayerNorm(residual + GLU(x))."""
+    z = F.glu(F.linear(x, g.glu.linear.weight, g.glu.linear.bias), dim=-1).add_(residual)
+    return F.layer_norm(z, g.norm.normalized_shape, g.norm.weight, g.norm.bias, g.norm.eps)
+
+
+def _grn(grn: GatedResidualNetwork, a: Tensor, fc2_bias: Tensor | None = None) -> Tensor:
+    """A GRN in eval mode; ``fc2_bias`` [B, 1, h] replaces its first layer's bias (a context folded in)."""
+    residual = a if grn.skip is None else F.linear(a, grn.skip.weight, grn.skip.bias)
+    if fc2_bias is None:
+        f2 = F.linear(a, grn.fc2.weight, grn.fc2.bias)
+    else:
+        f2 = F.linear(a, grn.fc2.weight).add_(fc2_bias)
+    return _gate(grn.gate, F.linear(F.elu(f2), grn.fc1.weight, grn.fc1.bias), residual)
+
+
+class _SelectionForm:
+    """One continuous variable selection's input-free parts: the scoring GRN's layers composed with the embeddings
+    (its context folded into the first layer's bias, per symbol) and the per-variable GRNs' parameters, variable-major."""
+
+    def __init__(self, vsn: VariableSelectionNetwork, context: Tensor | None) -> None:
+        v, e = vsn.n_variables, vsn.input_size
+        fg, g = vsn.flattened_grn, vsn.variable_grns
+        self.grn = fg
+        w2 = fg.fc2.weight.view(fg.hidden_size, v, e)
+        self.fc2_weight = torch.einsum("hve,ve->hv", w2, vsn.embed_weight)
+        bias = fg.fc2.bias + torch.einsum("hve,ve->h", w2, vsn.embed_bias)
+        self.per_symbol = fg.context is not None
+        if fg.context is not None:
+            if context is None:
+                raise ValueError("this variable selection was built with a context input; pass its context")
+            bias = bias + F.linear(context, fg.context.weight)  # [S, h]: one bias per symbol
+        self.fc2_bias = bias
+        if fg.skip is not None:
+            ws = fg.skip.weight.view(v, v, e)
+            self.skip_weight = torch.einsum("ove,ve->ov", ws, vsn.embed_weight)
+            self.skip_bias = fg.skip.bias + torch.einsum("ove,ve->o", ws, vsn.embed_bias)
+        else:  # embeddings of width 1: the residual is the embeddings themselves, x_v Ew_v + Eb_v
+            self.skip_weight, self.skip_bias = torch.diag(vsn.embed_weight[:, 0]), vsn.embed_bias[:, 0]
+        # per-variable GRNs on scalars: first layer and skip rank-1 in x_v (a x + b), [V, 1, *] to broadcast over rows
+        self.a2 = torch.einsum("ve,veh->vh", vsn.embed_weight, g.fc2_weight).unsqueeze(1)
+        self.b2 = (torch.einsum("ve,veh->vh", vsn.embed_bias, g.fc2_weight) + g.fc2_bias).unsqueeze(1)
+        if g.skip_weight is not None:
+            self.a_s = torch.einsum("ve,veo->vo", vsn.embed_weight, g.skip_weight).unsqueeze(1)
+            self.b_s = (torch.einsum("ve,veo->vo", vsn.embed_bias, g.skip_weight) + g.skip_bias).unsqueeze(1)
+        else:
+            self.a_s, self.b_s = vsn.embed_weight.unsqueeze(1), vsn.embed_bias.unsqueeze(1)
+        self.fc1_weight, self.fc1_bias = g.fc1_weight, g.fc1_bias.unsqueeze(1)
+        self.glu_weight, self.glu_bias = g.glu_weight, g.glu_bias.unsqueeze(1)
+        self.norm_weight, self.norm_bias = g.norm_weight.unsqueeze(1), g.norm_bias
+        self.d = g.output_size
+        self.rows = max(1, vsn.pairs_per_chunk // v)
+
+    def __call__(self, x: Tensor, symbol: Tensor) -> tuple[Tensor, Tensor]:
+        """x [B, T, V] scalars of symbols [B] -> (selected [B, T, d], weights [B, T, V])."""
+        b, t, v = x.shape
+        fg = self.grn
+        f2 = F.linear(x, self.fc2_weight).add_(self.fc2_bias[symbol].unsqueeze(1) if self.per_symbol else self.fc2_bias)
+        residual = F.linear(x, self.skip_weight, self.skip_bias)
+        weights = torch.softmax(_gate(fg.gate, F.linear(F.elu(f2), fg.fc1.weight, fg.fc1.bias), residual), dim=-1)
+        flat_x, flat_w = x.reshape(-1, v).t(), weights.reshape(-1, v).t()  # [V, N]
+        n = flat_x.shape[1]
+        if n <= self.rows:
+            out = self._grns(flat_x, flat_w)
+        else:
+            out = torch.cat([self._grns(flat_x[:, r : r + self.rows], flat_w[:, r : r + self.rows])
+                             for r in range(0, n, self.rows)])
+        return out.view(b, t, self.d), weights
+
+    def _grns(self, x: Tensor, w: Tensor) -> Tensor:
+        """sum_v w[v, n] GRN_v(x[v, n]) for x, w [V, R] -> [R, d]."""
+        xc = x.unsqueeze(-1)
+        eta = torch.baddbmm(self.fc1_bias, F.elu(torch.addcmul(self.b2, xc, self.a2)), self.fc1_weight)
+        z = F.glu(torch.baddbmm(self.glu_bias, eta, self.glu_weight), dim=-1).addcmul_(xc, self.a_s).add_(self.b_s)
+        ln = F.layer_norm(z, (self.d,)).mul_(self.norm_weight).mul_(w.unsqueeze(-1))  # w (LN(z) gamma), then + w beta
+        return ln.sum(0).addmm_(w.t(), self.norm_bias)
+
+
+class TFTInference:
+    """``net``'s eval forward with its input-free parts computed once (see the module docstring)."""
+
+    def __init__(self, net: TemporalFusionTransformer) -> None:
+        from foxhunt.models.tft import TFTOutput  # tft.py imports this module
+
+        self.net, self.output = net, TFTOutput
+        p = net.quantile_head.weight
+        self.device, self.dtype = p.device, p.dtype
+        with torch.no_grad():
+            symbols = torch.arange(net.n_symbols, device=p.device)
+            static, static_weights = net.static_selection(net.symbol_embedding(symbols).unsqueeze(1))
+            c_selection = net.static_context_selection(static)
+            c_enrichment = net.static_context_enrichment(static)
+            c_h, c_c = net.static_context_state_h(static), net.static_context_state_c(static)
+            self.static_weights = static_weights  # [S, 1]
+            self.h0, self.c0 = c_h, c_c  # [S, d]
+            self.encoder = _SelectionForm(net.encoder_selection, c_selection)
+            self.decoder = _SelectionForm(net.decoder_selection, c_selection)
+            enrich = net.static_enrichment
+            assert enrich.context is not None
+            self.enrich_bias = (enrich.fc2.bias + F.linear(c_enrichment, enrich.context.weight)).unsqueeze(1)
+            att = net.attention
+            self.qkv_weight = torch.cat([att.query.weight, att.key.weight, att.value.weight])
+            self.qkv_bias = torch.cat([att.query.bias, att.key.bias, att.value.bias])
+            one = torch.ones(1, 1, 1, device=p.device, dtype=p.dtype)
+            self.past_time = net.relative_time(net.lookback, 1 - net.lookback, one)  # [1, L, 1]
+            self.future_time = net.relative_time(net.horizon, 1, one)  # [1, H, 1]
+
+    def matches(self, like: Tensor) -> bool:
+        """Whether the parameters are still on the device and in the dtype this form was built from."""
+        p = self.net.quantile_head.weight
+        return p.device == self.device and p.dtype == self.dtype and like.dtype == self.dtype
+
+    def __call__(self, x_past: Tensor, x_future: Tensor, symbol: Tensor) -> TFTOutput:
+        """The same as ``net(x_past, x_future, symbol)`` in eval mode (inputs already checked by the network)."""
+        net = self.net
+        b, L, H, d = x_past.shape[0], net.lookback, net.horizon, net.hidden_size
+        if net.add_relative_time:
+            x_past = torch.cat([x_past, self.past_time.expand(b, L, 1)], dim=-1)
+            x_future = torch.cat([x_future, self.future_time.expand(b, H, 1)], dim=-1)
+        past, encoder_weights = self.encoder(x_past, symbol)
+        future, decoder_weights = self.decoder(x_future, symbol)
+        layers = net.lstm_layers
+        h0 = self.h0[symbol].unsqueeze(0).expand(layers, -1, -1).contiguous()
+        c0 = self.c0[symbol].unsqueeze(0).expand(layers, -1, -1).contiguous()
+        enc_out, state = net.lstm_encoder(past, (h0, c0))
+        dec_out, _ = net.lstm_decoder(future, state)
+        temporal = _gate(net.post_lstm_gate, torch.cat([enc_out, dec_out], 1), torch.cat([past, future], 1))
+        enriched = _grn(net.static_enrichment, temporal, self.enrich_bias[symbol])
+        att = net.attention
+        nh, dh = att.n_heads, att.head_size
+        qkv = F.linear(enriched, self.qkv_weight, self.qkv_bias)
+        qh = qkv[:, L:, :d].reshape(b, H, nh, dh).transpose(1, 2)
+        kh = qkv[:, :, d : 2 * d].reshape(b, L + H, nh, dh).transpose(1, 2)
+        scores = torch.matmul(qh, kh.transpose(-1, -2)).div_(math.sqrt(dh))
+        attention = torch.softmax(scores.masked_fill_(net.causal_mask, torch.finfo(scores.dtype).min), dim=-1)
+        heads = torch.matmul(attention, qkv[:, :, 2 * d :].unsqueeze(1))  # [B, h, H, dh]
+        queries = enriched[:, L:]
+        attended = F.linear(heads.mean(dim=1), att.out.weight, att.out.bias)
+        decoded = _grn(net.positionwise_grn, _gate(net.post_attention_gate, attended, queries))
+        decoded = _gate(net.pre_output_gate, decoded, temporal[:, L:])
+        prediction = F.linear(decoded, net.quantile_head.weight, net.quantile_head.bias)
+        return self.output(prediction, self.static_weights[symbol], encoder_weights, decoder_weights, attention)
