@@ -1,35 +1,37 @@
 """``python -m foxhunt.live``: an export trading a replayed file or a live stdin feed, with a decision log, a saved
-state (a restart continues exactly), the bar checks of ``load_bars`` and a status line."""
+state (a restart continues exactly), the bar checks of ``load_bars`` and a status line; with ``--challenger``, exports
+shadowing it under a promotion rule declared before the stream (:mod:`foxhunt.live.shadow`), a registry of who traded
+when (``--registry``, ``--show``) and scheduled retraining (``--retrain-every``, :mod:`foxhunt.live.retrain`)."""
 
 from __future__ import annotations
 
 import argparse
 import signal
 import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from foxhunt.data.bars import DEFAULT_JUMP_SIGMAS
 from foxhunt.live.gate import BarGate
-from foxhunt.live.log import DecisionLog
 from foxhunt.live.replay import BarsAt, replay
-from foxhunt.live.session import Decision, LiveSession
+from foxhunt.live.session import LiveSession
+from foxhunt.live.shadow import ShadowRunner, rows_of
 from foxhunt.live.state import META
-from foxhunt.trading.pnl import cost_log_returns, position_log_returns
+
+__all__ = ["main", "parse_args", "rows_of", "run"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m foxhunt.live", description=__doc__)
-    p.add_argument("--checkpoint", required=True, help="the export directory (foxhunt.fit's export)")
-    src = p.add_mutually_exclusive_group(required=True)
+    p.add_argument("--checkpoint", help="the export directory (foxhunt.fit's export): the champion, whose positions "
+                   "are traded")
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--replay", help="a DBN/CSV/Parquet bar file replayed as a feed")
     src.add_argument("--source", choices=["stdin"], help="bars on stdin, as they arrive")
     p.add_argument("--format", choices=["csv", "dbn"], default="csv", help="stdin's format (default csv)")
-    p.add_argument("--decisions", required=True, help="the decision log (a directory of Parquet parts)")
+    p.add_argument("--decisions", help="the decision log (a directory of Parquet parts)")
     p.add_argument("--state", help="where the session state is saved and resumed from (default DECISIONS.state)")
     p.add_argument("--warmup", help="a history file replayed first, undecided and unlogged (a cold start is flat)")
     p.add_argument("--log-features", action="store_true", help="log the normalised feature vector the members saw")
@@ -38,25 +40,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--flush-every", type=int, default=100, help="bars between log parts and state saves")
     p.add_argument("--status-every", type=int, default=1000, help="bars between status lines (0: none)")
     p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--backend", choices=["torch", "onnxruntime", "onnxruntime-int8"], default="torch",
+                   help="what every export's members compute on: torch, or ONNX Runtime on its float or int8 graphs "
+                   "(written by python -m foxhunt.export --onnx [--int8]; docs/SERVING.md)")
     p.add_argument("--debug", action="store_true", help="a traceback instead of one line on errors")
-    return p.parse_args(argv)
-
-
-class Account:
-    """The ensemble's running after-cost log return per symbol, the exact P&L of foxhunt.trading.pnl."""
-
-    def __init__(self, n: int, cost_bps: float) -> None:
-        self.position = torch.zeros(n, dtype=torch.float64)
-        self.close = torch.full((n,), float("nan"), dtype=torch.float64)
-        self.pnl = torch.zeros(n, dtype=torch.float64)
-        self.cost_bps = cost_bps
-
-    def book(self, codes: torch.Tensor, close: torch.Tensor, position: torch.Tensor) -> None:
-        r = torch.log(close / self.close[codes])
-        gross = position_log_returns(self.position[codes], torch.expm1(torch.nan_to_num(r, nan=0.0)))
-        cost = cost_log_returns((position.double() - self.position[codes]).abs(), self.cost_bps)
-        self.pnl[codes] += gross + cost
-        self.close[codes], self.position[codes] = close, position.double()
+    shadow = p.add_argument_group("champion and challengers (docs/LIVE.md)")
+    shadow.add_argument("--challenger", action="append", default=[], metavar="EXPORT",
+                        help="an export shadowing the champion on the same bars, logged as if traded (repeatable)")
+    shadow.add_argument("--promotion-min-bars", type=int, default=500, help="no verdict before this many paired bars")
+    shadow.add_argument("--promotion-alpha", type=float, default=0.05, help="the false-promotion rate (family-wise)")
+    shadow.add_argument("--promotion-method", choices=["fixed", "sequential"], default="fixed",
+                        help="fixed: one test at the horizon; sequential: always valid, checked every bar")
+    shadow.add_argument("--promotion-horizon", type=int, help="fixed: the test's bars (default: min bars); "
+                        "sequential: the champion is kept there if undecided")
+    shadow.add_argument("--registry", help="the JSON-lines registry of who traded when (default "
+                        "DECISIONS.registry.jsonl); with --show: the one to print")
+    shadow.add_argument("--show", action="store_true", help="print --registry as a table and exit")
+    shadow.add_argument("--retrain-every", metavar="N|DURATION", help="retrain every N bars or a duration of bar time "
+                        "(30d, 12h) in a separate process on the bars seen so far; its export starts as a challenger")
+    shadow.add_argument("--retrain-config", help="the config retrained (default: the one the export records)")
+    args = p.parse_args(argv)
+    if args.show:
+        if not args.registry:
+            p.error("--show needs --registry FILE")
+    elif not (args.checkpoint and args.decisions and (args.replay or args.source)):
+        p.error("the following arguments are required: --checkpoint, --decisions and one of --replay, --source")
+    return args
 
 
 def feed(args: argparse.Namespace, session: LiveSession) -> Iterator[BarsAt]:
@@ -72,22 +81,6 @@ def feed(args: argparse.Namespace, session: LiveSession) -> Iterator[BarsAt]:
     yield from group_by_time(bars, symbols=len(session.symbols))
 
 
-def rows_of(d: Decision, latency_us: float, session: LiveSession, features: bool) -> list[dict]:
-    """The decision log's rows of one decision."""
-    out = []
-    for i, name in enumerate(d.symbols):
-        row = {"ts_event": d.timestamp, "symbol": name}
-        row.update(dict(zip(("open", "high", "low", "close", "volume"), d.bars[i].tolist(), strict=True)))
-        row.update({k: float(v[i]) for k, v in d.positions.items()})
-        row.update({"ready": bool(d.ready[i]), "latency_us": float(latency_us)})
-        if features:
-            c = session.symbols.index(name)
-            row.update({f"feature.{f}": float(x) for f, x in zip(session.feature_names, session.rows[c, -1].tolist(),
-                                                                   strict=True)})
-        out.append(row)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -99,73 +92,93 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def run(args: argparse.Namespace) -> int:
-    from foxhunt.live.session import open as open_session
+def build_runner(args: argparse.Namespace) -> ShadowRunner:
+    """The champion, its challengers, the promotion rule, the registry and the retraining schedule of the command."""
+    from foxhunt.evaluation.promotion import PromotionRule
+    from foxhunt.live.registry import Registry
+    from foxhunt.live.retrain import Retrainer
 
+    rule = None
+    if args.challenger or args.retrain_every:
+        rule = PromotionRule(min_bars=args.promotion_min_bars, alpha=args.promotion_alpha,
+                             method=args.promotion_method, horizon=args.promotion_horizon)
+    retrainer = None
+    if args.retrain_every:
+        from foxhunt.export.load import load
+
+        metadata = None if args.retrain_config else load(args.checkpoint).metadata
+        retrainer = Retrainer(args.retrain_every, f"{args.decisions}.retrain", args.retrain_config, metadata,
+                              args.warmup)
+    gate = BarGate(args.on_bad_bar, args.jump_sigmas, source=args.replay or "stdin")
+    return ShadowRunner(args.checkpoint, args.challenger, args.decisions, args.state or f"{args.decisions}.state",
+                        gate, rule, Registry(args.registry or f"{args.decisions}.registry.jsonl"), args.log_features,
+                        retrainer)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.show:
+        from foxhunt.live.registry import show
+
+        show(args.registry)
+        return 0
     torch.set_num_threads(args.torch_threads)
-    session = open_session(args.checkpoint)
-    state_dir = Path(args.state or f"{args.decisions}.state")
-    info = session.restore(state_dir) if (state_dir / META).is_file() else {}
-    if not info and args.warmup:
+    runner = build_runner(args)
+    if args.backend != "torch":  # the serving backend of every export the run opened (foxhunt.live.backend)
+        from foxhunt.live.backend import use_backend
+
+        for model in runner.models:
+            use_backend(model.session.loaded, model.path, args.backend)
+    warmup = None
+    if args.warmup and not (runner.state_dir / META).is_file():
         from foxhunt.data.io import load_bars
 
-        for b in replay(load_bars(args.warmup, on_bad_bar="raise"), session.horizon):
-            session.on_bar(b.symbols, b.ohlcv, b.timestamp, b.next_timestamps)
-    log = DecisionLog(args.decisions, parts=int(info.get("parts", 0)))
-    done_until = info.get("last_timestamp")
-    gate = BarGate(args.on_bad_bar, args.jump_sigmas, source=args.replay or "stdin")
-    gate.counts.update(info.get("bad_bars", {}))
-    account = Account(len(session.symbols), float(session.model.hparams.cost_bps))
+        warmup = load_bars(args.warmup, on_bad_bar="raise")
+    runner.start(warmup)
+    done_until = runner.last_ts
     stop = {"now": False}
 
     def on_signal(signum: int, frame: object) -> None:
         stop["now"] = True
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    bars, latencies, last_ts = int(info.get("bars", 0)), [], done_until
+    latencies: list[float] = []
 
-    def save() -> None:
-        parts = log.flush()
-        session.save(state_dir, parts=parts, last_timestamp=last_ts, bars=bars, bad_bars=dict(gate.counts))
+    def say() -> None:
+        for line in [*runner.gate.take_messages(), *runner.messages]:
+            print(line, file=sys.stderr)
+        runner.messages.clear()
 
     try:
-        for b in feed(args, session):
+        for b in feed(args, runner.champion.session):
             if done_until is not None and b.timestamp <= done_until:
                 continue  # decided before the restart (a replay resumes after its saved state)
-            start = time.perf_counter_ns()
-            names, ohlcv, kept = gate.admit(b.symbols, b.ohlcv, b.timestamp, {s: session.history(s) for s in b.symbols})
-            for line in gate.take_messages():
-                print(line, file=sys.stderr)
-            if names:
-                ahead = b.next_timestamps[kept] if b.next_timestamps.shape[1] else None
-                d = session.on_bar(names, ohlcv, b.timestamp, ahead)
-                latency = (time.perf_counter_ns() - start) / 1e3
-                latencies.append(latency)
-                log.append(rows_of(d, latency, session, args.log_features))
-                account.book(session.codes(names), ohlcv[:, 3], d.positions["ensemble"])
-            bars += 1
-            last_ts = b.timestamp
-            if bars % args.flush_every == 0:
-                save()
-            if args.status_every and bars % args.status_every == 0:
-                status(bars, account, latencies, gate)
+            d = runner.on_bar(b)
+            say()
+            if d is not None:
+                latencies.append(d.latency_us)
+            if runner.bars % args.flush_every == 0:
+                runner.save()
+            if args.status_every and runner.bars % args.status_every == 0:
+                status(runner, latencies)
             if stop["now"]:
                 break
     finally:
-        save()
+        runner.close()
+        say()
         for s, handler in previous.items():
             signal.signal(s, handler)
     if args.status_every:
-        status(bars, account, latencies, gate)
+        status(runner, latencies)
     return 0
 
 
-def status(bars: int, account: Account, latencies: list[float], gate: BarGate) -> None:
-    """One status line: bars, ensemble positions, P&L, latency p50/p99, bad bars."""
+def status(runner: ShadowRunner, latencies: list[float]) -> None:
+    """One status line: bars, the champion, its positions, the traded P&L, latency p50/p99, bad bars."""
     from rich.console import Console
 
     lat = np.asarray(latencies[-10_000:]) if latencies else np.zeros(1)
+    others = f" (+{len(runner.challengers)} challengers)" if runner.challengers else ""
     Console(stderr=True, highlight=False).print(
-        f"[bold]live[/] bars {bars}  positions {account.position.tolist()}  P&L {float(account.pnl.sum()):+.5f}  "
-        f"latency p50 {np.percentile(lat, 50):.0f} µs p99 {np.percentile(lat, 99):.0f} µs  "
-        f"bad bars {dict(gate.counts) or 0}")
+        f"[bold]live[/] bars {runner.bars}  champion {runner.champion.label}{others}  positions "
+        f"{runner.traded_book.held.tolist()}  P&L {runner.traded_pnl:+.5f}  latency p50 {np.percentile(lat, 50):.0f} µs "
+        f"p99 {np.percentile(lat, 99):.0f} µs  bad bars {dict(runner.gate.counts) or 0}")
