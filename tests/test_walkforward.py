@@ -263,3 +263,39 @@ def test_a_layout_without_finished_folds_is_replaced(tmp_path) -> None:
     (fold_dir(tmp_path, 0) / "done.json").write_text("{}")
     with pytest.raises(WalkForwardError, match="differs in"):
         settle_layout(tmp_path, first)  # now a finished fold belongs to the layout on disk
+
+
+def test_each_fold_is_reported_against_the_previous_folds_model_on_its_stretch(uninterrupted, capsys) -> None:
+    """Fold k's done.json and the gathered table hold fold k's ensemble against fold k-1's export, both trading fold
+    k's test stretch as an account of its own: fold k's row is its own per-fold figure, fold k-1's the previous
+    export's back-test on that stretch, recomputed here."""
+    from foxhunt.evaluation.backtest import policy_pnl
+    from foxhunt.evaluation.trading import pnl_figures
+    from foxhunt.walkforward.gather import format_versus_previous
+    from foxhunt.walkforward.plan import Fold
+    from foxhunt.walkforward.score import own_account
+
+    out, table = uninterrupted
+    layout = json.loads((out / "layout.json").read_text())
+    per_fold = table["per_fold"]
+    assert per_fold[0]["versus_previous"] is None
+    bars = BarDataModule(synthetic_bars=4000, signal_strength=0.3, lookback=12, horizon=3, cache_dir=None,
+                         features=["logret_1"], known_future=[]).load()
+    for f in per_fold[1:]:
+        k, vs = f["fold"], f["versus_previous"]
+        assert vs == json.loads((out / f"fold_{k}" / "done.json").read_text())["versus_previous"]
+        assert vs["fold"] == k - 1 and vs["reference"] == f"fold {k - 1}"
+        assert list(vs["rows"]) == [f"fold {k - 1}", f"fold {k}"] and vs["bars"] == f["decision_bars"]
+        own = vs["rows"][f"fold {k}"]
+        assert own["sharpe"] == pytest.approx(f["policies"]["ensemble"]["sharpe"], abs=1e-12)
+        previous = foxhunt.load(out / f"fold_{k - 1}" / "export")
+        split = previous.split(bars)
+        stretch = split.select(Fold(**layout["folds"][k]).contains(split.timestamps))
+        held, account = own_account({"e": previous.model.evaluate(stretch).positions["ensemble"]}, stretch)
+        pnl = policy_pnl(held["e"], account, table["cost_bps"])
+        sharpe = float(pnl_figures(pnl, torch.ones_like(pnl, dtype=torch.bool), table["bars_per_year"])[1])
+        assert vs["rows"][f"fold {k - 1}"]["sharpe"] == pytest.approx(sharpe, abs=1e-12)
+        for key in ("sharpe_diff", "sharpe_diff_se", "p_hac", "p_boot", "dm", "dm_p"):
+            assert key in own
+    text = format_versus_previous(per_fold)
+    assert "against the previous fold's" in text and len(text.splitlines()) == 3 + len(per_fold) - 1

@@ -1,4 +1,5 @@
-"""One fold: train it through foxhunt.fit, export it, trade only its own test stretch with that export."""
+"""One fold: train it through foxhunt.fit, export it, trade only its own test stretch with that export (and the
+previous fold's export beside it on that stretch)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from foxhunt.data.bars import utc_ns
 from foxhunt.files import atomic_file, json_safe, write_json
 from foxhunt.walkforward.plan import DONE, WalkForwardError, fold_dir, folds_of
 from foxhunt.walkforward.score import own_account, score
+from foxhunt.walkforward.versus_previous import POLICY, versus_previous
 
 if TYPE_CHECKING:
     from foxhunt.walkforward.fit_config import FitConfig
@@ -74,6 +76,8 @@ def run_fold(fit: FitConfig, layout: dict[str, Any], k: int, out: Path) -> dict[
                      significance=False)  # significance at gather
     for policy, extra in evaluation.metrics.items():  # members' updates and ensemble weights, for the table's marks
         metrics[policy].update({key: extra[key] for key in ("updates", "weight") if key in extra})
+    previous = versus_previous(out, fold, bars, test, positions[POLICY], evaluation.cost_bps, layout["bars_per_year"],
+                               oracle_mean)  # the previous fold's model on this stretch, beside this fold's
 
     tensors = {"timestamps": test.timestamps, "symbol_index": test.symbol_index, "ohlcv": test.ohlcv,
                "returns": test.returns, "valid": test.valid}
@@ -93,6 +97,7 @@ def run_fold(fit: FitConfig, layout: dict[str, Any], k: int, out: Path) -> dict[
         "export": "export",
         "positions": POSITIONS,
         "metrics": metrics,
+        "versus_previous": previous,
         "seconds": round(time.monotonic() - start, 1),
         "fit_args": args,
     }

@@ -93,7 +93,7 @@ def gather(out: Path, figure: bool = True, n_boot: int | None = None) -> dict[st
             m.update({key: meta["metrics"][policy][key] for key in ("updates", "weight") if key in meta["metrics"][policy]})
         per_fold.append({**meta["cuts"], "fold": meta["fold"], "bars": len(split), "decision_bars": int(split.valid.sum()),
                          "first": iso_utc(int(split.timestamps.min())), "last": iso_utc(int(split.timestamps.max())),
-                         "policies": metrics})
+                         "policies": metrics, "versus_previous": meta.get("versus_previous")})
     per_symbol = symbol_metrics(*own_account(oos.positions, oos.split, gap), cost, bpy) \
         if len(torch.unique(oos.split.symbol_index)) > 1 else {}
     missing = [f.index for f in folds_of(layout) if not is_done(out, f.index)]
@@ -121,6 +121,8 @@ def gather(out: Path, figure: bool = True, n_boot: int | None = None) -> dict[st
     if per_symbol:
         print("\n" + format_symbols(per_symbol))
     print("\n" + format_folds(per_fold))
+    if any(f["versus_previous"] is not None for f in per_fold):
+        print("\n" + format_versus_previous(per_fold))
     if missing:
         print(f"\nnot finished yet: folds {missing}")
     print(f"\nwrote {out / TABLE}" + (f" and {out / FIGURE}" if figure else ""))
@@ -169,4 +171,26 @@ def format_folds(per_fold: list[dict[str, Any]]) -> str:
         span = f"{f['first'][:16]} .. {f['last'][:16]}"
         rows.append(f"{f['fold']:<5}{span:<36}{f['bars']:>7}"
                     + "".join(f"{_cell(f['policies'][p].get('sharpe'), '{:+.2f}'):>14}" for p in policies))
+    return "\n".join(rows)
+
+
+def format_versus_previous(per_fold: list[dict[str, Any]]) -> str:
+    """One row per fold from the second: the previous fold's model and this fold's on this fold's stretch."""
+    head = (f"{'fold':<6}{'bars':>7}{'Sharpe prev':>13}{'Sharpe this':>13}{'ΔSharpe':>10}{'s.e. HAC':>10}"
+            f"{'p HAC':>8}{'p boot':>8}{'DM':>8}{'p DM':>8}")
+    rows = ["each fold's model against the previous fold's on this fold's test stretch (ΔSharpe: this - previous; "
+            "Ledoit & Wolf p-values; DM two-sided)", head, "-" * len(head)]
+    for f in per_fold:
+        vs = f.get("versus_previous")
+        if vs is None:
+            continue
+        if "rows" not in vs:
+            rows.append(f"{f['fold']:<6}  n/a: {vs.get('reason', 'no comparison')}")
+            continue
+        prev, this = (vs["rows"][name] for name in (f"fold {vs['fold']}", f"fold {f['fold']}"))
+        rows.append(f"{f['fold']:<6}{vs['bars']:>7}{_cell(prev['sharpe'], '{:+.2f}'):>13}"
+                    f"{_cell(this['sharpe'], '{:+.2f}'):>13}{_cell(this['sharpe_diff'], '{:+.2f}'):>10}"
+                    f"{_cell(this['sharpe_diff_se'], '{:.2f}'):>10}{_cell(this['p_hac'], '{:.3f}'):>8}"
+                    f"{_cell(this['p_boot'], '{:.3f}'):>8}{_cell(this['dm'], '{:+.2f}'):>8}"
+                    f"{_cell(this['dm_p'], '{:.3f}'):>8}")
     return "\n".join(rows)
