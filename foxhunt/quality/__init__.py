@@ -23,6 +23,9 @@ They sit after everything they measure: nothing else in the package imports them
   with the same observations and rewards, so a gym learner (Stable-Baselines3's) is measured on exactly foxhunt's task.
 - :mod:`~foxhunt.quality.talib_reference`: the features' yardstick, TA-Lib's calls equivalent to the registry's
   TA-Lib-derived features (``talib_calls``) and the synthetic bars they are compared on (``make_bars``).
+- :mod:`~foxhunt.quality.promotion_streams`: the promotion rule's yardstick, paired champion/challenger returns with
+  a known edge (``paired_streams``: a GARCH factor, t innovations, AR(1) noise) and ``promotion_rate``, the share of
+  streams a ``PromotionRule`` promotes (its false-promotion rate under no edge, its power with one).
 
 An agent of your own, scored on unseen bars::
 
