@@ -422,6 +422,200 @@ def naive_case(root: Path, window: int, n_bars: int) -> Case:
                 "the whole window recomputed per bar")
 
 
+# ---------------------------------------------------------------------------------------------------- (e) serving
+# Issue 48: each member's network per decision in torch eager, torch int8 (torchao weight-only), ONNX Runtime float
+# and static int8, at 1 and 1,000 symbols, 1 thread, beside SB3 predict and SB3's ONNX recipe on an equal MLP.
+# Self-contained: `python scripts/bench_live.py --serve` runs this section alone.
+SERVE_SYMBOLS = (1, 1000)
+
+
+def serve_export(root: Path, n_bars: int) -> Path:
+    """The quickstart's data sizes with its TFT and DQN, mamba2.yaml's Mamba-2 and ppo.yaml's PPO (untrained, not held
+    flat), exported with the data config recorded, then its float and int8 graphs written."""
+    from foxhunt.data.datamodule import BarDataModule
+    from foxhunt.export.onnx import write_onnx
+    from foxhunt.export.quantise import write_int8
+    from foxhunt.export.write import export_ensemble
+    from foxhunt.lit.ensemble import EnsembleModule
+
+    quick = yaml.safe_load(QUICKSTART.read_text())
+    data = {k: v for k, v in quick["data"].items() if k != "path"}
+    data.update(synthetic_bars=n_bars, synthetic_symbols=1, cache_dir=None)
+    dm = BarDataModule(**data)
+    dm.setup()
+    members = _members(quick, ["tft", "dqn"])
+    for config, name in ((ROOT / "lightning_configs" / "mamba2.yaml", "mamba2"),
+                         (ROOT / "lightning_configs" / "ppo.yaml", "ppo")):
+        members.update(_members(yaml.safe_load(config.read_text()), [name]))
+    torch.manual_seed(0)
+    model = EnsembleModule(members=members, combine="vote", min_edge_confidence=None, cost_bps=1.0)
+    model.bind(dm.spec)
+    export_ensemble(model, dm, root, config={"data": data})
+    write_onnx(root)
+    write_int8(root, rows=2048)
+    return root
+
+
+def _decision_rows(graph: Any, symbols: int) -> tuple:
+    """The inputs of one decision for each of ``symbols`` symbols: a forecaster's window each, an agent's window
+    under every held position (what its policy table evaluates)."""
+    from foxhunt.export.onnx import parity_inputs
+
+    rows = symbols * (graph.example[1].shape[1] if graph.kind in ("dqn", "ppo_discrete") else 1)
+    return parity_inputs(graph, rows)
+
+
+def _torch_int8(graph: Any) -> tuple[Callable | None, str]:
+    """The graph's module with torchao's weight-only int8 on its Linear layers (a plain copy), or why not."""
+    import logging
+
+    logging.getLogger("torchao").setLevel(logging.ERROR)  # its optional CUDA kernels' load failures on a CPU build
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except Exception as e:  # noqa: BLE001 - absent, or present for another torch
+        return None, f"torchao unavailable ({type(e).__name__})"
+    try:
+        quantize_(graph.module, Int8WeightOnlyConfig())
+        with torch.no_grad():
+            graph.module(*graph.example)
+    except Exception as e:  # noqa: BLE001 - a layer torchao cannot take
+        return None, f"torchao failed: {type(e).__name__}: {str(e)[:80]}"
+    return graph.module, "torchao Int8WeightOnlyConfig"
+
+
+def _sb3_onnx(algo: str, obs_dim: int, n_actions: int, hidden: list[int]) -> tuple[Any, Any, str] | None:
+    """An SB3 model of ``hidden`` and its policy exported by SB3's documented recipe (``OnnxableSB3Policy``:
+    ``policy(obs, deterministic=True)`` through ``torch.onnx.export``, opset 17, input "input"), or None."""
+    try:
+        import gymnasium as gym
+        import stable_baselines3 as sb3
+    except ImportError:
+        return None
+
+    class Env(gym.Env):
+        observation_space = gym.spaces.Box(-10.0, 10.0, (obs_dim,), np.float32)
+        action_space = gym.spaces.Discrete(n_actions)
+
+        def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+            return np.zeros(obs_dim, np.float32), {}
+
+        def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
+            return np.zeros(obs_dim, np.float32), 0.0, True, False, {}
+
+    if algo == "dqn":
+        model = sb3.DQN("MlpPolicy", Env(), policy_kwargs={"net_arch": list(hidden)}, device="cpu", buffer_size=1,
+                        learning_starts=0)
+    else:
+        model = sb3.PPO("MlpPolicy", Env(), policy_kwargs={"net_arch": {"pi": list(hidden), "vf": list(hidden)}},
+                        device="cpu", n_steps=8, batch_size=8)
+
+    class OnnxableSB3Policy(torch.nn.Module):
+        def __init__(self, policy: Any) -> None:
+            super().__init__()
+            self.policy = policy
+
+        def forward(self, observation: torch.Tensor) -> Any:
+            return self.policy(observation, deterministic=True)
+
+    import io
+
+    from foxhunt.export.onnx import ort_session, quiet_exporter
+
+    policy = OnnxableSB3Policy(model.policy)
+    with quiet_exporter():
+        try:  # the recipe as documented, with torch.onnx.export's default (dynamo) exporter
+            prog = torch.onnx.export(policy, torch.randn(1, obs_dim), opset_version=17, input_names=["input"],
+                                     verbose=False, dynamic_shapes=({0: torch.export.Dim("batch")},))
+            return model, ort_session(prog.model_proto.SerializeToString()), "dynamo"
+        except Exception:  # noqa: BLE001 - its graph fails to load (PPO: ReduceLogSumExp at opset 17): TorchScript,
+            buf = io.BytesIO()  # the exporter the recipe was written for
+            torch.onnx.export(policy, torch.randn(1, obs_dim), buf, opset_version=17, input_names=["input"],
+                              dynamic_axes={"input": {0: "batch"}}, dynamo=False)
+            return model, ort_session(buf.getvalue()), "TorchScript"
+
+
+def serve_cases(root: Path) -> tuple[list[Case], list[str]]:
+    """Each member's network on one decision at every size of :data:`SERVE_SYMBOLS`, in every format, and the SB3
+    peers on an equal MLP; notes on what was left out."""
+    import foxhunt
+    from foxhunt.export.onnx import member_graph, ort_session
+
+    loaded = foxhunt.load(root)
+    meta = loaded.metadata["serving"]
+    cases: list[Case] = []
+    notes: list[str] = []
+    for name in loaded.model.member_names:
+        member = loaded.model.member(name)
+        graph = member_graph(member)
+        eager = member_graph(member, plain=False).module
+        int8_torch, why = _torch_int8(member_graph(member))
+        sessions = {f: ort_session((root / meta[k]["members"][name]["file"]).read_bytes())
+                    for f, k in (("ORT float", "onnx"), ("ORT int8", "onnx_int8"))}
+        if int8_torch is None:
+            notes.append(f"{name}: torch int8 left out: {why}")
+        for S in SERVE_SYMBOLS:
+            inputs = _decision_rows(graph, S)
+            rows = inputs[0].shape[0]
+            feed = {n: t.contiguous().numpy() for n, t in zip(graph.inputs, inputs, strict=True)}
+            label = f"{name} ({graph.kind}), {S:,} sym ({rows:,} rows)"
+
+            def run_torch(module: Callable = eager, args: tuple = inputs) -> None:
+                with torch.no_grad():
+                    module(*args)
+
+            cases.append(Case("serve", f"{label}: torch eager", run_torch, S))
+            if int8_torch is not None:
+                cases.append(Case("serve", f"{label}: torch int8", lambda m=int8_torch, x=inputs: run_torch(m, x), S,
+                                  why))
+            for fmt, sess in sessions.items():
+                cases.append(Case("serve", f"{label}: {fmt}", lambda s=sess, f=feed: s.run(None, f), S,
+                                  "session.run, numpy in and out"))
+        if name in loaded.model.agent_names:
+            obs_dim = int(graph.example[0][0].numel() + graph.example[1].shape[1])
+            hidden = [int(x) for x in member.hparams.hidden]
+            peer = _sb3_onnx(name if name == "dqn" else "ppo", obs_dim, len(member.hparams.actions), hidden)
+            if peer is None:
+                notes.append("stable-baselines3 is not installed: its rows are left out")
+                continue
+            model, sess, how = peer
+            for S in SERVE_SYMBOLS:
+                obs = np.random.default_rng(0).standard_normal((S, obs_dim)).astype(np.float32)
+                mlp = f"SB3 {name.upper()} MLP {obs_dim}-{'-'.join(map(str, hidden))}, {S:,} sym"
+                cases.append(Case("serve", f"{mlp}: predict", lambda m=model, o=obs: m.predict(o, deterministic=True),
+                                  S))
+                cases.append(Case("serve", f"{mlp}: SB3 ONNX recipe", lambda s=sess, o=obs: s.run(None, {"input": o}),
+                                  S, f"OnnxableSB3Policy, {how} exporter, ORT 1 thread"))
+    return cases, notes
+
+
+def serve_main(a: argparse.Namespace) -> int:
+    """The serving section alone: build, time, print the table and the issue's goals."""
+    started = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="bench_serve_"))
+    t0 = time.perf_counter()
+    root = serve_export(tmp / "export", 3000)
+    print(f"# built the export and its float and int8 graphs in {time.perf_counter() - t0:.1f} s", flush=True)
+    cases, notes = serve_cases(root)
+    run_interleaved(cases, a.repeats, a.samples, a.budget)
+    print_table("(e) serving: each member's network on one decision per symbol, 1 thread", cases, per_unit=True)
+    for n in notes:
+        print(f"# {n}")
+    by = {c.name: stats(c) for c in cases}
+    print("\n## Goals of issue 48\n")
+    print("| goal | measured | target | verdict |")
+    print("| --- | --- | --- | --- |")
+    for name, target in (("dqn", 10.0), ("ppo", 10.0), ("tft", 200.0), ("mamba2", 200.0)):
+        mine = [c for c in cases if c.name.startswith(f"{name} (") and ", 1 sym " in c.name]
+        if not mine:
+            continue
+        best = min(mine, key=lambda c: by[c.name]["p50"])
+        p50 = by[best.name]["p50"]
+        fmt = best.name.rsplit(": ", 1)[1]
+        print(goal(f"{name} p50 per decision, 1 sym, fastest format ({fmt})", f"{_us(p50)} µs", f"<= {target:.0f} µs",
+                   p50 <= target))
+    print(f"\n# wall {time.perf_counter() - started:.0f} s")
+    return 0
+
 # ---------------------------------------------------------------------------------------------------- main
 def goal(label: str, measured: str, target: str, met: bool | None) -> str:
     verdict = "n/a" if met is None else ("met" if met else "NOT met")
@@ -435,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=1.5, help="seconds per case and repeat (at least 5 steps)")
     p.add_argument("--quick", action="store_true", help="a smoke run: small histories and few samples (< 60 s)")
     p.add_argument("--no-100", action="store_true", help="skip the 100-symbol sessions")
+    p.add_argument("--serve", action="store_true", help="only section (e): each member's network in torch, torch int8, "
+                   "ONNX Runtime float and int8, beside SB3 (issue 48; needs the serve extra)")
     a = p.parse_args(argv)
     if a.repeats < 1 or a.samples < 5 or a.budget <= 0:
         print("bench_live: --repeats must be >= 1, --samples >= 5 and --budget > 0", file=sys.stderr)
@@ -443,6 +639,8 @@ def main(argv: list[str] | None = None) -> int:
         a.repeats, a.samples, a.budget = min(a.repeats, 2), min(a.samples, 20), min(a.budget, 0.2)
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if a.serve:
+        return serve_main(a)
     started = time.perf_counter()
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     head = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h %cd", "--date=format:%H:%M"],
@@ -589,5 +787,100 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------- (f) shadowing
+# Issue 47: a champion with k = 0, 1, 2, 4 challengers of the same feature set on one stream (foxhunt.live.shadow:
+# features stepped once, every model deciding, logging and booking), against one lone session's on_bar; and the
+# promotion rule's check on k challengers' paired returns. Self-contained: `python scripts/bench_live.py --shadow`.
+SHADOW_K = (0, 1, 2, 4)
+
+
+def shadow_cases(root: Path, n_bars: int, state: Path) -> list[Case]:
+    """One lone session and runners of k challengers (the quickstart export again: latency does not depend on the
+    weights), each warmed past its warm-up on its own copy of one synthetic stream (1 symbol)."""
+    import foxhunt.live
+    from foxhunt.live.gate import BarGate
+    from foxhunt.live.shadow import ShadowRunner
+
+    lone = foxhunt.live.open(str(root))
+    warm = lone.tail + lone.features.warmup + 8
+    feed = _feed(1, n_bars, lone.horizon)
+    for _ in range(warm):
+        b = next(feed)
+        lone.on_bar(b.symbols, b.ohlcv, b.timestamp, b.next_timestamps)
+
+    def lone_step() -> None:
+        b = next(feed)
+        lone.on_bar(b.symbols, b.ohlcv, b.timestamp, b.next_timestamps)
+
+    cases = [Case("shadow", "one session: LiveSession.on_bar", lone_step)]
+    for k in SHADOW_K:
+        runner = ShadowRunner(str(root), [str(root)] * k, state / f"k{k}" / "log", state / f"k{k}" / "log.state",
+                              BarGate("drop"), None, None)
+        runner.start()
+        stream = _feed(1, n_bars, lone.horizon)
+        for _ in range(warm):
+            runner.on_bar(next(stream))
+
+        def step(runner: ShadowRunner = runner, stream: Iterator[Any] = stream) -> None:
+            runner.on_bar(next(stream))
+
+        shared = len({id(m.session.features) for m in runner.models})
+        cases.append(Case("shadow", f"champion + {k} challengers: ShadowRunner.on_bar", step, 1,
+                          f"{k + 1} models, {shared} feature stream"))
+    return cases
+
+
+def rule_cases(bars: int) -> list[Case]:
+    """PromotionRule.check on ``bars`` paired returns of k challengers (what each bar adds once past min_bars)."""
+    from foxhunt.evaluation.promotion import PromotionRule
+
+    rng = np.random.default_rng(0)
+    champ = rng.normal(0, 1e-4, bars)
+    out = []
+    for method in ("fixed", "sequential"):
+        rule = PromotionRule(min_bars=min(500, bars), method=method)
+        for k in SHADOW_K[1:]:
+            series = {f"c{i}": champ + rng.normal(0, 1e-4, bars) for i in range(k)}
+            out.append(Case("rule", f"PromotionRule({method!r}).check, {k} challengers, {bars:,} bars",
+                            lambda rule=rule, series=series: rule.check(champ, series)))
+    return out
+
+
+def shadow_main(argv: list[str] | None = None) -> int:
+    """Section (f) alone: champion + k challengers per bar against k x one session's on_bar."""
+    p = argparse.ArgumentParser(description="bench_live --shadow: the cost of shadowing k challengers (issue 47)")
+    p.add_argument("--shadow", action="store_true")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--samples", type=int, default=400)
+    p.add_argument("--budget", type=float, default=1.5)
+    p.add_argument("--quick", action="store_true")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.repeats, a.samples, a.budget = min(a.repeats, 2), min(a.samples, 20), min(a.budget, 0.2)
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="bench_shadow_"))
+    root = build_export(QUICKSTART, ["tft", "dqn"], tmp / "export", 1, 3000, None)
+    n_bars = 600 + a.repeats * a.samples * 2 + 400
+    cases = shadow_cases(root, n_bars, tmp)
+    rules = rule_cases(2_000 if a.quick else 10_000)
+    run_interleaved(cases, a.repeats, a.samples, a.budget)
+    run_interleaved(rules, a.repeats, min(a.samples, 50), a.budget)
+    print_table("(f) shadowing: quickstart ensemble (tft, dqn), 1 sym, per bar (gate, decisions, logs, books)", cases)
+    print_table("(f) the promotion rule's check per bar", rules)
+    by = {c.name: stats(c) for c in cases}
+    one = by["one session: LiveSession.on_bar"]["p50"]
+    base = by["champion + 0 challengers: ShadowRunner.on_bar"]["p50"]
+    print("\n## Goal of issue 47\n")
+    print("| goal | measured | target | verdict |")
+    print("| --- | --- | --- | --- |")
+    for k in SHADOW_K[1:]:
+        extra = by[f"champion + {k} challengers: ShadowRunner.on_bar"]["p50"] - base
+        print(goal(f"{k} challengers: added p50 per bar", f"{_us(extra)} µs ({extra / one:.2f} x one session)",
+                   f"<= {k} x {_us(one)} µs", extra <= k * one))
+    print(f"\n# wall {time.perf_counter() - started:.0f} s")
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(shadow_main(sys.argv[1:]) if "--shadow" in sys.argv[1:] else main())

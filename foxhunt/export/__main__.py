@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     record = write_onnx(args.onnx)
     for graph in record["members"].values():
         ins = ", ".join(f"{p['name']} {p['shape']}" for p in graph["inputs"])
-        print(f"{graph['file']}: {graph['kind']}, inputs {ins}; max |ONNX - torch| {graph['max_abs_diff_vs_torch']:.2g}")
+        diff = graph["max_abs_diff_vs_torch"]
+        print(f"{graph['file']}: {graph['kind']}, inputs {ins}; max |ONNX - torch| {diff:.2g}")
     if args.int8:
         from foxhunt.export.quantise import CALIBRATION_ROWS, write_int8
 

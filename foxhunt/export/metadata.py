@@ -312,7 +312,8 @@ def _check_serving(f: _Fields, serving: Any, members: dict[str, Any]) -> None:
                 raise f.error(f"{at}.file", f"must be a .onnx file name in the export folder, got {show_value(file)}")
             f.get(graph, "sha256", at, "sha256")
             if graph["kind"] not in _GRAPH_KINDS:
-                raise f.error(f"{at}.kind", f"must be one of {', '.join(_GRAPH_KINDS)}, got {show_value(graph['kind'])}")
+                kinds = ", ".join(_GRAPH_KINDS)
+                raise f.error(f"{at}.kind", f"must be one of {kinds}, got {show_value(graph['kind'])}")
             for side in ("inputs", "outputs"):
                 ports = graph[side]
                 ok = isinstance(ports, list) and ports and all(

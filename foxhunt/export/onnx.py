@@ -143,7 +143,7 @@ def member_graph(member: Member, plain: bool = True) -> Graph | None:
 
 
 @contextmanager
-def _quiet_exporter() -> Iterator[None]:
+def quiet_exporter() -> Iterator[None]:
     """The exporter's progress lines and warnings (torchvision absent, deprecations) kept off the user's terminal."""
     names = ("torch.onnx", "torch.export", "torch._dynamo", "torch.fx", "onnxscript", "torch._export")
     loggers = [logging.getLogger(n) for n in names]
@@ -165,7 +165,7 @@ def export_graph(graph: Graph, where: str) -> bytes:
     batch = torch.export.Dim("batch", min=1)
     shapes = {name: {0: batch} for name in graph.inputs}
     try:
-        with _quiet_exporter(), torch.no_grad():
+        with quiet_exporter(), torch.no_grad():
             program = torch.onnx.export(graph.module, graph.example, input_names=graph.inputs,
                                         output_names=graph.outputs, opset_version=OPSET, dynamo=True,
                                         dynamic_shapes=shapes, verbose=False)
