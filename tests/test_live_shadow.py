@@ -304,3 +304,35 @@ def test_the_export_s_recorded_config_is_the_default_and_its_absence_one_line(ex
         Retrainer("100", tmp_path, None, {**meta, "config": None})
     r = Retrainer("100", tmp_path, None, {**meta, "config": "model:\n  cost_bps: 0.5\n"})
     assert Path(r.config_path(tmp_path)).read_text() == "model:\n  cost_bps: 0.5\n"
+
+
+@pytest.mark.slow
+def test_a_scheduled_retrain_trains_on_past_bars_only_and_starts_as_a_challenger(exports: dict[str, Path],
+                                                                                  tmp_path: Path) -> None:
+    """tiny.yaml retrained on the first 1,000 bars while the stream goes on; its export, warmed on those bars and
+    caught up on the ones since, shadows the champion from the next bar, registered with its digest."""
+    config = Path(__file__).parent / "configs" / "tiny.yaml"
+    long = generate_market(n_bars=1400, n_symbols=2, seed=12, signal_strength=0.3, symbols=SYMBOLS).bars
+    runner = _runner(tmp_path, exports["better"], [], retrainer=Retrainer("1000", tmp_path / "work", str(config)))
+    runner.start()
+    stamps = []
+    lines = []
+    for b in replay(long, 2):
+        runner.on_bar(b)
+        stamps.append(b.timestamp)
+        lines += runner.messages
+        runner.messages.clear()
+        if runner.retrainer.running and len(stamps) == 1100:  # let the stream run ahead of it, then wait for it
+            lines += _wait_for(runner, 900)
+    runner.close()
+    assert any("retrain 1 done: model1" in line for line in lines), lines
+    (rec,) = [r for r in read_registry(tmp_path / "registry.jsonl") if r["event"] == "challenger"]
+    assert rec["source"] == "retrain" and rec["data_until"] == stamps[999] and rec["at"] == stamps[1099]
+    assert rec["sha256"] == foxhunt.live.open(rec["export"]).export_digest
+    trained_on = pd.read_parquet(tmp_path / "work" / "retrain-0001" / "bars.parquet")
+    assert pd.DatetimeIndex(trained_on["timestamp"]).max().value == stamps[999] and len(trained_on) == 2000
+    shadowed = read_decisions(tmp_path / "log.models" / "model1")
+    assert shadowed["ts_event"].min() == stamps[1100] and len(shadowed) == 2 * (len(stamps) - 1100)
+    traded, champion = read_decisions(tmp_path / "log"), read_decisions(tmp_path / "log.models" / "model0")
+    assert np.array_equal(traded["ensemble"].to_numpy(), champion["ensemble"].to_numpy())
+    assert [m.label for m in runner.models] == ["model0", "model1"]

@@ -68,12 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def feed(args: argparse.Namespace, session: LiveSession) -> Iterator[BarsAt]:
-    """The bars of ``--replay`` or ``--source stdin``, one timestamp at a time."""
+def feed(args: argparse.Namespace, session: LiveSession, horizon: int | None = None) -> Iterator[BarsAt]:
+    """The bars of ``--replay`` or ``--source stdin``, one timestamp at a time (a replay schedules each bar's next
+    ``horizon`` timestamps, default the session's)."""
     if args.replay:
         from foxhunt.data.io import load_bars
 
-        yield from replay(load_bars(args.replay, on_bad_bar="raise"), session.horizon)
+        yield from replay(load_bars(args.replay, on_bad_bar="raise"), session.horizon if horizon is None else horizon)
         return
     from foxhunt.live.feeds import csv_bars, dbn_bars, group_by_time
 
@@ -149,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         runner.messages.clear()
 
     try:
-        for b in feed(args, runner.champion.session):
+        for b in feed(args, runner.champion.session, runner.horizon):
             if done_until is not None and b.timestamp <= done_until:
                 continue  # decided before the restart (a replay resumes after its saved state)
             d = runner.on_bar(b)

@@ -78,6 +78,14 @@ def traded_rows(d: Decision, latency_us: float) -> list[dict]:
     return out
 
 
+def ahead_for(session: LiveSession, ahead: Tensor | None) -> Tensor | None:
+    """The next timestamps [P, H'] a feed gave, for a session of horizon H: as they are when H' >= H, else None (the
+    session schedules its own at each symbol's latest spacing, as for a live feed)."""
+    if ahead is None or ahead.shape[1] < session.horizon:
+        return None
+    return ahead
+
+
 class BookReturns:
     """One model's book return per bar, realised as bars arrive (see the module docstring); its state is tensors."""
 
@@ -243,8 +251,7 @@ class ShadowRunner:
             self.restore()
             return
         if warmup is not None:
-            horizon = max(m.session.horizon for m in self.models)
-            for b in replay(warmup, horizon):
+            for b in replay(warmup, self.horizon):
                 self._decide_all(b.symbols, b.ohlcv, b.timestamp, b.next_timestamps)
         self.traded = DecisionLog(self.decisions)
         for m in self.models:
@@ -282,8 +289,14 @@ class ShadowRunner:
             if key not in stepped:
                 stepped[key] = m.session.feature_step(names, ohlcv, ts)
             values, ready = stepped[key]
-            out[m.label] = m.session.decide_on(names, ohlcv, ts, values, ready, ahead, started_ns=started)
+            out[m.label] = m.session.decide_on(names, ohlcv, ts, values, ready, ahead_for(m.session, ahead),
+                                               started_ns=started)
         return out
+
+    @property
+    def horizon(self) -> int:
+        """The most next timestamps any model reads (a replay schedules that many per bar)."""
+        return max(m.session.horizon for m in self.models)
 
     def on_bar(self, b: BarsAt) -> Decision | None:
         """One timestamp of the stream: gate, every model's decision, the logs, the books, the rule; the champion's
@@ -398,8 +411,7 @@ class ShadowRunner:
             session.restore(result.state)  # warmed by the retrain on the bars it trained on
             for b in catch_up:  # then the bars since, on its own feature stream
                 if b.timestamp > result.until:
-                    session.on_bar(b.symbols, b.ohlcv, b.timestamp,
-                                   b.next_timestamps if b.next_timestamps.shape[1] else None)
+                    session.on_bar(b.symbols, b.ohlcv, b.timestamp, ahead_for(session, b.next_timestamps))
             session = self._session(str(result.export), session)
         except Exception as e:  # the live session goes on untouched
             self.messages.append(f"live: retrain {result.number}: its export {result.export} was not started: "
