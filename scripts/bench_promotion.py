@@ -41,18 +41,22 @@ def main() -> None:
     p.add_argument("--edge", type=float, default=0.12,
                    help="the planted edge: mean advantage per bar in standard deviations of the difference")
     p.add_argument("--challengers", type=int, nargs="+", default=[1, 3])
+    p.add_argument("--phi", type=float, default=0.3, help="AR(1) coefficient of each strategy's own noise")
+    p.add_argument("--dof", type=float, default=5.0, help="Student-t degrees of freedom of the innovations")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(f"{args.streams:,} streams of {args.bars:,} bars, alpha {args.alpha}, edge {args.edge} sd per bar; "
-          "rate ± Monte Carlo s.e.")
+    print(f"{args.streams:,} streams of {args.bars:,} bars, AR(1) phi {args.phi}, t({args.dof:g}), alpha {args.alpha}, "
+          f"edge {args.edge} sd per bar; rate ± Monte Carlo s.e.")
     head = f"{'method':<26}{'challengers':>12}{'false promotions':>22}{'power':>20}{'seconds':>9}"
     print(head + "\n" + "-" * len(head))
     for k in args.challengers:
         for name, rule in rules(args.min_bars, args.bars, args.alpha).items():
             start = time.perf_counter()
-            null = promotion_rate(rule, args.streams, args.bars, 0.0, k, seed=args.seed + 1_000 * k)
-            power = promotion_rate(rule, args.streams, args.bars, args.edge, k, seed=args.seed + 1_000 * k + 1)
+            null = promotion_rate(rule, args.streams, args.bars, 0.0, k, seed=args.seed + 1_000 * k, phi=args.phi,
+                                  dof=args.dof)
+            power = promotion_rate(rule, args.streams, args.bars, args.edge, k, seed=args.seed + 1_000 * k + 1,
+                                   phi=args.phi, dof=args.dof)
             cells = [f"{r:.3f} ± {math.sqrt(r * (1 - r) / args.streams):.3f}" for r in (null, power)]
             print(f"{name:<26}{k:>12}{cells[0]:>22}{cells[1]:>20}{time.perf_counter() - start:>9.1f}")
 

@@ -11,7 +11,7 @@ champion_t`` (H0: E[d] <= 0; H1: the challenger earns more per bar). Two designs
   before the horizon every challenger is undecided. Several challengers: Holm's (1979) step-down over their p-values
   (family-wise error <= alpha under any dependence).
 - ``"sequential"``: an always-valid test checked at every bar from ``min_bars`` on: the one-sided normal-mixture
-  e-process (Robbins 1970; Howard, Ramdas, McAuliffe & Sekhon 2021, eq. 14) of the sum of d, self-normalised by its
+  e-process (Robbins 1970; the one-sided form of Howard, Ramdas, McAuliffe & Sekhon 2021) of the sum of d, self-normalised by its
   running Newey-West long-run variance, as in Waudby-Smith, Arnold, Wu & Ramdas' (2024) asymptotic confidence
   sequences. Ville's inequality bounds the chance that it ever crosses ``k / alpha`` (k challengers: Bonferroni) by
   alpha/k, asymptotically; a crossing of the mirrored e-process means the challenger is worse (keep, stop testing).
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from scipy.special import log_ndtr
 
-from foxhunt.evaluation.paired import diebold_mariano, newey_west_lags
+from foxhunt.evaluation.paired import diebold_mariano
 from foxhunt.evaluation.sharpe_difference import sharpe_difference_z
 from foxhunt.evaluation.significance import normal_cdf
 from foxhunt.files import json_safe
@@ -203,7 +203,7 @@ def _fixed(rule: PromotionRule, base: np.ndarray, series: dict[str, np.ndarray])
 
 def mixture_log_e(s: np.ndarray, v: np.ndarray, rho2: float) -> np.ndarray:
     """log of the one-sided normal-mixture e-process ``2 / sqrt(1 + ρ² v) exp(ρ² s² / (2 (1 + ρ² v))) Φ(ρ s / sqrt(1 +
-    ρ² v))`` (Howard et al. 2021, eq. 14: ``exp(λ s - λ² v / 2)`` mixed over a half-normal λ of scale ρ)."""
+    ρ² v))`` (Howard et al. 2021's one-sided normal mixture: ``exp(λ s - λ² v / 2)`` mixed over a half-normal λ of scale ρ)."""
     a = 1.0 + rho2 * v
     return math.log(2.0) - 0.5 * np.log(a) + rho2 * s**2 / (2.0 * a) + log_ndtr(math.sqrt(rho2) * s / np.sqrt(a))
 
@@ -218,22 +218,24 @@ def mixture_rho2(alpha: float, tuned_at: int) -> float:
 def running_newey_west(d: np.ndarray, first: int) -> np.ndarray:
     """[n - first + 1] the Newey-West long-run variance of d[:t] for t = first .. n, each with its own lag
     ``newey_west_lags(t)`` and Bartlett weights over divisor-t demeaned autocovariances: at every t exactly
-    ``hac.long_run_variance(d[:t], "bartlett", lags + 1, prewhiten=False)``, from running sums (bars <= t only)."""
+    ``hac.long_run_variance(d[:t], "bartlett", lags + 1, prewhiten=False)``, from running sums (bars <= t only).
+    ``γ_j(t) = (P_j(t) - m_t (C_t - C_j + C_{t-j}) + (t - j) m_t²) / t`` with P_j the running sum of d_s d_{s-j}, C
+    that of d and m_t = C_t / t: O(n L) for the largest lag L."""
     n = d.size
-    t = np.arange(first, n + 1, dtype=np.float64)
-    lags = np.array([newey_west_lags(int(x)) for x in t])
-    max_lag = int(lags.max()) if lags.size else 0
-    c = np.concatenate([[0.0], np.cumsum(d)])  # c[t] = Σ_{s<t} d_s (0-based bars)
-    mean = c[first:] / t
     ti = np.arange(first, n + 1)
-    lrv = np.zeros_like(t)
-    for j in range(max_lag + 1):
-        prod = np.concatenate([np.zeros(j + 1), np.cumsum(d[j:] * d[: n - j])])  # prod[t] = Σ_{j<=s<t} d_s d_{s-j}
-        cross = prod[ti] - mean * ((c[ti] - c[j]) + c[np.maximum(ti - j, 0)]) + (ti - j) * mean**2
-        gamma = cross / t
-        weight = np.where(j <= lags, 1.0 - j / (lags + 1.0), 0.0)
-        lrv += gamma * (weight if j > 0 else 1.0) * (2.0 if j > 0 else 1.0)
-    return np.maximum(lrv, 0.0)
+    t = ti.astype(np.float64)
+    lags = np.minimum(np.floor(4.0 * (t / 100.0) ** (2.0 / 9.0)), t - 1)  # newey_west_lags of every t at once
+    max_lag = int(lags.max()) if lags.size else 0
+    j = np.arange(max_lag + 1)[:, None]
+    prods = np.zeros((max_lag + 1, n + 1))  # prods[j, s + 1] = d_s d_{s-j} (0 for s < j)
+    for lag in range(max_lag + 1):
+        prods[lag, lag + 1:] = d[lag:] * d[: n - lag]
+    running = np.cumsum(prods, axis=1)[:, ti]  # [L+1, T]: P_j(t)
+    c = np.concatenate([[0.0], np.cumsum(d)])  # c[t] = Σ_{s<t} d_s (0-based bars)
+    mean = c[ti] / t
+    cross = running - mean * ((c[ti] - c[np.minimum(j, n)]) + c[np.maximum(ti - j, 0)]) + (ti - j) * mean**2
+    weight = np.where(j <= lags, (1.0 - j / (lags + 1.0)) * np.where(j > 0, 2.0, 1.0), 0.0)
+    return np.maximum((weight * cross).sum(0) / t, 0.0)
 
 
 def _sequential(rule: PromotionRule, base: np.ndarray, series: dict[str, np.ndarray]) -> dict[str, Verdict]:

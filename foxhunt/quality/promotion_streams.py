@@ -74,10 +74,11 @@ def paired_streams(n_streams: int, n_bars: int, edge: float | list[float] = 0.0,
 
 
 def promotion_rate(rule: PromotionRule, n_streams: int, n_bars: int, edge: float = 0.0, n_challengers: int = 1,
-                   seed: int = 0) -> float:
-    """The share of ``n_streams`` simulated streams in which ``rule`` promotes some challenger, checked on all their
-    bars (a verdict depends only on the bars, so this is the share promoted when checked at every bar)."""
-    s = paired_streams(n_streams, n_bars, edge=edge, n_challengers=n_challengers, seed=seed)
+                   seed: int = 0, phi: float = 0.3, dof: float = 5.0) -> float:
+    """The share of ``n_streams`` simulated streams (:func:`paired_streams`) in which ``rule`` promotes some
+    challenger, checked on all their bars (a verdict depends only on the bars, so this is the share promoted when
+    checked at every bar)."""
+    s = paired_streams(n_streams, n_bars, edge=edge, n_challengers=n_challengers, phi=phi, dof=dof, seed=seed)
     hits = 0
     for i in range(n_streams):
         verdicts = rule.check(s.champion[i], {f"c{j}": s.challengers[i, j] for j in range(n_challengers)})
