@@ -64,10 +64,12 @@ def test_plain_cases_promote_keep_and_never_promote_identical(method: str) -> No
     worse = champ - (better - champ)  # the mirror image: as much worse as ``better`` is better
     early = rule.check(champ[:499], {"better": better[:499]})
     assert early["better"].decision == "undecided" and early["better"].bars == 499
-    verdicts = rule.check(champ, {"better": better, "worse": worse, "same": champ.copy()})
+    rounded = champ * (1.0 + 1e-15 * np.sign(champ))  # the same positions computed twice: equal up to rounding
+    verdicts = rule.check(champ, {"better": better, "worse": worse, "same": champ.copy(), "rounded": rounded})
     assert verdicts["better"].decision == "promote"
     assert verdicts["worse"].decision == "keep" and verdicts["same"].decision == "keep"
-    assert verdicts["same"].evidence["identical"] is True
+    assert verdicts["same"].evidence["identical"] is True and verdicts["rounded"].evidence["identical"] is True
+    assert verdicts["rounded"].decision == "keep"
     assert best_promoted(verdicts) == "better"
     for v in verdicts.values():  # strict JSON, with the promised fields
         json.dumps(v.evidence, allow_nan=False)

@@ -35,7 +35,7 @@ from scipy.special import log_ndtr
 
 from foxhunt.evaluation.paired import diebold_mariano
 from foxhunt.evaluation.sharpe_difference import sharpe_difference_z
-from foxhunt.evaluation.significance import normal_cdf
+from foxhunt.evaluation.significance import SHARPE_RTOL, normal_cdf
 from foxhunt.files import json_safe
 
 METHODS = ("fixed", "sequential")
@@ -139,7 +139,10 @@ def _inputs(champion: Any, challengers: Mapping[str, Any]) -> tuple[np.ndarray, 
         arr = as_array(x, f"challenger {name!r}")
         if arr.size != base.size:
             raise ValueError(f"challenger {name!r}: {arr.size} bars, the champion {base.size}; pass the same bars")
-        series[str(name)] = arr
+        # a bar where the two differ by rounding only (the same positions computed twice) is the same bar: no
+        # rounding residue can accumulate into evidence
+        same = np.abs(arr - base) <= SHARPE_RTOL * np.maximum(np.abs(arr), np.abs(base))
+        series[str(name)] = np.where(same, base, arr)
     return base, series
 
 
