@@ -363,3 +363,18 @@ def test_a_session_warmed_from_history_decides_as_one_that_saw_it_live(dqn_expor
     later = whole[whole["ts_event"] >= cut.value].reset_index(drop=True)
     assert len(warmed) == len(later) > 100 and warmed["ready"].all()
     pd.testing.assert_frame_equal(warmed.drop(columns="latency_us"), later.drop(columns="latency_us"))
+
+
+def test_the_fast_and_plain_decision_paths_decide_alike(export: Path, bars: pd.DataFrame, whole_replay: dict) -> None:
+    """``fast`` (the networks' inference forms and, once a symbol's tail is full, the lean decision read from the
+    tails) against the plain path (a split of the tails through the members' own code, the networks' own forwards):
+    the same positions on every bar of the replay, warm-up included, and the same state after it."""
+    fast, plain = foxhunt.live.open(export), foxhunt.live.open(export, fast=False)
+    lean_calls = []
+    lean = fast._decide_lean
+    fast._decide_lean = lambda *a: lean_calls.append(1) or lean(*a)  # type: ignore[method-assign]
+    assert replayed(fast, bars) == whole_replay
+    assert replayed(plain, bars) == whole_replay
+    assert len(lean_calls) > 100  # the lean path decided most timestamps (once both tails were full)
+    mine, theirs = fast.state_dict(), plain.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

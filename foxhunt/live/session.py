@@ -64,8 +64,12 @@ def regular_schedule(spacing_ns: Tensor) -> Schedule:
 class LiveSession:
     """An exported ensemble trading bars as they arrive (see the module docstring); build it with :func:`open`."""
 
-    def __init__(self, loaded: LoadedEnsemble, features: Any | None = None) -> None:
+    def __init__(self, loaded: LoadedEnsemble, features: Any | None = None, fast: bool = True) -> None:
         self.loaded = loaded
+        # the networks' inference forms (the TFT's, built once from its frozen weights; the Q-network's direct calls)
+        # or, False, the networks' own forwards: the same decisions (tests/test_live.py), several times slower
+        self.fast = bool(fast)
+        self._agent_nets: dict[str, tuple[Any, Any]] = {}
         self.model = loaded.model
         meta = loaded.metadata
         self.symbols = list(loaded.symbols)
@@ -234,7 +238,7 @@ class LiveSession:
     def _decide(self, codes: Tensor, next_ts: Tensor) -> tuple[dict[str, Tensor], Tensor]:
         """Each member's position for these symbols from its policy table's row at the bar just in, then the
         combination; the held positions move on."""
-        nets = self._forecaster_networks()
+        nets = self._forecaster_networks() if self.fast else []
         for net in nets:
             net.cache_inference = True
         try:
@@ -254,12 +258,14 @@ class LiveSession:
 
     def _decide_cached(self, codes: Tensor, next_ts: Tensor) -> tuple[dict[str, Tensor], Tensor]:
         model = self.model
+        if self.fast and self._lean_applies(codes):
+            return self._decide_lean(codes, next_ts)
         split, last, keep = self._tail_split(codes, next_ts)
         decision, reset = split.valid, split.first_bar
         pos: dict[str, Tensor] = {}
         forecasts = model.forecasts(split, rows=last)
-        for name, fc in forecasts.items():
-            table = model.forecast_table(name, fc, decision, reset)[last]
+        for name, fc in forecasts.items():  # the policy table's rows of the bars just in (a row reads its own bar)
+            table = model.forecast_table(name, fc[last], decision[last], reset[last])
             idx = table.gather(1, self.held[name][codes].long().unsqueeze(1)).squeeze(1)
             self.held[name][codes] = idx
             pos[name] = FORECAST_ACTIONS[idx]
@@ -279,6 +285,106 @@ class LiveSession:
         model.combine(pos, decision[last])
         return pos, decision[last]
 
+    # ------------------------------------------------------------------------------------------------ the lean path
+    def _lean_plan(self) -> tuple[float, float] | None:
+        """The target statistics (loc, scale) every row of a tail has, when the lean decision reproduces
+        :meth:`_tail_split`'s exactly for a full tail; None when it does not apply (see :meth:`_decide_lean`)."""
+        from foxhunt.lit.dqn import DQNModule
+        from foxhunt.lit.tft import TFTModule
+
+        model, t = self.model, self.loaded.target_transform
+        if model.hparams.combine == "stack":
+            return None
+        if any(type(model.forecaster(n)).forecast is not TFTModule.forecast for n in model.forecaster_names):
+            return None
+        if any(type(model.agent(n)).decision_table is not DQNModule.decision_table for n in model.agent_names):
+            return None
+        if any(isinstance(part, RollingZScore) or getattr(part, "mode", "fitted") != "fitted"
+               for part in (t.scaler, t.clip) if part is not None):
+            return None  # rolling statistics: each row's own, from the returns before it
+        probe = torch.tensor([0.0, 0.01, -0.01, 0.1, -0.1])
+        scaled = t.transform(probe, segment=torch.zeros(5, dtype=torch.int64))
+        if not (torch.isfinite(scaled.value).all() and bool((scaled.loc == scaled.loc[0]).all())
+                and bool((scaled.scale == scaled.scale[0]).all())):
+            return None
+        return float(scaled.loc.float()[0]), float(scaled.scale.float()[0])
+
+    def _lean_applies(self, codes: Tensor) -> bool:
+        """Whether these symbols' decision can take the lean path: every tail full, members of the kinds it covers
+        (checked once), and each trading agent's network a flat-encoder Q-network."""
+        if not hasattr(self, "_lean"):
+            self._lean = self._lean_plan()
+        if self._lean is None or not bool((self.seen[codes] >= self.tail).all()):
+            return False
+        from foxhunt.models.qnet import QNetwork
+
+        for name in self.model.trading_agents():
+            agent = self.model.agent(name)
+            if not agent.holds_flat and not (isinstance(agent.policy_network, QNetwork) and agent.policy_network.flat):
+                return False
+        return True
+
+    def _decide_lean(self, codes: Tensor, next_ts: Tensor) -> tuple[dict[str, Tensor], Tensor]:
+        """:meth:`_decide` for full tails without assembling them as a split: what the back-test's code computes at
+        the bar just in, read from the tail buffers directly (tests/test_live.py holds the two paths equal).
+
+        A full tail's rows all belong to its symbol and have finite next returns (their closes are positive; the bar
+        just in has the scheduled 0), and the target statistics are fitted constants (``_lean_plan``), so a row is a
+        decision bar (``MarketSplit.valid``) where its features are ready; a forecaster's window is usable
+        (``valid_window_starts``) where its L rows are, and it is forecast as ``TFTModule.forecast`` does (window,
+        known-future rows, the decision row's loc/scale); a DQN agent at a decision bar takes the argmax of its
+        Q-values for the held position (``greedy_table``'s row), flat elsewhere."""
+        model, P, K = self.model, codes.numel(), self.tail
+        ready = self.ready_rows[codes]  # [P, K]
+        decided = ready[:, -1]
+        reset = torch.zeros(P, dtype=torch.bool)  # a full tail's last row is not its symbol's first
+        pos: dict[str, Tensor] = {}
+        if model.forecaster_names:
+            L, H = self.lookback, self.horizon
+            loc, scale = self._lean
+            x_past = torch.nan_to_num(self.rows[codes, K - L :], nan=0.0)
+            future = self._future_rows(next_ts[:, :H])
+            x_future = torch.nan_to_num(future[:, :, self._known_future_cols()], nan=0.0)
+            window_ok = ready[:, K - L :].all(1)
+            stats = {"y_loc": torch.full((P, H), loc), "y_scale": torch.full((P, H), scale)}
+            for name in model.forecaster_names:
+                member = model.forecaster(name)
+                net = member.network
+                with eval_mode(net):
+                    pred = net(x_past, x_future, codes).prediction.float()
+                fc = member.to_return_scale(pred, stats)
+                fc = torch.where(window_ok[:, None, None], fc, torch.nan)
+                table = model.forecast_table(name, fc, decided, reset)
+                idx = table.gather(1, self.held[name][codes].long().unsqueeze(1)).squeeze(1)
+                self.held[name][codes] = idx
+                pos[name] = FORECAST_ACTIONS[idx]
+        for name in model.trading_agents():
+            agent = model.agent(name)
+            if agent.holds_flat:
+                pos[name] = torch.zeros(P, dtype=torch.float32)
+                continue
+            window = int(agent.hparams.window)
+            actions = torch.tensor(tuple(agent.hparams.actions), dtype=torch.float32)
+            flat = int(torch.argmin(actions.abs()))
+            net = agent.policy_network
+            held = self.held[name][codes].long()
+            obs = torch.nan_to_num(self.rows[codes, K - window :], nan=0.0)
+            with eval_mode(net):
+                q = self._agent_network(name, net)(obs, torch.eye(actions.numel())[held])
+            idx = torch.where(decided, q.argmax(1), flat)
+            self.held[name][codes] = idx
+            pos[name] = actions[idx]
+        for name in model.agent_names:
+            pos.setdefault(name, torch.zeros(P, dtype=torch.float32))
+        model.combine(pos, decided)
+        return pos, decided
+
+    def _known_future_cols(self) -> list[int]:
+        cols = getattr(self, "_kf_cols", None)
+        if cols is None:
+            cols = self._kf_cols = [self.feature_names.index(k) for k in self.known_future]
+        return cols
+
     def _agent_step(self, name: str, inputs: Any, last: Tensor, codes: Tensor) -> Tensor:
         """Agent ``name``'s positions at the bars ``last`` of its market, from what it holds."""
         agent = self.model.agent(name)
@@ -294,7 +400,7 @@ class LiveSession:
             return flat
         net = agent.policy_network
         with eval_mode(net):
-            table = agent.decision_table(net, market, bars=last)
+            table = agent.decision_table(self._agent_network(name, net), market, bars=last)
             if table is None:
                 held = torch.where(market.reset_mask[last], 0.0, self.held[name][codes])
                 p = agent.continuous_step(net, market, last, decided, held)
@@ -304,6 +410,19 @@ class LiveSession:
         self.held[name][codes] = idx
         return market.actions[idx].float()
 
+
+    def _agent_network(self, name: str, net: Any) -> Any:
+        """What the session calls for agent ``name``'s network: its inference form when :attr:`fast` (built once per
+        network object: it holds views of the parameters, so weights loaded into the network reach it), else the
+        network."""
+        if not self.fast:
+            return net
+        held = self._agent_nets.get(name)
+        if held is None or held[0] is not net:
+            from foxhunt.models.qnet_inference import q_inference
+
+            held = self._agent_nets[name] = (net, q_inference(net))
+        return held[1]
 
     # ------------------------------------------------------------------------------------------------ state
     @property
@@ -351,10 +470,11 @@ class LiveSession:
         return info
 
 
-def open(path: str, features: Any | None = None, backend: str = "torch") -> LiveSession:  # noqa: A001 - like io.open
+def open(path: str, features: Any | None = None, backend: str = "torch",  # noqa: A001 - like io.open
+         fast: bool = True) -> LiveSession:
     """A live session of the export at ``path`` (verified by :func:`foxhunt.load`), flat until it is warmed up;
     ``backend``: what its members compute on (:data:`foxhunt.live.backend.BACKENDS`: torch, or ONNX Runtime on the
-    export's float or int8 graphs, :mod:`foxhunt.live.backend`)."""
+    export's float or int8 graphs, :mod:`foxhunt.live.backend`); ``fast``: :attr:`LiveSession.fast`."""
     from foxhunt.export.load import load
 
     loaded = load(path)
@@ -362,4 +482,4 @@ def open(path: str, features: Any | None = None, backend: str = "torch") -> Live
         from foxhunt.live.backend import use_backend
 
         use_backend(loaded, path, backend)
-    return LiveSession(loaded, features)
+    return LiveSession(loaded, features, fast)

@@ -37,20 +37,32 @@ if TYPE_CHECKING:
     )
 
 
-def _gate(g: GateAddNorm, x: Tensor, residual: Tensor) -> Tensor:
+Gate = tuple[Tensor, Tensor, tuple[int, ...], Tensor, Tensor, float]  # GLU weight and bias, LayerNorm's shape, affine, eps
+GRN = tuple[Tensor | None, Tensor | None, Tensor, Tensor, Tensor, Tensor, Gate]  # skip, fc2, fc1 (weight, bias), gate
+
+
+def _gate_params(g: GateAddNorm) -> Gate:
+    """A GateAddNorm's tensors, looked up once (a module attribute lookup costs about a microsecond)."""
+    return g.glu.linear.weight, g.glu.linear.bias, tuple(g.norm.normalized_shape), g.norm.weight, g.norm.bias, g.norm.eps
+
+
+def _grn_params(grn: GatedResidualNetwork) -> GRN:
+    skip_w, skip_b = (None, None) if grn.skip is None else (grn.skip.weight, grn.skip.bias)
+    return skip_w, skip_b, grn.fc2.weight, grn.fc2.bias, grn.fc1.weight, grn.fc1.bias, _gate_params(grn.gate)
+
+
+def _gate(g: Gate, x: Tensor, residual: Tensor) -> Tensor:
     """GateAddNorm in eval mode: LayerNorm(residual + GLU(x))."""
-    z = F.glu(F.linear(x, g.glu.linear.weight, g.glu.linear.bias), dim=-1).add_(residual)
-    return F.layer_norm(z, g.norm.normalized_shape, g.norm.weight, g.norm.bias, g.norm.eps)
+    glu_w, glu_b, shape, norm_w, norm_b, eps = g
+    return F.layer_norm(F.glu(F.linear(x, glu_w, glu_b), dim=-1).add_(residual), shape, norm_w, norm_b, eps)
 
 
-def _grn(grn: GatedResidualNetwork, a: Tensor, fc2_bias: Tensor | None = None) -> Tensor:
+def _grn(grn: GRN, a: Tensor, fc2_bias: Tensor | None = None) -> Tensor:
     """A GRN in eval mode; ``fc2_bias`` [B, 1, h] replaces its first layer's bias (a context folded in)."""
-    residual = a if grn.skip is None else F.linear(a, grn.skip.weight, grn.skip.bias)
-    if fc2_bias is None:
-        f2 = F.linear(a, grn.fc2.weight, grn.fc2.bias)
-    else:
-        f2 = F.linear(a, grn.fc2.weight).add_(fc2_bias)
-    return _gate(grn.gate, F.linear(F.elu(f2), grn.fc1.weight, grn.fc1.bias), residual)
+    skip_w, skip_b, fc2_w, fc2_b, fc1_w, fc1_b, gate = grn
+    residual = a if skip_w is None else F.linear(a, skip_w, skip_b)
+    f2 = F.linear(a, fc2_w, fc2_b) if fc2_bias is None else F.linear(a, fc2_w).add_(fc2_bias)
+    return _gate(gate, F.linear(F.elu(f2), fc1_w, fc1_b), residual)
 
 
 class _SelectionForm:
@@ -60,7 +72,8 @@ class _SelectionForm:
     def __init__(self, vsn: VariableSelectionNetwork, context: Tensor | None) -> None:
         v, e = vsn.n_variables, vsn.input_size
         fg, g = vsn.flattened_grn, vsn.variable_grns
-        self.grn = fg
+        self.fc1 = (fg.fc1.weight, fg.fc1.bias)
+        self.gate = _gate_params(fg.gate)
         w2 = fg.fc2.weight.view(fg.hidden_size, v, e)
         self.fc2_weight = torch.einsum("hve,ve->hv", w2, vsn.embed_weight)
         bias = fg.fc2.bias + torch.einsum("hve,ve->h", w2, vsn.embed_bias)
@@ -93,10 +106,9 @@ class _SelectionForm:
     def __call__(self, x: Tensor, symbol: Tensor) -> tuple[Tensor, Tensor]:
         """x [B, T, V] scalars of symbols [B] -> (selected [B, T, d], weights [B, T, V])."""
         b, t, v = x.shape
-        fg = self.grn
         f2 = F.linear(x, self.fc2_weight).add_(self.fc2_bias[symbol].unsqueeze(1) if self.per_symbol else self.fc2_bias)
         residual = F.linear(x, self.skip_weight, self.skip_bias)
-        weights = torch.softmax(_gate(fg.gate, F.linear(F.elu(f2), fg.fc1.weight, fg.fc1.bias), residual), dim=-1)
+        weights = torch.softmax(_gate(self.gate, F.linear(F.elu(f2), *self.fc1), residual), dim=-1)
         flat_x, flat_w = x.reshape(-1, v).t(), weights.reshape(-1, v).t()  # [V, N]
         n = flat_x.shape[1]
         if n <= self.rows:
@@ -137,6 +149,16 @@ class TFTInference:
             enrich = net.static_enrichment
             assert enrich.context is not None
             self.enrich_bias = (enrich.fc2.bias + F.linear(c_enrichment, enrich.context.weight)).unsqueeze(1)
+            self.lookback, self.horizon, self.hidden_size = net.lookback, net.horizon, net.hidden_size
+            self.lstm_layers, self.relative = net.lstm_layers, net.add_relative_time
+            self.lstm_encoder, self.lstm_decoder = net.lstm_encoder, net.lstm_decoder
+            self.post_lstm_gate, self.post_attention_gate = _gate_params(net.post_lstm_gate), _gate_params(net.post_attention_gate)
+            self.pre_output_gate = _gate_params(net.pre_output_gate)
+            self.static_enrichment, self.positionwise_grn = _grn_params(enrich), _grn_params(net.positionwise_grn)
+            self.attention_out = (net.attention.out.weight, net.attention.out.bias)
+            self.heads, self.head_size = net.attention.n_heads, net.attention.head_size
+            self.causal_mask = net.causal_mask
+            self.quantile_head = (net.quantile_head.weight, net.quantile_head.bias)
             att = net.attention
             self.qkv_weight = torch.cat([att.query.weight, att.key.weight, att.value.weight])
             self.qkv_bias = torch.cat([att.query.bias, att.key.bias, att.value.bias])
@@ -151,31 +173,28 @@ class TFTInference:
 
     def __call__(self, x_past: Tensor, x_future: Tensor, symbol: Tensor) -> TFTOutput:
         """The same as ``net(x_past, x_future, symbol)`` in eval mode (inputs already checked by the network)."""
-        net = self.net
-        b, L, H, d = x_past.shape[0], net.lookback, net.horizon, net.hidden_size
-        if net.add_relative_time:
+        b, L, H, d = x_past.shape[0], self.lookback, self.horizon, self.hidden_size
+        if self.relative:
             x_past = torch.cat([x_past, self.past_time.expand(b, L, 1)], dim=-1)
             x_future = torch.cat([x_future, self.future_time.expand(b, H, 1)], dim=-1)
         past, encoder_weights = self.encoder(x_past, symbol)
         future, decoder_weights = self.decoder(x_future, symbol)
-        layers = net.lstm_layers
+        layers = self.lstm_layers
         h0 = self.h0[symbol].unsqueeze(0).expand(layers, -1, -1).contiguous()
         c0 = self.c0[symbol].unsqueeze(0).expand(layers, -1, -1).contiguous()
-        enc_out, state = net.lstm_encoder(past, (h0, c0))
-        dec_out, _ = net.lstm_decoder(future, state)
-        temporal = _gate(net.post_lstm_gate, torch.cat([enc_out, dec_out], 1), torch.cat([past, future], 1))
-        enriched = _grn(net.static_enrichment, temporal, self.enrich_bias[symbol])
-        att = net.attention
-        nh, dh = att.n_heads, att.head_size
+        enc_out, state = self.lstm_encoder(past, (h0, c0))
+        dec_out, _ = self.lstm_decoder(future, state)
+        temporal = _gate(self.post_lstm_gate, torch.cat([enc_out, dec_out], 1), torch.cat([past, future], 1))
+        enriched = _grn(self.static_enrichment, temporal, self.enrich_bias[symbol])
+        nh, dh = self.heads, self.head_size
         qkv = F.linear(enriched, self.qkv_weight, self.qkv_bias)
         qh = qkv[:, L:, :d].reshape(b, H, nh, dh).transpose(1, 2)
         kh = qkv[:, :, d : 2 * d].reshape(b, L + H, nh, dh).transpose(1, 2)
         scores = torch.matmul(qh, kh.transpose(-1, -2)).div_(math.sqrt(dh))
-        attention = torch.softmax(scores.masked_fill_(net.causal_mask, torch.finfo(scores.dtype).min), dim=-1)
+        attention = torch.softmax(scores.masked_fill_(self.causal_mask, torch.finfo(scores.dtype).min), dim=-1)
         heads = torch.matmul(attention, qkv[:, :, 2 * d :].unsqueeze(1))  # [B, h, H, dh]
-        queries = enriched[:, L:]
-        attended = F.linear(heads.mean(dim=1), att.out.weight, att.out.bias)
-        decoded = _grn(net.positionwise_grn, _gate(net.post_attention_gate, attended, queries))
-        decoded = _gate(net.pre_output_gate, decoded, temporal[:, L:])
-        prediction = F.linear(decoded, net.quantile_head.weight, net.quantile_head.bias)
+        attended = F.linear(heads.mean(dim=1), *self.attention_out)
+        decoded = _grn(self.positionwise_grn, _gate(self.post_attention_gate, attended, enriched[:, L:]))
+        decoded = _gate(self.pre_output_gate, decoded, temporal[:, L:])
+        prediction = F.linear(decoded, *self.quantile_head)
         return self.output(prediction, self.static_weights[symbol], encoder_weights, decoder_weights, attention)
