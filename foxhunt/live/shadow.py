@@ -19,7 +19,8 @@ after-cost returns when a challenger replaces the champion.
   the return realised at it; a step counts when some model had a decision bar. Challengers added together form one
   family (the rule's multiple-comparison correction counts them all; one it decided keeps its returns, padded with
   the champion's after its decision).
-- **Verdicts.** ``promote``: the challenger (the best, :func:`~foxhunt.evaluation.promotion.best_promoted`, if several)
+- **Verdicts.** The rule is asked at every step from the bars it needs on, then every 1% of the bars since
+  (:func:`check_due`). ``promote``: the challenger (the best, :func:`~foxhunt.evaluation.promotion.best_promoted`, if several)
   trades from the next bar on; the old champion is retired. ``keep``: the challenger is retired (the rule stopped
   testing it). After a promotion the evidence restarts: the remaining challengers are one new family against the new
   champion from the next bar on (the new champion's past was selected for beating the old one). Every start,
@@ -76,6 +77,17 @@ def traded_rows(d: Decision, latency_us: float) -> list[dict]:
                     "latency_us": float(latency_us)})
         out.append(row)
     return out
+
+
+CHECK_SHARE = 100  # past the first 100 bars it can decide on, the rule is checked every 1/100 of the bars so far
+
+
+def check_due(n: int, needed: int) -> bool:
+    """Whether the rule is asked at ``n`` paired bars: from ``needed`` on, every bar for the first ``CHECK_SHARE``,
+    then every ``(n - needed) // CHECK_SHARE`` bars. A verdict is a function of the bars (the first bar a sequential test
+    crosses), so asking less often only delays acting on it, by at most 1% of the bars so far, and keeps the check's
+    cost per bar flat although one check reads every bar."""
+    return n >= needed and (n - needed) % max(1, (n - needed) // CHECK_SHARE) == 0
 
 
 def ahead_for(session: LiveSession, ahead: Tensor | None) -> Tensor | None:
@@ -352,7 +364,7 @@ class ShadowRunner:
         promoted: dict[str, Any] = {}
         for start, family in families.items():
             active = [m for m in family if m.decided is None]
-            if not active or self.steps - start < self.rule.bars_needed:
+            if not active or not check_due(self.steps - start, self.rule.bars_needed):
                 continue
             base = champ.evidence.values[start - champ.start:]
             series = {m.label: m.evidence.values if m.decided is None else
