@@ -11,9 +11,11 @@ from scipy import stats
 
 from foxhunt.evaluation.paired import (
     diebold_mariano,
+    format_paired_report,
     hln_factor,
     model_confidence_set,
     newey_west_lags,
+    paired_report,
     superior_predictive_ability,
 )
 from foxhunt.quality.promotion_streams import paired_streams
@@ -56,6 +58,7 @@ def test_dm_defaults_and_refusals() -> None:
     assert diebold_mariano(a, b).lags == newey_west_lags(1_000) == 6
     assert diebold_mariano(a, b, variance="andrews-monahan").lags == 0
     assert math.isnan(diebold_mariano(a, a).statistic)  # identical: nothing to test
+    assert math.isnan(diebold_mariano(a + 0.001, a).statistic)  # a constant difference, up to rounding: nor that
     with pytest.raises(ValueError, match="same bars"):
         diebold_mariano(a, b[:-1])
     with pytest.raises(ValueError, match="b: bar 3 is not finite"):
@@ -99,3 +102,17 @@ def test_mcs_is_archs_and_keeps_the_best() -> None:
     assert ours.included == ("good",)
     with pytest.raises(ValueError, match="every series must have the same bars"):
         model_confidence_set({"a": s.champion[0], "b": s.challengers[0, 0][:-1]})
+
+
+def test_paired_report_counts_identical_strategies_once() -> None:
+    """SPA and the MCS (arch's MCS fails on two identical series) see each distinct series once; a twin shares its
+    MCS p-value and the table says it trades exactly as the other."""
+    s = paired_streams(1, 800, edge=[0.3, 0.0], n_challengers=2, seed=9)
+    a, b = s.champion[0], s.challengers[0, 0]
+    report = paired_report({"a": a, "b": b, "b2": b.copy(), "a2": a.copy()}, 252.0, n_boot=99)
+    assert report["identical"] == {"b2": "b", "a2": "a"}
+    assert report["mcs"]["mcs_p_values"]["b2"] == report["mcs"]["mcs_p_values"]["b"]
+    assert report["spa"]["spa_better"] == ["b"]
+    assert "b2 trades exactly as b" in format_paired_report(report, "t")
+    flat = paired_report({k: np.zeros(100) for k in "xyz"}, 252.0, n_boot=9)
+    assert flat["spa"] is None and flat["mcs"] is None and flat["rows"]["x"]["sharpe"] == 0.0

@@ -23,6 +23,7 @@ from scipy import stats
 
 from foxhunt.evaluation.hac import long_run_variance, politis_white_block_length
 from foxhunt.evaluation.sharpe_difference import sharpe_difference_test
+from foxhunt.evaluation.significance import SHARPE_RTOL
 from foxhunt.evaluation.trading import pnl_figures
 
 Alternative = Literal["two-sided", "greater", "less"]
@@ -112,7 +113,7 @@ def diebold_mariano(a: np.ndarray | torch.Tensor | Sequence[float], b: np.ndarra
     else:
         lrv, lags = float(long_run_variance(torch.from_numpy(d))), 0
     se = math.sqrt(lrv / n)
-    if not se > 1e-300:  # a constant difference: nothing random to test
+    if not se > SHARPE_RTOL * float(np.abs(d).max()):  # a constant difference (up to rounding): nothing random to test
         nan = math.nan
         return DieboldMariano(nan, nan, nan, mean, se, lags, n, alternative, variance)
     raw = mean / se
@@ -258,13 +259,24 @@ def paired_report(returns: Mapping[str, torch.Tensor | np.ndarray], bars_per_yea
         rows[name] = row
     report: dict[str, object] = {"reference": first, "bars": int(series[first].numel()),
                                  "bars_per_year": float(bars_per_year), "rows": rows, "spa": None, "mcs": None}
+    twin: dict[str, str] = {}  # each strategy's first identical one (itself if none): SPA and MCS see each once
+    for name in names:
+        twin[name] = next((u for u in twin.values() if u == twin.get(u) and torch.equal(series[u], series[name])), name)
+    distinct = list(dict.fromkeys(twin.values()))
+    report["identical"] = {name: u for name, u in twin.items() if u != name}
     if len(names) >= 3:
-        others = {k: series[k].numpy() for k in names[1:]}
-        report["spa"] = superior_predictive_ability(series[first].numpy(), others, reps=n_boot, seed=seed).to_dict()
-        mcs = model_confidence_set({k: series[k].numpy() for k in names}, size=mcs_size, reps=n_boot, seed=seed)
-        report["mcs"] = mcs.to_dict()
-        for name in names:
-            rows[name]["mcs_p"] = mcs.p_values[name]
+        others = {k: series[k].numpy() for k in distinct if k != twin[first]}
+        if others:  # a strategy identical to the reference cannot beat it; SPA's studentisation needs a spread
+            report["spa"] = superior_predictive_ability(series[first].numpy(), others, reps=n_boot,
+                                                        seed=seed).to_dict()
+        if len(distinct) >= 2:
+            mcs = model_confidence_set({k: series[k].numpy() for k in distinct}, size=mcs_size, reps=n_boot, seed=seed)
+            result = mcs.to_dict()
+            result["mcs_included"] = [n for n in names if twin[n] in mcs.included]
+            result["mcs_p_values"] = {n: mcs.p_values[twin[n]] for n in names}
+            report["mcs"] = result
+            for name in names:
+                rows[name]["mcs_p"] = mcs.p_values[twin[name]]
     return report
 
 
@@ -286,6 +298,8 @@ def format_paired_report(report: Mapping[str, object], title: str) -> str:
         "ΔSharpe: annualised Sharpe minus the reference's, its HAC s.e. and Ledoit & Wolf's (2008) two-sided p-values "
         "(HAC delta method; studentised block bootstrap); DM: Diebold-Mariano on the per-bar return difference "
         "(Newey-West, Harvey-Leybourne-Newbold, t), two-sided", TABLE_WIDTH))
+    for name, u in (report.get("identical") or {}).items():
+        lines.append(f"{name} trades exactly as {u} on these bars (SPA and the MCS count them once)")
     spa, mcs = report.get("spa"), report.get("mcs")
     if isinstance(spa, Mapping):
         better = ", ".join(spa["spa_better"]) or "none"
