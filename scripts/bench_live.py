@@ -44,7 +44,8 @@ QUICKSTART, ENSEMBLE = ROOT / "lightning_configs" / "quickstart.yaml", ROOT / "l
 # ---------------------------------------------------------------------------------------------------- timing
 @dataclass
 class Case:
-    """One timed thing: ``step()`` does one bar (or decision) and returns nothing; ``per`` divides a sample into units."""
+    """One timed thing: ``step()`` does one bar (or decision) and returns nothing, or the (wall, CPU) µs of the part
+    of it that is timed (the rest is preparation); ``per`` divides a sample into units."""
 
     section: str
     name: str
@@ -52,17 +53,22 @@ class Case:
     per: int = 1  # symbols per bar: a per symbol-bar figure is the sample / per
     note: str = ""
     runs: list[np.ndarray] = field(default_factory=list)  # µs samples of each repeat
+    cpu: list[np.ndarray] = field(default_factory=list)  # this thread's CPU µs of the same samples
 
 
-def _sample(case: Case, n: int, budget_s: float) -> np.ndarray:
-    """Up to ``n`` timed steps (at least 5), stopping once ``budget_s`` is spent: µs per step."""
-    out = []
+def _sample(case: Case, n: int, budget_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """Up to ``n`` timed steps (at least 5), stopping once ``budget_s`` is spent: wall µs per step, and the thread's
+    CPU µs (on a shared machine the wall time also counts the waits for a core; the CPU time does not)."""
+    out, cpu = [], []
     deadline = time.perf_counter() + budget_s
     while len(out) < n and (len(out) < 5 or time.perf_counter() < deadline):
-        t0 = time.perf_counter_ns()
-        case.step()
-        out.append((time.perf_counter_ns() - t0) / 1e3)
-    return np.asarray(out)
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        part = case.step()
+        wall, used = (time.perf_counter_ns() - t0) / 1e3, (time.thread_time_ns() - c0) / 1e3
+        wall, used = part if part is not None else (wall, used)
+        out.append(wall)
+        cpu.append(used)
+    return np.asarray(out), np.asarray(cpu)
 
 
 def run_interleaved(cases: list[Case], repeats: int, n: int, budget_s: float) -> None:
@@ -71,14 +77,17 @@ def run_interleaved(cases: list[Case], repeats: int, n: int, budget_s: float) ->
         case.step()
     for r in range(repeats):
         for case in cases[r % len(cases):] + cases[: r % len(cases)]:
-            case.runs.append(_sample(case, n, budget_s))
+            wall, cpu = _sample(case, n, budget_s)
+            case.runs.append(wall)
+            case.cpu.append(cpu)
 
 
 def stats(case: Case) -> dict[str, float]:
-    """Medians over the repeats of each repeat's p50, p99 and p99.9 (µs), and the samples in all."""
+    """Medians over the repeats of each repeat's p50, p99 and p99.9 (µs) and CPU p50, and the samples in all."""
     q = np.array([np.percentile(r, [50, 99, 99.9]) for r in case.runs])
     med = np.median(q, axis=0)
-    return {"p50": med[0], "p99": med[1], "p999": med[2], "n": int(sum(len(r) for r in case.runs))}
+    cpu = float(np.median([np.percentile(c, 50) for c in case.cpu])) if case.cpu else math.nan
+    return {"p50": med[0], "p99": med[1], "p999": med[2], "cpu50": cpu, "n": int(sum(len(r) for r in case.runs))}
 
 
 def _us(x: float) -> str:
@@ -88,13 +97,15 @@ def _us(x: float) -> str:
 def print_table(title: str, cases: list[Case], per_unit: bool = False) -> None:
     """One section's table: p50/p99/p99.9 per step (and per symbol-bar when ``per_unit``), samples, notes."""
     print(f"\n## {title}\n")
-    head = "| case | p50 µs | p99 µs | p99.9 µs |" + (" p50 µs / symbol-bar |" if per_unit else "") + " samples | note |"
+    head = ("| case | p50 µs | p99 µs | p99.9 µs | CPU p50 µs |" + (" p50 µs / symbol-bar |" if per_unit else "")
+            + " samples | note |")
     print(head)
     print("|" + " --- |" * (head.count("|") - 1))
     for c in cases:
         s = stats(c)
         unit = f" {_us(s['p50'] / c.per)} |" if per_unit else ""
-        print(f"| {c.name} | {_us(s['p50'])} | {_us(s['p99'])} | {_us(s['p999'])} |{unit} {s['n']} | {c.note} |")
+        print(f"| {c.name} | {_us(s['p50'])} | {_us(s['p99'])} | {_us(s['p999'])} | {_us(s['cpu50'])} |{unit} "
+              f"{s['n']} | {c.note} |")
 
 
 # ---------------------------------------------------------------------------------------------------- bars
@@ -307,11 +318,13 @@ def _feed(n_symbols: int, n_bars: int, horizon: int) -> Iterator[Any]:
     return replay(market_bars(n_bars, n_symbols, seed=1), horizon)
 
 
-def session_case(label: str, root: Path, n_symbols: int, warm: int, n_bars: int) -> tuple[Case, Any]:
-    """``on_bar`` of a live session of the export, warmed on ``warm`` bars (past every member's warm-up)."""
+def session_case(label: str, root: Path, n_symbols: int, warm: int, n_bars: int,
+                 fast: bool = True) -> tuple[Case, Any]:
+    """``on_bar`` of a live session of the export, warmed on ``warm`` bars (past every member's warm-up); ``fast``:
+    ``LiveSession.fast`` (False: the plain path, the members' own code and networks)."""
     import foxhunt.live
 
-    session = foxhunt.live.open(str(root))
+    session = foxhunt.live.open(str(root), fast=fast)
     feed = _feed(n_symbols, n_bars, session.horizon)
     for _ in range(max(warm, session.tail + session.features.warmup + 8)):
         b = next(feed)
@@ -326,32 +339,71 @@ def session_case(label: str, root: Path, n_symbols: int, warm: int, n_bars: int)
     return Case("session", f"{label}, {n_symbols} sym", step, n_symbols, f"tail {session.tail} bars"), session
 
 
-def capture_forward(session: Any, name: str, feed_step: Callable[[], None]) -> tuple[Callable, tuple, int]:
-    """What member ``name``'s network computes in one ``on_bar`` (a forecaster's or a DQN's ``forward``, PPO's
-    ``deterministic`` actor), the arguments of its first call there and the rows that call carried (the agents
-    evaluate every decision bar of the tail under every held position, then read one row)."""
+def decision_case(label: str, root: Path, n_bars: int, fast: bool = True) -> Case:
+    """``decide_on`` alone (every member's position from the bar's feature values: on_bar less the feature stream),
+    each bar's ``feature_step`` run before it, untimed."""
+    import foxhunt.live
+
+    session = foxhunt.live.open(str(root), fast=fast)
+    feed = _feed(1, n_bars, session.horizon)
+    for _ in range(session.tail + session.features.warmup + 8):
+        b = next(feed)
+        session.on_bar(b.symbols, b.ohlcv, b.timestamp, b.next_timestamps)
+
+    def step() -> tuple[float, float]:
+        b = next(feed)
+        values, ready = session.feature_step(b.symbols, b.ohlcv, b.timestamp)
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        session.decide_on(b.symbols, b.ohlcv, b.timestamp, values, ready, b.next_timestamps)
+        return (time.perf_counter_ns() - t0) / 1e3, (time.thread_time_ns() - c0) / 1e3
+
+    return Case("session", f"{label}, 1 sym: decide_on alone", step, 1, "on_bar less the feature stream")
+
+
+def capture_forward(session: Any, name: str, feed_step: Callable[[], None]) -> tuple[Callable, tuple, int, str]:
+    """What member ``name``'s network computes in one ``on_bar``, as the session calls it: a forecaster's ``forward``
+    (its inference form on, as while the session decides), a DQN's Q-network inference form (``fast``) or ``forward``,
+    PPO's ``deterministic`` actor; the arguments of its first call there, the rows that call carried and its name."""
     member = session.model.member(name)
     agent = name in session.model.agent_names
     net = member.policy_network if agent else member.network
-    method = "deterministic" if agent and callable(getattr(net, "deterministic", None)) else "forward"
-    original = getattr(net, method)
+    form = session._agent_network(name, net) if agent else net
+    if form is not net:  # the session calls the network's inference form: record its calls at the class
+        target, method, what = type(form), "__call__", f"{type(form).__name__}.__call__"
+    else:
+        method = "deterministic" if agent and callable(getattr(net, "deterministic", None)) else "forward"
+        target, what = net, f"{type(net).__name__}.{method}"
+    original = getattr(target, method)
     got: list[tuple] = []
 
     def record(*args: Any) -> Any:
+        call = args[1:] if target is type(form) else args
         if not got:
-            got.append(args)
+            got.append(call)
         return original(*args)
 
-    setattr(net, method, record)  # an instance attribute, deleted below: the class's method is untouched
+    setattr(target, method, record)  # deleted or restored below: the network's own class is untouched
     try:
         feed_step()
     finally:
-        delattr(net, method)
+        if target is type(form):
+            setattr(target, method, original)
+        else:
+            delattr(net, method)
     if not got:
         raise SystemExit(f"bench_live: {name}'s network did not run in on_bar (held flat?)")
     rows = next((a.shape[0] for a in got[0] if isinstance(a, torch.Tensor) and a.ndim), 1)
     net.eval()
-    return getattr(net, method), got[0], int(rows)
+    if form is not net:
+        return form, got[0], int(rows), what
+    fn = getattr(net, method)
+    if hasattr(net, "cache_inference"):  # on while a session decides: on for its timing too
+        def with_form(*args: Any, fn: Callable = fn) -> Any:
+            net.cache_inference = True
+            return fn(*args)
+
+        return with_form, got[0], int(rows), what
+    return fn, got[0], int(rows), what
 
 
 def first_rows(args: tuple) -> tuple:
@@ -629,6 +681,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=1.5, help="seconds per case and repeat (at least 5 steps)")
     p.add_argument("--quick", action="store_true", help="a smoke run: small histories and few samples (< 60 s)")
     p.add_argument("--no-100", action="store_true", help="skip the 100-symbol sessions")
+    p.add_argument("--decisions", action="store_true", help="sections (b)-(d) only: decisions, networks, SB3, naive")
     p.add_argument("--serve", action="store_true", help="only section (e): each member's network in torch, torch int8, "
                    "ONNX Runtime float and int8, beside SB3 (issue 48; needs the serve extra)")
     a = p.parse_args(argv)
@@ -666,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(max(h) for h in histories.values())
     ohlcv, ts = series(longest + a.repeats * a.samples + 64)
     feats, peers = [], []
-    for S, hs in histories.items():
+    for S, hs in histories.items() if not a.decisions else ():
         for h in hs:
             t0 = time.perf_counter()
             feats.append(feature_case(names, S, h, ohlcv, ts, chunk=4096))
@@ -677,8 +730,9 @@ def main(argv: list[str] | None = None) -> int:
         tl = talib_case(S, min(hs), ohlcv)
         tp = talipp_case(S, min(talipp_history, min(hs)), ohlcv) if S <= 100 or a.quick else None
         peers += [c for c in (tl, tp) if c is not None]
-    run_interleaved(feats + peers, a.repeats, a.samples, a.budget)
-    print_table("(a) features: one bar of every symbol in, values out", feats + peers, per_unit=True)
+    if feats:
+        run_interleaved(feats + peers, a.repeats, a.samples, a.budget)
+        print_table("(a) features: one bar of every symbol in, values out", feats + peers, per_unit=True)
 
     # (b) ------------------------------------------------------------------------------------------------------
     tmp = Path(tempfile.mkdtemp(prefix="bench_live_"))
@@ -702,25 +756,30 @@ def main(argv: list[str] | None = None) -> int:
         case, sessions[label] = session_case(label, roots[label], 1, 0, need)
         cases.append(case)
         print(f"# built and warmed {label} in {time.perf_counter() - t0:.1f} s", flush=True)
+    quick_root = roots["quickstart ensemble (tft, dqn)"]
+    plain_label = "quickstart ensemble (tft, dqn), fast=False (the plain path)"
+    case, _ = session_case(plain_label, quick_root, 1, 0, need, fast=False)
+    cases.append(case)
+    cases.append(decision_case("quickstart ensemble (tft, dqn)", quick_root, need))
+    cases.append(decision_case(plain_label, quick_root, need, fast=False))
     if not a.no_100 and not a.quick:
         label = "quickstart ensemble (tft, dqn)"
         root = build_export(QUICKSTART, ["tft", "dqn"], tmp / "q100", 100, n_export, None)
         case, _ = session_case(label, root, 100, 0, need)
         cases.append(case)
     forwards: list[Case] = []
-    agent_nets: dict[str, tuple[Callable, tuple]] = {}
+    agent_nets: dict[str, tuple[Callable, tuple, str]] = {}
     for label, session in sessions.items():
         if "alone" not in label:
             continue
         member = session.model.member_names[0]
         step = next(c.step for c in cases if c.name == f"{label}, 1 sym")
-        fn, args, rows = capture_forward(session, member, step)
-        what = f"{type(fn.__self__).__name__}.{fn.__name__}"
+        fn, args, rows, what = capture_forward(session, member, step)
         forwards.append(forward_case(f"{label}: {what}, one decision (batch 1)", fn, first_rows(args)))
         if rows > 1:
             forwards.append(forward_case(f"{label}: {what} as on_bar calls it ({rows} rows)", fn, args))
         if member in session.model.agent_names:
-            agent_nets[label] = (fn, first_rows(args))
+            agent_nets[label] = (fn, first_rows(args), what)
     run_interleaved(cases + forwards, a.repeats, a.samples, a.budget)
     print_table("(b) decisions: LiveSession.on_bar, bar in to every member's position out", cases, per_unit=True)
     print_table("(b) each member's network on one decision (torch.no_grad, eval), and as on_bar calls it", forwards)
@@ -728,14 +787,14 @@ def main(argv: list[str] | None = None) -> int:
     # (c) ------------------------------------------------------------------------------------------------------
     sb3_cases: list[Case] = []
     pairs: list[tuple[Case, Case]] = []
-    for label, (fn, args) in agent_nets.items():
+    for label, (fn, args, what) in agent_nets.items():
         agent = sessions[label].model.member(sessions[label].model.member_names[0])
         window, position = args  # [1, W, F] (or [1, W*F]) and [1, position features]
         obs_dim = int(window[0].numel() + position.shape[1])
         hidden = [int(x) for x in agent.hparams.hidden]
         algo = "dqn" if "dqn" in label else "ppo"
         twin = sb3_case(algo, obs_dim, len(agent.hparams.actions), hidden)
-        ours = forward_case(f"{label}: {type(fn.__self__).__name__}.{fn.__name__}, batch 1", fn, args, "sb3")
+        ours = forward_case(f"{label}: {what}, batch 1", fn, args, "sb3")
         if twin is not None:
             sb3_cases += [ours, twin]
             pairs.append((ours, twin))
@@ -757,10 +816,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- | --- |")
     by = {c.name: stats(c) for c in feats + peers + cases + forwards + sb3_cases}
     big = max(histories)
-    ours_big = next(c for c in feats if f", {big} sym," in c.name)
-    same_big = next(c for c in feats if f", {big} sym," in c.name and "TA-Lib also" in c.name)
+    ours_big = next((c for c in feats if f", {big} sym," in c.name), None)
+    same_big = next((c for c in feats if f", {big} sym," in c.name and "TA-Lib also" in c.name), None)
     talib_big = next((c for c in peers if c.name.startswith("TA-Lib") and f", {big} sym," in c.name), None)
-    if talib_big is not None:
+    if talib_big is not None and ours_big is not None and same_big is not None:
         r = (by[talib_big.name]["p50"] / talib_big.per) / (by[ours_big.name]["p50"] / ours_big.per)
         print(goal(f"all {len(names)} features vs TA-Lib stream per symbol-bar, {big} sym", f"{r:.2f}x faster",
                    ">= 10x", r >= 10))
@@ -768,13 +827,17 @@ def main(argv: list[str] | None = None) -> int:
         print(goal(f"the {len(talib_names)} TA-Lib-derived features vs TA-Lib stream per symbol-bar, {big} sym",
                    f"{r:.2f}x faster", "(same indicators)", None))
     one = [c for c in feats if ", 1 sym," in c.name]
-    worst = max(by[c.name]["p50"] for c in one)
-    print(goal("features per bar, 1 sym (p50, worst history)", f"{_us(worst)} µs", "<= 1,000 µs", worst <= 1000))
-    flat = [by[c.name]["p50"] for c in one]
-    print(goal("features flat in history, 1 sym (p50 longest / shortest)", f"{flat[-1] / flat[0]:.2f}",
-               "about 1 (O(1))", abs(flat[-1] / flat[0] - 1) <= 0.2))
+    if one:
+        worst = max(by[c.name]["p50"] for c in one)
+        print(goal("features per bar, 1 sym (p50, worst history)", f"{_us(worst)} µs", "<= 1,000 µs", worst <= 1000))
+        flat = [by[c.name]["p50"] for c in one]
+        print(goal("features flat in history, 1 sym (p50 longest / shortest)", f"{flat[-1] / flat[0]:.2f}",
+                   "about 1 (O(1))", abs(flat[-1] / flat[0] - 1) <= 0.2))
     q = by[f"{quick_label}, 1 sym"]
     print(goal("quickstart ensemble on_bar p99, 1 sym", f"{_us(q['p99'])} µs", "<= 2,000 µs", q["p99"] <= 2000))
+    d = by[f"{quick_label}, 1 sym: decide_on alone"]
+    print(goal("its decision alone (decide_on: on_bar less the features), p50 / p99", f"{_us(d['p50'])} / "
+               f"{_us(d['p99'])} µs", "(the rest of the 2,000)", None))
     for c in forwards:
         if "batch 1" in c.name and any(k in c.name for k in ("dqn", "ppo")):
             print(goal(f"agent network p50: {c.name}", f"{_us(by[c.name]['p50'])} µs", "<= 20 µs",

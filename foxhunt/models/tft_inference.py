@@ -10,11 +10,12 @@ the same parameters (eval mode: no dropout), written for that case:
 - each variable selection's embeddings composed into the layers that read them once (the fused path's maths,
   :mod:`foxhunt.models.variable_selection_fused`), its per-variable GRNs as a few grouped products on a variable-major
   layout, in row chunks of ``pairs_per_chunk`` (row, variable) pairs like the fused path on CPU;
-- the attention's query, key and value projections as one product; layers called as functions, not modules.
+- the attention's query, key and value projections as one product (the scores' 1/sqrt(head size) on the query's);
+  layers called as functions on parameters looked up once, not as modules.
 
-It reads its network's parameters when built and never again: :attr:`TemporalFusionTransformer.cache_inference`
-builds it on the first eval forward under ``torch.no_grad``, and ``train()``, ``eval()`` or ``load_state_dict``
-drop it. Tests hold it equal (float32 rounding) to the reference and fused paths; the live parity tests hold a
+It derives its tensors from its network's parameters when built: with ``TemporalFusionTransformer.cache_inference``
+on, the first eval forward under ``torch.no_grad`` builds it and later ones reuse it until ``train()``, ``eval()`` or
+``load_state_dict`` drop it (a live session, whose weights never change, turns it on while it decides). Tests hold it equal (float32 rounding) to the reference and fused paths; the live parity tests hold a
 session's positions identical to the back-test's, which runs the fused path.
 """
 
@@ -160,8 +161,10 @@ class TFTInference:
             self.causal_mask = net.causal_mask
             self.quantile_head = (net.quantile_head.weight, net.quantile_head.bias)
             att = net.attention
-            self.qkv_weight = torch.cat([att.query.weight, att.key.weight, att.value.weight])
-            self.qkv_bias = torch.cat([att.query.bias, att.key.bias, att.value.bias])
+            scale = 1.0 / math.sqrt(att.head_size)  # the scores' 1/sqrt(head size), on the query projection
+            self.qkv_weight = torch.cat([att.query.weight * scale, att.key.weight, att.value.weight])
+            self.qkv_bias = torch.cat([att.query.bias * scale, att.key.bias, att.value.bias])
+            self.masked = torch.finfo(p.dtype).min
             one = torch.ones(1, 1, 1, device=p.device, dtype=p.dtype)
             self.past_time = net.relative_time(net.lookback, 1 - net.lookback, one)  # [1, L, 1]
             self.future_time = net.relative_time(net.horizon, 1, one)  # [1, H, 1]
@@ -179,9 +182,10 @@ class TFTInference:
             x_future = torch.cat([x_future, self.future_time.expand(b, H, 1)], dim=-1)
         past, encoder_weights = self.encoder(x_past, symbol)
         future, decoder_weights = self.decoder(x_future, symbol)
-        layers = self.lstm_layers
-        h0 = self.h0[symbol].unsqueeze(0).expand(layers, -1, -1).contiguous()
-        c0 = self.c0[symbol].unsqueeze(0).expand(layers, -1, -1).contiguous()
+        h0, c0 = self.h0[symbol].unsqueeze(0), self.c0[symbol].unsqueeze(0)
+        if self.lstm_layers > 1:
+            h0 = h0.expand(self.lstm_layers, -1, -1).contiguous()
+            c0 = c0.expand(self.lstm_layers, -1, -1).contiguous()
         enc_out, state = self.lstm_encoder(past, (h0, c0))
         dec_out, _ = self.lstm_decoder(future, state)
         temporal = _gate(self.post_lstm_gate, torch.cat([enc_out, dec_out], 1), torch.cat([past, future], 1))
@@ -190,8 +194,8 @@ class TFTInference:
         qkv = F.linear(enriched, self.qkv_weight, self.qkv_bias)
         qh = qkv[:, L:, :d].reshape(b, H, nh, dh).transpose(1, 2)
         kh = qkv[:, :, d : 2 * d].reshape(b, L + H, nh, dh).transpose(1, 2)
-        scores = torch.matmul(qh, kh.transpose(-1, -2)).div_(math.sqrt(dh))
-        attention = torch.softmax(scores.masked_fill_(self.causal_mask, torch.finfo(scores.dtype).min), dim=-1)
+        scores = torch.matmul(qh, kh.transpose(-1, -2)).masked_fill_(self.causal_mask, self.masked)
+        attention = torch.softmax(scores, dim=-1)
         heads = torch.matmul(attention, qkv[:, :, 2 * d :].unsqueeze(1))  # [B, h, H, dh]
         attended = F.linear(heads.mean(dim=1), *self.attention_out)
         decoded = _grn(self.positionwise_grn, _gate(self.post_attention_gate, attended, enriched[:, L:]))
