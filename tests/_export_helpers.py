@@ -20,18 +20,20 @@ def refusal(root: Path) -> str:
 
 
 def small_export(root: Path, members: dict, n_symbols: int = 1, n_bars: int = 600, seed: int = 0,
-                 prepare=None, **ensemble):
+                 prepare=None, features: tuple[str, ...] = ("logret_1", "rsi_14", "tod_sin"),
+                 known_future: tuple[str, ...] = ("tod_sin",), **ensemble):
     """A bound, untrained ensemble of ``members`` (``ensemble``: more EnsembleModule arguments) exported to ``root``
-    from a small synthetic market of ``n_symbols`` symbols (SYN0, SYN1, ...), after ``prepare(model)`` if given (e.g.
-    weights set by hand), with its data module: what tests of how an export trades new bars start from."""
+    from a small synthetic market of ``n_symbols`` symbols (SYN0, SYN1, ...) with ``features``, after
+    ``prepare(model)`` if given (e.g. weights set by hand), with its data module: what tests of how an export trades
+    new bars start from."""
     import torch
 
     from foxhunt.data.datamodule import BarDataModule
     from foxhunt.export.write import export_ensemble
     from foxhunt.lit.ensemble import EnsembleModule
 
-    dm = BarDataModule(synthetic_bars=n_bars, synthetic_symbols=n_symbols, features=["logret_1", "rsi_14", "tod_sin"],
-                       known_future=["tod_sin"], lookback=8, horizon=2, cache_dir=None)
+    dm = BarDataModule(synthetic_bars=n_bars, synthetic_symbols=n_symbols, features=list(features),
+                       known_future=list(known_future), lookback=8, horizon=2, cache_dir=None)
     dm.setup()
     torch.manual_seed(seed)
     model = EnsembleModule(members=members, **ensemble)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -53,19 +55,21 @@ def momentum(sign: float):
     return prepare
 
 
-def _export(root: Path, sign: float, seed: int = 0) -> Path:
+def _export(root: Path, sign: float, seed: int = 0, **data) -> Path:
     members = {"dqn": DQNModule(window=4, hidden=[2], layer_norm=False, n_envs=4, batch_size=8, learning_starts=8)}
     _, path = small_export(root, members, n_symbols=2, n_bars=300, seed=seed, combine="vote",
-                           min_edge_confidence=None, cost_bps=COST_BPS, prepare=momentum(sign))
+                           min_edge_confidence=None, cost_bps=COST_BPS, prepare=momentum(sign), **data)
     return path
 
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """better (momentum), worse (its mirror) and twin (the better's weights again, another export directory)."""
+    """better (momentum), worse (its mirror), twin (the better's weights again, another export directory) and other
+    (the better's rule on another feature set: it steps its own features)."""
     root = tmp_path_factory.mktemp("shadow")
     return {"better": _export(root / "better", 1.0), "worse": _export(root / "worse", -1.0),
-            "twin": _export(root / "twin", 1.0)}
+            "twin": _export(root / "twin", 1.0),
+            "other": _export(root / "other", 1.0, features=("logret_1", "std_logret_20"), known_future=())}
 
 
 @pytest.fixture(scope="module")
@@ -131,17 +135,19 @@ def test_a_challenger_logs_what_it_would_have_traded_alone(exports: dict[str, Pa
     from foxhunt.live.run import main
     from foxhunt.live.score import score_decisions
 
-    runner = _runner(tmp_path / "shadow", exports["worse"], [exports["better"], exports["twin"]])  # no rule: no verdict
-    _run(runner, bars)
-    streams = {id(m.session.features) for m in runner.models}
-    assert len(streams) == 1, "exports of one feature set step one feature stream"
+    runner = _runner(tmp_path / "shadow", exports["worse"], [exports["better"], exports["twin"], exports["other"]])
+    _run(runner, bars)  # no rule: no verdict
+    streams = [id(m.session.features) for m in runner.models]
+    assert len(set(streams[:3])) == 1 and streams[3] != streams[0], "one stream per feature set"
     data = tmp_path / "bars.parquet"
     write_bars(bars, data)
-    assert main(["--checkpoint", str(exports["better"]), "--replay", str(data), "--decisions", str(tmp_path / "alone"),
-                 "--status-every", "0"]) == 0
-    alone = read_decisions(tmp_path / "alone")
+    for label, name in (("model1", "better"), ("model3", "other")):
+        assert main(["--checkpoint", str(exports[name]), "--replay", str(data), "--decisions",
+                     str(tmp_path / f"alone-{name}"), "--status-every", "0"]) == 0
+        alone = read_decisions(tmp_path / f"alone-{name}")
+        shadowed = read_decisions(tmp_path / "shadow" / "log.models" / label)
+        pd.testing.assert_frame_equal(shadowed.drop(columns="latency_us"), alone.drop(columns="latency_us"))
     shadowed = read_decisions(tmp_path / "shadow" / "log.models" / "model1")
-    pd.testing.assert_frame_equal(shadowed.drop(columns="latency_us"), alone.drop(columns="latency_us"))
     loaded = foxhunt.load(exports["better"])
     theirs = loaded.backtest(bars)
     ours = score_decisions(shadowed, bars, cost_bps=COST_BPS, significance=False)
@@ -336,3 +342,48 @@ def test_a_scheduled_retrain_trains_on_past_bars_only_and_starts_as_a_challenger
     traded, champion = read_decisions(tmp_path / "log"), read_decisions(tmp_path / "log.models" / "model0")
     assert np.array_equal(traded["ensemble"].to_numpy(), champion["ensemble"].to_numpy())
     assert [m.label for m in runner.models] == ["model0", "model1"]
+
+
+def _stdin_cli(exports: dict[str, Path], out: Path) -> subprocess.Popen:
+    """The CLI with a challenger, reading CSV bars on stdin (it waits for more: the test decides where it stops)."""
+    cmd = [sys.executable, "-m", "foxhunt.live", "--checkpoint", str(exports["worse"]), "--challenger",
+           str(exports["better"]), "--source", "stdin", "--decisions", str(out), "--flush-every", "50",
+           "--status-every", "0", "--promotion-min-bars", "100"]
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_a_kill_9_after_a_promotion_and_before_its_save_resumes_exactly(exports: dict[str, Path], bars: pd.DataFrame,
+                                                                        tmp_path: Path) -> None:
+    """Killed after the promotion was registered but before the state that holds it was saved: the restart re-decides
+    it from the saved state, writes no registry record twice, and logs what an uninterrupted run logs."""
+    frame = bars.sort_values(["timestamp", "symbol"])[["timestamp", "symbol", "open", "high", "low", "close", "volume"]]
+    lines = frame.to_csv(index=False).splitlines(keepends=True)
+    whole = _stdin_cli(exports, tmp_path / "whole")
+    _, err = whole.communicate("".join(lines), timeout=600)
+    assert whole.returncode == 0, err
+    killed = _stdin_cli(exports, tmp_path / "killed")
+    killed.stdin.write("".join(lines[: 1 + 2 * 140]))  # the header and 140 bars: past the promotion, before bar 150
+    killed.stdin.flush()
+    registry = tmp_path / "killed.registry.jsonl"
+    deadline = time.time() + 600  # bounds a broken run only: the kill waits for the promotion, never for a time
+    while killed.poll() is None and time.time() < deadline and \
+            not (registry.is_file() and '"promotion"' in registry.read_text()):
+        time.sleep(0.05)
+    assert killed.poll() is None, killed.stderr.read()
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    saved = json.loads((tmp_path / "killed.state" / "state.json").read_text())
+    assert saved["bars"] == 100 and [m["label"] for m in saved["models"]] == ["model0", "model1"]  # before it
+    restarted = _stdin_cli(exports, tmp_path / "killed")
+    _, err = restarted.communicate("".join(lines), timeout=600)
+    assert restarted.returncode == 0, err
+    for log in ("", ".models/model0", ".models/model1"):
+        a, b = read_decisions(f"{tmp_path / 'whole'}{log}"), read_decisions(f"{tmp_path / 'killed'}{log}")
+        pd.testing.assert_frame_equal(a.drop(columns="latency_us"), b.drop(columns="latency_us"))
+
+    def events(path: Path) -> list[dict]:
+        return [{k: v for k, v in r.items() if k != "time"} for r in read_registry(path) if r["event"] != "resume"]
+
+    assert events(tmp_path / "whole.registry.jsonl") == events(registry)
+    assert [r["event"] for r in events(registry)] == ["start", "challenger", "promotion", "retirement"]
