@@ -387,3 +387,25 @@ def test_a_kill_9_after_a_promotion_and_before_its_save_resumes_exactly(exports:
 
     assert events(tmp_path / "whole.registry.jsonl") == events(registry)
     assert [r["event"] for r in events(registry)] == ["start", "challenger", "promotion", "retirement"]
+
+
+def test_a_retrain_sees_the_warmup_history_and_the_traded_bars_up_to_its_bar_only(bars: pd.DataFrame,
+                                                                                   tmp_path: Path) -> None:
+    from foxhunt.live.log import DecisionLog
+    from foxhunt.live.retrain import bars_until
+
+    ts = pd.DatetimeIndex(bars["timestamp"])
+    cut, until = ts.sort_values()[100], ts.sort_values()[400]
+    write_bars(bars[ts < cut].reset_index(drop=True), tmp_path / "history.parquet")
+    log = DecisionLog(tmp_path / "log")
+    later = bars[ts >= cut]
+    log.append([{"ts_event": int(pd.Timestamp(r.timestamp).value), "symbol": r.symbol, "open": r.open, "high": r.high,
+                 "low": r.low, "close": r.close, "volume": r.volume, "ensemble": 0.0, "ready": True, "latency_us": 1.0}
+                for r in later.itertuples()])
+    log.flush()
+    seen = bars_until(tmp_path / "log", until.value, str(tmp_path / "history.parquet"))
+    expected = bars[ts <= until].sort_values(["timestamp", "symbol"]).reset_index(drop=True)
+    assert len(seen) == len(expected) and pd.DatetimeIndex(seen["timestamp"]).max() == until
+    np.testing.assert_array_equal(seen[["open", "high", "low", "close", "volume"]].to_numpy(),
+                                  expected[["open", "high", "low", "close", "volume"]].to_numpy())
+    assert list(seen["symbol"]) == list(expected["symbol"])
