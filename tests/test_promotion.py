@@ -20,7 +20,9 @@ from foxhunt.evaluation.promotion import (
     holm_adjusted,
     mixture_log_e,
     mixture_rho2,
+    newey_west_at,
     running_newey_west,
+    variance_bars,
 )
 from foxhunt.quality.promotion_streams import paired_streams, promotion_rate
 
@@ -107,10 +109,23 @@ def test_sequential_decision_is_the_same_checked_every_bar_or_once() -> None:
 def test_running_newey_west_is_hacs_estimate_at_every_bar() -> None:
     champ, chal = _pair(700, seed=4)
     d = chal - champ
-    path = running_newey_west(d, 50)
+    path = newey_west_at(d, np.arange(50, 701))
     for t in (50, 99, 100, 333, 700):
         ref = long_run_variance(torch.from_numpy(d[:t]), "bartlett", float(newey_west_lags(t) + 1), prewhiten=False)
         assert path[t - 50] == pytest.approx(float(ref), rel=1e-10)
+
+
+def test_the_sequential_variance_is_refreshed_from_past_bars_only() -> None:
+    t = np.arange(30, 60_000)
+    g = variance_bars(t)
+    assert np.all(g <= t) and np.all(np.diff(g) >= 0) and np.all(t - g < np.maximum(1, t // 1_000))
+    assert np.array_equal(g[t < 2_000], t[t < 2_000])  # every bar at first
+    champ, chal = _pair(5_000, seed=5)
+    d = chal - champ
+    path = running_newey_west(d, 500)
+    for bar in (500, 1_999, 2_001, 4_321, 5_000):
+        end = int(variance_bars(np.array([bar]))[0])
+        assert path[bar - 500] == pytest.approx(float(newey_west_at(d[:end], np.array([end]))[0]), rel=1e-10)
 
 
 def test_mixture_e_process_is_the_half_normal_mixture_and_has_mean_one() -> None:

@@ -41,6 +41,7 @@ from foxhunt.files import json_safe
 METHODS = ("fixed", "sequential")
 DECISIONS = ("promote", "keep", "undecided")
 MIN_BARS = 30  # fewer paired bars than this make no test of a mean difference on dependent returns
+REFRESH = 1_000  # the sequential test's variance is refreshed every max(1, t // REFRESH) bars (variance_bars)
 
 
 @dataclass(frozen=True)
@@ -218,14 +219,23 @@ def mixture_rho2(alpha: float, tuned_at: int) -> float:
     return (la + math.log(la + 1.0)) / tuned_at
 
 
-def running_newey_west(d: np.ndarray, first: int) -> np.ndarray:
-    """[n - first + 1] the Newey-West long-run variance of d[:t] for t = first .. n, each with its own lag
-    ``newey_west_lags(t)`` and Bartlett weights over divisor-t demeaned autocovariances: at every t exactly
-    ``hac.long_run_variance(d[:t], "bartlett", lags + 1, prewhiten=False)``, from running sums (bars <= t only).
+def variance_bars(t: np.ndarray) -> np.ndarray:
+    """The prefix whose variance the sequential test uses at bar t: t itself up to ``2 * REFRESH`` bars, then t
+    rounded down to a multiple of ``t // REFRESH`` (refreshed every 0.1% of the history: the statistic's sum moves
+    every bar, its scale is at most that stale), so that a check costs O(n L) in running sums, not O(n L) of work
+    for every bar."""
+    step = np.maximum(1, t // REFRESH)
+    return t - t % step
+
+
+def newey_west_at(d: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """[len(ends)] the Newey-West long-run variance of each prefix d[:t], t in ``ends`` (increasing), each with its own
+    lag ``newey_west_lags(t)`` and Bartlett weights over divisor-t demeaned autocovariances: exactly
+    ``hac.long_run_variance(d[:t], "bartlett", lags + 1, prewhiten=False)``, from running sums (bars < t only):
     ``γ_j(t) = (P_j(t) - m_t (C_t - C_j + C_{t-j}) + (t - j) m_t²) / t`` with P_j the running sum of d_s d_{s-j}, C
-    that of d and m_t = C_t / t: O(n L) for the largest lag L."""
+    that of d and m_t = C_t / t."""
     n = d.size
-    ti = np.arange(first, n + 1)
+    ti = np.asarray(ends, dtype=np.int64)
     t = ti.astype(np.float64)
     lags = np.minimum(np.floor(4.0 * (t / 100.0) ** (2.0 / 9.0)), t - 1)  # newey_west_lags of every t at once
     max_lag = int(lags.max()) if lags.size else 0
@@ -233,12 +243,22 @@ def running_newey_west(d: np.ndarray, first: int) -> np.ndarray:
     prods = np.zeros((max_lag + 1, n + 1))  # prods[j, s + 1] = d_s d_{s-j} (0 for s < j)
     for lag in range(max_lag + 1):
         prods[lag, lag + 1:] = d[lag:] * d[: n - lag]
-    running = np.cumsum(prods, axis=1)[:, ti]  # [L+1, T]: P_j(t)
+    if ti.size == 0:
+        return np.zeros(0)
+    starts = np.concatenate([[0], ti[:-1] + 1])  # P_j(t_k) = Σ of prods[j, :t_k + 1]: sums between ends, accumulated
+    running = np.cumsum(np.add.reduceat(prods[:, : ti[-1] + 1], starts, axis=1), axis=1)  # [L+1, T]
     c = np.concatenate([[0.0], np.cumsum(d)])  # c[t] = Σ_{s<t} d_s (0-based bars)
     mean = c[ti] / t
     cross = running - mean * ((c[ti] - c[np.minimum(j, n)]) + c[np.maximum(ti - j, 0)]) + (ti - j) * mean**2
     weight = np.where(j <= lags, (1.0 - j / (lags + 1.0)) * np.where(j > 0, 2.0, 1.0), 0.0)
     return np.maximum((weight * cross).sum(0) / t, 0.0)
+
+
+def running_newey_west(d: np.ndarray, first: int) -> np.ndarray:
+    """[n - first + 1] the sequential test's variance at every bar t = first .. n: the Newey-West long-run variance
+    of d[:variance_bars(t)] (:func:`newey_west_at`; bars <= t only)."""
+    ends, at = np.unique(variance_bars(np.arange(first, d.size + 1)), return_inverse=True)
+    return newey_west_at(d, ends)[at]
 
 
 def _sequential(rule: PromotionRule, base: np.ndarray, series: dict[str, np.ndarray]) -> dict[str, Verdict]:
