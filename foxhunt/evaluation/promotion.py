@@ -222,8 +222,8 @@ def mixture_rho2(alpha: float, tuned_at: int) -> float:
 def variance_bars(t: np.ndarray) -> np.ndarray:
     """The prefix whose variance the sequential test uses at bar t: t itself up to ``2 * REFRESH`` bars, then t
     rounded down to a multiple of ``t // REFRESH`` (refreshed every 0.1% of the history: the statistic's sum moves
-    every bar, its scale is at most that stale), so that a check costs O(n L) in running sums, not O(n L) of work
-    for every bar."""
+    every bar, its scale is at most that stale), so a check of n bars evaluates the variance at about
+    ``2 REFRESH + REFRESH ln(n / 2 REFRESH)`` prefixes instead of n."""
     step = np.maximum(1, t // REFRESH)
     return t - t % step
 
