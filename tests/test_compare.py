@@ -95,6 +95,8 @@ def test_refusals_are_one_line_exit_2(exports, unseen, capsys, tmp_path) -> None
                                          "nope"], capsys)
     assert str(tmp_path / "missing") in _error([str(exports["a"]), str(tmp_path / "missing"), "--data", str(unseen)],
                                                capsys)
+    allowed = main([str(exports["a"]), str(exports["b"]), "--data", str(seen), "--allow-overlap", "--n-boot", "9"])
+    assert allowed["bars"] > 500  # in-sample bars too, when asked
     # at one given cost the two are compared
     report = main([str(exports["a"]), str(exports["costly"]), "--data", str(unseen), "--cost-bps", "2", "--n-boot", "9"])
     assert list(report["rows"]) == ["a", "costly"]
