@@ -186,3 +186,16 @@ def test_false_promotions_on_2000_null_streams(name: str) -> None:
     """The bigger version: 2,000 streams, the bound about 1.1 points above alpha."""
     rate = promotion_rates(RULES[name], 2_000, 0.0, 2, seed=31)
     assert rate <= binomial_bound(2_000), rate
+
+
+@pytest.mark.parametrize("method", ["fixed", "sequential"])
+def test_several_challengers_promote_only_the_better_one(method: str) -> None:
+    s = paired_streams(1, 2_000, edge=[0.0, 0.3, 0.0], n_challengers=3, seed=41)
+    rule = PromotionRule(min_bars=500, method=method, horizon=2_000)
+    verdicts = rule.check(s.champion[0], {f"c{j}": s.challengers[0, j] for j in range(3)})
+    assert [verdicts[f"c{j}"].decision for j in range(3)] == ["keep", "promote", "keep"]
+    assert best_promoted(verdicts) == "c1" and verdicts["c1"].evidence["n_challengers"] == 3
+    if method == "fixed":  # Holm: the smallest p-value times the family's size
+        assert verdicts["c1"].evidence["p_value_adjusted"] == pytest.approx(3 * verdicts["c1"].evidence["p_value"])
+    else:  # Bonferroni: each e-process against k / alpha
+        assert verdicts["c1"].evidence["e_threshold"] == pytest.approx(60.0)
