@@ -499,6 +499,11 @@ class ShadowRunner:
             m = Model(rec["label"], rec["export"], rec["sha256"], session, book, log, rec["source"], int(rec["start"]),
                       Series(tensors[f"{rec['label']}/evidence"].numpy().astype(np.float64)), rec["decided"])
             (self.models if rec["active"] else self.decided).append(m)
+        saved = {(rec["export"], rec["sha256"]) for rec in info["models"]}
+        for key, m in opened.items():
+            if key not in saved and m.source == "challenger":
+                self.messages.append(f"live: --challenger {m.path} not shadowed: the run resumes with the models of "
+                                     f"its saved state ({self.state_dir}); challengers are declared at its start")
         self.traded_book.load_state_dict({k[len("traded/book."):]: v for k, v in tensors.items()
                                           if k.startswith("traded/book.")})
         self.traded = DecisionLog(self.decisions, parts=int(info.get("parts", 0)))
