@@ -1,9 +1,10 @@
 """Each member's traded network as an ONNX graph (one file per member), checked against torch and recorded, with its
 SHA-256 and its named inputs and outputs, in the export's metadata.json (``serving.onnx``).
 
-The graph is the network a member trades (:func:`~foxhunt.export.traded.traded_network`) in its plain torch form, the
-same parameters: the TFT's ``fused=False`` reference path (the fused variable selection is a hand-written autograd
-Function), Mamba-2's PyTorch block (its C loops are a ``ctypes`` library). What each graph computes:
+The graph is the network a member trades (:func:`~foxhunt.export.traded.traded_network`) in a plain torch form, the
+same parameters: the TFT's inference form (:class:`~foxhunt.models.tft_inference.TFTInference`, built from the
+``fused=False`` reference path: the fused variable selection is a hand-written autograd Function), Mamba-2's PyTorch
+block (its C loops are a ``ctypes`` library). What each graph computes:
 
 - forecasters: ``x_past`` [batch, L, F], ``x_future`` [batch, H, K] (absent when K is 0), ``symbol`` [batch] int64
   -> ``quantiles`` [batch, H, Q] (the network's ``prediction``, on the training scale);
@@ -38,6 +39,7 @@ from foxhunt.files import atomic_file
 from foxhunt.lit.member import Agent, Member
 
 OPSET = 18
+MAX_BATCH = 1 << 20  # rows a call may carry (the graphs have no such limit; torch.export wants a bound to reason with)
 PARITY_ATOL = 1e-5  # float graph against torch, absolute, on outputs of order 1 (quantiles are on the training scale)
 FLOAT = "onnx"  # serving.onnx in metadata.json: the float graphs
 INT8 = "onnx_int8"  # serving.onnx_int8: statically quantised graphs (foxhunt.export.quantise)
@@ -78,6 +80,25 @@ class _ForecastPast(nn.Module):
         return self.net(x_past, None, symbol).prediction
 
 
+class _TFTInferenceForecast(nn.Module):
+    """The TFT's quantiles through its inference form (:class:`~foxhunt.models.tft_inference.TFTInference`: what
+    depends on the symbol alone computed once, embeddings composed into the layers): the same function of the same
+    parameters in eval mode, about 200 graph nodes against the reference path's 260, with no Einsum."""
+
+    def __init__(self, net: nn.Module) -> None:
+        from foxhunt.models.tft_inference import TFTInference
+
+        super().__init__()
+        self.net = net
+        with torch.no_grad():
+            self.form = TFTInference(net)
+        rows = MAX_BATCH * (net.lookback + net.horizon)  # the per-variable GRNs in one chunk: the graph takes any batch
+        self.form.encoder.rows = self.form.decoder.rows = rows
+
+    def forward(self, x_past: Tensor, x_future: Tensor, symbol: Tensor) -> Tensor:
+        return self.form(x_past, x_future, symbol).prediction
+
+
 class _Deterministic(nn.Module):
     """An ActorCritic's deterministic policy: logits (discrete) or tanh(mean) (continuous)."""
 
@@ -113,17 +134,17 @@ def member_graph(member: Member, plain: bool = True) -> Graph | None:
     _, net = traded_network(member)
     if net is None:
         return None
-    plain = plain_copy(net) if plain else net.eval()
+    plain_net = plain_copy(net) if plain else net.eval()
     gen = torch.Generator().manual_seed(0)
     if isinstance(member, Agent):
-        window = torch.randn(2, int(plain.window), int(plain.n_features), generator=gen)
-        if isinstance(plain, QNetwork):
-            n_pos, kind, module, out = int(plain.position_eye.shape[0]), "dqn", plain, "q"
-        elif isinstance(plain, ActorCritic):
-            n_pos, module = int(plain.n_position_features), _Deterministic(plain)
-            kind, out = ("ppo_continuous", "target") if plain.continuous else ("ppo_discrete", "logits")
+        window = torch.randn(2, int(plain_net.window), int(plain_net.n_features), generator=gen)
+        if isinstance(plain_net, QNetwork):
+            n_pos, kind, module, out = int(plain_net.position_eye.shape[0]), "dqn", plain_net, "q"
+        elif isinstance(plain_net, ActorCritic):
+            n_pos, module = int(plain_net.n_position_features), _Deterministic(plain_net)
+            kind, out = ("ppo_continuous", "target") if plain_net.continuous else ("ppo_discrete", "logits")
         else:
-            raise ExportError(f"{type(member).__name__}: no ONNX graph for a {type(plain).__name__} network")
+            raise ExportError(f"{type(member).__name__}: no ONNX graph for a {type(plain_net).__name__} network")
         position = torch.zeros(2, n_pos)
         if kind == "ppo_continuous":
             position[:, 0] = torch.tensor([-0.5, 0.25])
@@ -137,9 +158,12 @@ def member_graph(member: Member, plain: bool = True) -> Graph | None:
     k = len(spec.known_future)
     if k:
         x_future = torch.randn(2, spec.horizon, k, generator=gen)
-        return Graph(_Forecast(plain), ["x_past", "x_future", "symbol"], ["quantiles"], (x_past, x_future, symbol),
-                     "forecaster")
-    return Graph(_ForecastPast(plain), ["x_past", "symbol"], ["quantiles"], (x_past, symbol), "forecaster")
+        from foxhunt.models.tft import TemporalFusionTransformer
+
+        tft = plain and isinstance(plain_net, TemporalFusionTransformer)
+        module = _TFTInferenceForecast(plain_net) if tft else _Forecast(plain_net)
+        return Graph(module, ["x_past", "x_future", "symbol"], ["quantiles"], (x_past, x_future, symbol), "forecaster")
+    return Graph(_ForecastPast(plain_net), ["x_past", "symbol"], ["quantiles"], (x_past, symbol), "forecaster")
 
 
 @contextmanager
@@ -162,7 +186,7 @@ def quiet_exporter() -> Iterator[None]:
 def export_graph(graph: Graph, where: str) -> bytes:
     """The serialised ONNX model of ``graph`` (opset :data:`OPSET`, dynamic batch): ExportError naming ``where`` when
     the exporter fails."""
-    batch = torch.export.Dim("batch", min=1)
+    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
     shapes = {name: {0: batch} for name in graph.inputs}
     try:
         with quiet_exporter(), torch.no_grad():
@@ -170,7 +194,7 @@ def export_graph(graph: Graph, where: str) -> bytes:
                                         output_names=graph.outputs, opset_version=OPSET, dynamo=True,
                                         dynamic_shapes=shapes, verbose=False)
     except Exception as e:  # the exporter's failures come as many types; one line naming the member
-        raise ExportError(f"{where}: torch.onnx.export failed ({error_line(e)[:300]})") from None
+        raise ExportError(f"{where}: torch.onnx.export failed ({error_line(e)[:300]})") from e
     return program.model_proto.SerializeToString()
 
 
