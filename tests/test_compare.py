@@ -12,6 +12,7 @@ from _export_helpers import small_export
 
 import foxhunt
 from foxhunt.compare import main, paired_returns
+from foxhunt.data import load_bars
 from foxhunt.data.io import write_bars
 from foxhunt.data.synthetic import generate_market
 from foxhunt.evaluation.paired import paired_report
@@ -100,3 +101,41 @@ def test_refusals_are_one_line_exit_2(exports, unseen, capsys, tmp_path) -> None
     # at one given cost the two are compared
     report = main([str(exports["a"]), str(exports["costly"]), "--data", str(unseen), "--cost-bps", "2", "--n-boot", "9"])
     assert list(report["rows"]) == ["a", "costly"]
+
+
+def test_walkforward_pair_is_the_paired_table_of_both_exports_on_the_stretch(exports, unseen, tmp_path) -> None:
+    """versus_previous on a fold whose previous fold's export is ``a`` and whose own is ``b`` (untrained models
+    that trade, unlike the walk-forward fixtures' flat tiny fits): the paired table of both as accounts of their own
+    on the stretch; a previous fold not finished is said so."""
+    import shutil
+
+    from foxhunt.evaluation.backtest import policy_pnl
+    from foxhunt.walkforward.plan import Fold
+    from foxhunt.walkforward.score import own_account
+    from foxhunt.walkforward.versus_previous import versus_previous
+
+    bars = load_bars(unseen)
+    stamps = [pd.Timestamp(t).isoformat() for t in sorted(pd.to_datetime(bars["timestamp"], utc=True).unique())]
+    fold = Fold(1, stamps[0], stamps[50], stamps[100], None)
+    out = tmp_path / "wf"
+    assert versus_previous(out, Fold(0, stamps[0], stamps[50], stamps[100], None), bars, None, None, 0.0, 1.0) is None
+    (out / "fold_0").mkdir(parents=True)
+    assert "not finished" in versus_previous(out, fold, bars, None, None, 0.0, 1.0)["reason"]
+    shutil.copytree(exports["a"], out / "fold_0" / "export")
+    (out / "fold_0" / "done.json").write_text("{}")
+    mine = foxhunt.load(exports["b"])
+    split = mine.split(bars)
+    test = split.select(fold.contains(split.timestamps))
+    own = mine.model.evaluate(test).positions["ensemble"]
+    report = versus_previous(out, fold, bars, test, own, 0.0, 1_000.0, n_boot=49)
+    assert report["fold"] == 0 and list(report["rows"]) == ["fold 0", "fold 1"]
+    theirs = foxhunt.load(exports["a"]).split(bars)
+    theirs = theirs.select(fold.contains(theirs.timestamps))
+    pnl = {}
+    for name, loaded, rows in (("fold 0", foxhunt.load(exports["a"]), theirs), ("fold 1", mine, test)):
+        held, account = own_account({"e": loaded.model.evaluate(rows).positions["ensemble"]}, rows)
+        pnl[name] = policy_pnl(held["e"], account, 0.0)
+    ref = paired_report(pnl, 1_000.0, n_boot=49)
+    assert report["bars"] == ref["bars"] and math.isfinite(report["rows"]["fold 1"]["dm"])
+    for key in ("sharpe_diff", "sharpe_diff_se", "p_hac", "dm", "dm_p"):
+        assert report["rows"]["fold 1"][key] == pytest.approx(ref["rows"]["fold 1"][key], rel=1e-12), key
