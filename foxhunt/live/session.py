@@ -172,25 +172,33 @@ class LiveSession:
         start = time.perf_counter_ns() if started_ns is None else started_ns
         codes = self.codes(symbols)
         P = codes.numel()
+        # every symbol in the export's order (one symbol, or a panel's whole timestamp): its rows are slices (views)
+        sel: Tensor | slice = slice(None) if P == len(self.symbols) and list(symbols) == self.symbols else codes
         bars = torch.as_tensor(ohlcv, dtype=torch.float64).reshape(P, 5)
         ts = torch.full((P,), int(timestamp), dtype=torch.int64)
         rows = self.loaded.feature_normalizer(values).clamp(-self.clip, self.clip)
-        seen = self.seen[codes]
-        self.spacing[codes] = torch.where(seen > 0, ts - self.ts[codes, -1], self.spacing[codes])
-        self._push(codes, rows, ready, bars, ts)
+        seen = self.seen[sel]
+        self.spacing[sel] = torch.where(seen > 0, ts - self.ts[sel, -1], self.spacing[sel])
+        self._push(sel, rows, ready, bars, ts)
         if next_timestamps is None:
             next_timestamps = regular_schedule(self.spacing.clamp_min(1))(codes, ts, self.horizon)
-        positions, decided = self._decide(codes, torch.as_tensor(next_timestamps, dtype=torch.int64).reshape(P, -1))
+        next_ts = torch.as_tensor(next_timestamps, dtype=torch.int64).reshape(P, -1)
+        positions, decided = self._decide(codes, next_ts, sel)
         latency = (time.perf_counter_ns() - start) / 1e3
         return Decision(int(timestamp), list(symbols), bars, positions, decided, latency)
 
-    def _push(self, codes: Tensor, rows: Tensor, ready: Tensor, bars: Tensor, ts: Tensor) -> None:
-        """Append one bar to each of these symbols' tails (the oldest row drops out)."""
-        zero = torch.zeros(codes.numel(), self.stack.shape[-1])
-        for buf, new in ((self.rows, rows.float()), (self.ready_rows, ready), (self.ohlcv, bars), (self.ts, ts),
-                         (self.stack, zero)):
-            buf[codes] = torch.cat((buf[codes, 1:], new.unsqueeze(1).to(buf.dtype)), 1)
-        self.seen[codes] += 1
+    def _push(self, sel: Tensor | slice, rows: Tensor, ready: Tensor, bars: Tensor, ts: Tensor) -> None:
+        """Append one bar to each of these symbols' tails (the oldest row drops out); ``sel``: their codes, or every
+        symbol (a slice: each buffer is replaced by its shifted self in one op)."""
+        zero = torch.zeros(rows.shape[0], self.stack.shape[-1])
+        for key, new in (("rows", rows.float()), ("ready_rows", ready), ("ohlcv", bars), ("ts", ts), ("stack", zero)):
+            buf = getattr(self, key)
+            new = new.unsqueeze(1).to(buf.dtype)
+            if isinstance(sel, slice):
+                setattr(self, key, torch.cat((buf[:, 1:], new), 1))
+            else:
+                buf[sel] = torch.cat((buf[sel, 1:], new), 1)
+        self.seen[sel] += 1
 
     def _tail_split(self, codes: Tensor, next_ts: Tensor) -> tuple[Any, Tensor, Tensor]:
         """The tails of these symbols as one MarketSplit (each symbol's rows, then H rows scheduled ahead that carry
@@ -235,14 +243,15 @@ class LiveSession:
         normed = self.loaded.feature_normalizer(raw).clamp(-self.clip, self.clip)
         return normed.reshape(P, H, F)
 
-    def _decide(self, codes: Tensor, next_ts: Tensor) -> tuple[dict[str, Tensor], Tensor]:
+    def _decide(self, codes: Tensor, next_ts: Tensor, sel: Tensor | slice | None = None) -> tuple[dict[str, Tensor],
+                                                                                                   Tensor]:
         """Each member's position for these symbols from its policy table's row at the bar just in, then the
         combination; the held positions move on."""
         nets = self._forecaster_networks() if self.fast else []
         for net in nets:
             net.cache_inference = True
         try:
-            return self._decide_cached(codes, next_ts)
+            return self._decide_cached(codes, next_ts, codes if sel is None else sel)
         finally:
             for net in nets:
                 net.cache_inference = False
@@ -256,10 +265,10 @@ class LiveSession:
             nets += [model.snapshots[n] for n in model.forecaster_names]
         return [net for net in nets if hasattr(net, "cache_inference")]
 
-    def _decide_cached(self, codes: Tensor, next_ts: Tensor) -> tuple[dict[str, Tensor], Tensor]:
+    def _decide_cached(self, codes: Tensor, next_ts: Tensor, sel: Tensor | slice) -> tuple[dict[str, Tensor], Tensor]:
         model = self.model
-        if self.fast and self._lean_applies(codes):
-            return self._decide_lean(codes, next_ts)
+        if self.fast and self._lean_applies(sel):
+            return self._decide_lean(codes, next_ts, sel)
         split, last, keep = self._tail_split(codes, next_ts)
         decision, reset = split.valid, split.first_bar
         pos: dict[str, Tensor] = {}
@@ -309,12 +318,12 @@ class LiveSession:
             return None
         return float(scaled.loc.float()[0]), float(scaled.scale.float()[0])
 
-    def _lean_applies(self, codes: Tensor) -> bool:
+    def _lean_applies(self, sel: Tensor | slice) -> bool:
         """Whether these symbols' decision can take the lean path: every tail full, members of the kinds it covers
         (checked once), and each trading agent's network a flat-encoder Q-network."""
         if not hasattr(self, "_lean"):
             self._lean = self._lean_plan()
-        if self._lean is None or not bool((self.seen[codes] >= self.tail).all()):
+        if self._lean is None or not bool((self.seen[sel] >= self.tail).all()):
             return False
         from foxhunt.models.qnet import QNetwork
 
@@ -324,7 +333,7 @@ class LiveSession:
                 return False
         return True
 
-    def _decide_lean(self, codes: Tensor, next_ts: Tensor) -> tuple[dict[str, Tensor], Tensor]:
+    def _decide_lean(self, codes: Tensor, next_ts: Tensor, sel: Tensor | slice) -> tuple[dict[str, Tensor], Tensor]:
         """:meth:`_decide` for full tails without assembling them as a split: what the back-test's code computes at
         the bar just in, read from the tail buffers directly (tests/test_live.py holds the two paths equal).
 
@@ -335,14 +344,14 @@ class LiveSession:
         known-future rows, the decision row's loc/scale); a DQN agent at a decision bar takes the argmax of its
         Q-values for the held position (``greedy_table``'s row), flat elsewhere."""
         model, P, K = self.model, codes.numel(), self.tail
-        ready = self.ready_rows[codes]  # [P, K]
+        ready = self.ready_rows[sel]  # [P, K]
         decided = ready[:, -1]
         reset = torch.zeros(P, dtype=torch.bool)  # a full tail's last row is not its symbol's first
         pos: dict[str, Tensor] = {}
         if model.forecaster_names:
             L, H = self.lookback, self.horizon
             loc, scale = self._lean
-            x_past = torch.nan_to_num(self.rows[codes, K - L :], nan=0.0)
+            x_past = torch.nan_to_num(self.rows[sel, K - L :], nan=0.0)
             future = self._future_rows(next_ts[:, :H])
             x_future = torch.nan_to_num(future[:, :, self._known_future_cols()], nan=0.0)
             window_ok = ready[:, K - L :].all(1)
@@ -355,8 +364,8 @@ class LiveSession:
                 fc = member.to_return_scale(pred, stats)
                 fc = torch.where(window_ok[:, None, None], fc, torch.nan)
                 table = model.forecast_table(name, fc, decided, reset)
-                idx = table.gather(1, self.held[name][codes].long().unsqueeze(1)).squeeze(1)
-                self.held[name][codes] = idx
+                idx = table.gather(1, self.held[name][sel].long().unsqueeze(1)).squeeze(1)
+                self.held[name][sel] = idx
                 pos[name] = FORECAST_ACTIONS[idx]
         for name in model.trading_agents():
             agent = model.agent(name)
@@ -367,12 +376,12 @@ class LiveSession:
             actions = torch.tensor(tuple(agent.hparams.actions), dtype=torch.float32)
             flat = int(torch.argmin(actions.abs()))
             net = agent.policy_network
-            held = self.held[name][codes].long()
-            obs = torch.nan_to_num(self.rows[codes, K - window :], nan=0.0)
+            held = self.held[name][sel].long()
+            obs = torch.nan_to_num(self.rows[sel, K - window :], nan=0.0)
             with eval_mode(net):
                 q = self._agent_network(name, net)(obs, torch.eye(actions.numel())[held])
             idx = torch.where(decided, q.argmax(1), flat)
-            self.held[name][codes] = idx
+            self.held[name][sel] = idx
             pos[name] = actions[idx]
         for name in model.agent_names:
             pos.setdefault(name, torch.zeros(P, dtype=torch.float32))
