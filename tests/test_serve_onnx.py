@@ -241,3 +241,41 @@ def test_float_onnx_forecasters_trade_exactly_what_torch_trades(forecasters: Pat
 @pytest.mark.slow
 def test_int8_forecasters_trade_within_the_bound(forecasters: Path) -> None:
     int8_trading_is_measured_and_bounded(forecasters)
+
+
+def test_the_live_command_line_trades_the_graphs_as_torch_does(agents: Path, tmp_path: Path) -> None:
+    from foxhunt.data.io import write_bars
+    from foxhunt.live.log import read_decisions
+    from foxhunt.live.run import main
+
+    data = tmp_path / "bars.csv"
+    write_bars(generate_market(n_bars=80, n_symbols=2, seed=12, symbols=SYMBOLS).bars, data)
+    threads = str(torch.get_num_threads())
+    logs = {}
+    for backend in ("torch", "onnxruntime"):
+        assert main(["--checkpoint", str(agents), "--replay", str(data), "--decisions", str(tmp_path / backend),
+                     "--status-every", "0", "--torch-threads", threads, "--backend", backend]) == 0
+        logs[backend] = read_decisions(tmp_path / backend)
+    a, b = logs["torch"], logs["onnxruntime"]
+    assert len(a) == len(b) > 100 and (a["ready"]).sum() > 50
+    for column in ("dqn", "ppo", "ensemble"):
+        assert (a[column].to_numpy() == b[column].to_numpy()).all(), column
+    assert abs(a["ppoc"].to_numpy() - b["ppoc"].to_numpy()).max() <= 1e-6
+
+
+def test_the_export_command_line_writes_the_graphs_or_says_why_not(tmp_path: Path, capsys) -> None:
+    from _export_helpers import small_export
+
+    from foxhunt.cli_errors import run_command
+    from foxhunt.export.__main__ import main
+    from foxhunt.lit.dqn import DQNModule
+
+    _, root = small_export(tmp_path / "plain", {"dqn": DQNModule(window=4, hidden=[8])}, min_edge_confidence=None)
+    assert run_command(main, ["--onnx", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "dqn.onnx: dqn, inputs window ['batch', 4, 3], position ['batch', 3]" in out
+    assert foxhunt.load(root).metadata["serving"]["onnx"]["members"]["dqn"]["file"] == "dqn.onnx"
+    assert run_command(main, ["--onnx", str(root), "--int8"]) == 2  # no fit config: no training split to calibrate on
+    err = capsys.readouterr().err
+    assert "records no fit config" in err and err.count("\n") == 1
+    assert run_command(main, ["--onnx", str(tmp_path / "nowhere")]) == 2
