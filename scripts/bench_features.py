@@ -6,6 +6,7 @@ at full size.
     python scripts/bench_features.py --bars 200000 --repeat 1
     python scripts/bench_features.py --device cuda --no-exactness   # the same code on a GPU
     python scripts/bench_features.py --stream        # FeatureStream.update of one bar: p50/p99 at 1, 100, 1,000 symbols
+    python scripts/bench_features.py --stream --compile   # ... and FeatureStream(compile=True) beside it
 
 One implementation serves every device: the plain torch primitives of foxhunt.features.ops.
 Targets (issue 19): the whole set in <= 1.5 s on one core, <= 1.5x TA-Lib's time per feature on the TA-Lib-derived
@@ -140,39 +141,52 @@ def exactness(ohlcv: np.ndarray) -> list[tuple[str, float]]:
         ]
 
 
-def stream_latency(symbols: list[int], history: int, bars: int, seed: int) -> None:
+def stream_latency(symbols: list[int], history: int, bars: int, seed: int, compiled: bool) -> None:
     """p50/p99 of FeatureStream.update of one bar (all features) after ``history`` bars, per symbol count: wall time,
-    and the thread's CPU time (what a loaded machine's scheduling does not inflate)."""
+    and the thread's CPU time (what a loaded machine's scheduling does not inflate). With ``compiled``, the eager
+    stream and FeatureStream(compile=True) are timed bar by bar, interleaved, and the compile time is printed."""
     from foxhunt.features.stream import FeatureStream
 
-    ohlcv, ts, _ = make_bars(history + bars, seed)
+    ohlcv, ts, _ = make_bars(history + bars + 1, seed)
     names = FeatureSet().names
     print(f"FeatureStream.update of 1 bar: {len(names)} features, {torch.get_num_threads()} thread(s), after {history} "
           f"bars, {bars} timed bars (foxhunt from {Path(foxhunt.__file__).parent.parent})")
     for S in symbols:
-        fs = FeatureStream(names, S)
+        modes = {"eager": FeatureStream(names, S)}
+        if compiled:
+            modes["compiled"] = FeatureStream(names, S, compile=True)
         scale = torch.linspace(0.5, 2.0, S, dtype=torch.float64)[:, None, None]  # S distinct series of one shape
         x = ohlcv[None] * scale
         x[..., 4] = ohlcv[:, 4]
         t = ts[None].expand(S, -1)
-        fs.update(x[:, :history], t[:, :history])
-        lat, cpu = [], []
-        for j in range(history, history + bars):
+        for mode, fs in modes.items():
+            fs.update(x[:, :history], t[:, :history])
+            t0 = time.perf_counter()
+            fs.update(x[:, history : history + 1].contiguous(), t[:, history : history + 1].contiguous())
+            if mode == "compiled":
+                print(f"  {S:>5} symbols: compiled: first steady bar (trace + inductor compile, or its cache) "
+                      f"{time.perf_counter() - t0:.1f} s")
+        lat: dict[str, list[float]] = {m: [] for m in modes}
+        cpu: dict[str, list[float]] = {m: [] for m in modes}
+        for j in range(history + 1, history + 1 + bars):
             xj, tj = x[:, j : j + 1].contiguous(), t[:, j : j + 1].contiguous()
-            t0, c0 = time.perf_counter(), time.thread_time()
-            fs.update(xj, tj)
-            lat.append(time.perf_counter() - t0)
-            cpu.append(time.thread_time() - c0)
-        p50, p99 = np.percentile(lat, 50) * 1e3, np.percentile(lat, 99) * 1e3
-        c50, c99 = np.percentile(cpu, 50) * 1e3, np.percentile(cpu, 99) * 1e3
-        print(f"  {S:>5} symbols: wall p50 {p50:8.3f} ms  p99 {p99:8.3f} ms | thread CPU p50 {c50:8.3f} ms  p99 "
-              f"{c99:8.3f} ms per bar ({c50 * 1e3 / S:8.2f} us CPU per symbol-bar at p50)")
+            for mode, fs in modes.items():  # interleaved: the same load on both
+                t0, c0 = time.perf_counter(), time.thread_time()
+                fs.update(xj, tj)
+                lat[mode].append(time.perf_counter() - t0)
+                cpu[mode].append(time.thread_time() - c0)
+        for mode in modes:
+            p50, p99 = np.percentile(lat[mode], 50) * 1e3, np.percentile(lat[mode], 99) * 1e3
+            c50, c99 = np.percentile(cpu[mode], 50) * 1e3, np.percentile(cpu[mode], 99) * 1e3
+            print(f"  {S:>5} symbols, {mode:>8}: wall p50 {p50:8.3f} ms  p99 {p99:8.3f} ms | thread CPU p50 {c50:8.3f} "
+                  f"ms  p99 {c99:8.3f} ms per bar ({c50 * 1e3 / S:8.2f} us CPU per symbol-bar at p50)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stream", action="store_true", help="time FeatureStream.update of one bar instead (p50/p99)")
     ap.add_argument("--symbols", default="1,100,1000", help="--stream: symbol counts, comma-separated")
+    ap.add_argument("--compile", action="store_true", help="--stream: FeatureStream(compile=True) beside the eager one")
     ap.add_argument("--history", type=int, default=300, help="--stream: bars streamed before timing")
     ap.add_argument("--stream-bars", type=int, default=200, help="--stream: bars timed per symbol count")
     ap.add_argument("--bars", type=int, default=1_000_000)
@@ -184,7 +198,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.stream:
-        stream_latency([int(s) for s in args.symbols.split(",")], args.history, args.stream_bars, args.seed)
+        stream_latency([int(s) for s in args.symbols.split(",")], args.history, args.stream_bars, args.seed,
+                       args.compile)
         return
     n, dev = args.bars, args.device
     cuda = torch.device(dev).type == "cuda"

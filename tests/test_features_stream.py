@@ -212,6 +212,65 @@ def test_holes_keep_the_state_still(market):
     assert torch.equal(fs.state_dict()["age"], holes.sum(dim=1))
 
 
+def _steady_run(fs: FeatureStream, ohlcv, ts, present, start: int) -> tuple[torch.Tensor, int]:
+    """The stream's float64 values bar by bar from bar ``start`` (the bars before in one chunk) and how many of those
+    bars were steady steps (the fast path's)."""
+    steady, inner = 0, fs._steady_step
+
+    def counted(*args):
+        nonlocal steady
+        steady += 1
+        return inner(*args)
+
+    fs._steady_step = counted
+    return _run(fs, ohlcv, ts, present, [0, start, *range(start + 1, ohlcv.shape[1] + 1)]), steady
+
+
+@pytest.mark.parametrize("with_holes", [False, True])
+def test_steady_step_code_equals_the_reference_bit_for_bit(market, with_holes):
+    """The code torch.compile traces (StepOps(steady=True): ring columns from the age tensor, state moved in place,
+    no branch on the data), run eagerly, equals the plain stream bit for bit, values and state; one bar at a time
+    across the 512-bar block start, and, with holes, at ages that differ between symbols."""
+    ohlcv, ts, present, batch, levels = market
+    present = present.clone()
+    if with_holes:
+        present[1, 490:494] = False
+        present[2, 500:501] = False
+    fast, ref = FeatureStream(ALL, 3), FeatureStream(ALL, 3)
+    fast.compiled = True  # the steady path, not compiled (fast._steady is the eager _steady_values)
+    got, steady = _steady_run(fast, ohlcv, ts, present, 480)
+    want = _run(ref, ohlcv, ts, present, [0, 480, *range(481, ohlcv.shape[1] + 1)])
+    assert steady >= 70, steady  # the steady path did run (not on the block start, nor on bars with holes)
+    assert torch.equal(got.nan_to_num(1e300), want.nan_to_num(1e300))
+    mine, theirs = fast.state_dict(), ref.state_dict()
+    assert all(torch.equal(mine[k].nan_to_num(1e300), theirs[k].nan_to_num(1e300)) for k in theirs)
+    if not with_holes:
+        _assert_match(got, batch, levels)
+
+
+@pytest.mark.slow
+def test_compiled_stream_equals_compute_and_the_eager_stream(market):
+    """FeatureStream(compile=True): steady bars through torch.compile (inductor) are within the tolerance of compute
+    and of the eager stream, one bar at a time across the block start; a fresh compiled stream restored from its
+    state continues alike."""
+    ohlcv, ts, present, batch, levels = market
+    fast, ref = FeatureStream(ALL, 3, compile=True), FeatureStream(ALL, 3)
+    T = ohlcv.shape[1]
+    bounds = [0, 240, *range(241, T + 1)]
+    parts, steady = [], 0
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        if a == 400:
+            saved = fast.state_dict()
+            fast = FeatureStream(ALL, 3, compile=True)
+            fast.load_state_dict(saved)
+        steady += int(b - a == 1 and fast._is_steady())
+        parts.append(fast.update(ohlcv[:, a:b], ts[:, a:b], dtype=torch.float64)[0])
+    got = torch.cat(parts, dim=1)
+    assert steady >= 300, steady
+    _assert_match(got, batch, levels)
+    _assert_match(got, _run(ref, ohlcv, ts, present, bounds), levels)
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in DBN.glob("*.dbn*") if "ohlcv-1d" not in p.name))
 def test_official_dbn_samples(name):
     """Databento's own sample files (two real-format bars each): the stream gives compute's values and NaNs."""

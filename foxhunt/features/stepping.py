@@ -31,15 +31,33 @@ class StepOps:
     history; ``moved`` [S] (None: all) marks the symbols whose state this chunk moves."""
 
     def __init__(self, state: dict[str, Tensor], age: Tensor, moved: Tensor | None = None,
-                 columns: dict[tuple, Tensor] | None = None) -> None:
+                 columns: dict[tuple, Tensor] | None = None, steady: bool = False) -> None:
         self.state, self.age, self.moved = state, age, moved
         self.S, self.m = age.shape
-        self.youngest = int(age[:, 0].min()) if age.numel() else 0  # past every warm-up: masks are skipped
-        self.common = age.numel() > 0 and int(age[:, 0].max()) == self.youngest  # one age: ring columns are ints
+        # steady: one bar of every symbol, each past every warm-up, seed and block start this code asks about (the
+        # caller checks it from ``asked`` and ``blocks``): no branch on the data, no host int, ring columns from the
+        # age tensor, state written in place, so the step is one traceable graph (torch.compile's fast path)
+        self.steady = steady
+        if steady and (moved is not None or self.m != 1):
+            raise ValueError("StepOps: a steady step is one bar of every symbol")
+        self.asked, self.blocks = 0, set()  # the latest bar a warm-up test asked about; the block lengths used
+        self.writes: list[Callable[[], object]] = []  # a steady step's state writes, done by :meth:`finish`
+        if steady:
+            self.youngest, self.common = None, False
+        else:
+            self.youngest = int(age[:, 0].min()) if age.numel() else 0  # past every warm-up: masks are skipped
+            self.common = age.numel() > 0 and int(age[:, 0].max()) == self.youngest  # one age: ring columns are ints
         self._calls = 0
         self._columns: dict[tuple, Tensor] = {}  # ring columns per (width, offset), shared by the call sites
         self._common_columns = {} if columns is None else columns  # index tensors by (width, column): a stream keeps them
         self._age0 = age[:, :1]
+
+    def finish(self) -> None:
+        """Write a steady step's new state (after every read of the old, which no column read after a write of the
+        same step needs: a bar's reads are of other columns or before its own write)."""
+        for write in self.writes:
+            write()
+        self.writes.clear()
 
     # -- the carried state ------------------------------------------------------------------------------------------
     def _slot(self, kind: str) -> str:
@@ -55,6 +73,10 @@ class StepOps:
 
     def _put(self, slot: str, field: str, value: Tensor) -> None:
         key = f"{slot}.{field}"
+        if self.steady:  # in place, at the step's end (a traced step mutates its inputs, it returns no new state)
+            target, value = self.state[key], value.clone()  # a copy: the caller may change ``value`` in place
+            self.writes.append(lambda: target.copy_(value))
+            return
         value = value.clone(memory_format=torch.contiguous_format)  # never a view of a tensor the caller changes
         if self.moved is not None:
             old = self.state[key]
@@ -134,14 +156,27 @@ class StepOps:
             self._age0 + (self.m - j) + torch.arange(j, device=self.age.device), w)
         if self.moved is not None:
             new = torch.where(self.moved[:, None], new, ring.gather(1, cols) if old is None else old)
+        if self.steady:  # at the step's end, as an index_put_: inductor then writes the ring in place (a scatter_,
+            # or a write before the last read of the ring, makes it copy the whole ring)
+            rows, new = self._symbols(), new[:, 0].clone()
+            self.writes.append(lambda: ring.index_put_((rows, cols[:, 0]), new))
+            return
         ring.scatter_(1, cols, new)
+
+    def _symbols(self) -> Tensor:
+        """[S]: 0 .. S - 1 (each symbol's row), built once per step."""
+        rows = self._columns.get("symbols")
+        if rows is None:
+            rows = self._columns["symbols"] = torch.arange(self.S, device=self.age.device)
+        return rows
 
     def _before(self, a: int) -> Tensor:
         return self.age < a
 
     def _all_past(self, a: int) -> bool:
         """Whether every bar of the chunk is at or after each symbol's bar a (no warm-up mask to apply)."""
-        return self.youngest >= a
+        self.asked = max(self.asked, a)
+        return self.steady or self.youngest >= a
 
     # -- warm-up and positions --------------------------------------------------------------------------------------
     def nans(self, x: Tensor, defined_from: int | None = None, out: Tensor | None = None) -> Tensor:
@@ -161,6 +196,8 @@ class StepOps:
         """Each symbol's first value of x, [S, 1]."""
         slot = self._slot("first")
         v = self._get(slot, "value", lambda: x.new_full((self.S, 1), NAN))
+        if self.steady:  # every symbol is past its first bar
+            return v
         v = torch.where(self.age[:, :1] == 0, x[:, :1], v)
         self._put(slot, "value", v)
         return v
@@ -386,8 +423,9 @@ class StepBlockPrefix:
         self.rings = [step._get(slot, "cs", lambda: step._new_ring(x, W + 1, 0.0))]
         if squares:
             self.rings.append(step._get(slot, "cs2", lambda: step._new_ring(x, W + 1, 0.0)))
+        step.blocks.add(B)
         begins = step.age % B == 0  # a symbol's new block starts at this bar
-        if m == 1 and not bool(begins.any()):  # one bar inside every symbol's block: running sums carried on
+        if m == 1 and (step.steady or not bool(begins.any())):  # one bar inside every symbol's block: running sums carried on
             d = x - ref
             last = step._column(W + 1, -1)
             self.ref, self.news = ref, []

@@ -26,7 +26,8 @@ _CONFIG_KEY = "config"
 class FeatureStream:
     """Stepping features of ``names`` (FeatureSet's selection and order) for ``n_symbols`` symbols on ``device``."""
 
-    def __init__(self, names: Sequence[str], n_symbols: int, device: str | torch.device = "cpu") -> None:
+    def __init__(self, names: Sequence[str], n_symbols: int, device: str | torch.device = "cpu",
+                 compile: bool = False) -> None:
         if isinstance(names, str):
             raise TypeError("FeatureStream: names must be a sequence of feature names, not a single string")
         self.features = select(REGISTRY, list(names), None)
@@ -45,9 +46,22 @@ class FeatureStream:
             "last_ts": torch.full((S,), torch.iinfo(torch.int64).min, dtype=torch.int64, device=self.device),
         }
         # one pass that moves no symbol creates every slot at its empty value: the state's keys never change
-        self._step(torch.ones((S, 1, 5), dtype=torch.float64, device=self.device),
-                   torch.zeros((S, 1), dtype=torch.int64, device=self.device),
-                   torch.zeros(S, dtype=torch.bool, device=self.device), torch.float64)
+        op = self._step(torch.ones((S, 1, 5), dtype=torch.float64, device=self.device),
+                        torch.zeros((S, 1), dtype=torch.int64, device=self.device),
+                        torch.zeros(S, dtype=torch.bool, device=self.device), torch.float64)[2]
+        # from this bar on every warm-up test of the code is passed: a bar of every symbol there, off the block
+        # starts, is a steady step (one graph, no branch on the data)
+        self._steady_from, self._blocks = max(op.asked, self.warmup), tuple(sorted(op.blocks))
+        self._zeros = torch.zeros(S, dtype=torch.int64, device=self.device)
+        self._ages()
+        # compile: steady bars run the feature code traced by torch.compile (inductor); the rest, and every bar when
+        # False, the eager reference. The calendar features stay eager: inductor's float32 sin/cos round differently
+        self.compiled = bool(compile)
+        self._traced = [f for f in self.features if f.family != "calendar"]
+        self._eager = [f for f in self.features if f.family == "calendar"]
+        order = torch.tensor([self.features.index(f) for f in self._traced + self._eager])
+        self._order = None if bool((order == torch.arange(len(order))).all()) else torch.argsort(order).to(self.device)
+        self._steady = torch.compile(self._steady_values, dynamic=False) if compile else self._steady_values
 
     def config(self) -> dict:
         """What the state belongs to (JSON-able): the feature names in order and the number of symbols."""
@@ -79,9 +93,56 @@ class FeatureStream:
         self._check(ohlcv, timestamps, present)
         with torch.no_grad():
             if present is None:
-                return self._step(ohlcv, timestamps, None, dtype)
+                if k == 1 and self.compiled and self._is_steady():
+                    return self._steady_step(ohlcv, timestamps, dtype)
+                out = self._step(ohlcv, timestamps, None, dtype)[:2]
+                self._min_age += k
+                self._common_age = None if self._common_age is None else self._common_age + k
+                return out
             parts = [self._step(ohlcv[:, j : j + 1], timestamps[:, j : j + 1], present[:, j], dtype) for j in range(k)]
-        return torch.cat([v for v, _ in parts], dim=1), torch.cat([r for _, r in parts], dim=1)
+        self._ages()
+        return torch.cat([v for v, _, _ in parts], dim=1), torch.cat([r for _, r, _ in parts], dim=1)
+
+    def _ages(self) -> None:
+        """The host's copy of the youngest symbol's age and of the one age all share (None if they differ)."""
+        age = self._state["age"]
+        self._min_age = int(age.min())
+        self._common_age = self._min_age if int(age.max()) == self._min_age else None
+
+    def _is_steady(self) -> bool:
+        """Whether the next bar of every symbol is a steady step: past every warm-up, no symbol starting a block."""
+        if self._min_age < self._steady_from:
+            return False
+        if self._common_age is not None:
+            return all(self._common_age % b for b in self._blocks)
+        age = self._state["age"]
+        return not any(bool((age % b == 0).any()) for b in self._blocks)
+
+    def _steady_values(self, cols: Tensor, timestamps: Tensor, age: Tensor) -> Tensor:
+        """Every feature of one steady bar, [S, F] float64 (the state moves in place): the same feature code through
+        a StepOps that never branches on the data, so torch.compile can trace it whole."""
+        S = self.n_symbols
+        op = StepOps(self._state, age, steady=True)
+        panel = Panel(cols, timestamps, self._zeros, [1] * S, op=op)
+        values = torch.cat([f.fn(panel) for f in self._traced], dim=1)
+        op.finish()
+        return values
+
+    def _steady_step(self, ohlcv: Tensor, timestamps: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """One steady bar of every symbol (:meth:`_steady_values`, compiled when the stream is) and its state moved."""
+        cols, age = ohlcv.permute(2, 0, 1).contiguous(), self._state["age"][:, None]
+        values = self._steady(cols, timestamps, age) if self._traced else cols.new_empty((self.n_symbols, 0))
+        if self._eager:  # functions of the timestamp alone: no state
+            panel = Panel(cols, timestamps, self._zeros, [1] * self.n_symbols, op=StepOps(self._state, age, steady=True))
+            values = torch.cat([values, *(f.fn(panel) for f in self._eager)], dim=1)
+        if self._order is not None:
+            values = values[:, self._order]
+        self._state["age"] = self._state["age"] + 1
+        self._state["last_ts"] = timestamps[:, -1].clone()
+        self._min_age += 1
+        self._common_age = None if self._common_age is None else self._common_age + 1
+        S = self.n_symbols
+        return values.to(dtype)[:, None], torch.ones((S, 1), dtype=torch.bool, device=self.device)
 
     def _check(self, ohlcv: Tensor, timestamps: Tensor, present: Tensor | None) -> None:
         """One line naming the symbol row and slot of the first bar compute would refuse (prices > 0 and finite,
@@ -107,8 +168,9 @@ class FeatureStream:
                                  f"(ohlcv {ohlcv[s, j].tolist()}, timestamp {int(timestamps[s, j])})")
 
     def _step(self, ohlcv: Tensor, timestamps: Tensor, moved: Tensor | None,
-              dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """One chunk [S, m] through every feature; ``moved`` [S] (None: all) are the symbols with these bars."""
+              dtype: torch.dtype) -> tuple[Tensor, Tensor, StepOps]:
+        """One chunk [S, m] through every feature; ``moved`` [S] (None: all) are the symbols with these bars. Returns
+        the values, ready and the chunk's StepOps."""
         S, m = timestamps.shape
         age = self._state["age"][:, None] + torch.arange(m, device=self.device)
         op = StepOps(self._state, age, moved, self._columns)
@@ -132,7 +194,7 @@ class FeatureStream:
             ready &= moved[:, None]
             self._state["age"] = torch.where(moved, self._state["age"] + m, self._state["age"])
             self._state["last_ts"] = torch.where(moved, timestamps[:, -1], self._state["last_ts"])
-        return values, ready
+        return values, ready, op
 
     def state_dict(self) -> dict[str, Tensor]:
         """Every tensor of the state (copies), and the config as JSON bytes under "config": safetensors-ready."""
@@ -168,6 +230,7 @@ class FeatureStream:
                                  f"{list(mine.shape)}")
             new[key] = torch.empty_like(mine).copy_(t.detach())  # the layout of a fresh stream's (time-major rings)
         self._state = new
+        self._ages()
 
     def __repr__(self) -> str:
         return f"FeatureStream({len(self.names)} features, {self.n_symbols} symbols, warm-up {self.warmup})"
