@@ -38,7 +38,7 @@ def newey_west_lags(n: int) -> int:
 
 
 def hln_factor(n: int, h: int) -> float:
-    """Harvey, Leybourne & Newbold's (1997, eq. 9) correction of the DM statistic: ``sqrt((n + 1 - 2h + h(h-1)/n)/n)``."""
+    """Harvey, Leybourne & Newbold's (1997) correction of the DM statistic: ``sqrt((n + 1 - 2h + h(h-1)/n)/n)``."""
     return math.sqrt(max(0.0, (n + 1 - 2 * h + h * (h - 1) / n) / n))
 
 
