@@ -283,8 +283,31 @@ def test_a_failed_retrain_leaves_the_session_untouched_and_says_why(exports: dic
         pd.testing.assert_frame_equal(a.drop(columns="latency_us"), b.drop(columns="latency_us"))
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process tree from /proc")
 def test_a_killed_retrain_is_reported_and_leaves_the_session_untouched(exports: dict[str, Path], bars: pd.DataFrame,
                                                                       tmp_path: Path) -> None:
+    """kill -9 of the retrain process, once its fit runs: one line says so, the fit dies with it, the session goes
+    on."""
     config = Path(__file__).parent / "configs" / "tiny.yaml"
     runner = _runner(tmp_path, exports["better"], [], retrainer=Retrainer("50", tmp_path / "work", str(config)))
     runner.start()
@@ -293,8 +316,18 @@ def test_a_killed_retrain_is_reported_and_leaves_the_session_untouched(exports: 
         runner.on_bar(b)
         if runner.retrainer.running:
             break
-    os.kill(runner.retrainer.proc.pid, signal.SIGKILL)
+    pid = runner.retrainer.proc.pid
+    deadline = time.time() + 300  # bounds a broken child only: the kill waits for its fit process to start
+    while not (fit := _children(pid)) and runner.retrainer.proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert fit, "the retrain started no fit process"
+    os.kill(pid, signal.SIGKILL)
     lines = _wait_for(runner)
+    deadline = time.time() + 60
+    while any(_alive(f) for f in fit) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(f) for f in fit), "the fit process outlived its killed retrain"
+
     assert len(lines) == 2 and "retrain 1 failed (killed by signal 9)" in lines[1], lines
     for b in it:
         runner.on_bar(b)

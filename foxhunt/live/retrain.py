@@ -3,8 +3,8 @@ run's config on the bars traded so far (past only, like a walk-forward fold), ex
 the export on the same bars; the live loop only polls it (never waits), then starts the export as a challenger.
 
 The child is ``python -m foxhunt.live.retrain``: it reads the traded decision log (its bars, up to the bar the retrain
-was started at; the ``--warmup`` history first), writes them to ``bars.parquet``, runs ``foxhunt.fit`` on them
-(``--data.path``, ``--export_dir``, no back-test), and saves the export's session state after replaying them. Its
+was started at; the ``--warmup`` history first), writes them to ``bars.parquet``, runs ``python -m foxhunt.fit`` on
+them (``--data.path``, ``--export_dir``, no back-test; killed with it), and saves the export's session state after replaying them. Its
 output goes to ``RETRAIN_DIR/retrain-NNNN/retrain.log``. A child that fails or is killed leaves the live session as it
 was; the run prints one line with its exit and the log's last line. One retrain runs at a time: one due while another
 runs waits for it. A retrain in flight when the run stops is stopped (one line); after a kill -9 of the run it is
@@ -212,6 +212,17 @@ def bars_until(decisions: str | Path, until: int, warmup: str | None = None) -> 
     return frame.sort_values(["timestamp", "symbol"], kind="stable").reset_index(drop=True)
 
 
+def _die_with_parent() -> None:
+    """In the fit process, before it runs: be killed when the retrain process dies (Linux's PR_SET_PDEATHSIG), so a
+    retrain killed by any signal leaves no training behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
 def child(argv: list[str] | None = None) -> int:
     """``python -m foxhunt.live.retrain``: write the past bars, fit and export on them, warm the export's state."""
     p = argparse.ArgumentParser(prog="python -m foxhunt.live.retrain", description=__doc__)
@@ -231,13 +242,11 @@ def child(argv: list[str] | None = None) -> int:
     except Exception as e:
         print(f"error: retrain data: {str(e).splitlines()[0] if str(e) else type(e).__name__}", flush=True)
         return 2
-    from foxhunt.cli_errors import run_command
-    from foxhunt.fit import main as fit
-
-    rc = run_command(fit, ["--config", args.config, "--data.path", str(data), "--export_dir", str(out / "export"),
-                           "--backtest", "false", "--trainer.default_root_dir", str(out)])
+    fit = [sys.executable, "-m", "foxhunt.fit", "--config", args.config, "--data.path", str(data), "--export_dir",
+           str(out / "export"), "--backtest", "false", "--trainer.default_root_dir", str(out)]
+    rc = subprocess.run(fit, cwd=out, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, check=False).returncode
     if rc != 0:
-        return rc
+        return rc if rc > 0 else 128 - rc
     import foxhunt.live
     from foxhunt.data.io import load_bars
     from foxhunt.live.replay import replay
