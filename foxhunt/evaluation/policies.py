@@ -17,8 +17,11 @@ Combine = Literal["stack", "vote", "sharpe_weighted"]
 def forecast_policy(lower: Tensor, median: Tensor, upper: Tensor, cost_bps: float, decision: Tensor, reset: Tensor) -> Tensor:
     """Long when the forecast interval's lower edge clears the cost, short when the upper edge is below −cost.
 
-    Once in a position, it is held while the median keeps its sign (exiting and re-entering would pay the cost
-    twice); otherwise the policy is flat. Rows where ``decision`` is False are flat. Positions in {-1, 0, 1}.
+    Once in a position, it is held while the median does not point against it by more than the cost: leaving costs
+    the cost at once, staying costs nothing, so a position is closed only when the expected move against it exceeds
+    what closing costs (the myopic cost-aware rule; exiting at the median's first sign change paid the cost about
+    every other bar on a weak signal). Otherwise the policy is flat. Rows where ``decision`` is False are flat.
+    Positions in {-1, 0, 1}.
     """
     table = forecast_policy_table(lower, median, upper, cost_bps, decision, reset)
     return FORECAST_ACTIONS.to(median.device)[rollout_policy_table(table, FORECAST_FLAT)]
@@ -38,7 +41,7 @@ def forecast_policy_table(lower: Tensor, median: Tensor, upper: Tensor, cost_bps
     enter_short = upper < -cost
     table = torch.full((n, 3), 1, dtype=torch.int64, device=median.device)  # column = previous position index
     for prev, sign in ((0, -1.0), (1, 0.0), (2, 1.0)):
-        hold = (torch.sign(median) == sign) & (sign != 0.0)
+        hold = (sign * median > -cost) & (sign != 0.0)  # not against the position by more than closing costs
         col = torch.where(hold, torch.full_like(table[:, prev], prev), torch.ones_like(table[:, prev]))
         col = torch.where(enter_short, torch.zeros_like(col), col)
         col = torch.where(enter_long, torch.full_like(col, 2), col)

@@ -67,6 +67,7 @@ class Mamba2Module(Forecaster):
         dt_init_floor: float = 1e-4,
         dt_limit: tuple[float, float] | None = None,
         dropout: float = 0.0,
+        linear_skip: bool = False,
         lookback: int | None = None,
         use_kernels: bool = False,
         native: bool = True,
@@ -94,6 +95,8 @@ class Mamba2Module(Forecaster):
             dt_init_floor: floor of dt at initialisation.
             dt_limit: clamp dt into [lo, hi] in training and inference; None: no clamp.
             dropout: dropout on each block's output, before the residual sum.
+            linear_skip: add a linear quantile regression on the decision row's inputs to the network's output
+                (:mod:`foxhunt.models.linear_skip`): the direct path to a weak signal.
             lookback: past rows the member reads, <= the data's lookback (the last rows of each window); None: all.
             use_kernels: on CUDA, run the SSD scan with mamba_ssm's fused kernel if installed (``foxhunt[cuda]``).
             native: on the CPU, run each block's convolution, SSD and norms in foxhunt's compiled C loops (the SSD
@@ -145,6 +148,7 @@ class Mamba2Module(Forecaster):
             n_layers=hp.n_layers,
             n_quantiles=len(self.quantiles),
             dropout=hp.dropout,
+            linear_skip=hp.get("linear_skip", False),
             d_state=hp.d_state,
             d_conv=hp.d_conv,
             expand=hp.expand,

@@ -60,6 +60,7 @@ class TFTModule(Forecaster):
         compile_network: bool = False,
         fused: bool = True,
         keep_activations_mib: int = 512,
+        linear_skip: bool = False,
         policy_interval: tuple[float, float] = (0.1, 0.9),
         optim: TFTOptimization | Mapping[str, Any] = TFTOptimization(),
         feature_names: list[str] | None = None,
@@ -89,6 +90,9 @@ class TFTModule(Forecaster):
                 reference path; both compute the same function with the same parameters).
             keep_activations_mib: per variable selection, the fused path keeps activations for backward up to this
                 size (MiB) rather than recompute them there (~400 MiB with ~125 inputs at batch 128 x 64 bars); 0: never.
+            linear_skip: add a linear quantile regression on the decision row's inputs to the network's output
+                (:mod:`foxhunt.models.linear_skip`): the direct path the quick start's weak signal needs (without it
+                the median does not find the signal in the quick start's 1,500 steps).
             policy_interval: the forecast quantiles whose interval must clear the cost for the member's policy to take
                 a position (see :func:`foxhunt.evaluation.policies.forecast_policy`).
             optim: the optimisation settings (:class:`~foxhunt.training.optim.Optimization`; fields not given keep
@@ -147,6 +151,7 @@ class TFTModule(Forecaster):
             add_relative_time=hp.add_relative_time,
             fused=hp.fused,
             keep_activations_mib=hp.keep_activations_mib,
+            linear_skip=hp.get("linear_skip", False),
         )
         self.spec = spec
 

@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from foxhunt.kernels import mamba2_block
 from foxhunt.kernels.ssd_recurrence import ssd_recurrent as ssd_recurrent  # re-exported: the scans' ground truth
 from foxhunt.kernels.ssd_recurrence import ssd_step
+from foxhunt.models.linear_skip import LinearSkip, add_skip
 
 try:  # optional fast path (CUDA only): the fused SSD kernel of the reference implementation
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
@@ -507,6 +508,8 @@ class Mamba2Forecaster(nn.Module):
     indicator's, so no zero matrix is built), the symbol's embedding is added to every row, the stack runs causally,
     and ``quantile_head`` reads the H decoder rows' outputs. Decoder row h sees the past and the known-future rows
     up to h only: nothing after bar t of the unknown features, nothing after bar t+1+h of the known ones.
+    ``linear_skip`` adds a linear quantile regression on the decision row's inputs to the output
+    (:class:`~foxhunt.models.linear_skip.LinearSkip`, zero at initialisation): the direct path to a weak signal.
     """
 
     def __init__(
@@ -519,6 +522,7 @@ class Mamba2Forecaster(nn.Module):
         n_layers: int = 2,
         n_quantiles: int = 3,
         dropout: float = 0.0,
+        linear_skip: bool = False,
         **block: object,
     ) -> None:
         super().__init__()
@@ -533,6 +537,8 @@ class Mamba2Forecaster(nn.Module):
         self.symbol_embedding = nn.Embedding(n_symbols, d_model)
         self.backbone = Mamba2Stack(d_model, n_layers, dropout, **block)
         self.quantile_head = nn.Linear(d_model, n_quantiles)
+        # the decision row's inputs straight to the quantiles (models/linear_skip.py), zero at initialisation
+        self.linear_skip = LinearSkip(n_features, horizon, n_quantiles) if linear_skip else None
 
     def embed(self, x_past: Tensor, x_future: Tensor | None, symbol: Tensor | None) -> Tensor:
         """[b, L + H, d]: the past rows, then the decoder rows (see the class docstring)."""
@@ -553,4 +559,4 @@ class Mamba2Forecaster(nn.Module):
     def forward(self, x_past: Tensor, x_future: Tensor | None = None, symbol: Tensor | None = None) -> Mamba2Output:
         """x_past [b, L, F], x_future [b, H, K], symbol [b] -> quantiles [b, H, Q]."""
         h = self.backbone(self.embed(x_past, x_future, symbol), tail=self.horizon)  # the decoder rows only
-        return Mamba2Output(self.quantile_head(h))
+        return Mamba2Output(add_skip(self.quantile_head(h), self.linear_skip, x_past))

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from foxhunt.models.linear_skip import LinearSkip, add_skip
 from foxhunt.models.tft_inference import TFTInference
 from foxhunt.models.variable_selection_fused import dropout_drops, fused_variable_selection
 
@@ -300,6 +301,8 @@ class TemporalFusionTransformer(nn.Module):
     a model built with the other. ``keep_activations_mib``: per variable selection, the fused path keeps its
     activations from forward to backward up to this size (about 400 MiB with ~125 inputs at batch 128 x 64 bars,
     20 MiB with 5), instead of recomputing them in backward (a fifth of its time at ~125 inputs); 0 recomputes always.
+    ``linear_skip`` adds a linear quantile regression on the decision row's inputs to the output
+    (:class:`~foxhunt.models.linear_skip.LinearSkip`, zero at initialisation): the direct path to a weak signal.
     """
 
     def __init__(
@@ -318,6 +321,7 @@ class TemporalFusionTransformer(nn.Module):
         add_relative_time: bool = True,
         fused: bool = True,
         keep_activations_mib: int = 512,
+        linear_skip: bool = False,
     ) -> None:
         super().__init__()
         if n_features < 1:
@@ -363,6 +367,8 @@ class TemporalFusionTransformer(nn.Module):
         self.positionwise_grn = GatedResidualNetwork(d, d, d, dropout=dropout)
         self.pre_output_gate = GateAddNorm(d, d, 0.0)
         self.quantile_head = nn.Linear(d, n_quantiles)
+        # the decision row's inputs straight to the quantiles (models/linear_skip.py; the inference form adds it too)
+        self.linear_skip = LinearSkip(n_features, horizon, n_quantiles) if linear_skip else None
         self.register_buffer("causal_mask", _decoder_causal_mask(lookback, horizon), persistent=False)
         self.fused = fused  # every variable selection and dropout of the network
         # an eval forward under torch.no_grad runs the inference form (TFTInference, built from the parameters once
@@ -423,6 +429,7 @@ class TemporalFusionTransformer(nn.Module):
         form = self._inference_form(x_past)
         if form is not None:
             return form(x_past, x_future, symbol)
+        inputs = x_past  # the decision row's inputs, for the linear skip
         if self.add_relative_time:
             x_past = torch.cat([x_past, self.relative_time(self.lookback, 1 - self.lookback, x_past)], dim=-1)
             x_future = torch.cat([x_future, self.relative_time(self.horizon, 1, x_past)], dim=-1)
@@ -455,7 +462,7 @@ class TemporalFusionTransformer(nn.Module):
         decoded = self.post_attention_gate(attended, queries)
         decoded = self.positionwise_grn(decoded)
         decoded = self.pre_output_gate(decoded, temporal[:, self.lookback :])
-        prediction = self.quantile_head(decoded)
+        prediction = add_skip(self.quantile_head(decoded), self.linear_skip, inputs)
         return TFTOutput(prediction, static_weights, encoder_weights, decoder_weights, attention)
 
 

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from foxhunt.models.linear_skip import add_skip
+
 if TYPE_CHECKING:
     from foxhunt.models.tft import (
         GateAddNorm,
@@ -177,6 +179,7 @@ class TFTInference:
     def __call__(self, x_past: Tensor, x_future: Tensor, symbol: Tensor) -> TFTOutput:
         """The same as ``net(x_past, x_future, symbol)`` in eval mode (inputs already checked by the network)."""
         b, L, H, d = x_past.shape[0], self.lookback, self.horizon, self.hidden_size
+        inputs = x_past  # the decision row's inputs, for the network's linear skip
         if self.relative:
             x_past = torch.cat([x_past, self.past_time.expand(b, L, 1)], dim=-1)
             x_future = torch.cat([x_future, self.future_time.expand(b, H, 1)], dim=-1)
@@ -200,5 +203,5 @@ class TFTInference:
         attended = F.linear(heads.mean(dim=1), *self.attention_out)
         decoded = _grn(self.positionwise_grn, _gate(self.post_attention_gate, attended, enriched[:, L:]))
         decoded = _gate(self.pre_output_gate, decoded, temporal[:, L:])
-        prediction = F.linear(decoded, *self.quantile_head)
+        prediction = add_skip(F.linear(decoded, *self.quantile_head), self.net.linear_skip, inputs)
         return self.output(prediction, self.static_weights[symbol], encoder_weights, decoder_weights, attention)
