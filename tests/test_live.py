@@ -378,3 +378,20 @@ def test_the_fast_and_plain_decision_paths_decide_alike(export: Path, bars: pd.D
     assert len(lean_calls) > 100  # the lean path decided most timestamps (once both tails were full)
     mine, theirs = fast.state_dict(), plain.state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_known_future_inputs_kept_by_timestamp_are_the_computed_ones(export: Path) -> None:
+    """The fast path's known-future inputs, kept by timestamp (computed ahead at the latest spacing, dropped past
+    4,096), equal the scheduled rows computed afresh, on a regular and an irregular schedule."""
+    session = foxhunt.live.open(export)
+    session.spacing.fill_(3_600 * 10**9)
+    cols = [session.feature_names.index(k) for k in session.known_future]
+    rng = np.random.default_rng(0)
+    start = 1_700_000_000 * 10**9
+    for i in range(300):  # regular for 150 bars, then gaps of 1-30 hours: misses, refills, one reset of the store
+        ts = start + i * 3_600 * 10**9 if i < 150 else start + int(rng.integers(1, 30)) * 3_600 * 10**9
+        start = ts if i >= 150 else start
+        nxt = torch.tensor([[ts + h * 3_600 * 10**9 for h in (1, 2)], [ts + h * 7_200 * 10**9 for h in (1, 2)]])
+        want = torch.nan_to_num(session._future_rows(nxt)[:, :, cols], nan=0.0)
+        assert torch.equal(session._known_future_inputs(nxt), want)
+    assert len(session._future_index) <= 4096

@@ -6,6 +6,11 @@ bars seen. At each bar it builds the tail as a :class:`~foxhunt.data.market.Mark
 calendar rows scheduled ahead, as the back-test reads them from the file), asks every member for one row of its policy
 table (:meth:`~foxhunt.lit.member.Agent.decision_table`, :meth:`~foxhunt.lit.ensemble.EnsembleModule.forecast_table`)
 and applies it to the position it holds: the very code that rolls the back-test out, one bar at a time.
+
+That is the plain path (``fast=False``). The default, ``fast=True``, runs the networks' inference forms
+(:mod:`foxhunt.models.tft_inference`, :mod:`foxhunt.models.qnet_inference`) and, once a symbol's tail is full, decides
+TFT and DQN members from the tail buffers directly (:meth:`LiveSession._decide_lean`), without the split: the same
+decisions (tests/test_live.py), a fraction of the small tensor calls.
 """
 
 from __future__ import annotations
@@ -98,6 +103,10 @@ class LiveSession:
         self.spacing = torch.zeros(S, dtype=torch.int64)  # the latest bar spacing per symbol (regular schedule)
         stacked = sum(model_horizon_quantiles(self.model, n) for n in self.model.forecaster_names)
         self.stack = torch.zeros(S, K, stacked if self.model.hparams.combine == "stack" else 0)  # agents' forecast rows
+        self._lean = self._lean_plan()  # the lean decision's constants, or None where it does not apply
+        self._agent_const: dict[str, tuple[int, Tensor, int, Tensor]] = {}
+        self._future_index: dict[int, int] = {}  # scheduled timestamp -> its row of known-future inputs
+        self._future_table = torch.zeros(0, len(self.known_future))
 
     # ------------------------------------------------------------------------------------------------ structure
     def _tail_length(self) -> int:
@@ -321,8 +330,6 @@ class LiveSession:
     def _lean_applies(self, sel: Tensor | slice) -> bool:
         """Whether these symbols' decision can take the lean path: every tail full, members of the kinds it covers
         (checked once), and each trading agent's network a flat-encoder Q-network."""
-        if not hasattr(self, "_lean"):
-            self._lean = self._lean_plan()
         if self._lean is None or not bool((self.seen[sel] >= self.tail).all()):
             return False
         from foxhunt.models.qnet import QNetwork
@@ -352,8 +359,7 @@ class LiveSession:
             L, H = self.lookback, self.horizon
             loc, scale = self._lean
             x_past = torch.nan_to_num(self.rows[sel, K - L :], nan=0.0)
-            future = self._future_rows(next_ts[:, :H])
-            x_future = torch.nan_to_num(future[:, :, self._known_future_cols()], nan=0.0)
+            x_future = self._known_future_inputs(next_ts[:, :H])
             window_ok = ready[:, K - L :].all(1)
             stats = {"y_loc": torch.full((P, H), loc), "y_scale": torch.full((P, H), scale)}
             for name in model.forecaster_names:
@@ -372,14 +378,12 @@ class LiveSession:
             if agent.holds_flat:
                 pos[name] = torch.zeros(P, dtype=torch.float32)
                 continue
-            window = int(agent.hparams.window)
-            actions = torch.tensor(tuple(agent.hparams.actions), dtype=torch.float32)
-            flat = int(torch.argmin(actions.abs()))
+            window, actions, flat, eye = self._agent_constants(name)
             net = agent.policy_network
             held = self.held[name][sel].long()
             obs = torch.nan_to_num(self.rows[sel, K - window :], nan=0.0)
             with eval_mode(net):
-                q = self._agent_network(name, net)(obs, torch.eye(actions.numel())[held])
+                q = self._agent_network(name, net)(obs, eye[held])
             idx = torch.where(decided, q.argmax(1), flat)
             self.held[name][sel] = idx
             pos[name] = actions[idx]
@@ -388,11 +392,42 @@ class LiveSession:
         model.combine(pos, decided)
         return pos, decided
 
-    def _known_future_cols(self) -> list[int]:
-        cols = getattr(self, "_kf_cols", None)
-        if cols is None:
-            cols = self._kf_cols = [self.feature_names.index(k) for k in self.known_future]
-        return cols
+    def _agent_constants(self, name: str) -> tuple[int, Tensor, int, Tensor]:
+        """Agent ``name``'s window, actions, flat action's index and held-position one-hots (looked up once)."""
+        got = self._agent_const.get(name)
+        if got is None:
+            hp = self.model.agent(name).hparams
+            actions = torch.tensor(tuple(hp.actions), dtype=torch.float32)
+            got = self._agent_const[name] = (int(hp.window), actions, int(torch.argmin(actions.abs())),
+                                             torch.eye(actions.numel()))
+        return got
+
+    def _known_future_inputs(self, next_ts: Tensor) -> Tensor:
+        """[P, H, K] the forecasters' known-future inputs at the scheduled timestamps ``next_ts`` [P, H]: the
+        known-future columns of :meth:`_future_rows`. A function of the timestamp alone, so rows are kept by timestamp
+        (few symbols a bar): a timestamp not kept yet is computed with the next ones at the latest spacing (up to 1,024
+        rows at once), which a regular schedule reaches next; at most 4,096 kept."""
+        P, H = next_ts.shape
+        cols = [self.feature_names.index(k) for k in self.known_future]
+        if not cols or P * H > 64:
+            return torch.nan_to_num(self._future_rows(next_ts)[:, :, cols], nan=0.0)
+        keys = next_ts.reshape(-1).tolist()
+        index = self._future_index
+        missing = [k for k in keys if k not in index]
+        if missing:
+            step = int(self.spacing.max().clamp_min(1))
+            reach = torch.arange(max(1, 1024 // len(missing)))  # up to 1,024 rows computed at once
+            ahead = (torch.tensor(missing, dtype=torch.int64)[:, None] + step * reach).reshape(-1).tolist()
+            if len(index) + len(ahead) > 4096:
+                index.clear()
+                self._future_table = torch.zeros(0, len(cols))
+            new = [k for k in dict.fromkeys([*keys, *ahead]) if k not in index]
+            rows = torch.nan_to_num(self._future_rows(torch.tensor(new).view(1, -1))[0][:, cols], nan=0.0)
+            base = self._future_table.shape[0]
+            index.update((k, base + i) for i, k in enumerate(new))
+            self._future_table = torch.cat((self._future_table, rows))
+        at = torch.tensor([index[k] for k in keys])
+        return self._future_table.index_select(0, at).view(P, H, len(cols))
 
     def _agent_step(self, name: str, inputs: Any, last: Tensor, codes: Tensor) -> Tensor:
         """Agent ``name``'s positions at the bars ``last`` of its market, from what it holds."""
