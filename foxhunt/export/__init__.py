@@ -9,6 +9,9 @@ Files written to the export directory:
   some, else its learning network; no tensor at all when the agent's selection chose flat (it trades nothing). Its
   safetensors header and ``metadata.json`` ``members.<name>.traded`` say which (``network``, ``policy_net`` or
   ``flat``; an agent's header also records ``selected_update``);
+- ``<member>.onnx`` and ``<member>.int8.onnx``, when ``python -m foxhunt.export --onnx [--int8]`` wrote them: the
+  traded network as an ONNX graph (float, and statically quantised), each listed with its SHA-256 and named inputs and
+  outputs under ``serving`` in ``metadata.json``;
 - ``metadata.json``: format version, package versions, the fit config, each member's class, hyperparameters and run
   values, the data spec the members were bound to (feature names in column order, known-future inputs, symbols,
   window sizes), the data fingerprint, the latest validation back-test, the SHA-256 of every tensor file it lists
@@ -25,5 +28,7 @@ tensor.
 Modules: ``metadata`` (the format, ``ExportError``, metadata.json's schema, digest and validation, the seen span),
 ``symbols`` (bars' symbols as the export's codes, by name, and the rule for a symbol it never saw), ``traded``
 (which network of a member trades, and its tensors), ``write`` (``export_ensemble``), ``load`` (``foxhunt.load``: the
-verified loader and ``LoadedEnsemble``).
+verified loader and ``LoadedEnsemble``), ``splits`` (the splits of the data an export was fitted on, rebuilt from its
+config), ``onnx`` and ``quantise`` (each member's traded network as ONNX and static int8, recorded under
+``serving`` in metadata.json: ``python -m foxhunt.export --onnx EXPORT [--int8]``, docs/SERVING.md).
 """

@@ -4,7 +4,7 @@ SHA-256 and its named inputs and outputs, in the export's metadata.json (``servi
 The graph is the network a member trades (:func:`~foxhunt.export.traded.traded_network`) in a plain torch form, the
 same parameters: the TFT's inference form (:class:`~foxhunt.models.tft_inference.TFTInference`, built from the
 ``fused=False`` reference path: the fused variable selection is a hand-written autograd Function), Mamba-2's PyTorch
-block (its C loops are a ``ctypes`` library). What each graph computes:
+block (its C loops are a ``ctypes`` library) with the window as one chunk of its scan. What each graph computes:
 
 - forecasters: ``x_past`` [batch, L, F], ``x_future`` [batch, H, K] (absent when K is 0), ``symbol`` [batch] int64
   -> ``quantiles`` [batch, H, Q] (the network's ``prediction``, on the training scale);
@@ -153,6 +153,12 @@ def member_graph(member: Member, plain: bool = True) -> Graph | None:
         return Graph(module, ["window", "position"], [out], (window, position), kind)
     spec = member.spec  # type: ignore[attr-defined]
     lookback = int(getattr(member, "lookback", spec.lookback))  # Mamba-2 may read fewer past rows than the data has
+    if plain:
+        from foxhunt.models.mamba2 import Mamba2Block
+
+        for module in plain_net.modules():  # the window's L + H steps as one chunk: the scan's quadratic form alone,
+            if isinstance(module, Mamba2Block):  # no state passed between chunks (outputs do not depend on the chunk)
+                module.chunk_size = max(int(module.chunk_size), lookback + int(spec.horizon))
     x_past = torch.randn(2, lookback, spec.n_features, generator=gen)
     symbol = torch.tensor([0, len(spec.symbols) - 1], dtype=torch.int64)
     k = len(spec.known_future)
