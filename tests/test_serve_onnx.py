@@ -200,6 +200,26 @@ def test_the_export_records_and_verifies_each_graph(agents: Path, tmp_path: Path
         foxhunt.load(copy)
 
 
+@pytest.mark.parametrize(("edit", "field"), [
+    (lambda g: g.update(file="../dqn.onnx"), "serving.onnx.members.dqn.file"),
+    (lambda g: g.update(kind="lstm"), "serving.onnx.members.dqn.kind"),
+    (lambda g: g.update(inputs=[]), "serving.onnx.members.dqn.inputs"),
+    (lambda g: g.pop("sha256"), "serving.onnx.members.dqn.sha256"),
+])
+def test_a_bad_serving_record_is_refused_naming_its_field(agents: Path, tmp_path: Path, edit, field: str) -> None:
+    from foxhunt.export.metadata import metadata_digest
+
+    copy = tmp_path / "export"
+    shutil.copytree(agents, copy)
+    meta = json.loads((copy / "metadata.json").read_text())
+    edit(meta["serving"]["onnx"]["members"]["dqn"])
+    meta["metadata_sha256"] = metadata_digest(meta)  # a consistent file: the schema itself must refuse it
+    (copy / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(ExportError) as info:
+        foxhunt.load(copy)
+    assert field in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
 def test_a_backend_without_its_graphs_is_one_line(tmp_path: Path) -> None:
     from _export_helpers import small_export
 
