@@ -8,7 +8,9 @@ section's peers timed beside ours in the same run, and the issue's goals marked 
     and of ensemble.yaml's four members, and each member's network forward on one decision;
 (c) Stable-Baselines3 ``model.predict(obs, deterministic=True)`` on an MLP policy of the agents' layer sizes against
     the agent network's own forward at batch 1;
-(d) the naive way: ``LoadedEnsemble.positions`` over a trailing window of 512 bars, recomputed at every bar.
+(d) the naive way: ``LoadedEnsemble.positions`` over a trailing window of 512 bars, recomputed at every bar;
+(e) ``--serve`` alone (issue 48): each member's network on one decision at 1 and 1,000 symbols in torch eager, torch
+    int8 (torchao), ONNX Runtime float and static int8, beside SB3 ``predict`` and SB3's ONNX recipe (``serve`` extra).
 
 The exports are built here from the configs' members, bound to a short synthetic market and not trained (latency does
 not depend on the weights). Peers: TA-Lib (``dev`` extra), talipp and Stable-Baselines3 (``bench`` extra); a peer that
@@ -16,6 +18,7 @@ is not installed is left out with a line saying so.
 
     python scripts/bench_live.py --repeats 5          # the full run (5-8 minutes on 2 shared cores)
     python scripts/bench_live.py --quick              # a smoke run, under a minute
+    python scripts/bench_live.py --serve --repeats 3  # section (e) alone (4-5 minutes; docs/SERVING.md)
 """
 
 from __future__ import annotations
