@@ -11,9 +11,10 @@ of costs has lost at most that much over the split).
     python scripts/forecaster_edge.py --out /tmp/edge.json              # the raw tables too
 
 Runs (``--runs``): ``planted``: quickstart.yaml (TFT + DQN) and quickstart_mamba2.yaml (Mamba-2) at each seed (the
-seed of the market, the split's data and the fit); ``martingale``: the same market with ``signal_strength: 0`` and
-``real``: the S&P 500's daily bars (tests/data/real/sp500_daily.csv, 1999-2018), each with the TFT, the Mamba-2 and the
-DQN in one coordinator at the first seed. About 5 minutes a run on a shared 2-core machine.
+fit's seed: initialisation, batch order, exploration; the market is the quick start's own, so its oracle is one
+figure); ``martingale``: the same market with ``signal_strength: 0`` and ``real``: the S&P 500's daily bars
+(tests/data/real/sp500_daily.csv, 1999-2018), each with the TFT, the Mamba-2 and the DQN in one coordinator at the first
+seed. 4 to 12 minutes a run on a shared 2-core machine (5 to 7 measured: see docs/GUIDE.md, section 2).
 """
 
 from __future__ import annotations
