@@ -114,7 +114,7 @@ def test_a_warm_up_the_replay_cannot_hold_is_refused(market, n_envs, replay_capa
     """start() fills the replay until it holds the warm-up; a replay too small for it would loop forever, so the
     constructor refuses it in one line naming the settings."""
     kwargs = {"n_envs": n_envs, "replay_capacity": replay_capacity, "learning_starts": learning_starts, "n_step": n_step,
-              "exogenous": "none"}
+              "exogenous": "none", "batch_size": 16}
     with pytest.raises(ValueError, match=rf"learning_starts={learning_starts} with n_envs={n_envs} .*"
                                          rf"replay_capacity={replay_capacity} .*the warm-up would never end"):
         DQNModule(**kwargs)

@@ -15,7 +15,7 @@ on CPU and on CUDA. With ~125 inputs the per-variable GRNs are nearly the whole 
 from __future__ import annotations
 
 import math
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from foxhunt.models.linear_skip import LinearSkip, add_skip
 from foxhunt.models.tft_inference import TFTInference
+from foxhunt.models.tft_output import TFTOutput
 from foxhunt.models.variable_selection_fused import dropout_drops, fused_variable_selection
 
 
@@ -268,16 +269,6 @@ class InterpretableMultiHeadAttention(nn.Module):
         attn = torch.softmax(scores, dim=-1)  # float32 even under autocast
         heads = torch.matmul(self.dropout(attn).to(vs.dtype), vs.unsqueeze(1))  # [B, h, Tq, dh]
         return self.out(heads.mean(dim=1)), attn
-
-
-class TFTOutput(NamedTuple):
-    """Forecast quantiles with everything needed to interpret them."""
-
-    prediction: Tensor  # [B, H, Q]
-    static_weights: Tensor  # [B, S]
-    encoder_weights: Tensor  # [B, L, V_enc]
-    decoder_weights: Tensor  # [B, H, V_dec]
-    attention: Tensor  # [B, heads, H, L + H], decoder queries over all positions
 
 
 def _run_lstm(lstm: nn.LSTM, x: Tensor, state: tuple[Tensor, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:

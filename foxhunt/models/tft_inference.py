@@ -29,13 +29,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from foxhunt.models.linear_skip import add_skip
+from foxhunt.models.tft_output import TFTOutput
 
 if TYPE_CHECKING:
     from foxhunt.models.tft import (
         GateAddNorm,
         GatedResidualNetwork,
         TemporalFusionTransformer,
-        TFTOutput,
         VariableSelectionNetwork,
     )
 
@@ -134,8 +134,6 @@ class TFTInference:
     """``net``'s eval forward with its input-free parts computed once (see the module docstring)."""
 
     def __init__(self, net: TemporalFusionTransformer) -> None:
-        from foxhunt.models.tft import TFTOutput  # tft.py imports this module
-
         self.net, self.output = net, TFTOutput
         p = net.quantile_head.weight
         self.device, self.dtype = p.device, p.dtype
