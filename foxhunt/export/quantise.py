@@ -4,8 +4,9 @@ split only, and how far what the quantised export trades moves from the float ex
 Static, never dynamic: ONNX Runtime's dynamic quantisation computes each activation's scale from the batch it is
 called on, so a bar's output depends on which other symbols share its call (onnxruntime issue 10111) and the back-test
 no longer predicts live trading. ``quantize_static`` fixes every scale once, from calibration inputs: weights int8 per
-output channel, activations uint8 with their ranges (MinMax) over the calibration set, in QDQ form; the MatMul, Gemm
-and Conv nodes are quantised, the rest (norms, LSTM, attention's softmax, the SSD scan) stays float.
+output channel, activations uint8 with their ranges (MinMax) over the calibration set, in QDQ form; the weight layers
+(MatMul, Gemm and Conv nodes with a weight operand, :func:`weight_layers`) are quantised, the rest (norms, LSTM,
+attention's scores and softmax, the SSD scan's products) stays float.
 
 The calibration set is the training split rebuilt from the export's recorded fit config
 (:func:`~foxhunt.export.splits.recorded_training_split`): never a validation or test bar. From it, up to ``rows``
@@ -76,6 +77,17 @@ def calibration_inputs(model: Any, name: str, split: MarketSplit, rows: int = CA
     return out
 
 
+WEIGHT_OPS = ("MatMul", "Gemm", "Conv")
+
+
+def weight_layers(model: Any) -> list[str]:
+    """The names of the graph's MatMul, Gemm and Conv nodes that multiply by a weight (an initializer): the layers
+    quantised. Products of two activations (attention's scores, the SSD's C·B and decay products) stay float, where
+    a static scale would round the small terms a forecast's sign rests on."""
+    weights = {t.name for t in model.graph.initializer}
+    return [n.name for n in model.graph.node if n.op_type in WEIGHT_OPS and any(i in weights for i in n.input[1:2])]
+
+
 class _Reader:
     """ONNX Runtime's CalibrationDataReader protocol over prepared batches (``get_next`` then None)."""
 
@@ -89,7 +101,7 @@ class _Reader:
 
 def quantise_graph(blob: bytes, names: list[str], batches: list[tuple]) -> bytes:
     """``quantize_static`` of a float graph with ``batches`` as its calibration set (QDQ; int8 weights per channel,
-    uint8 activations with MinMax ranges; MatMul, Gemm, Conv)."""
+    uint8 activations with MinMax ranges; the weight layers only)."""
     import onnx
     from onnxruntime.quantization import (
         CalibrationDataReader,
@@ -108,8 +120,10 @@ def quantise_graph(blob: bytes, names: list[str], batches: list[tuple]) -> bytes
     try:
         with tempfile.TemporaryDirectory(prefix="foxhunt_int8_") as tmp:
             out = Path(tmp) / "int8.onnx"
-            quantize_static(onnx.load_from_string(blob), out, Reader(names, batches), quant_format=QuantFormat.QDQ,
-                            op_types_to_quantize=["MatMul", "Gemm", "Conv"], per_channel=True,
+            model = onnx.load_from_string(blob)
+            quantize_static(model, out, Reader(names, batches), quant_format=QuantFormat.QDQ,
+                            op_types_to_quantize=list(WEIGHT_OPS), nodes_to_quantize=weight_layers(model),
+                            per_channel=True,
                             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                             calibrate_method=CalibrationMethod.MinMax)
             return out.read_bytes()
@@ -166,7 +180,7 @@ def write_int8(root: str | Path, rows: int = CALIBRATION_ROWS, split: MarketSpli
         "checked_with": f"onnxruntime {onnxruntime.__version__}",
         "quantisation": {
             "method": "onnxruntime.quantization.quantize_static: QDQ, int8 weights per output channel, uint8 "
-                      "activations with static MinMax ranges, MatMul/Gemm/Conv",
+                      "activations with static MinMax ranges, the MatMul/Gemm/Conv nodes with a weight operand",
             "calibration": {"split": split.name, "max_decision_bars": int(rows), "inputs_per_member": used,
                             "first_ns": int(ts.min()) if ts.numel() else None,
                             "last_ns": int(ts.max()) if ts.numel() else None},
