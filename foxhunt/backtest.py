@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         from foxhunt.data import load_bars
 
         split = loaded.split(load_bars(args.data, on_bad_bar=args.on_bad_bar, jump_sigmas=args.jump_sigmas or None), name=Path(args.data).name)
-        unseen = _guard_overlap(loaded, split, args.allow_overlap)
+        unseen = guard_overlap(loaded, split, args.allow_overlap)
     else:
         split, unseen = training_split(loaded, args.split), None
     evaluation = loaded.model.evaluate(split, significance=True)
@@ -130,7 +130,7 @@ def _score_log(args) -> dict[str, dict[str, float]]:
     return metrics
 
 
-def _guard_overlap(loaded: LoadedEnsemble, split: MarketSplit, allow: bool) -> MarketSplit | None:
+def guard_overlap(loaded: LoadedEnsemble, split: MarketSplit, allow: bool) -> MarketSplit | None:
     """Refuse bars inside the time span the model trained or was selected on, of every symbol whatever its name
     (unless allowed: then the bars after the span, for a second table); warn about bars before it."""
     seen = overlap_with_training(loaded.metadata, split)

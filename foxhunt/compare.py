@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from foxhunt.backtest import _guard_overlap  # the back-test's refusal of bars an export was fitted or selected on
+from foxhunt.backtest import guard_overlap  # the back-test's refusal of bars an export was fitted or selected on
 from foxhunt.cli_errors import ArgumentParser, run_command
 from foxhunt.data.bars import DEFAULT_JUMP_SIGMAS, DataError
 from foxhunt.evaluation.backtest import N_BOOT, policy_pnl, split_bars_per_year
@@ -48,7 +48,7 @@ def paired_returns(exports: dict[str, LoadedEnsemble], bars: Any, data_name: str
     splits, positions = {}, {}
     for name, loaded in exports.items():
         split = loaded.split(bars, name=data_name)
-        _guard_overlap(loaded, split, allow_overlap)
+        guard_overlap(loaded, split, allow_overlap)
         evaluation = loaded.model.evaluate(split)
         if policy not in evaluation.positions:
             raise DataError(f"{name}: no policy {policy!r} (it has {', '.join(evaluation.positions)})")

@@ -54,15 +54,15 @@ def test_backtest_training_split_ends_with_no_decision_bar(name: str) -> None:
 def test_backtest_unseen_table_holds_only_bars_after_the_training_span() -> None:
     """With --allow-overlap the second table is of the bars after the span the model trained and was selected on;
     bars before that span (which a model fitted on later data has in effect seen the future of) are not among them."""
-    from foxhunt.backtest import _guard_overlap
+    from foxhunt.backtest import guard_overlap
 
     s = hourly_split([0.001] * 40)
     lo, hi = int(s.timestamps[10]), int(s.timestamps[25])
-    unseen = _guard_overlap(_Loaded(seen={"A": [lo, hi]}), s, allow=True)
+    unseen = guard_overlap(_Loaded(seen={"A": [lo, hi]}), s, allow=True)
     assert unseen is not None and "after the training span" in unseen.name
     assert torch.equal(unseen.timestamps, s.timestamps[26:])
     # a file that ends inside the span has no bar after it: no second table (not one of the bars before the span)
-    assert _guard_overlap(_Loaded(seen={"A": [lo, int(s.timestamps[-1])]}), s, allow=True) is None
+    assert guard_overlap(_Loaded(seen={"A": [lo, int(s.timestamps[-1])]}), s, allow=True) is None
 
 
 def test_backtest_warns_about_bars_before_the_training_span(caplog) -> None:
@@ -70,16 +70,16 @@ def test_backtest_warns_about_bars_before_the_training_span(caplog) -> None:
     model learned from those bars' future: one warning says so; a file after the span gets none."""
     import logging
 
-    from foxhunt.backtest import _guard_overlap
+    from foxhunt.backtest import guard_overlap
 
     s = hourly_split([0.001] * 40)
     with caplog.at_level(logging.WARNING, logger="foxhunt.backtest"):
         later = int(s.timestamps[-1]) + 10**12
-        assert _guard_overlap(_Loaded(seen={"A": [later, later + 10**12]}), s, allow=False) is None
+        assert guard_overlap(_Loaded(seen={"A": [later, later + 10**12]}), s, allow=False) is None
     assert any("lie before the span" in r.getMessage() and "no out-of-sample test" in r.getMessage()
                for r in caplog.records)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="foxhunt.backtest"):
         earlier = int(s.timestamps[0]) - 10**12
-        assert _guard_overlap(_Loaded(seen={"A": [earlier - 10**12, earlier]}), s, allow=False) is None
+        assert guard_overlap(_Loaded(seen={"A": [earlier - 10**12, earlier]}), s, allow=False) is None
     assert not any("lie before the span" in r.getMessage() for r in caplog.records)
