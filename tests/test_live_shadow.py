@@ -5,6 +5,7 @@ failed or killed retrain leaves the session untouched."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -223,7 +224,7 @@ def test_the_cli_shadows_challengers_and_refuses_one_of_other_symbols_in_one_lin
             "--promotion-method", "fixed"]
     assert main(args) == 0
     records = read_registry(tmp_path / "log.registry.jsonl")
-    assert records[0]["rule"] == {"min_bars": 100, "alpha": 0.05, "method": "fixed", "horizon": None}
+    assert records[0]["rule"] == {"min_bars": 100, "alpha": 0.05, "method": "fixed", "horizon": None, "spending": "none"}
     assert [r["event"] for r in records] == ["start", "challenger", "promotion", "retirement"]
     assert "promoted over model0" in capsys.readouterr().err
     torch.manual_seed(0)
@@ -442,3 +443,22 @@ def test_a_retrain_sees_the_warmup_history_and_the_traded_bars_up_to_its_bar_onl
     np.testing.assert_array_equal(seen[["open", "high", "low", "close", "volume"]].to_numpy(),
                                   expected[["open", "high", "low", "close", "volume"]].to_numpy())
     assert list(seen["symbol"]) == list(expected["symbol"])
+
+
+def test_families_are_numbered_in_the_session_and_spend_alpha_once(exports: dict[str, Path], bars: pd.DataFrame,
+                                                                   tmp_path: Path) -> None:
+    """With spending="families" the starting challengers are family 1, tested at alpha 6/pi^2; after a promotion the
+    challenger left is family 2 against the new champion, tested at alpha 6/(4 pi^2); a resumed run keeps counting."""
+    rule = PromotionRule(min_bars=100, alpha=0.05, method="fixed", spending="families")
+    runner = _runner(tmp_path, exports["worse"], [exports["better"], exports["twin"]], rule)
+    _run(runner, bars, stop=150)
+    resumed = _runner(tmp_path, exports["worse"], [exports["better"], exports["twin"]], rule)
+    _run(resumed, bars, start=150)
+    assert resumed.families == 2
+    records = read_registry(tmp_path / "registry.jsonl")
+    (promo,) = [r for r in records if r["event"] == "promotion"]
+    assert promo["evidence"]["family"] == 1 and promo["evidence"]["declared_alpha"] == 0.05
+    assert promo["evidence"]["alpha"] == pytest.approx(0.05 * 6 / math.pi**2)
+    kept = [r for r in records if r["event"] == "retirement" and r["evidence"] is not None]
+    assert len(kept) == 1 and kept[0]["evidence"]["family"] == 2, kept  # the twin of the new champion: never promoted
+    assert kept[0]["evidence"]["alpha"] == pytest.approx(0.05 * 6 / (4 * math.pi**2))

@@ -199,3 +199,31 @@ def test_several_challengers_promote_only_the_better_one(method: str) -> None:
         assert verdicts["c1"].evidence["p_value_adjusted"] == pytest.approx(3 * verdicts["c1"].evidence["p_value"])
     else:  # Bonferroni: each e-process against k / alpha
         assert verdicts["c1"].evidence["e_threshold"] == pytest.approx(60.0)
+
+
+def test_family_alpha_spends_alpha_once_over_the_session() -> None:
+    rule = PromotionRule(alpha=0.05, spending="families")
+    assert PromotionRule(alpha=0.05).family_alpha(7) == 0.05
+    assert rule.family_alpha(1) == pytest.approx(0.05 * 6 / math.pi**2)
+    assert sum(rule.family_alpha(j) for j in range(1, 100_001)) == pytest.approx(0.05, rel=1e-4)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="family"):
+            rule.family_alpha(bad)
+    with pytest.raises(ValueError, match="spending"):
+        PromotionRule(spending="bonferroni")
+
+
+def test_successive_null_families_promote_within_alpha_only_when_alpha_is_spent() -> None:
+    """A session that tests a new family of one null challenger again and again (a retrain every N bars): each at
+    alpha, some family is promoted in far more than alpha of the sessions; with spending="families", in at most
+    alpha (within the Monte-Carlo bound)."""
+    families = 8
+    s = paired_streams(STREAMS, 500, edge=0.0, n_challengers=families, seed=51)
+    rates = {}
+    for spending in ("none", "families"):
+        rule = PromotionRule(min_bars=500, spending=spending)
+        ever = [any(rule.check(s.champion[i], {"c": s.challengers[i, j]}, family=j + 1)["c"].decision == "promote"
+                    for j in range(families)) for i in range(STREAMS)]
+        rates[spending] = float(np.mean(ever))
+    assert rates["families"] <= binomial_bound(STREAMS), rates
+    assert rates["none"] > 2 * binomial_bound(STREAMS), rates

@@ -17,6 +17,11 @@ champion_t`` (H0: E[d] <= 0; H1: the challenger earns more per bar). Two designs
   alpha/k, asymptotically; a crossing of the mirrored e-process means the challenger is worse (keep, stop testing).
   With a ``horizon`` an undecided challenger is kept there.
 
+Challengers added together are one family, tested at ``alpha``. A session that keeps starting families (a retrain
+every N bars, a new family after each promotion) would spend ``alpha`` again on each; ``spending="families"`` spends it
+once over the session instead: the j-th family is tested at ``alpha * 6 / (pi^2 j^2)``, whose sum over every j is
+``alpha`` (a union bound: false promotions over all the families the session ever starts stay <= alpha).
+
 Every verdict is a function of the bars passed, never of when or how often ``check`` was called: a decision at bar
 t uses bars <= t, and a later call reports the same decision at the same bar. docs/STATISTICS.md has the formulas and
 the measured false-promotion rate and power (``scripts/bench_promotion.py``).
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -39,6 +44,7 @@ from foxhunt.evaluation.significance import SHARPE_RTOL, normal_cdf
 from foxhunt.files import json_safe
 
 METHODS = ("fixed", "sequential")
+SPENDING = ("none", "families")
 DECISIONS = ("promote", "keep", "undecided")
 MIN_BARS = 30  # fewer paired bars than this make no test of a mean difference on dependent returns
 REFRESH = 1_000  # the sequential test's variance is refreshed every max(1, t // REFRESH) bars (variance_bars)
@@ -66,6 +72,7 @@ class PromotionRule:
     alpha: float = 0.05  # family-wise false-promotion rate over the challengers of one check
     method: str = "fixed"  # "fixed": tested once at ``horizon``; "sequential": always valid, checked every bar
     horizon: int | None = None  # fixed: the bars of the one test (default min_bars); sequential: keep there if undecided
+    spending: str = "none"  # "none": every family at alpha; "families": the j-th at alpha 6 / (pi^2 j^2)
 
     def __post_init__(self) -> None:
         if isinstance(self.min_bars, bool) or not isinstance(self.min_bars, int) or self.min_bars < MIN_BARS:
@@ -77,6 +84,8 @@ class PromotionRule:
         if self.horizon is not None and (isinstance(self.horizon, bool) or not isinstance(self.horizon, int)
                                          or self.horizon < self.min_bars):
             raise ValueError(f"horizon must be an integer of at least min_bars ({self.min_bars}), got {self.horizon!r}")
+        if self.spending not in SPENDING:
+            raise ValueError(f"spending must be one of {SPENDING}, got {self.spending!r}")
 
     @property
     def bars_needed(self) -> int:
@@ -87,7 +96,14 @@ class PromotionRule:
 
     def to_dict(self) -> dict[str, Any]:
         """The rule as plain JSON values."""
-        return {"min_bars": self.min_bars, "alpha": float(self.alpha), "method": self.method, "horizon": self.horizon}
+        return {"min_bars": self.min_bars, "alpha": float(self.alpha), "method": self.method, "horizon": self.horizon,
+                "spending": self.spending}
+
+    def family_alpha(self, family: int) -> float:
+        """The false-promotion rate the ``family``-th family of challengers (1, 2, ...) of a session is tested at."""
+        if isinstance(family, bool) or not isinstance(family, int) or family < 1:
+            raise ValueError(f"family must be an integer of at least 1, got {family!r}")
+        return float(self.alpha) if self.spending == "none" else float(self.alpha) * 6.0 / (math.pi**2 * family**2)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PromotionRule:
@@ -100,19 +116,24 @@ class PromotionRule:
             raise ValueError(f"promotion rule: unknown key {unknown[0]!r} (known: {sorted(known)})")
         return cls(**dict(d))
 
-    def check(self, champion: np.ndarray | torch.Tensor, challengers: Mapping[str, np.ndarray | torch.Tensor]
-              ) -> dict[str, Verdict]:
+    def check(self, champion: np.ndarray | torch.Tensor, challengers: Mapping[str, np.ndarray | torch.Tensor],
+              family: int = 1) -> dict[str, Verdict]:
         """Each challenger's verdict on the per-bar after-cost log returns of the champion and the challengers on the
         same bars so far (equal lengths). Pass every challenger of the family on every call, decided ones too: the
-        multiple-comparison correction counts them."""
+        multiple-comparison correction counts them. ``family``: the family's ordinal in the session (its alpha:
+        :meth:`family_alpha`)."""
+        spent = {"family": family, "declared_alpha": float(self.alpha), "spending": self.spending}
+        rule = replace(self, alpha=self.family_alpha(family), spending="none")
         base, series = _inputs(champion, challengers)
         n = base.size
-        if n < self.bars_needed:
-            ev = {"method": self.method, "alpha": float(self.alpha), "bars_needed": self.bars_needed}
-            return {name: Verdict("undecided", n, dict(ev)) for name in series}
-        if self.method == "fixed":
-            return _fixed(self, base, series)
-        return _sequential(self, base, series)
+        if n < rule.bars_needed:
+            ev = {"method": rule.method, "alpha": float(rule.alpha), "bars_needed": rule.bars_needed}
+            verdicts = {name: Verdict("undecided", n, dict(ev)) for name in series}
+        elif rule.method == "fixed":
+            verdicts = _fixed(rule, base, series)
+        else:
+            verdicts = _sequential(rule, base, series)
+        return {name: Verdict(v.decision, v.bars, {**v.evidence, **spent}) for name, v in verdicts.items()}
 
 
 def best_promoted(verdicts: Mapping[str, Verdict]) -> str | None:

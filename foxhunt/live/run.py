@@ -53,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="fixed: one test at the horizon; sequential: always valid, checked every bar")
     shadow.add_argument("--promotion-horizon", type=int, help="fixed: the test's bars (default: min bars); "
                         "sequential: the champion is kept there if undecided")
+    shadow.add_argument("--promotion-spending", choices=["none", "families"],
+                        help="none: every family of challengers tested at the alpha; families: the j-th family the "
+                        "session starts at alpha 6/(pi^2 j^2), alpha over the whole session (default: families with "
+                        "--retrain-every, else none)")
     shadow.add_argument("--registry", help="the JSON-lines registry of who traded when (default "
                         "DECISIONS.registry.jsonl); with --show: the one to print")
     shadow.add_argument("--show", action="store_true", help="print --registry as a table and exit")
@@ -102,7 +106,8 @@ def build_runner(args: argparse.Namespace) -> ShadowRunner:
     rule = None
     if args.challenger or args.retrain_every:
         rule = PromotionRule(min_bars=args.promotion_min_bars, alpha=args.promotion_alpha,
-                             method=args.promotion_method, horizon=args.promotion_horizon)
+                             method=args.promotion_method, horizon=args.promotion_horizon,
+                             spending=args.promotion_spending or ("families" if args.retrain_every else "none"))
     retrainer = None
     if args.retrain_every:
         from foxhunt.export.load import load

@@ -18,7 +18,9 @@ after-cost returns when a challenger replaces the champion.
   (:func:`~foxhunt.evaluation.portfolio.book`). A bar's return becomes known at the next bar, so a step's evidence is
   the return realised at it; a step counts when some model had a decision bar. Challengers added together form one
   family (the rule's multiple-comparison correction counts them all; one it decided keeps its returns, padded with
-  the champion's after its decision).
+  the champion's after its decision). Families are numbered in the order the session starts them (those given at the
+  start: 1; each retrain's, and the challengers left after a promotion: the next), the number the rule's ``spending``
+  reads.
 - **Verdicts.** The rule is asked at every step from the bars it needs on, then every 1% of the bars since
   (:func:`check_due`). ``promote``: the challenger (the best, :func:`~foxhunt.evaluation.promotion.best_promoted`, if several)
   trades from the next bar on; the old champion is retired. ``keep``: the challenger is retired (the rule stopped
@@ -176,6 +178,7 @@ class Model:
     start: int = 0  # the evidence step its series begins at
     evidence: Series = field(default_factory=Series)
     decided: int | None = None  # the series length at which the rule kept the champion over it (then retired)
+    family: int = 1  # the ordinal of its family in the session (the rule's spending)
 
     @property
     def number(self) -> int:
@@ -199,6 +202,7 @@ class ShadowRunner:
         self.messages: list[str] = []  # lines for the caller to print
         self.next_label = 0
         self.steps = 0  # evidence steps so far
+        self.families = 1  # families of challengers started so far (the starting challengers are the first)
         self.bars = 0
         self.last_ts: int | None = None
         self.traded: DecisionLog | None = None  # the traded log, opened by start()
@@ -358,18 +362,18 @@ class ShadowRunner:
         if self.rule is None or not self.challengers:
             return
         champ = self.champion
-        families: dict[int, list[Model]] = {}
+        families: dict[tuple[int, int], list[Model]] = {}
         for m in sorted([*self.challengers, *self.decided], key=lambda m: m.number):
-            families.setdefault(m.start, []).append(m)
+            families.setdefault((m.start, m.family), []).append(m)
         promoted: dict[str, Any] = {}
-        for start, family in families.items():
+        for (start, ordinal), family in families.items():
             active = [m for m in family if m.decided is None]
             if not active or not check_due(self.steps - start, self.rule.bars_needed):
                 continue
             base = champ.evidence.values[start - champ.start:]
             series = {m.label: m.evidence.values if m.decided is None else
                       np.concatenate([m.evidence.values[: m.decided], base[m.decided:]]) for m in family}
-            verdicts = self.rule.check(base, series)
+            verdicts = self.rule.check(base, series, family=ordinal)
             for m in active:
                 v = verdicts[m.label]
                 if v.decision == "keep":
@@ -401,8 +405,10 @@ class ShadowRunner:
                              f"{verdict.bars} bars): it trades from the next bar")
         self._retire(old, ts, f"replaced by {m.label}")
         self.decided = []  # every family ends with the promotion
-        for other in self.models:  # the evidence restarts against the new champion
-            other.start, other.evidence = self.steps, Series()
+        if self.challengers:
+            self.families += 1
+        for other in self.models:  # the evidence restarts against the new champion, the challengers one new family
+            other.start, other.evidence, other.family = self.steps, Series(), self.families
 
     # ------------------------------------------------------------------------------------------------ retraining
     def poll(self) -> None:
@@ -430,7 +436,8 @@ class ShadowRunner:
                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
             return
         m = self._model(session, str(result.export), "retrain")
-        m.log, m.start = self._log(m.label), self.steps
+        self.families += 1
+        m.log, m.start, m.family = self._log(m.label), self.steps, self.families
         self.models.append(m)
         self._register("challenger", m, role="challenger", source="retrain", data_until=result.until,
                        retrain=result.number)
@@ -455,12 +462,12 @@ class ShadowRunner:
                 tensors.update({f"{m.label}/book.{k}": v for k, v in m.book.state_dict().items()})
             tensors[f"{m.label}/evidence"] = torch.from_numpy(m.evidence.values.copy())
             models.append({"label": m.label, "export": m.path, "sha256": m.digest, "source": m.source,
-                           "start": m.start, "decided": m.decided, "active": active,
+                           "start": m.start, "decided": m.decided, "active": active, "family": m.family,
                            "parts": m.log.flush() if m.log is not None else None})
         tensors.update({f"traded/book.{k}": v for k, v in self.traded_book.state_dict().items()})
         info = {"export": self.run_digest, "parts": parts, "last_timestamp": self.last_ts, "bars": self.bars,
                 "bad_bars": dict(self.gate.counts), "models": models, "steps": self.steps,
-                "next_label": self.next_label, "traded_pnl": self.traded_pnl, "cost_bps": self.cost_bps,
+                "next_label": self.next_label, "families": self.families, "traded_pnl": self.traded_pnl, "cost_bps": self.cost_bps,
                 "shadowing": self.shadowing}
         if self.retrainer is not None:
             info["retrain"] = self.retrainer.info()
@@ -497,7 +504,8 @@ class ShadowRunner:
             else:
                 session = book = log = None
             m = Model(rec["label"], rec["export"], rec["sha256"], session, book, log, rec["source"], int(rec["start"]),
-                      Series(tensors[f"{rec['label']}/evidence"].numpy().astype(np.float64)), rec["decided"])
+                      Series(tensors[f"{rec['label']}/evidence"].numpy().astype(np.float64)), rec["decided"],
+                      int(rec.get("family", 1)))
             (self.models if rec["active"] else self.decided).append(m)
         saved = {(rec["export"], rec["sha256"]) for rec in info["models"]}
         for key, m in opened.items():
@@ -508,6 +516,7 @@ class ShadowRunner:
                                           if k.startswith("traded/book.")})
         self.traded = DecisionLog(self.decisions, parts=int(info.get("parts", 0)))
         self.next_label, self.steps, self.bars = int(info["next_label"]), int(info["steps"]), int(info["bars"])
+        self.families = int(info.get("families", 1))
         self.last_ts, self.traded_pnl = info.get("last_timestamp"), float(info.get("traded_pnl", 0.0))
         self.gate.counts.update(info.get("bad_bars", {}))
         if self.retrainer is not None and "retrain" in info:
