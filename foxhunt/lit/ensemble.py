@@ -71,6 +71,7 @@ from foxhunt.evaluation.policies import (
 )
 from foxhunt.evaluation.significance import hac_psr, null_max_sharpe, sharpe_moments
 from foxhunt.evaluation.trading import bars_per_year as infer_bars_per_year
+from foxhunt.lit.forecast_memo import ForecastMemo
 from foxhunt.lit.member import Agent, Forecaster, Member
 from foxhunt.lit.member_updates import MemberUpdates, UpdatePlan
 from foxhunt.trading.policy_table import rollout_policy_table
@@ -152,6 +153,7 @@ class EnsembleModule(MemberUpdates, pl.LightningModule):
         self._snapshots_loaded = False  # set when a checkpoint or an export brings taken snapshots back
         self._candidate_floor: dict[str, int] = {}  # the run's candidate counts, kept by load_weights
         self.run_plan: Any = None  # the fit's RunPlan once checked (foxhunt.fit checks it before the Trainer)
+        self._memo = ForecastMemo()  # whole-split forecasts, reused while weights, modes and split are unchanged
 
     def member(self, name: str) -> Member:
         member = self.members[name]
@@ -327,9 +329,17 @@ class EnsembleModule(MemberUpdates, pl.LightningModule):
 
     def _raw_stack(self, split: MarketSplit, rows: Tensor | None = None) -> Tensor:
         """[T, sum H·Q] the snapshots' forecasts, forecaster by forecaster (at ``rows`` only when given; NaN elsewhere)."""
-        parts = [self.forecaster(n).forecast(split, net=self.snapshots[n], rows=rows).flatten(1)
-                 for n in self.forecaster_names]
+        parts = [self._forecast(n, split, net=self.snapshots[n], rows=rows).flatten(1) for n in self.forecaster_names]
         return torch.cat(parts, 1)
+
+    def _forecast(self, name: str, split: MarketSplit, net: nn.Module | None = None,
+                  rows: Tensor | None = None) -> Tensor:
+        """Forecaster ``name``'s [T, H, Q] forecasts (by ``net``, a snapshot, when given); a whole split's through
+        the memo (:class:`ForecastMemo`: the same values without a second pass when nothing they depend on changed)."""
+        member = self.forecaster(name)
+        if rows is not None or getattr(member, "spec", None) is None:  # a live bar's rows; or not bound to data
+            return member.forecast(split, net=net, rows=rows)
+        return self._memo.forecast(name, member, split, net)
 
     def stacked(self, split: MarketSplit, rows: Tensor | None = None, raw: Tensor | None = None) -> MarketSplit:
         """The split with the snapshots' standardised forecasts appended to its features (the agents' inputs);
@@ -352,7 +362,7 @@ class EnsembleModule(MemberUpdates, pl.LightningModule):
     @torch.no_grad()
     def forecasts(self, split: MarketSplit, rows: Tensor | None = None) -> dict[str, Tensor]:
         """[T, H, Q] forecasts of every forecaster on a split (at ``rows`` only when given; NaN elsewhere)."""
-        return {n: self.forecaster(n).forecast(split, rows=rows) for n in self.forecaster_names}
+        return {n: self._forecast(n, split, rows=rows) for n in self.forecaster_names}
 
     def forecast_table(self, name: str, forecasts: Tensor, decision: Tensor, reset: Tensor) -> Tensor:
         """[T, 3] forecaster ``name``'s policy table (:func:`forecast_policy_table`) from its [T, H, Q] forecasts: its
