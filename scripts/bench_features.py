@@ -5,8 +5,8 @@ at full size.
     python scripts/bench_features.py                 # 1,000,000 bars, one thread
     python scripts/bench_features.py --bars 200000 --repeat 1
     python scripts/bench_features.py --device cuda --no-exactness   # the same code on a GPU
-    python scripts/bench_features.py --stream        # FeatureStream.update of one bar: p50/p99 at 1, 100, 1,000 symbols
-    python scripts/bench_features.py --stream --compile   # ... and FeatureStream(compile=True) beside it
+    python scripts/bench_features.py --stream        # FeatureStream.update of one bar: 1, 100, 1,000 symbols, 10k/1M bars
+    python scripts/bench_features.py --stream --compile   # ... and FeatureStream(compile=True) beside it, interleaved
 
 One implementation serves every device: the plain torch primitives of foxhunt.features.ops.
 Targets (issue 19): the whole set in <= 1.5 s on one core, <= 1.5x TA-Lib's time per feature on the TA-Lib-derived
@@ -141,45 +141,76 @@ def exactness(ohlcv: np.ndarray) -> list[tuple[str, float]]:
         ]
 
 
-def stream_latency(symbols: list[int], history: int, bars: int, seed: int, compiled: bool) -> None:
-    """p50/p99 of FeatureStream.update of one bar (all features) after ``history`` bars, per symbol count: wall time,
-    and the thread's CPU time (what a loaded machine's scheduling does not inflate). With ``compiled``, the eager
-    stream and FeatureStream(compile=True) are timed bar by bar, interleaved, and the compile time is printed."""
+def _stream_bars(ohlcv: torch.Tensor, ts: torch.Tensor, scale: torch.Tensor, lo: int, hi: int):
+    """Bars lo..hi of S distinct series of one shape (the prices scaled per symbol): [S, k, 5], [S, k]."""
+    x = ohlcv[lo:hi][None] * scale
+    x[..., 4] = ohlcv[lo:hi, 4]
+    return x, ts[lo:hi][None].expand(scale.shape[0], -1).contiguous()
+
+
+def stream_latency(symbols: list[int], histories: list[int], samples: int, repeats: int, seed: int, compiled: bool,
+                   max_warm: int) -> None:
+    """p50/p99 of FeatureStream.update of one bar (all features) after each history, per symbol count: wall time and
+    the thread's CPU time (what a loaded machine's scheduling does not inflate), medians over interleaved repeats.
+
+    With ``compiled``, FeatureStream(compile=True) is timed beside the eager stream: it loads the eager stream's warmed
+    state (load_state_dict), each repeat times ``samples`` bars of each (order rotated per repeat: each stream runs
+    warm, as one live process does), and its compile time is printed; its values are checked against the eager's."""
     from foxhunt.features.stream import FeatureStream
 
-    ohlcv, ts, _ = make_bars(history + bars + 1, seed)
+    longest = max(histories)
+    ohlcv, ts, _ = make_bars(longest + samples * repeats + 2, seed)
     names = FeatureSet().names
-    print(f"FeatureStream.update of 1 bar: {len(names)} features, {torch.get_num_threads()} thread(s), after {history} "
-          f"bars, {bars} timed bars (foxhunt from {Path(foxhunt.__file__).parent.parent})")
+    print(f"FeatureStream.update of 1 bar: {len(names)} features, {torch.get_num_threads()} thread(s), {repeats} "
+          f"interleaved repeats of {samples} bars, medians of each repeat's percentiles (foxhunt from "
+          f"{Path(foxhunt.__file__).parent.parent}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+    print("| symbols | history | mode | wall p50 ms | wall p99 ms | CPU p50 ms | CPU p99 ms | CPU p50 µs / symbol-bar |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for S in symbols:
-        modes = {"eager": FeatureStream(names, S)}
-        if compiled:
-            modes["compiled"] = FeatureStream(names, S, compile=True)
-        scale = torch.linspace(0.5, 2.0, S, dtype=torch.float64)[:, None, None]  # S distinct series of one shape
-        x = ohlcv[None] * scale
-        x[..., 4] = ohlcv[:, 4]
-        t = ts[None].expand(S, -1)
-        for mode, fs in modes.items():
-            fs.update(x[:, :history], t[:, :history])
+        scale = torch.linspace(0.5, 2.0, S, dtype=torch.float64)[:, None, None]
+        for history in histories:
+            if S * history > max_warm:
+                print(f"| {S:,} | {history:,} | (skipped: {S * history:,} symbol-bars of warm-up > --max-warm) |")
+                continue
             t0 = time.perf_counter()
-            fs.update(x[:, history : history + 1].contiguous(), t[:, history : history + 1].contiguous())
-            if mode == "compiled":
-                print(f"  {S:>5} symbols: compiled: first steady bar (trace + inductor compile, or its cache) "
-                      f"{time.perf_counter() - t0:.1f} s")
-        lat: dict[str, list[float]] = {m: [] for m in modes}
-        cpu: dict[str, list[float]] = {m: [] for m in modes}
-        for j in range(history + 1, history + 1 + bars):
-            xj, tj = x[:, j : j + 1].contiguous(), t[:, j : j + 1].contiguous()
-            for mode, fs in modes.items():  # interleaved: the same load on both
-                t0, c0 = time.perf_counter(), time.thread_time()
-                fs.update(xj, tj)
-                lat[mode].append(time.perf_counter() - t0)
-                cpu[mode].append(time.thread_time() - c0)
-        for mode in modes:
-            p50, p99 = np.percentile(lat[mode], 50) * 1e3, np.percentile(lat[mode], 99) * 1e3
-            c50, c99 = np.percentile(cpu[mode], 50) * 1e3, np.percentile(cpu[mode], 99) * 1e3
-            print(f"  {S:>5} symbols, {mode:>8}: wall p50 {p50:8.3f} ms  p99 {p99:8.3f} ms | thread CPU p50 {c50:8.3f} "
-                  f"ms  p99 {c99:8.3f} ms per bar ({c50 * 1e3 / S:8.2f} us CPU per symbol-bar at p50)")
+            modes = {"eager": FeatureStream(names, S)}
+            for lo in range(0, history, 4096):  # warm-up in chunks (O(chunk) memory)
+                modes["eager"].update(*_stream_bars(ohlcv, ts, scale, lo, min(lo + 4096, history)))
+            warm = time.perf_counter() - t0
+            if compiled:
+                t0 = time.perf_counter()
+                modes["compiled"] = FeatureStream(names, S, compile=True)
+                built = time.perf_counter() - t0
+                modes["compiled"].load_state_dict(modes["eager"].state_dict())
+                print(f"  ({S:,} symbols, {history:,} bars: warm-up {warm:.1f} s; FeatureStream(compile=True) built "
+                      f"in {built:.1f} s: trace + inductor, or its cache)", flush=True)
+            wall: dict[str, list] = {m: [] for m in modes}
+            cpu: dict[str, list] = {m: [] for m in modes}
+            first: dict[str, list] = {m: [] for m in modes}
+            order = list(modes)
+            for r in range(repeats):
+                for mode in order[r % len(order):] + order[: r % len(order)]:
+                    fs, w, c = modes[mode], [], []
+                    for j in range(history + r * samples, history + (r + 1) * samples):
+                        xj, tj = _stream_bars(ohlcv, ts, scale, j, j + 1)
+                        t0, c0 = time.perf_counter(), time.thread_time()
+                        v = fs.update(xj, tj)[0]
+                        w.append(time.perf_counter() - t0)
+                        c.append(time.thread_time() - c0)
+                        if r == 0:
+                            first[mode].append(v)
+                    wall[mode].append(np.percentile(w, [50, 99]))
+                    cpu[mode].append(np.percentile(c, [50, 99]))
+            for mode in modes:
+                (w50, w99), (c50, c99) = np.median(wall[mode], axis=0) * 1e3, np.median(cpu[mode], axis=0) * 1e3
+                print(f"| {S:,} | {history:,} | {mode} | {w50:.3f} | {w99:.3f} | {c50:.3f} | {c99:.3f} | "
+                      f"{c50 * 1e3 / S:.2f} |", flush=True)
+            if compiled:
+                a, b = torch.cat(first["compiled"], 1), torch.cat(first["eager"], 1)
+                same = torch.equal(a.nan_to_num(1e30), b.nan_to_num(1e30))
+                diff = float(((a - b).abs() / b.abs().clamp_min(1e-30)).nan_to_num(0.0).max())
+                print(f"  (compiled vs eager on the {samples} bars of repeat 1, float32 outputs: "
+                      f"{'identical' if same else f'max relative difference {diff:.2g}'})")
 
 
 def main() -> None:
@@ -187,19 +218,22 @@ def main() -> None:
     ap.add_argument("--stream", action="store_true", help="time FeatureStream.update of one bar instead (p50/p99)")
     ap.add_argument("--symbols", default="1,100,1000", help="--stream: symbol counts, comma-separated")
     ap.add_argument("--compile", action="store_true", help="--stream: FeatureStream(compile=True) beside the eager one")
-    ap.add_argument("--history", type=int, default=300, help="--stream: bars streamed before timing")
-    ap.add_argument("--stream-bars", type=int, default=200, help="--stream: bars timed per symbol count")
+    ap.add_argument("--history", default="10000,1000000", help="--stream: bars streamed before timing, comma-separated")
+    ap.add_argument("--stream-bars", type=int, default=200, help="--stream: bars timed per stream and repeat")
+    ap.add_argument("--max-warm", type=int, default=10_000_000,
+                    help="--stream: skip a symbol count x history above this many symbol-bars of warm-up")
     ap.add_argument("--bars", type=int, default=1_000_000)
     ap.add_argument("--threads", type=int, default=1, help="torch/BLAS threads (the target is one core)")
-    ap.add_argument("--repeat", type=int, default=3, help="runs per measurement; the best is reported")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per measurement; the best is reported (--stream: "
+                    "interleaved repeats, medians)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-exactness", action="store_true", help="skip the full-size TA-Lib exactness check")
     ap.add_argument("--device", default="cpu", help="where the bars live (cpu, cuda): times include the device's work")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.stream:
-        stream_latency([int(s) for s in args.symbols.split(",")], args.history, args.stream_bars, args.seed,
-                       args.compile)
+        stream_latency([int(s) for s in args.symbols.split(",")], [int(h) for h in args.history.split(",")],
+                       args.stream_bars, args.repeat, args.seed, args.compile, args.max_warm)
         return
     n, dev = args.bars, args.device
     cuda = torch.device(dev).type == "cuda"

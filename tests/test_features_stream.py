@@ -248,27 +248,68 @@ def test_steady_step_code_equals_the_reference_bit_for_bit(market, with_holes):
         _assert_match(got, batch, levels)
 
 
+def test_compiled_step_runs_torchs_own_transcendentals():
+    """In the traced step, log/sin/... (plain, in place, out=) are torch's kernel through one opaque op, so inductor's
+    vectorised versions (an ulp off MKL's) never reach a feature; run eagerly, the values are torch's bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from foxhunt.features.stream import _TorchKernels
+
+    seen: list[str] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.rand(37, 3, dtype=torch.float64) + 0.5
+    want = (torch.log(x), x.log1p(), torch.sin(x.float()), torch.exp(-x))
+    out = torch.empty_like(x)
+    with Ops(), _TorchKernels():
+        got = (torch.log(x), x.clone().log1p_(), torch.sin(x.float()), torch.exp(-x, out=out))
+        plain = x * 2.0
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)) and torch.equal(plain, x * 2.0)
+    assert got[3] is out
+    assert sum("foxhunt.eager_unary" in f for f in seen) == 4, seen
+    assert not any(f.startswith(("aten.log.", "aten.sin.", "aten.exp.", "aten.log1p")) for f in seen), seen
+
+
 @pytest.mark.slow
-def test_compiled_stream_equals_compute_and_the_eager_stream(market):
-    """FeatureStream(compile=True): steady bars through torch.compile (inductor) are within the tolerance of compute
-    and of the eager stream, one bar at a time across the block start; a fresh compiled stream restored from its
-    state continues alike."""
-    ohlcv, ts, present, batch, levels = market
-    fast, ref = FeatureStream(ALL, 3, compile=True), FeatureStream(ALL, 3)
+def test_compiled_stream_equals_compute_and_the_eager_stream():
+    """FeatureStream(compile=True) on 27 symbols (inductor's vectorised loops and their tails): steady bars through
+    the compiled graph are within the tolerance of compute and of the eager stream, one bar at a time across the block
+    start; so is a second compiled stream of another selection beside it (each stream its own graph, whose
+    non-tensor guards are dropped), the same compiled stream after load_state_dict replaced its state's tensors, and a
+    fresh compiled stream restored from a saved state."""
+    bars = generate_market(560, n_symbols=27, seed=5, session_gaps=False).bars
+    ohlcv, ts, present = _grid(bars)
+    batch = _batch(ohlcv, ts, present)
+    levels = _levels(ohlcv, present, batch)
+    some = ALL[::3]
+    fast, other, ref = FeatureStream(ALL, 27, compile=True), FeatureStream(some, 27, compile=True), FeatureStream(ALL, 27)
     T = ohlcv.shape[1]
     bounds = [0, 240, *range(241, T + 1)]
-    parts, steady = [], 0
+    parts, others, steady = [], [], 0
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        if a == 400:
+        if a == 380:  # the same compiled stream, its state's tensors replaced
+            fast.load_state_dict(fast.state_dict())
+        if a == 450:
             saved = fast.state_dict()
-            fast = FeatureStream(ALL, 3, compile=True)
+            fast = FeatureStream(ALL, 27, compile=True)
             fast.load_state_dict(saved)
         steady += int(b - a == 1 and fast._is_steady())
         parts.append(fast.update(ohlcv[:, a:b], ts[:, a:b], dtype=torch.float64)[0])
+        others.append(other.update(ohlcv[:, a:b], ts[:, a:b], dtype=torch.float64)[0])
     got = torch.cat(parts, dim=1)
     assert steady >= 300, steady
     _assert_match(got, batch, levels)
     _assert_match(got, _run(ref, ohlcv, ts, present, bounds), levels)
+    idx = [ALL.index(n) for n in some]
+    full = torch.full_like(batch, float("nan"))
+    full[..., idx] = torch.cat(others, dim=1)
+    sub = torch.full_like(batch, float("nan"))
+    sub[..., idx] = batch[..., idx]
+    _assert_match(full, sub, levels)
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in DBN.glob("*.dbn*") if "ohlcv-1d" not in p.name))
