@@ -36,18 +36,12 @@ def forecast_policy_table(lower: Tensor, median: Tensor, upper: Tensor, cost_bps
     """[T, 3] the :func:`forecast_policy` as a table: the position index at bar t for each index held coming in (a
     back-test rolls it out over a split; a live session applies one row a bar to the position it holds)."""
     cost = cost_bps * 1e-4
-    n = median.shape[0]
-    enter_long = lower > cost
-    enter_short = upper < -cost
-    table = torch.full((n, 3), 1, dtype=torch.int64, device=median.device)  # column = previous position index
-    for prev, sign in ((0, -1.0), (1, 0.0), (2, 1.0)):
-        hold = (sign * median > -cost) & (sign != 0.0)  # not against the position by more than closing costs
-        col = torch.where(hold, torch.full_like(table[:, prev], prev), torch.ones_like(table[:, prev]))
-        col = torch.where(enter_short, torch.zeros_like(col), col)
-        col = torch.where(enter_long, torch.full_like(col, 2), col)
-        table[:, prev] = col
-    table = torch.where(decision.unsqueeze(1), table, torch.ones_like(table))
-    return torch.where(reset.unsqueeze(1), table[:, 1:2].expand_as(table), table)
+    enter = torch.where(lower > cost, 2, torch.where(upper < -cost, 0, 1))  # long before short, else none
+    entering = enter != FORECAST_FLAT
+    # held short stays while the median is below the closing cost, held long while above minus it, flat stays flat
+    hold = torch.stack((torch.where(median < cost, 0, 1), torch.ones_like(enter), torch.where(median > -cost, 2, 1)), 1)
+    table = torch.where((entering | reset).unsqueeze(1), enter.unsqueeze(1), hold)  # a symbol's first bar: from flat
+    return torch.where(decision.unsqueeze(1), table, FORECAST_FLAT)
 
 
 def vote(positions: Sequence[Tensor]) -> Tensor:
