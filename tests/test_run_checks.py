@@ -185,8 +185,9 @@ def _smoke(name: str, tmp: Path, *extra: str) -> tuple[subprocess.CompletedProce
 # ensemble.yaml's own market (1,000,000 bars x 4 symbols) is a GPU run: its smoke run forecasts ~5.5 million windows
 # with each forecaster (the 1.4 million training bars after the cut and the ~593,000 validation bars at the agents'
 # start, the validation steps, the validation back-test by the live forecasters and the snapshots, the test split by
-# both), and its TFT takes ~4.5 ms of CPU a window (float32 or bf16 autocast alike; ~0.1 GFLOP, most of it the
-# variable selection's per-variable GRNs at each of the window's 64 bars), Mamba-2 ~0.7 ms: ~8 hours on one core.
+# both), and a forecast takes ~4 ms of CPU a window with its TFT (float32 or bf16 autocast alike; ~0.1 GFLOP, most
+# of it the variable selection's per-variable GRNs at each of the window's 64 bars), ~1.6 ms with Mamba-2: ~8.6 hours
+# on one core.
 # On a CPU it runs on 30,000 bars a symbol instead (about the fewest on which its agents' start step of 4,000 fits the
 # config's own 30 epochs, so the plan scales it rather than refusing): the same members, sizes, precision and stacking
 # (measured: exit 0 in 847 s with OMP_NUM_THREADS=1 on 2 shared, loaded cores).
