@@ -380,6 +380,31 @@ def test_the_fast_and_plain_decision_paths_decide_alike(export: Path, bars: pd.D
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
+def test_the_lean_path_decides_with_onnx_runtime_networks_as_the_plain_path(export: Path, bars: pd.DataFrame,
+                                                                              tmp_path: Path) -> None:
+    """With ``backend="onnxruntime"`` (the members' networks swapped for ONNX Runtime sessions) the fast session still
+    takes the lean decision and trades what the plain path trades with the same graphs, on every bar, state included."""
+    pytest.importorskip("onnxruntime", reason="the serve extra is not installed (pip install -e '.[serve]')")
+    import shutil
+
+    from foxhunt.export.onnx import write_onnx
+    from foxhunt.live.backend import OrtQNetwork
+
+    root = shutil.copytree(export, tmp_path / "export")
+    write_onnx(root)
+    fast = foxhunt.live.open(str(root), backend="onnxruntime")
+    plain = foxhunt.live.open(str(root), backend="onnxruntime", fast=False)
+    assert isinstance(fast.model.agent("dqn").policy_network, OrtQNetwork)
+    lean_calls = []
+    lean = fast._decide_lean
+    fast._decide_lean = lambda *a: lean_calls.append(1) or lean(*a)  # type: ignore[method-assign]
+    got, want = replayed(fast, bars), replayed(plain, bars)
+    assert got == want and len(lean_calls) > 100
+    assert sum(p["dqn"] != 0 for p in got.values()) > 20  # the agent trades: the check proves something
+    mine, theirs = fast.state_dict(), plain.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
 def test_known_future_inputs_kept_by_timestamp_are_the_computed_ones(export: Path) -> None:
     """The fast path's known-future inputs, kept by timestamp (computed ahead at the latest spacing, dropped past
     4,096), equal the scheduled rows computed afresh, on a regular and an irregular schedule."""

@@ -10,7 +10,8 @@ and applies it to the position it holds: the very code that rolls the back-test 
 That is the plain path (``fast=False``). The default, ``fast=True``, runs the networks' inference forms
 (:mod:`foxhunt.models.tft_inference`, :mod:`foxhunt.models.qnet_inference`) and, once a symbol's tail is full, decides
 TFT and DQN members from the tail buffers directly (:meth:`LiveSession._decide_lean`), without the split: the same
-decisions (tests/test_live.py), a fraction of the small tensor calls.
+decisions (tests/test_live.py), a fraction of the small tensor calls, whatever the networks run on (torch, or the
+ONNX Runtime sessions of :mod:`foxhunt.live.backend`).
 """
 
 from __future__ import annotations
@@ -328,17 +329,9 @@ class LiveSession:
         return float(scaled.loc.float()[0]), float(scaled.scale.float()[0])
 
     def _lean_applies(self, sel: Tensor | slice) -> bool:
-        """Whether these symbols' decision can take the lean path: every tail full, members of the kinds it covers
-        (checked once), and each trading agent's network a flat-encoder Q-network."""
-        if self._lean is None or not bool((self.seen[sel] >= self.tail).all()):
-            return False
-        from foxhunt.models.qnet import QNetwork
-
-        for name in self.model.trading_agents():
-            agent = self.model.agent(name)
-            if not agent.holds_flat and not (isinstance(agent.policy_network, QNetwork) and agent.policy_network.flat):
-                return False
-        return True
+        """Whether these symbols' decision can take the lean path: every tail full (the members' kinds are checked
+        once, :meth:`_lean_plan`)."""
+        return self._lean is not None and bool((self.seen[sel] >= self.tail).all())
 
     def _decide_lean(self, codes: Tensor, next_ts: Tensor, sel: Tensor | slice) -> tuple[dict[str, Tensor], Tensor]:
         """:meth:`_decide` for full tails without assembling them as a split: what the back-test's code computes at
@@ -383,14 +376,28 @@ class LiveSession:
             held = self.held[name][sel].long()
             obs = torch.nan_to_num(self.rows[sel, K - window :], nan=0.0)
             with eval_mode(net):
-                q = self._agent_network(name, net)(obs, eye[held])
-            idx = torch.where(decided, q.argmax(1), flat)
+                greedy = self._lean_greedy(name, net, obs, eye, held)
+            idx = torch.where(decided, greedy, flat)
             self.held[name][sel] = idx
             pos[name] = actions[idx]
         for name in model.agent_names:
             pos.setdefault(name, torch.zeros(P, dtype=torch.float32))
         model.combine(pos, decided)
         return pos, decided
+
+    def _lean_greedy(self, name: str, net: Any, obs: Tensor, eye: Tensor, held: Tensor) -> Tensor:
+        """[P] the greedy action for the held positions ``held`` on the windows ``obs`` [P, W, F] (``greedy_table``'s
+        row). A flat-encoder ``QNetwork`` (its rows are independent of the batch: tests/test_qnet_inference.py) is
+        called on the held positions alone, through its inference form; any other Q-network (an ONNX Runtime one of
+        :mod:`foxhunt.live.backend`, a conv encoder) on every position of every window, the batch ``greedy_table``
+        gives it, so its Q-values are the back-test's whatever its kernels do with the batch size."""
+        from foxhunt.models.qnet import QNetwork
+
+        if isinstance(net, QNetwork) and net.flat:
+            return self._agent_network(name, net)(obs, eye[held]).argmax(1)
+        A = eye.shape[0]
+        q = net(obs.repeat_interleave(A, 0), eye.repeat(obs.shape[0], 1))
+        return q.argmax(1).view(-1, A).gather(1, held.unsqueeze(1)).squeeze(1)
 
     def _agent_constants(self, name: str) -> tuple[int, Tensor, int, Tensor]:
         """Agent ``name``'s window, actions, flat action's index and held-position one-hots (looked up once)."""
