@@ -405,6 +405,25 @@ def test_the_lean_path_decides_with_onnx_runtime_networks_as_the_plain_path(expo
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
+def test_a_discrete_ppo_takes_the_lean_path_and_trades_as_the_plain_one(bars: pd.DataFrame, tmp_path: Path) -> None:
+    """A discrete PPO agent (its actor's inference form, on the lean path once its tail is full) trades what the plain
+    path trades on every bar, state included."""
+    from foxhunt.lit.ppo import PPOModule
+
+    torch.manual_seed(0)
+    _, root = small_export(tmp_path / "export", {"ppo": PPOModule(window=4, hidden=[16])}, n_symbols=2, n_bars=600,
+                           combine="vote", min_edge_confidence=None, cost_bps=0.0)
+    fast, plain = foxhunt.live.open(root), foxhunt.live.open(root, fast=False)
+    lean_calls = []
+    lean = fast._decide_lean
+    fast._decide_lean = lambda *a: lean_calls.append(1) or lean(*a)  # type: ignore[method-assign]
+    got, want = replayed(fast, bars), replayed(plain, bars)
+    assert got == want and len(lean_calls) > 100
+    assert sum(p["ppo"] != 0 for p in got.values()) > 20  # the agent trades: the check proves something
+    mine, theirs = fast.state_dict(), plain.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
 def test_known_future_inputs_kept_by_timestamp_are_the_computed_ones(export: Path) -> None:
     """The fast path's known-future inputs, kept by timestamp (computed ahead at the latest spacing, dropped past
     4,096), equal the scheduled rows computed afresh, on a regular and an irregular schedule."""

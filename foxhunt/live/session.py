@@ -309,6 +309,7 @@ class LiveSession:
         """The target statistics (loc, scale) every row of a tail has, when the lean decision reproduces
         :meth:`_tail_split`'s exactly for a full tail; None when it does not apply (see :meth:`_decide_lean`)."""
         from foxhunt.lit.dqn import DQNModule
+        from foxhunt.lit.ppo import PPOModule
         from foxhunt.lit.tft import TFTModule
 
         model, t = self.model, self.loaded.target_transform
@@ -316,8 +317,10 @@ class LiveSession:
             return None
         if any(type(model.forecaster(n)).forecast is not TFTModule.forecast for n in model.forecaster_names):
             return None
-        if any(type(model.agent(n)).decision_table is not DQNModule.decision_table for n in model.agent_names):
-            return None
+        greedy = (DQNModule.decision_table, PPOModule.decision_table)  # both greedy_table's, on Q or logits
+        if any(type(a).decision_table not in greedy or getattr(a, "continuous", False)
+               for a in map(model.agent, model.agent_names)):
+            return None  # (a continuous PPO's position is a recurrence: continuous_step)
         if any(isinstance(part, RollingZScore) or getattr(part, "mode", "fitted") != "fitted"
                for part in (t.scaler, t.clip) if part is not None):
             return None  # rolling statistics: each row's own, from the returns before it
@@ -341,8 +344,8 @@ class LiveSession:
         just in has the scheduled 0), and the target statistics are fitted constants (``_lean_plan``), so a row is a
         decision bar (``MarketSplit.valid``) where its features are ready; a forecaster's window is usable
         (``valid_window_starts``) where its L rows are, and it is forecast as ``TFTModule.forecast`` does (window,
-        known-future rows, the decision row's loc/scale); a DQN agent at a decision bar takes the argmax of its
-        Q-values for the held position (``greedy_table``'s row), flat elsewhere."""
+        known-future rows, the decision row's loc/scale); a DQN or discrete PPO agent at a decision bar takes the argmax
+        of its Q-values (logits) for the held position (``greedy_table``'s row), flat elsewhere."""
         model, P, K = self.model, codes.numel(), self.tail
         ready = self.ready_rows[sel]  # [P, K]
         decided = ready[:, -1]
@@ -389,14 +392,18 @@ class LiveSession:
         """[P] the greedy action for the held positions ``held`` on the windows ``obs`` [P, W, F] (``greedy_table``'s
         row). A flat-encoder ``QNetwork`` (its rows are independent of the batch: tests/test_qnet_inference.py) is
         called on the held positions alone, through its inference form; any other Q-network (an ONNX Runtime one of
-        :mod:`foxhunt.live.backend`, a conv encoder) on every position of every window, the batch ``greedy_table``
-        gives it, so its Q-values are the back-test's whatever its kernels do with the batch size."""
+        :mod:`foxhunt.live.backend`, a conv encoder) and a discrete PPO's actor (its logits: ``PPOModule.decision_table``,
+        through :class:`~foxhunt.models.actor_critic.ActorInference`) on every position of every window, the batch
+        ``greedy_table`` gives it, so its outputs are the back-test's whatever its kernels do with the batch size."""
+        from foxhunt.models.actor_critic import ActorCritic
         from foxhunt.models.qnet import QNetwork
 
+        form = self._agent_network(name, net)
         if isinstance(net, QNetwork) and net.flat:
-            return self._agent_network(name, net)(obs, eye[held]).argmax(1)
+            return form(obs, eye[held]).argmax(1)
+        q_fn = form.deterministic if isinstance(form, ActorCritic) else form  # PPO: its logits (decision_table's)
         A = eye.shape[0]
-        q = net(obs.repeat_interleave(A, 0), eye.repeat(obs.shape[0], 1))
+        q = q_fn(obs.repeat_interleave(A, 0), eye.repeat(obs.shape[0], 1))
         return q.argmax(1).view(-1, A).gather(1, held.unsqueeze(1)).squeeze(1)
 
     def _agent_constants(self, name: str) -> tuple[int, Tensor, int, Tensor]:
@@ -470,9 +477,11 @@ class LiveSession:
             return net
         held = self._agent_nets.get(name)
         if held is None or held[0] is not net:
+            from foxhunt.models.actor_critic import ActorCritic, ActorInference
             from foxhunt.models.qnet_inference import q_inference
 
-            held = self._agent_nets[name] = (net, q_inference(net))
+            form = ActorInference(net) if type(net) is ActorCritic else q_inference(net)  # (not a served subclass)
+            held = self._agent_nets[name] = (net, form)
         return held[1]
 
     # ------------------------------------------------------------------------------------------------ state

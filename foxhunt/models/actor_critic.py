@@ -168,3 +168,39 @@ class ActorCritic(nn.Module):
             p = target * ok[j]  # flat where no decision is possible
             out[j] = p
         return torch.from_numpy(out[:, :, 0].T.copy()).to(prepared.device)
+
+
+class ActorInference(ActorCritic):
+    """``net``'s deterministic actor for one decision at a time (its inference form; a live session's): the same
+    values as :meth:`ActorCritic.deterministic`, bit for bit, as ``cat`` + (``addmm``, in-place ``tanh``) per layer
+    (``F.linear`` is ``addmm`` on the transposed weight), without the ``nn.Sequential`` and module lookups that are
+    most of a batch-1 call. Views of ``net``'s parameters, not copies (a ``load_state_dict`` into ``net`` reaches it);
+    the bar-by-bar continuous path (:meth:`actor_prepare`, :meth:`deterministic_path`) and everything else are
+    ``net``'s own. No critic: ``forward`` is refused."""
+
+    def __init__(self, net: ActorCritic) -> None:
+        nn.Module.__init__(self)  # no parameters of its own: they are net's
+        self.__dict__["net"] = net  # not a submodule: its parameters stay net's alone
+        self.window, self.n_features = net.window, net.n_features
+        self.n_position_features, self.action_space = net.n_position_features, net.action_space
+        self.layers = [(lin.weight.t(), lin.bias) for lin in net.actor_linears()]
+
+    def forward(self, window: Tensor, position: Tensor) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError("ActorInference computes the deterministic policy only (no critic): call the network")
+
+    def deterministic(self, window: Tensor, position: Tensor) -> Tensor:
+        x = torch.cat([window.flatten(1) if window.dim() == 3 else window, position], 1)
+        *hidden, (w_head, b_head) = self.layers
+        for weight_t, bias in hidden:
+            x = torch.addmm(bias, x, weight_t).tanh_()
+        out = torch.addmm(b_head, x, w_head)
+        return out.squeeze(1).tanh_() if self.continuous else out
+
+    def actor_linears(self) -> list[nn.Linear]:
+        return self.net.actor_linears()
+
+    def actor_prepare(self, window_flat: Tensor) -> Tensor:
+        return self.net.actor_prepare(window_flat)
+
+    def deterministic_path(self, prepared: Tensor, decide: Tensor, held: Tensor, no_trade_band: float = 0.0) -> Tensor:
+        return self.net.deterministic_path(prepared, decide, held, no_trade_band)
