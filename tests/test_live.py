@@ -439,3 +439,22 @@ def test_known_future_inputs_kept_by_timestamp_are_the_computed_ones(export: Pat
         want = torch.nan_to_num(session._future_rows(nxt)[:, :, cols], nan=0.0)
         assert torch.equal(session._known_future_inputs(nxt), want)
     assert len(session._future_index) <= 4096
+
+
+@pytest.mark.slow
+def test_a_session_with_compiled_features_trades_as_the_eager_one(export: Path) -> None:
+    """``compile_features=True`` (FeatureStream's steady bars through torch.compile, compiled at the session's start):
+    on a replay long enough for most bars to be steady, the same positions on every bar and the same feature state."""
+    long_bars = generate_market(n_bars=420, n_symbols=2, seed=11, symbols=SYMBOLS).bars
+    compiled, eager = foxhunt.live.open(export, compile_features=True), foxhunt.live.open(export)
+    assert compiled.features.compiled and not eager.features.compiled
+    steady = []
+    step = compiled.features._steady_step
+    compiled.features._steady_step = lambda *a: steady.append(1) or step(*a)  # type: ignore[method-assign]
+    got, want = replayed(compiled, long_bars), replayed(eager, long_bars)
+    assert len(steady) > 100, len(steady)  # the compiled graph stepped most bars
+    assert got == want
+    assert sum(p["ensemble"] != 0 for p in got.values()) > 20  # it trades: the check proves something
+    mine, theirs = compiled.features.state_dict(), eager.features.state_dict()
+    assert all(torch.allclose(mine[k].double().nan_to_num(1e300), theirs[k].double().nan_to_num(1e300), rtol=1e-12,
+                              atol=1e-12) for k in theirs)

@@ -43,6 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", choices=["torch", "onnxruntime", "onnxruntime-int8"], default="torch",
                    help="what every export's members compute on: torch, or ONNX Runtime on its float or int8 graphs "
                    "(written by python -m foxhunt.export --onnx [--int8]; docs/SERVING.md)")
+    p.add_argument("--compile-features", action="store_true",
+                   help="step the features of bars past every warm-up through torch.compile (compiled once at the "
+                   "start: seconds from inductor's cache, minutes the first time; the same values as eager, ~4x less "
+                   "CPU a bar at one symbol; docs/LIVE.md)")
     p.add_argument("--debug", action="store_true", help="a traceback instead of one line on errors")
     shadow = p.add_argument_group("champion and challengers (docs/LIVE.md)")
     shadow.add_argument("--challenger", action="append", default=[], metavar="EXPORT",
@@ -118,7 +122,7 @@ def build_runner(args: argparse.Namespace) -> ShadowRunner:
     gate = BarGate(args.on_bad_bar, args.jump_sigmas, source=args.replay or "stdin")
     return ShadowRunner(args.checkpoint, args.challenger, args.decisions, args.state or f"{args.decisions}.state",
                         gate, rule, Registry(args.registry or f"{args.decisions}.registry.jsonl"), args.log_features,
-                        retrainer)
+                        retrainer, compile_features=args.compile_features)
 
 
 def run(args: argparse.Namespace) -> int:

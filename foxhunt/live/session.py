@@ -109,7 +109,8 @@ class BoundQGraph:
 class LiveSession:
     """An exported ensemble trading bars as they arrive (see the module docstring); build it with :func:`open`."""
 
-    def __init__(self, loaded: LoadedEnsemble, features: Any | None = None, fast: bool = True) -> None:
+    def __init__(self, loaded: LoadedEnsemble, features: Any | None = None, fast: bool = True,
+                 compile_features: bool = False) -> None:
         self.loaded = loaded
         # the networks' inference forms (the TFT's, built once from its frozen weights; the Q-network's direct calls)
         # or, False, the networks' own forwards: the same decisions (tests/test_live.py), several times slower
@@ -128,7 +129,8 @@ class LiveSession:
         if features is None:
             from foxhunt.features.stream import FeatureStream
 
-            features = FeatureStream(self.feature_names, S)
+            # compile_features: FeatureStream's compiled steady bars (torch.compile at construction, equal to eager)
+            features = FeatureStream(self.feature_names, S, compile=compile_features)
         self.features = features
         self.tail = self._tail_length()
         K = self.tail
@@ -590,10 +592,11 @@ class LiveSession:
 
 
 def open(path: str, features: Any | None = None, backend: str = "torch",  # noqa: A001 - like io.open
-         fast: bool = True) -> LiveSession:
+         fast: bool = True, compile_features: bool = False) -> LiveSession:
     """A live session of the export at ``path`` (verified by :func:`foxhunt.load`), flat until it is warmed up;
     ``backend``: what its members compute on (:data:`foxhunt.live.backend.BACKENDS`: torch, or ONNX Runtime on the
-    export's float or int8 graphs, :mod:`foxhunt.live.backend`); ``fast``: :attr:`LiveSession.fast`."""
+    export's float or int8 graphs, :mod:`foxhunt.live.backend`); ``fast``: :attr:`LiveSession.fast`;
+    ``compile_features``: the features' steady bars through torch.compile (:class:`~foxhunt.features.stream.FeatureStream`)."""
     from foxhunt.export.load import load
 
     loaded = load(path)
@@ -601,4 +604,4 @@ def open(path: str, features: Any | None = None, backend: str = "torch",  # noqa
         from foxhunt.live.backend import use_backend
 
         use_backend(loaded, path, backend)
-    return LiveSession(loaded, features, fast)
+    return LiveSession(loaded, features, fast, compile_features)

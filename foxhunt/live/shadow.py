@@ -190,10 +190,11 @@ class ShadowRunner:
 
     def __init__(self, champion: str, challengers: Sequence[str], decisions: str | Path, state: str | Path,
                  gate: Any, rule: Any | None = None, registry: Any | None = None, log_features: bool = False,
-                 retrainer: Any | None = None) -> None:
+                 retrainer: Any | None = None, compile_features: bool = False) -> None:
         self.decisions, self.state_dir = Path(decisions), Path(state)
         self.gate, self.rule, self.registry, self.retrainer = gate, rule, registry, retrainer
         self.log_features = log_features
+        self.compile_features = compile_features  # every session's FeatureStream(compile=...)
         self.shadowing = bool(challengers) or retrainer is not None
         self.streams: dict[tuple, Any] = {}  # (feature names, symbols) -> the FeatureStream they share
         self.models: list[Model] = []  # the active ones, the champion first
@@ -232,7 +233,7 @@ class ShadowRunner:
         if session is None:
             from foxhunt.export.load import load
 
-            session = LiveSession(load(path), None)
+            session = LiveSession(load(path), None, compile_features=self.compile_features)
         if self.models:
             mine, theirs = sorted(session.symbols), sorted(self.models[0].session.symbols)
             if mine != theirs:
@@ -425,7 +426,7 @@ class ShadowRunner:
         try:
             from foxhunt.export.load import load
 
-            session = LiveSession(load(result.export), None)
+            session = LiveSession(load(result.export), None, compile_features=self.compile_features)
             session.restore(result.state)  # warmed by the retrain on the bars it trained on
             for b in catch_up:  # then the bars since, on its own feature stream
                 if b.timestamp > result.until:
