@@ -701,6 +701,11 @@ def serve_cases(root: Path) -> tuple[list[Case], list[str]]:
                                   "session.run, numpy in and out"))
                 cases.append(Case("serve", f"{label}: {fmt}, IO binding", _bound(sess, feed), S,
                                   "inputs and outputs bound once"))
+                if S == 1 and graph.kind == "forecaster":  # what the backend runs on one symbol's window
+                    blob = (root / meta["onnx" if fmt == "ORT float" else "onnx_int8"]["members"][name]["file"])
+                    single = ort_session(blob.read_bytes(), batch=1)
+                    cases.append(Case("serve", f"{label}: {fmt}, batch-1 graph, IO binding", _bound(single, feed), S,
+                                      "the graph fixed to batch 1 (fixed_batch), inputs and outputs bound once"))
         if name in loaded.model.agent_names:
             obs_dim = int(graph.example[0][0].numel() + graph.example[1].shape[1])
             hidden = [int(x) for x in member.hparams.hidden]

@@ -96,6 +96,11 @@ def graph_outputs_match_torch_on_the_test_split(root: Path) -> None:
             got = run_session(session, names, b)
             assert got.shape == want.shape
             assert float((got - want).abs().max()) <= 1e-5, f"{name}: {float((got - want).abs().max()):.3g}"
+            if entry["kind"] == "forecaster":  # the batch-1 graph one symbol's decision runs, row by row
+                single = ort_session((root / entry["file"]).read_bytes(), batch=1)
+                for r in range(0, b[0].shape[0], max(1, b[0].shape[0] // 40)):
+                    one = run_session(single, names, tuple(t[r:r + 1] for t in b))
+                    assert float((one - want[r:r + 1]).abs().max()) <= 1e-5, f"{name} batch-1 row {r}"
 
 
 def replayed(session: foxhunt.live.LiveSession, bars) -> dict:
@@ -256,6 +261,20 @@ def test_forecaster_graphs_match_torch_on_the_test_split(forecasters: Path) -> N
 @pytest.mark.slow
 def test_float_onnx_forecasters_trade_exactly_what_torch_trades(forecasters: Path) -> None:
     float_onnx_trades_what_torch_trades(forecasters)
+
+
+@pytest.mark.slow
+def test_one_symbol_live_runs_the_batch_1_graphs_and_trades_as_torch(forecasters: Path) -> None:
+    """On one symbol a served forecaster runs its batch-1 graph: positions equal torch's on every live bar."""
+    bars = generate_market(n_bars=120, n_symbols=1, seed=12, symbols=SYMBOLS[:1]).bars
+    served = foxhunt.live.open(str(forecasters), backend="onnxruntime")
+    singles = [m for m in served.loaded.model.modules() if getattr(m, "single", None) is not None]
+    assert len(singles) == 2
+    calls = []
+    for m in singles:
+        m.single.run = lambda out, feed, run=m.single.run: calls.append(1) or run(out, feed)
+    live_torch, live_onnx = replayed(foxhunt.live.open(str(forecasters)), bars), replayed(served, bars)
+    assert live_torch == live_onnx and len(live_torch) > 20 and len(calls) >= len(live_torch)
 
 
 @pytest.mark.slow

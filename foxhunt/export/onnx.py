@@ -204,9 +204,27 @@ def export_graph(graph: Graph, where: str) -> bytes:
     return program.model_proto.SerializeToString()
 
 
-def ort_session(blob: bytes) -> Any:
-    """An ONNX Runtime session of a serialised model on one CPU thread (sequential, every graph optimisation)."""
+def fixed_batch(blob: bytes, rows: int) -> bytes:
+    """The serialised model with its dynamic batch axis fixed to ``rows``: static shapes let ONNX Runtime fold the
+    Shape/Gather/Reshape chains the dynamic graph computes per call (TFT at batch 1: 192 -> 183 nodes, ~5% faster)."""
+    import onnx
+
+    model = onnx.load_from_string(blob)
+    for value in [*model.graph.input, *model.graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        if len(dims) and dims[0].HasField("dim_param"):
+            dims[0].ClearField("dim_param")
+            dims[0].dim_value = rows
+    del model.graph.value_info[:]  # inferred again from the fixed inputs
+    return model.SerializeToString()
+
+
+def ort_session(blob: bytes, batch: int | None = None) -> Any:
+    """An ONNX Runtime session of a serialised model on one CPU thread (sequential, every graph optimisation); with
+    ``batch``, of the model fixed to that many rows (:func:`fixed_batch`)."""
     import onnxruntime as ort
+
+    blob = blob if batch is None else fixed_batch(blob, batch)
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
