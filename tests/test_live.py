@@ -365,19 +365,26 @@ def test_a_session_warmed_from_history_decides_as_one_that_saw_it_live(dqn_expor
     pd.testing.assert_frame_equal(warmed.drop(columns="latency_us"), later.drop(columns="latency_us"))
 
 
+def assert_fast_trades_as_plain(fast: foxhunt.live.LiveSession, plain: foxhunt.live.LiveSession,
+                                bars: pd.DataFrame) -> dict:
+    """Replay ``bars`` through both sessions: the same positions on every bar, the lean path deciding most timestamps
+    (once the tails were full: > 100) and the same state after; the positions."""
+    lean_calls = []
+    lean = fast._decide_lean
+    fast._decide_lean = lambda *a: lean_calls.append(1) or lean(*a)  # type: ignore[method-assign]
+    got, want = replayed(fast, bars), replayed(plain, bars)
+    assert got == want and len(lean_calls) > 100
+    mine, theirs = fast.state_dict(), plain.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    return got
+
+
 def test_the_fast_and_plain_decision_paths_decide_alike(export: Path, bars: pd.DataFrame, whole_replay: dict) -> None:
     """``fast`` (the networks' inference forms and, once a symbol's tail is full, the lean decision read from the
     tails) against the plain path (a split of the tails through the members' own code, the networks' own forwards):
     the same positions on every bar of the replay, warm-up included, and the same state after it."""
     fast, plain = foxhunt.live.open(export), foxhunt.live.open(export, fast=False)
-    lean_calls = []
-    lean = fast._decide_lean
-    fast._decide_lean = lambda *a: lean_calls.append(1) or lean(*a)  # type: ignore[method-assign]
-    assert replayed(fast, bars) == whole_replay
-    assert replayed(plain, bars) == whole_replay
-    assert len(lean_calls) > 100  # the lean path decided most timestamps (once both tails were full)
-    mine, theirs = fast.state_dict(), plain.state_dict()
-    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert assert_fast_trades_as_plain(fast, plain, bars) == whole_replay
 
 
 def test_the_lean_path_decides_with_onnx_runtime_networks_as_the_plain_path(export: Path, bars: pd.DataFrame,
@@ -395,14 +402,8 @@ def test_the_lean_path_decides_with_onnx_runtime_networks_as_the_plain_path(expo
     fast = foxhunt.live.open(str(root), backend="onnxruntime")
     plain = foxhunt.live.open(str(root), backend="onnxruntime", fast=False)
     assert isinstance(fast.model.agent("dqn").policy_network, OrtQNetwork)
-    lean_calls = []
-    lean = fast._decide_lean
-    fast._decide_lean = lambda *a: lean_calls.append(1) or lean(*a)  # type: ignore[method-assign]
-    got, want = replayed(fast, bars), replayed(plain, bars)
-    assert got == want and len(lean_calls) > 100
+    got = assert_fast_trades_as_plain(fast, plain, bars)
     assert sum(p["dqn"] != 0 for p in got.values()) > 20  # the agent trades: the check proves something
-    mine, theirs = fast.state_dict(), plain.state_dict()
-    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
 def test_a_discrete_ppo_takes_the_lean_path_and_trades_as_the_plain_one(bars: pd.DataFrame, tmp_path: Path) -> None:
@@ -414,14 +415,8 @@ def test_a_discrete_ppo_takes_the_lean_path_and_trades_as_the_plain_one(bars: pd
     _, root = small_export(tmp_path / "export", {"ppo": PPOModule(window=4, hidden=[16])}, n_symbols=2, n_bars=600,
                            combine="vote", min_edge_confidence=None, cost_bps=0.0)
     fast, plain = foxhunt.live.open(root), foxhunt.live.open(root, fast=False)
-    lean_calls = []
-    lean = fast._decide_lean
-    fast._decide_lean = lambda *a: lean_calls.append(1) or lean(*a)  # type: ignore[method-assign]
-    got, want = replayed(fast, bars), replayed(plain, bars)
-    assert got == want and len(lean_calls) > 100
+    got = assert_fast_trades_as_plain(fast, plain, bars)
     assert sum(p["ppo"] != 0 for p in got.values()) > 20  # the agent trades: the check proves something
-    mine, theirs = fast.state_dict(), plain.state_dict()
-    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
 def test_known_future_inputs_kept_by_timestamp_are_the_computed_ones(export: Path) -> None:

@@ -68,7 +68,3 @@ class ForecastMemo:
         out = forecaster.forecast(split, net=net)
         self._passes[key] = _Pass(split, network, mode, transform, [t.clone() for t in state], out.clone())
         return out
-
-    def clear(self) -> None:
-        """Forget every pass (frees the memory the kept forecasts and weights hold)."""
-        self._passes.clear()
