@@ -7,11 +7,12 @@ never by the data), and every slot is created on the first pass, so the state's 
 
 Exact primitives step bit for bit as the batch form: shifts, differences, extrema, arg-extrema and window loops run the
 batch function on the last bars kept in a ring (one bar: the same reduction of its window, in the batch loop's order
-where order matters); running sums continue torch's sequential CPU sum from its total. Rings are circular (bar b at
-column b % w) and stored time-major, so one bar reads and writes one column of S adjacent numbers; when every symbol
-is at one age the columns are host integers. The
-recursive filters step the recurrence itself (y = a y + u, TA-Lib's definition), which the batch form's blocked scans
-equal to rounding; so do block-centred window sums, taken here over the window itself, centred on the latest value.
+where order matters); running sums continue torch's sequential CPU sum from its total. Rings are circular (the bar of
+clock c at column c % w; a symbol's clock is its age plus a shift its stream keeps so that all symbols share one clock)
+and stored time-major, so one bar reads and writes one column of S adjacent numbers, at a host-integer column (eager)
+or one index for every symbol (compiled). The recursive filters step the recurrence itself (y = a y + u, TA-Lib's
+definition), which the batch form's blocked scans equal to rounding; so do block-centred window sums, taken here over
+the window itself, centred on the latest value.
 """
 
 from __future__ import annotations
@@ -28,12 +29,16 @@ NAN = ops.NAN
 
 class StepOps:
     """The stateful primitives for one chunk [S, m] of bars: ``age`` [S, m] is each bar's index in its symbol's
-    history; ``moved`` [S] (None: all) marks the symbols whose state this chunk moves."""
+    history; ``moved`` [S] (None: all) marks the symbols whose state this chunk moves; ``clock`` [S, m] (None: the
+    age) places each bar in the rings (bar of clock c at column c % w): a stream keeps one clock for all symbols,
+    whatever their ages, so a bar reads one column of each ring, not one per symbol."""
 
     def __init__(self, state: dict[str, Tensor], age: Tensor, moved: Tensor | None = None,
-                 columns: dict[tuple, Tensor] | None = None, steady: bool = False) -> None:
+                 columns: dict[tuple, Tensor] | None = None, steady: bool = False,
+                 clock: Tensor | None = None) -> None:
         self.state, self.age, self.moved = state, age, moved
         self.S, self.m = age.shape
+        clock = age if clock is None else clock
         # steady: one bar of every symbol, each past every warm-up, seed and block start this code asks about (the
         # caller checks it from ``asked`` and ``blocks``): no branch on the data, no host int, ring columns from the
         # age tensor, state written in place, so the step is one traceable graph (torch.compile's fast path)
@@ -42,15 +47,18 @@ class StepOps:
             raise ValueError("StepOps: a steady step is one bar of every symbol")
         self.asked, self.blocks = 0, set()  # the latest bar a warm-up test asked about; the block lengths used
         self.writes: list[Callable[[], object]] = []  # a steady step's state writes, done by :meth:`finish`
+        self.ring_keys: set[str] = set()  # the state's rings (placed by the clock; a stream re-clocks them)
         if steady:
-            self.youngest, self.common = None, False
+            self.youngest, self.common, self.first_clock = None, False, None
         else:
             self.youngest = int(age[:, 0].min()) if age.numel() else 0  # past every warm-up: masks are skipped
-            self.common = age.numel() > 0 and int(age[:, 0].max()) == self.youngest  # one age: ring columns are ints
+            self.first_clock = int(clock[:, 0].min()) if clock.numel() else 0
+            # one clock: ring columns are host integers
+            self.common = clock.numel() > 0 and int(clock[:, 0].max()) == self.first_clock
         self._calls = 0
         self._columns: dict[tuple, Tensor] = {}  # ring columns per (width, offset), shared by the call sites
         self._common_columns = {} if columns is None else columns  # index tensors by (width, column): a stream keeps them
-        self._age0 = age[:, :1]
+        self._clock0 = clock[:, :1]
 
     def finish(self) -> None:
         """Write a steady step's new state (after every read of the old, which no column read after a write of the
@@ -83,15 +91,20 @@ class StepOps:
             value = torch.where(self.moved.view(-1, *([1] * (value.ndim - 1))), value, old)
         self.state[key] = value
 
+    def _get_ring(self, slot: str, field: str, x: Tensor, w: int, fill: float) -> Tensor:
+        """The ring ``slot.field`` [S, w] (made by :meth:`_new_ring` the first time), noted in ``ring_keys``."""
+        self.ring_keys.add(f"{slot}.{field}")
+        return self._get(slot, field, lambda: self._new_ring(x, w, fill))
+
     def _new_ring(self, x: Tensor, w: int, fill: float) -> Tensor:
         """[S, w] stored time-major (one bar's column of all symbols contiguous): a bar reads and writes S adjacent
         numbers, not one per symbol's row across the whole state."""
         return x.new_full((w, self.S), fill).T
 
     def _column(self, w: int, offset: int = 0) -> Tensor:
-        """[S, 1]: each symbol's ring column of its bar age + offset (a ring of w keeps bar b at column b % w)."""
+        """[S, 1]: each symbol's ring column of its bar's clock + offset (a ring of w keeps clock c at column c % w)."""
         if self.common:  # every symbol at one age: one column, an index built once per stream
-            c = (self.youngest + offset) % w
+            c = (self.first_clock + offset) % w
             col = self._common_columns.get((w, c))
             if col is None:
                 col = self._common_columns[(w, c)] = torch.full(
@@ -99,20 +112,20 @@ class StepOps:
             return col
         col = self._columns.get((w, offset))
         if col is None:
-            col = self._columns[(w, offset)] = torch.remainder(self._age0 + offset, w)
+            col = self._columns[(w, offset)] = torch.remainder(self._clock0 + offset, w)
         return col
 
     def _ring(self, x: Tensor, w: int, fill: float = NAN, slot: str | None = None) -> Tensor:
         """[S, w + m]: the last w inputs before this chunk (``fill`` before a symbol's first bar), then x.
 
-        The ring is circular (bar b at column b % w): one bar moves one column in place, not the whole ring."""
+        The ring is circular (clock c at column c % w): one bar moves one column in place, not the whole ring."""
         if w == 0:
             return x
         slot = slot or self._slot("ring")
-        ring = self._get(slot, "last", lambda: self._new_ring(x, w, fill))
+        ring = self._get_ring(slot, "last", x, w, fill)
         xx = x if x.shape[0] == self.S else x.expand(self.S, self.m)
-        if self.common:  # the ring from its oldest column (bar age - w), in two slices
-            c = self.youngest % w
+        if self.common:  # the ring from its oldest column (clock - w), in two slices
+            c = self.first_clock % w
             ext = torch.cat((ring[:, c:], ring[:, :c], xx) if c else (ring, xx), dim=1)
         else:
             ext = torch.cat((ring.gather(1, self._order(w)), xx), dim=1)
@@ -122,10 +135,10 @@ class StepOps:
     def _ring_t(self, x: Tensor, w: int) -> Tensor:
         """One bar (m == 1): [w + 1, S], the last w inputs and x, time along the first axis (the rings' own layout:
         unrolled by contiguous blocks)."""
-        ring = self._get(self._slot("ring"), "last", lambda: self._new_ring(x, w, NAN))
+        ring = self._get_ring(self._slot("ring"), "last", x, w, NAN)
         xx = x if x.shape[0] == self.S else x.expand(self.S, 1)
         if self.common:
-            c, stored = self.youngest % w, ring.T
+            c, stored = self.first_clock % w, ring.T
             ext = torch.cat((stored[c:], stored[:c], xx.T) if c else (stored, xx.T), dim=0)
         else:
             ext = torch.cat((ring.gather(1, self._order(w)).T, xx.T), dim=0)
@@ -133,17 +146,17 @@ class StepOps:
         return ext
 
     def _order(self, w: int) -> Tensor:
-        """[S, w]: the ring columns of bars age - w ... age - 1, in time order."""
+        """[S, w]: the ring columns of clocks c - w ... c - 1 (the last w bars), in time order."""
         order = self._columns.get((w, "order"))
         if order is None:
-            order = self._columns[(w, "order")] = torch.remainder(self._age0 + torch.arange(w, device=self.age.device), w)
+            order = self._columns[(w, "order")] = torch.remainder(self._clock0 + torch.arange(w, device=self.age.device), w)
         return order
 
     def _lag(self, x: Tensor, w: int, fill: float = NAN) -> Tensor:
         """x[t - w] over the chunk (``fill`` before a symbol's bar w): one column of the ring read, one written."""
         if self.m > 1:
             return self._ring(x, w, fill)[:, : self.m]
-        ring = self._get(self._slot("ring"), "last", lambda: self._new_ring(x, w, fill))
+        ring = self._get_ring(self._slot("ring"), "last", x, w, fill)
         col = self._column(w)
         old = ring.gather(1, col)
         self._store(ring, w, x if x.shape[0] == self.S else x.expand(self.S, 1), old)
@@ -153,7 +166,7 @@ class StepOps:
         """Write the chunk's last bars ``new`` [S, j] (j <= w) into the ring in place, where ``moved``."""
         j = new.shape[1]
         cols = self._column(w) if j == 1 else torch.remainder(
-            self._age0 + (self.m - j) + torch.arange(j, device=self.age.device), w)
+            self._clock0 + (self.m - j) + torch.arange(j, device=self.age.device), w)
         if self.moved is not None:
             new = torch.where(self.moved[:, None], new, ring.gather(1, cols) if old is None else old)
         if self.steady:  # at the step's end, as an index_put_: inductor then writes the ring in place (a scatter_,
@@ -265,7 +278,7 @@ class StepOps:
 
     def _extreme(self, x: Tensor, n: int, highest: bool) -> Tensor:
         """One bar's extreme of its window: the ring's (in any order) and the bar's own (exact, as the doubling)."""
-        ring = self._get(self._slot("ring"), "last", lambda: self._new_ring(x, n - 1, NAN))
+        ring = self._get_ring(self._slot("ring"), "last", x, n - 1, NAN)
         xx = x if x.shape[0] == self.S else x.expand(self.S, 1)
         y = (torch.maximum if highest else torch.minimum)(
             (ring.amax if highest else ring.amin)(dim=1, keepdim=True), xx)
@@ -339,7 +352,7 @@ class StepOps:
         if w <= 1:
             return x
         if self._all_past(s + 1):
-            self._get(slot, "last", lambda: self._new_ring(x, w - 1, NAN))
+            self._get_ring(slot, "last", x, w - 1, NAN)
             return x  # never read
         return self._ring(x, w - 1, slot=slot)
 
@@ -418,11 +431,11 @@ class StepBlockPrefix:
         S, m = step.S, step.m
         self.step, self.W, self.x = step, W, x
         slot = step._slot("block_prefix")
-        raw = step._get(slot, "last", lambda: step._new_ring(x, W - 1, NAN))
+        raw = step._get_ring(slot, "last", x, W - 1, NAN)
         ref = step._get(slot, "ref", lambda: x.new_zeros((S, 1)))
-        self.rings = [step._get(slot, "cs", lambda: step._new_ring(x, W + 1, 0.0))]
+        self.rings = [step._get_ring(slot, "cs", x, W + 1, 0.0)]
         if squares:
-            self.rings.append(step._get(slot, "cs2", lambda: step._new_ring(x, W + 1, 0.0)))
+            self.rings.append(step._get_ring(slot, "cs2", x, W + 1, 0.0))
         step.blocks.add(B)
         begins = step.age % B == 0  # a symbol's new block starts at this bar
         if m == 1 and (step.steady or not bool(begins.any())):  # one bar inside every symbol's block: running sums carried on

@@ -66,8 +66,9 @@ class _TorchKernels(TorchFunctionMode):
 
 
 def _compile_options() -> dict:
-    """torch.compile's options for the steady step: its tensor guards only (FeatureStream._compile says why)."""
-    return {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
+    """torch.compile's options for the steady step: its tensor guards only (FeatureStream._compile says why), and no
+    size asserts of the inputs in the graph's wrapper (their tensor guards check the same shapes and strides)."""
+    return {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe, "size_asserts": False}
 
 
 class FeatureStream:
@@ -96,6 +97,7 @@ class FeatureStream:
         self._state: dict[str, Tensor] = {
             "age": torch.zeros(S, dtype=torch.int64, device=self.device),  # bars seen per symbol
             "last_ts": torch.full((S,), torch.iinfo(torch.int64).min, dtype=torch.int64, device=self.device),
+            "ring_shift": torch.zeros(S, dtype=torch.int64, device=self.device),  # a symbol's ring clock less its age
         }
         # one pass that moves no symbol creates every slot at its empty value: the state's keys never change
         op = self._step(torch.ones((S, 1, 5), dtype=torch.float64, device=self.device),
@@ -104,6 +106,7 @@ class FeatureStream:
         # from this bar on every warm-up test of the code is passed: a bar of every symbol there, off the block
         # starts, is a steady step (one graph, no branch on the data)
         self._steady_from, self._blocks = max(op.asked, self.warmup), tuple(sorted(op.blocks))
+        self._ring_keys = tuple(sorted(op.ring_keys))
         self._zeros = torch.zeros(S, dtype=torch.int64, device=self.device)
         self._ages()
         # compile: steady bars run the feature code traced by torch.compile (inductor); the rest, and every bar when
@@ -132,7 +135,7 @@ class FeatureStream:
             with torch.no_grad():
                 self._steady(torch.ones((5, S, 1), dtype=torch.float64, device=self.device),
                              torch.zeros((S, 1), dtype=torch.int64, device=self.device),
-                             torch.full((S, 1), self._steady_from, dtype=torch.int64, device=self.device))
+                             torch.full((1, 1), self._steady_from, dtype=torch.int64, device=self.device))
         finally:
             self._state = real
 
@@ -171,16 +174,37 @@ class FeatureStream:
                 out = self._step(ohlcv, timestamps, None, dtype)[:2]
                 self._min_age += k
                 self._common_age = None if self._common_age is None else self._common_age + k
+                self._clock += k
                 return out
             parts = [self._step(ohlcv[:, j : j + 1], timestamps[:, j : j + 1], present[:, j], dtype) for j in range(k)]
         self._ages()
         return torch.cat([v for v, _, _ in parts], dim=1), torch.cat([r for _, r, _ in parts], dim=1)
 
     def _ages(self) -> None:
-        """The host's copy of the youngest symbol's age and of the one age all share (None if they differ)."""
+        """The host's copy of the youngest symbol's age and of the one age all share (None if they differ); every
+        symbol on one ring clock (:meth:`_align`)."""
         age = self._state["age"]
         self._min_age = int(age.min())
         self._common_age = self._min_age if int(age.max()) == self._min_age else None
+        self._align()
+
+    def _align(self) -> None:
+        """Put every symbol on the latest symbol's ring clock: a symbol that missed bars has its rings rotated by its
+        lag (the bar of clock c moves from column c % w to (c + lag) % w) and its shift raised by as much. A bar of
+        every symbol then reads one column of each ring (a host integer, or in the compiled step one index for all
+        symbols) instead of one column per symbol; the values are the same."""
+        clock = self._state["age"] + self._state["ring_shift"]
+        latest = int(clock.max())
+        lag = latest - clock
+        rows = torch.nonzero(lag).flatten()
+        if rows.numel():
+            back = lag[rows, None]
+            for key in self._ring_keys:
+                ring = self._state[key]
+                w = ring.shape[1]
+                ring[rows] = ring[rows].gather(1, torch.remainder(torch.arange(w, device=self.device) - back, w))
+            self._state["ring_shift"] = self._state["ring_shift"] + lag
+        self._clock = latest
 
     def _is_steady(self) -> bool:
         """Whether the next bar of every symbol is a steady step: past every warm-up, no symbol starting a block."""
@@ -191,11 +215,12 @@ class FeatureStream:
         age = self._state["age"]
         return not any(bool((age % b == 0).any()) for b in self._blocks)
 
-    def _steady_values(self, cols: Tensor, timestamps: Tensor, age: Tensor) -> Tensor:
+    def _steady_values(self, cols: Tensor, timestamps: Tensor, clock: Tensor) -> Tensor:
         """Every feature of one steady bar, [S, F] float64 (the state moves in place): the same feature code through
-        a StepOps that never branches on the data, so torch.compile can trace it whole."""
+        a StepOps that never branches on the data, so torch.compile can trace it whole; ``clock`` [1, 1] is the one
+        ring clock of every symbol (a steady step reads no age: every symbol is past every warm-up)."""
         S = self.n_symbols
-        op = StepOps(self._state, age, steady=True)
+        op = StepOps(self._state, clock.expand(S, 1), steady=True)
         panel = Panel(cols, timestamps, self._zeros, [1] * S, op=op)
         with _TorchKernels():
             values = torch.cat([f.fn(panel) for f in self.features], dim=1)
@@ -208,11 +233,12 @@ class FeatureStream:
         # size-1 axis, which .contiguous() leaves as they are)
         cols = torch.empty((5, S, 1), dtype=torch.float64, device=dev).copy_(ohlcv.permute(2, 0, 1))
         timestamps = torch.empty((S, 1), dtype=torch.int64, device=dev).copy_(timestamps)
-        values = self._steady(cols, timestamps, self._state["age"].view(S, 1))
+        values = self._steady(cols, timestamps, torch.full((1, 1), self._clock, dtype=torch.int64, device=dev))
         self._state["age"] = self._state["age"] + 1
         self._state["last_ts"] = timestamps[:, -1].clone()
         self._min_age += 1
         self._common_age = None if self._common_age is None else self._common_age + 1
+        self._clock += 1
         S = self.n_symbols
         return values.to(dtype)[:, None], torch.ones((S, 1), dtype=torch.bool, device=self.device)
 
@@ -245,7 +271,7 @@ class FeatureStream:
         the values, ready and the chunk's StepOps."""
         S, m = timestamps.shape
         age = self._state["age"][:, None] + torch.arange(m, device=self.device)
-        op = StepOps(self._state, age, moved, self._columns)
+        op = StepOps(self._state, age, moved, self._columns, clock=age + self._state["ring_shift"][:, None])
         cols = ohlcv.permute(2, 0, 1).contiguous()
         panel = Panel(cols, timestamps, torch.zeros(S, dtype=torch.int64, device=self.device), [m] * S, op=op)
         out = []
@@ -292,6 +318,8 @@ class FeatureStream:
         if extra:
             raise ValueError(f"FeatureStream.load_state_dict: unexpected key {extra[0]!r}")
         new = {}
+        if "ring_shift" not in state:  # a state saved before ring clocks: its rings are placed by age (shift 0)
+            state = {**state, "ring_shift": torch.zeros_like(self._state["ring_shift"])}
         for key, mine in self._state.items():
             if key not in state:
                 raise ValueError(f"FeatureStream.load_state_dict: key {key!r} is missing")
