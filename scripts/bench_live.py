@@ -348,9 +348,11 @@ def session_case(label: str, root: Path, n_symbols: int, warm: int, n_bars: int,
     if not bool(d.ready.all()):
         raise SystemExit(f"bench_live: {label}: the session is not ready after its warm-up")
 
-    def step() -> None:
+    def step() -> tuple[float, float]:  # on_bar timed, not the feed's next bar
         b = next(feed)
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         session.on_bar(b.symbols, b.ohlcv, b.timestamp, b.next_timestamps)
+        return (time.perf_counter_ns() - t0) / 1e3, (time.thread_time_ns() - c0) / 1e3
 
     return Case("session", f"{label}, {n_symbols} sym", step, n_symbols, f"tail {session.tail} bars"), session
 

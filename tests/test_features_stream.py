@@ -494,3 +494,29 @@ def test_a_selection_and_a_safetensors_round_trip(market, tmp_path):
     assert torch.equal(got.nan_to_num(1e300), want.nan_to_num(1e300))
     cols = [ALL.index(n) for n in fs.names]
     assert torch.allclose(got, batch[:, 51:, cols], rtol=1e-10, atol=1e-10, equal_nan=True)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("field, value", [(0, float("nan")), (1, float("inf")), (2, -float("inf")), (3, 0.0),
+                                          (2, -1.0), (4, -1.0), (4, float("nan")), (4, float("inf")),
+                                          ("ts", "repeat"), ("ts", "back")])
+def test_a_bad_bar_is_refused_in_one_line_and_moves_nothing(market, k, field, value):
+    """Whichever field is bad (any position among the symbols and bars of a chunk), update refuses the chunk in one
+    line naming the symbol row and bar, and the state does not move; the same chunk, good, passes."""
+    ohlcv, ts, _, _, _ = market
+    fs = FeatureStream(ALL, 3)
+    fs.update(ohlcv[:, :250], ts[:, :250])
+    before = fs.state_dict()
+    for s, j in ((0, 0), (2, k - 1), (1, k // 2)):
+        bars, times = ohlcv[:, 250 : 250 + k].clone(), ts[:, 250 : 250 + k].clone()
+        if field == "ts":
+            times[s, j] = times[s, j - 1] if j else ts[s, 249]
+            if value == "back":
+                times[s, j] -= 1
+        else:
+            bars[s, j, field] = value
+        with pytest.raises(ValueError, match=rf"symbol row {s}, bar {j} of the chunk has "):
+            fs.update(bars, times)
+        after = fs.state_dict()
+        assert all(torch.equal(after[key].nan_to_num(1e300), before[key].nan_to_num(1e300)) for key in before)
+    fs.update(ohlcv[:, 250 : 250 + k], ts[:, 250 : 250 + k])

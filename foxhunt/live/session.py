@@ -151,6 +151,8 @@ class LiveSession:
         self._agent_const: dict[str, tuple[int, Tensor, int, Tensor]] = {}
         self._future_index: dict[int, int] = {}  # scheduled timestamp -> its row of known-future inputs
         self._future_table = torch.zeros(0, len(self.known_future))
+        self._codes: dict[tuple[str, ...], Tensor] = {}
+        self._cached_nets: list[Any] | None = None
 
     # ------------------------------------------------------------------------------------------------ structure
     def _served_in_eval(self) -> None:
@@ -190,8 +192,16 @@ class LiveSession:
 
     def codes(self, symbols: Sequence[str]) -> Tensor:
         """The export's codes of these symbols, by name (a symbol the model never saw: one line, see
-        :mod:`foxhunt.export.symbols`; a live session refuses it even for agents, since it holds state per code)."""
-        return export_symbol_codes(list(symbols), self.symbols, self.model.member_names, where="live bars")
+        :mod:`foxhunt.export.symbols`; a live session refuses it even for agents, since it holds state per code);
+        kept per symbol list (a feed repeats its few), never changed by the callers."""
+        key = tuple(symbols)
+        codes = self._codes.get(key)
+        if codes is None:
+            codes = export_symbol_codes(list(symbols), self.symbols, self.model.member_names, where="live bars")
+            if len(self._codes) >= 256:  # a feed whose symbol sets keep changing: a bounded cache
+                self._codes.clear()
+            self._codes[key] = codes
+        return codes
 
     def history(self, symbol: str) -> tuple[Tensor, Tensor]:
         """The latest accepted bars of a symbol this session holds: timestamps [n] and OHLCV [n, 5] (n <= its tail)."""
@@ -322,12 +332,15 @@ class LiveSession:
 
     def _forecaster_networks(self) -> list[Any]:
         """The forecasters' networks (and stacking's snapshots) that keep an inference form between bars (the TFT's:
-        :class:`~foxhunt.models.tft_inference.TFTInference`), on only while this session decides."""
-        model = self.model
-        nets = [model.forecaster(n).network for n in model.forecaster_names]
-        if model.hparams.combine == "stack":
-            nets += [model.snapshots[n] for n in model.forecaster_names]
-        return [net for net in nets if hasattr(net, "cache_inference")]
+        :class:`~foxhunt.models.tft_inference.TFTInference`), on only while this session decides; found once (the
+        session's model and its modules are fixed)."""
+        if self._cached_nets is None:
+            model = self.model
+            nets = [model.forecaster(n).network for n in model.forecaster_names]
+            if model.hparams.combine == "stack":
+                nets += [model.snapshots[n] for n in model.forecaster_names]
+            self._cached_nets = [net for net in nets if hasattr(net, "cache_inference")]
+        return self._cached_nets
 
     def _decide_cached(self, codes: Tensor, next_ts: Tensor, sel: Tensor | slice) -> tuple[dict[str, Tensor], Tensor]:
         model = self.model
