@@ -90,6 +90,8 @@ class BoundQGraph:
         window = np.zeros((rows, net.window, net.n_features), dtype=np.float32)
         q = np.zeros((rows, position.shape[1]), dtype=np.float32)  # Q [B, A]: one value per action
         self.window, self.q = torch.from_numpy(window), torch.from_numpy(q)  # views of the bound buffers
+        A = position.shape[1]  # held positions per window: rows = P * A
+        self._windows = self.window.view(rows // A, A, net.window, net.n_features)
         self._keep = (window, np.ascontiguousarray(position.numpy(), dtype=np.float32), q)
         self.binding = session.io_binding()
         self.binding.bind_ortvalue_input("window", OrtValue.ortvalue_from_numpy(window))
@@ -99,11 +101,10 @@ class BoundQGraph:
 
     def __call__(self, obs: Tensor) -> Tensor:
         """[rows, A] Q-values of the windows ``obs`` [P, W, F], each repeated for every position (``greedy_table``'s
-        batch: row p·A + a is window p with position a)."""
-        P = obs.shape[0]
-        self.window.view(P, -1, *obs.shape[1:]).copy_(obs.unsqueeze(1))
+        batch: row p·A + a is window p with position a): the bound output itself, valid until the next call."""
+        self._windows.copy_(obs.unsqueeze(1))
         self.session.run_with_iobinding(self.binding)
-        return self.q.clone()
+        return self.q
 
 
 class LiveSession:

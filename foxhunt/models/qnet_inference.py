@@ -10,7 +10,6 @@ Built for the flat encoder (the default); :func:`q_inference` returns the networ
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from foxhunt.models.qnet import QNetwork
@@ -24,11 +23,13 @@ class QNetworkInference:
         if not net.flat:
             raise ValueError("QNetworkInference covers the flat encoder; call the network itself for the others")
         self.net = net
-        self.layers = []
+        self.layers: list[tuple[Tensor, Tensor, tuple | None]] = []
         for block in net.body:
             linear = block[0]
+            # the LayerNorm's shape, weight, bias and eps looked up once (a module attribute costs about a microsecond)
             norm = block[1] if net.layer_norm else None
-            self.layers.append((linear.weight.t(), linear.bias, norm))
+            ln = None if norm is None else (tuple(norm.normalized_shape), norm.weight, norm.bias, norm.eps)
+            self.layers.append((linear.weight.t(), linear.bias, ln))
         if net.dueling:
             self.head = None
             self.value = (net.value_head.weight.t(), net.value_head.bias)
@@ -38,10 +39,10 @@ class QNetworkInference:
 
     def __call__(self, window: Tensor, position: Tensor) -> Tensor:
         x = torch.cat([window.flatten(1) if window.dim() == 3 else window, position], 1)
-        for weight_t, bias, norm in self.layers:
+        for weight_t, bias, ln in self.layers:
             x = torch.addmm(bias, x, weight_t)
-            if norm is not None:
-                x = F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+            if ln is not None:
+                x = torch.layer_norm(x, *ln)  # what F.layer_norm calls, without its wrapper
             x = x.relu_()
         if self.head is not None:
             return torch.addmm(self.head[1], x, self.head[0])
