@@ -805,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=400, help="most timed steps per case and repeat")
     p.add_argument("--budget", type=float, default=1.5, help="seconds per case and repeat (at least 5 steps)")
     p.add_argument("--quick", action="store_true", help="a smoke run: small histories and few samples (< 60 s)")
-    p.add_argument("--no-100", action="store_true", help="skip the 100-symbol sessions")
+    p.add_argument("--no-100", action="store_true", help="skip the 100- and 1,000-symbol sessions")
     p.add_argument("--decisions", action="store_true", help="sections (b)-(d) only: decisions, networks, SB3, naive")
     p.add_argument("--features", action="store_true", help="section (a) only: the feature streams, eager and "
                    "compiled, beside TA-Lib and talipp, and their goals")
@@ -923,6 +923,11 @@ def main(argv: list[str] | None = None) -> int:
         root = build_export(QUICKSTART, ["tft", "dqn"], tmp / "q100", 100, n_export, None)
         case, _ = session_case(label, root, 100, 0, need)
         cases.append(case)
+        t0 = time.perf_counter()  # 1,000 symbols: ~0.1 s a bar, so a shorter export and feed (the budget caps samples)
+        root = build_export(QUICKSTART, ["tft", "dqn"], tmp / "q1000", 1000, 600, None)
+        case, _ = session_case(label, root, 1000, 0, 300 + a.repeats * int(a.budget / 0.05 + 10))
+        cases.append(case)
+        print(f"# built and warmed the 1,000-symbol session in {time.perf_counter() - t0:.1f} s", flush=True)
     forwards: list[Case] = []
     agent_nets: dict[str, tuple[Callable, tuple, str]] = {}
     for label, session in sessions.items():

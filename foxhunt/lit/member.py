@@ -321,8 +321,12 @@ class Forecaster(Member):
             )
         if transform is not None:
             device = pred.device
-            if not all(t.device == device for t in chain(transform.buffers(), transform.parameters())):
-                transform.to(device)  # (a bar's forecast finds it there: the check costs half the call)
+            checked = self.__dict__.get("_inverse_checked")  # once per transform and device (a walk costs half a
+            # bar's inverse); a transform moved away since would fail loudly in torch
+            if checked is None or checked[0] is not transform or checked[1] != device:
+                if not all(t.device == device for t in chain(transform.buffers(), transform.parameters())):
+                    transform.to(device)
+                self.__dict__["_inverse_checked"] = (transform, device)
             inverse = getattr(transform, "inverse", None)
             if inverse is None:
                 raise TypeError(f"target_transform {type(transform).__name__} has no inverse()")
