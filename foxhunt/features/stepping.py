@@ -41,7 +41,7 @@ class StepOps:
         clock = age if clock is None else clock
         # steady: one bar of every symbol, each past every warm-up, seed and block start this code asks about (the
         # caller checks it from ``asked`` and ``blocks``): no branch on the data, no host int, ring columns from the
-        # age tensor, state written in place, so the step is one traceable graph (torch.compile's fast path)
+        # clock tensor, state written in place, so the step is one traceable graph (torch.compile's fast path)
         self.steady = steady
         if steady and (moved is not None or self.m != 1):
             raise ValueError("StepOps: a steady step is one bar of every symbol")
@@ -103,7 +103,7 @@ class StepOps:
 
     def _column(self, w: int, offset: int = 0) -> Tensor:
         """[S, 1]: each symbol's ring column of its bar's clock + offset (a ring of w keeps clock c at column c % w)."""
-        if self.common:  # every symbol at one age: one column, an index built once per stream
+        if self.common:  # every symbol at one clock: one column, an index built once per stream
             c = (self.first_clock + offset) % w
             col = self._common_columns.get((w, c))
             if col is None:

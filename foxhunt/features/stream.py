@@ -173,9 +173,7 @@ class FeatureStream:
                 if k == 1 and self.compiled and self._is_steady():
                     return self._steady_step(ohlcv, timestamps, dtype)
                 out = self._step(ohlcv, timestamps, None, dtype)[:2]
-                self._min_age += k
-                self._common_age = None if self._common_age is None else self._common_age + k
-                self._clock += k
+                self._advanced(k)
                 return out
             parts = [self._step(ohlcv[:, j : j + 1], timestamps[:, j : j + 1], present[:, j], dtype) for j in range(k)]
         self._ages()
@@ -188,6 +186,12 @@ class FeatureStream:
         self._min_age = int(age.min())
         self._common_age = self._min_age if int(age.max()) == self._min_age else None
         self._align()
+
+    def _advanced(self, k: int) -> None:
+        """The host's copies after k bars of every symbol (ages and the one clock move together)."""
+        self._min_age += k
+        self._common_age = None if self._common_age is None else self._common_age + k
+        self._clock += k
 
     def _align(self) -> None:
         """Put every symbol on the latest symbol's ring clock: a symbol that missed bars has its rings rotated by its
@@ -237,10 +241,7 @@ class FeatureStream:
         values = self._steady(cols, timestamps, torch.full((1, 1), self._clock, dtype=torch.int64, device=dev))
         self._state["age"] = self._state["age"] + 1
         self._state["last_ts"] = timestamps[:, -1].clone()
-        self._min_age += 1
-        self._common_age = None if self._common_age is None else self._common_age + 1
-        self._clock += 1
-        S = self.n_symbols
+        self._advanced(1)
         return values.to(dtype)[:, None], torch.ones((S, 1), dtype=torch.bool, device=self.device)
 
     def _all_valid(self, ohlcv: Tensor, timestamps: Tensor) -> bool:
