@@ -334,13 +334,16 @@ def _feed(n_symbols: int, n_bars: int, horizon: int) -> Iterator[Any]:
 
 
 def session_case(label: str, root: Path, n_symbols: int, warm: int, n_bars: int,
-                 fast: bool = True, backend: str = "torch", compile_features: bool = False) -> tuple[Case, Any]:
+                 fast: bool = True, backend: str = "torch", compile_features: bool = False,
+                 compile_networks: bool = False) -> tuple[Case, Any]:
     """``on_bar`` of a live session of the export, warmed on ``warm`` bars (past every member's warm-up); ``fast``:
     ``LiveSession.fast`` (False: the plain path, the members' own code and networks); ``backend``: what the networks
-    run on (``foxhunt.live.open``'s); ``compile_features``: the features' steady bars through torch.compile."""
+    run on (``foxhunt.live.open``'s); ``compile_features``, ``compile_networks``: the features' steady bars, the TFT's
+    decisions through torch.compile."""
     import foxhunt.live
 
-    session = foxhunt.live.open(str(root), fast=fast, backend=backend, compile_features=compile_features)
+    session = foxhunt.live.open(str(root), fast=fast, backend=backend, compile_features=compile_features,
+                                compile_networks=compile_networks)
     feed = _feed(n_symbols, n_bars, session.horizon)
     for _ in range(max(warm, session.tail + session.features.warmup + 8)):
         b = next(feed)
@@ -358,6 +361,7 @@ def session_case(label: str, root: Path, n_symbols: int, warm: int, n_bars: int,
 
 
 ORT_LABEL = "quickstart ensemble (tft, dqn), backend onnxruntime"
+COMPILED_LABEL = "quickstart ensemble (tft, dqn), compiled features and networks"
 
 
 def served_copy(root: Path, to: Path) -> Path | None:
@@ -913,11 +917,15 @@ def main(argv: list[str] | None = None) -> int:
         case, _ = session_case("quickstart ensemble (tft, dqn), compiled features", quick_root, 1, 0, need,
                                compile_features=True)
         cases.append(case)
+        case, _ = session_case(f"{COMPILED_LABEL}", quick_root, 1, 0, need, compile_features=True,
+                               compile_networks=True)
+        cases.append(case)
         if ort_root is not None:
             case, _ = session_case(f"{ORT_LABEL}, compiled features", ort_root, 1, 0, need, backend="onnxruntime",
                                    compile_features=True)
             cases.append(case)
-        print(f"# compiled the features of the quickstart sessions in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"# compiled the features (and networks) of the quickstart sessions in {time.perf_counter() - t0:.1f} s",
+              flush=True)
     if not a.no_100 and not a.quick:
         label = "quickstart ensemble (tft, dqn)"
         root = build_export(QUICKSTART, ["tft", "dqn"], tmp / "q100", 100, n_export, None)
@@ -996,7 +1004,7 @@ def main(argv: list[str] | None = None) -> int:
     d = by[f"{quick_label}, 1 sym: decide_on alone"]
     print(goal("its decision alone (decide_on: on_bar less the features), p50 / p99", f"{_us(d['p50'])} / "
                f"{_us(d['p99'])} µs", "(the rest of the 2,000)", None))
-    for label in (f"{quick_label}, compiled features", f"{ORT_LABEL}, compiled features"):
+    for label in (f"{quick_label}, compiled features", COMPILED_LABEL, f"{ORT_LABEL}, compiled features"):
         if f"{label}, 1 sym" in by:
             q = by[f"{label}, 1 sym"]
             print(goal(f"{label} on_bar p99, 1 sym", f"{_us(q['p99'])} µs", "<= 2,000 µs", q["p99"] <= 2000))

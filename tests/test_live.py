@@ -437,6 +437,46 @@ def test_known_future_inputs_kept_by_timestamp_are_the_computed_ones(export: Pat
 
 
 @pytest.mark.slow
+def test_a_session_with_compiled_networks_trades_as_the_eager_one(export: Path, bars: pd.DataFrame) -> None:
+    """``compile_networks=True`` (the TFT's inference form compiled for a bar of every symbol): the lean decisions run
+    the compiled graph, and the positions are the eager session's on every bar."""
+    compiled = foxhunt.live.open(export, compile_networks=True)
+    form = compiled.model.forecaster("tft").network.inference_form()
+    assert form.compiled_rows == 2
+    calls = []
+    graph = form._compiled
+    form._compiled = lambda *a: calls.append(1) or graph(*a)
+    got, want = replayed(compiled, bars), replayed(foxhunt.live.open(export), bars)
+    assert len(calls) > 50, len(calls)  # the compiled graph decided most bars
+    assert got == want
+    assert sum(p["tft"] != 0 for p in got.values()) > 20  # the TFT trades: the check proves something
+
+
+@pytest.mark.slow
+def test_the_cli_with_compile_networks_logs_the_eager_runs_decisions(export: Path, bars: pd.DataFrame,
+                                                                     tmp_path: Path) -> None:
+    from foxhunt.live.run import main
+
+    data = tmp_path / "bars.csv"
+    write_bars(bars, data)
+    logs = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile-networks"])):
+        assert main(["--checkpoint", str(export), "--replay", str(data), "--decisions", str(tmp_path / name),
+                     "--status-every", "0", *extra]) == 0
+        logs[name] = read_decisions(tmp_path / name)
+    cols = ["ts_event", "symbol", "tft", "dqn", "ensemble", "ready"]
+    pd.testing.assert_frame_equal(logs["compiled"][cols], logs["eager"][cols])
+    assert (logs["compiled"]["tft"] != 0).sum() > 20
+    assert main(["--checkpoint", str(export), "--replay", str(data), "--decisions", str(tmp_path / "ort"),
+                 "--backend", "onnxruntime", "--compile-networks"]) == 2  # refused in one line
+
+
+def test_compile_networks_is_refused_where_no_network_would_run_compiled(export: Path) -> None:
+    with pytest.raises(ValueError, match="compile_networks compiles the TFT forecasters of the lean decision"):
+        foxhunt.live.open(export, fast=False, compile_networks=True)
+
+
+@pytest.mark.slow
 def test_a_session_with_compiled_features_trades_as_the_eager_one(export: Path) -> None:
     """``compile_features=True`` (FeatureStream's steady bars through torch.compile, compiled at the session's start):
     on a replay long enough for most bars to be steady, the same positions on every bar and the same feature state."""

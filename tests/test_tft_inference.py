@@ -123,3 +123,44 @@ def test_inference_form_is_dropped_when_the_parameters_may_change() -> None:
         parent.train(False)
         assert net._inference is None
     assert not torch.equal(before, net(*x).prediction)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_lstm_steps_equal_the_module(layers: int) -> None:
+    """The recurrence written out step by step (what the compiled form runs) is nn.LSTM's, gate order included."""
+    from foxhunt.models.tft_inference import lstm_layers, lstm_steps
+
+    lstm = torch.nn.LSTM(5, 8, num_layers=layers, batch_first=True).eval()
+    x, h, c = torch.randn(3, 7, 5), torch.randn(layers, 3, 8), torch.randn(layers, 3, 8)
+    with torch.no_grad():
+        want, (want_h, want_c) = lstm(x, (h, c))
+        got, (got_h, got_c) = lstm_steps(lstm_layers(lstm), x, (h, c))
+        swapped = [(w.roll(8, 0), u.roll(8, 0), b) for w, u, b in lstm_layers(lstm)]  # gates i, f swapped with g, o
+        wrong, _ = lstm_steps(swapped, x, (h, c))
+    for a, b in ((got, want), (got_h, want_h), (got_c, want_c)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert (wrong - want).abs().max() > 1e-2
+
+
+@pytest.mark.slow
+def test_compiled_form_equals_the_eager_form_for_its_batch() -> None:
+    """``compile_for(rows)``: a batch of ``rows`` windows runs the compiled graph, equal to the eager form (float32
+    rounding); any other batch runs the eager form itself."""
+    net = _model(lstm_layers=2)
+    net.cache_inference = True
+    form = net.inference_form()
+    compiled_calls = []
+    form.compile_for(3)
+    graph = form._compiled
+    form._compiled = lambda *a: compiled_calls.append(1) or graph(*a)  # type: ignore[assignment]
+    with torch.no_grad():
+        for b in (3, 5):
+            x = _inputs(net, b)
+            got = net(*x)
+            want = TFTInference(net)(*x)
+            for name, a, r in zip(got._fields, got, want):
+                if b == 3:
+                    torch.testing.assert_close(a, r, rtol=1e-5, atol=2e-6, msg=name)
+                else:
+                    assert torch.equal(a, r), name
+    assert net.inference_form() is form and len(compiled_calls) == 1

@@ -47,6 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="step the features of bars past every warm-up through torch.compile (compiled once at the "
                    "start: seconds from inductor's cache, minutes the first time; the same values as eager, ~4x less "
                    "CPU a bar at one symbol; docs/LIVE.md)")
+    p.add_argument("--compile-networks", action="store_true",
+                   help="decide with the TFT forecasters' inference form compiled by torch.compile for a bar of "
+                   "every symbol (torch backend; compiled once at the start, seconds; the same positions, ~3x less "
+                   "time in the TFT a bar; docs/LIVE.md)")
     p.add_argument("--debug", action="store_true", help="a traceback instead of one line on errors")
     shadow = p.add_argument_group("champion and challengers (docs/LIVE.md)")
     shadow.add_argument("--challenger", action="append", default=[], metavar="EXPORT",
@@ -122,7 +126,7 @@ def build_runner(args: argparse.Namespace) -> ShadowRunner:
     gate = BarGate(args.on_bad_bar, args.jump_sigmas, source=args.replay or "stdin")
     return ShadowRunner(args.checkpoint, args.challenger, args.decisions, args.state or f"{args.decisions}.state",
                         gate, rule, Registry(args.registry or f"{args.decisions}.registry.jsonl"), args.log_features,
-                        retrainer, compile_features=args.compile_features)
+                        retrainer, compile_features=args.compile_features, compile_networks=args.compile_networks)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -132,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
         show(args.registry)
         return 0
     torch.set_num_threads(args.torch_threads)
+    if args.compile_networks and args.backend != "torch":
+        raise ValueError(f"--compile-networks compiles torch networks; --backend {args.backend} runs its own graphs")
     runner = build_runner(args)
     if args.backend != "torch":  # the serving backend of every export the run opened (foxhunt.live.backend)
         from foxhunt.live.backend import use_backend

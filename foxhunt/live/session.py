@@ -111,7 +111,7 @@ class LiveSession:
     """An exported ensemble trading bars as they arrive (see the module docstring); build it with :func:`open`."""
 
     def __init__(self, loaded: LoadedEnsemble, features: Any | None = None, fast: bool = True,
-                 compile_features: bool = False) -> None:
+                 compile_features: bool = False, compile_networks: bool = False) -> None:
         self.loaded = loaded
         # the networks' inference forms (the TFT's, built once from its frozen weights; the Q-network's direct calls)
         # or, False, the networks' own forwards: the same decisions (tests/test_live.py), several times slower
@@ -154,6 +154,8 @@ class LiveSession:
         self._future_table = torch.zeros(0, len(self.known_future))
         self._codes: dict[tuple[str, ...], Tensor] = {}
         self._cached_nets: list[Any] | None = None
+        if compile_networks:
+            self._compile_networks()
 
     # ------------------------------------------------------------------------------------------------ structure
     def _served_in_eval(self) -> None:
@@ -330,6 +332,20 @@ class LiveSession:
         finally:
             for net in nets:
                 net.cache_inference = False
+
+    def _compile_networks(self) -> None:
+        """``compile_networks``: each TFT forecaster's inference form compiled for the lean decision of a bar of every
+        symbol (:meth:`~foxhunt.models.tft_inference.TFTInference.compile_for`, here: seconds); other batches, and the
+        warm-up's tails, run the eager form. ValueError where no network of this session would run compiled."""
+        from foxhunt.models.tft import TemporalFusionTransformer
+
+        nets = [self.model.forecaster(n).network for n in self.model.forecaster_names]
+        nets = [net for net in nets if isinstance(net, TemporalFusionTransformer)]
+        if not (self.fast and self._lean is not None and nets):
+            raise ValueError("compile_networks compiles the TFT forecasters of the lean decision (fast=True, torch "
+                             "networks, no stacking, discrete agents, fitted target statistics): this session has none")
+        for net in nets:
+            net.inference_form().compile_for(len(self.symbols))
 
     def _forecaster_networks(self) -> list[Any]:
         """The forecasters' networks (and stacking's snapshots) that keep an inference form between bars (the TFT's:
@@ -606,16 +622,19 @@ class LiveSession:
 
 
 def open(path: str, features: Any | None = None, backend: str = "torch",  # noqa: A001 - like io.open
-         fast: bool = True, compile_features: bool = False) -> LiveSession:
+         fast: bool = True, compile_features: bool = False, compile_networks: bool = False) -> LiveSession:
     """A live session of the export at ``path`` (verified by :func:`foxhunt.load`), flat until it is warmed up;
     ``backend``: what its members compute on (:data:`foxhunt.live.backend.BACKENDS`: torch, or ONNX Runtime on the
     export's float or int8 graphs, :mod:`foxhunt.live.backend`); ``fast``: :attr:`LiveSession.fast`;
-    ``compile_features``: the features' steady bars through torch.compile (:class:`~foxhunt.features.stream.FeatureStream`)."""
+    ``compile_features``: the features' steady bars through torch.compile (:class:`~foxhunt.features.stream.FeatureStream`);
+    ``compile_networks``: the TFT forecasters' decisions through torch.compile (torch backend; :meth:`LiveSession._compile_networks`)."""
     from foxhunt.export.load import load
 
     loaded = load(path)
     if backend != "torch":
+        if compile_networks:
+            raise ValueError(f"compile_networks compiles torch networks; backend {backend!r} runs its own graphs")
         from foxhunt.live.backend import use_backend
 
         use_backend(loaded, path, backend)
-    return LiveSession(loaded, features, fast, compile_features)
+    return LiveSession(loaded, features, fast, compile_features, compile_networks)

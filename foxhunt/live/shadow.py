@@ -190,11 +190,13 @@ class ShadowRunner:
 
     def __init__(self, champion: str, challengers: Sequence[str], decisions: str | Path, state: str | Path,
                  gate: Any, rule: Any | None = None, registry: Any | None = None, log_features: bool = False,
-                 retrainer: Any | None = None, compile_features: bool = False) -> None:
+                 retrainer: Any | None = None, compile_features: bool = False,
+                 compile_networks: bool = False) -> None:
         self.decisions, self.state_dir = Path(decisions), Path(state)
         self.gate, self.rule, self.registry, self.retrainer = gate, rule, registry, retrainer
         self.log_features = log_features
         self.compile_features = compile_features  # every session's FeatureStream(compile=...)
+        self.compile_networks = compile_networks  # every session's LiveSession(compile_networks=...)
         self.shadowing = bool(challengers) or retrainer is not None
         self.streams: dict[tuple, Any] = {}  # (feature names, symbols) -> the FeatureStream they share
         self.models: list[Model] = []  # the active ones, the champion first
@@ -233,7 +235,8 @@ class ShadowRunner:
         if session is None:
             from foxhunt.export.load import load
 
-            session = LiveSession(load(path), None, compile_features=self.compile_features)
+            session = LiveSession(load(path), None, compile_features=self.compile_features,
+                                  compile_networks=self.compile_networks)
         if self.models:
             mine, theirs = sorted(session.symbols), sorted(self.models[0].session.symbols)
             if mine != theirs:
@@ -426,7 +429,8 @@ class ShadowRunner:
         try:
             from foxhunt.export.load import load
 
-            session = LiveSession(load(result.export), None, compile_features=self.compile_features)
+            session = LiveSession(load(result.export), None, compile_features=self.compile_features,
+                                  compile_networks=self.compile_networks)
             session.restore(result.state)  # warmed by the retrain on the bars it trained on
             for b in catch_up:  # then the bars since, on its own feature stream
                 if b.timestamp > result.until:

@@ -395,6 +395,12 @@ class TemporalFusionTransformer(nn.Module):
             return None
         if torch.is_autocast_enabled(like.device.type) or torch.jit.is_tracing() or torch.compiler.is_compiling():
             return None
+        return self.inference_form(like)
+
+    def inference_form(self, like: Tensor | None = None) -> TFTInference:
+        """The inference form of the current parameters (for inputs like ``like``), built if it is not yet: what a
+        cached eval forward runs (a live session compiles it here before its first bar: ``TFTInference.compile_for``)."""
+        like = self.quantile_head.weight if like is None else like
         if self._inference is None or not self._inference.matches(like):
             self._inference = TFTInference(self)
         return self._inference
