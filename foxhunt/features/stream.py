@@ -67,9 +67,10 @@ class _TorchKernels(TorchFunctionMode):
 
 
 def _compile_options() -> dict:
-    """torch.compile's options for the steady step: its tensor guards only (FeatureStream._compile says why), and no
-    size asserts of the inputs in the graph's wrapper (their tensor guards check the same shapes and strides)."""
-    return {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe, "size_asserts": False}
+    """torch.compile's options for the steady step: its tensor guards only (FeatureStream._compile says why), no size
+    asserts of the inputs in the graph's wrapper (their tensor guards check the same shapes and strides), and that
+    wrapper in C++ (the same kernels; ~10% less time a bar at one symbol than a Python wrapper)."""
+    return {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe, "size_asserts": False, "cpp_wrapper": True}
 
 
 class FeatureStream:
