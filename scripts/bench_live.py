@@ -434,7 +434,8 @@ def capture_forward(session: Any, name: str, feed_step: Callable[[], None]) -> t
     if not got:
         raise SystemExit(f"bench_live: {name}'s network did not run in on_bar (held flat?)")
     rows = next((a.shape[0] for a in got[0] if isinstance(a, torch.Tensor) and a.ndim), 1)
-    net.eval()
+    if net.training:  # (eval() on an eval network would drop a TFT's inference form, a compiled one too)
+        net.eval()
     if form is not net:
         return (form if method == "__call__" else getattr(form, method)), got[0], int(rows), what
     fn = getattr(net, method)
@@ -917,8 +918,8 @@ def main(argv: list[str] | None = None) -> int:
         case, _ = session_case("quickstart ensemble (tft, dqn), compiled features", quick_root, 1, 0, need,
                                compile_features=True)
         cases.append(case)
-        case, _ = session_case(f"{COMPILED_LABEL}", quick_root, 1, 0, need, compile_features=True,
-                               compile_networks=True)
+        case, sessions[COMPILED_LABEL] = session_case(COMPILED_LABEL, quick_root, 1, 0, need,
+                                                      compile_features=True, compile_networks=True)
         cases.append(case)
         if ort_root is not None:
             case, _ = session_case(f"{ORT_LABEL}, compiled features", ort_root, 1, 0, need, backend="onnxruntime",
@@ -949,6 +950,13 @@ def main(argv: list[str] | None = None) -> int:
             forwards.append(forward_case(f"{label}: {what} as on_bar calls it ({rows} rows)", fn, args))
         if member in session.model.agent_names:
             agent_nets[label] = (fn, first_rows(args), what, member)
+    for label in ("quickstart ensemble (tft, dqn)", COMPILED_LABEL):  # its TFT as on_bar calls it: eager, compiled
+        if label in sessions:
+            step = next(c.step for c in cases if c.name == f"{label}, 1 sym")
+            fn, args, _, what = capture_forward(sessions[label], "tft", step)
+            form = "compiled" if label == COMPILED_LABEL else "eager"
+            forwards.append(forward_case(f"quickstart ensemble (tft, dqn): {what}, {form} inference form, one "
+                                         "decision (batch 1)", fn, args))
     if ORT_LABEL in sessions:  # its DQN as the lean path runs it: the graph on IO-bound buffers (one decision: the
         # window with every held position), and the backend's module call beside it
         session = sessions[ORT_LABEL]
@@ -1014,13 +1022,20 @@ def main(argv: list[str] | None = None) -> int:
                    q["p99"] <= 2000))
         print(goal("its decision alone, backend onnxruntime, p50 / p99", f"{_us(d['p50'])} / {_us(d['p99'])} µs",
                    "(the rest of the 2,000)", None))
+    # the agent-network goals are the quickstart ensemble's (issue 44: "Decision latency, quickstart ensemble");
+    # ensemble.yaml's 3,907-input networks are printed beside them, outside the goal
+    outside = "(outside the goal: the quickstart's networks)"
     for c in forwards:
-        if "one decision" in c.name and any(k in c.name for k in ("dqn", "ppo")):  # as the session calls it
-            print(goal(f"agent network p50: {c.name}", f"{_us(by[c.name]['p50'])} µs", "<= 20 µs",
-                       by[c.name]["p50"] <= 20))
+        agent = any(k in c.name.partition(":")[2] for k in ("QNetwork", "Actor", "BoundQGraph", "OrtQNetwork"))
+        if "one decision" in c.name and agent:  # as the session calls it
+            inside = "quickstart" in c.name
+            print(goal(f"agent network p50: {c.name}", f"{_us(by[c.name]['p50'])} µs",
+                       "<= 20 µs" if inside else outside, by[c.name]["p50"] <= 20 if inside else None))
     for ours, twin in pairs:
         r = by[twin.name]["p50"] / by[ours.name]["p50"]
-        print(goal(f"vs SB3 predict: {ours.name.split(':')[0]}", f"{r:.1f}x faster", ">= 5x", r >= 5))
+        inside = "quickstart" in ours.name
+        print(goal(f"vs SB3 predict: {ours.name.split(':')[0]}", f"{r:.1f}x faster", ">= 5x" if inside else outside,
+                   r >= 5 if inside else None))
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"\n# load at end: {load}; wall {time.perf_counter() - started:.0f} s")
     return 0
