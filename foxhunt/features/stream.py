@@ -205,10 +205,13 @@ class FeatureStream:
         rows = torch.nonzero(lag).flatten()
         if rows.numel():
             back = lag[rows, None]
+            index: dict[int, Tensor] = {}  # per ring width: the lagging rows' rotated columns (many rings share one)
             for key in self._ring_keys:
                 ring = self._state[key]
                 w = ring.shape[1]
-                ring[rows] = ring[rows].gather(1, torch.remainder(torch.arange(w, device=self.device) - back, w))
+                if w not in index:
+                    index[w] = torch.remainder(torch.arange(w, device=self.device) - back, w)
+                ring[rows] = ring[rows].gather(1, index[w])
             self._state["ring_shift"] = self._state["ring_shift"] + lag
         self._clock = latest
 

@@ -225,11 +225,10 @@ class TFTInference:
         of the code, so its graph is the only one torch.compile keeps for it."""
         net = self.net
         own = types.FunctionType(TFTInference._stepped.__code__.replace(), globals())
-        with torch.no_grad():
-            self.stepped_lstms = (lstm_layers(self.lstm_encoder), lstm_layers(self.lstm_decoder))
         compiled = torch.compile(types.MethodType(own, self), dynamic=False, fullgraph=True, options=_COMPILE_OPTIONS)
         like = {"device": self.device, "dtype": self.dtype}
         with torch.no_grad():
+            self.stepped_lstms = (lstm_layers(self.lstm_encoder), lstm_layers(self.lstm_decoder))
             compiled(torch.zeros(rows, self.lookback, net.n_features, **like),
                      torch.zeros(rows, self.horizon, net.n_known_future, **like),
                      torch.zeros(rows, dtype=torch.int64, device=self.device))
